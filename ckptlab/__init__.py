@@ -1,0 +1,16 @@
+"""ckptlab: measure what activation checkpointing saves and costs, and choose what to recompute."""
+
+from .measure import measure
+from .memory import MemoryReport, format_bytes, parse_bytes, track_memory
+from .models import Workload, get_workload
+from .policy import Policy, parse_policy
+from .timing import time_steps
+from .wrap import CheckpointHandle, apply_checkpointing, find_blocks
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointHandle", "MemoryReport", "Policy", "Workload", "apply_checkpointing", "find_blocks",
+    "format_bytes", "get_workload", "measure", "parse_bytes", "parse_policy", "time_steps",
+    "track_memory",
+]

@@ -1,0 +1,238 @@
+"""One configuration -> one tidy record: peak memory (by category), saved-activation bytes,
+step time, tokens/s, recompute count, and whether it fits a memory limit.
+
+A measurement is two passes over the same model and batch:
+  1. memory: one warm-up step (so optimizer state and lazy buffers exist), then one step under
+     the live-tensor tracker (and, on CUDA, the allocator's peak counters);
+  2. time: `warmup` untracked steps, then `steps` timed steps — never under the tracker, whose
+     Python hooks would distort the time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import platform
+from typing import Optional
+
+import torch
+
+from .memory import CATEGORIES, cuda_allocator_stats, parse_bytes, track_memory
+from .models import Workload, get_workload
+from .policy import parse_policy
+from .timing import time_steps
+from .wrap import apply_checkpointing
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}   # name -> autocast dtype (None: no autocast)
+OPTIMIZERS = ("adamw", "sgd", "none")
+
+
+def measure(
+    workload: Workload | str,
+    batch_size: int,
+    seq_len: int,
+    policy: str = "none",
+    device: str = "cpu",
+    dtype: str = "fp32",
+    steps: int = 5,
+    warmup: int = 2,
+    memory_limit: Optional[str | int] = None,
+    optimizer: str = "adamw",
+) -> dict:
+    """Measure one training step of `workload` at (batch_size, seq_len) under `policy`.
+
+    Returns a flat dict (one row of a results table). Inputs are validated before any work and
+    raise ValueError; failures during the measurement come back as status "oom" or "error" with a
+    message, so a sweep never loses a row. On CPU `memory_limit` is emulated: a peak above it is
+    reported as status "oom". On CUDA it caps the process (real OOMs), defaulting to the device's
+    capacity.
+    """
+    workload = get_workload(workload) if isinstance(workload, str) else workload
+    policy = parse_policy(policy)
+    _check_int("batch_size", batch_size, 1)
+    _check_int("seq_len", seq_len, 1)
+    if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
+    _check_int("steps", steps, 1)
+    _check_int("warmup", warmup, 0)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    dev = resolve_device(device)
+    limit = parse_bytes(memory_limit)
+    if dev.type == "cuda" and limit is None:
+        limit = torch.cuda.get_device_properties(dev).total_memory
+
+    record = {
+        "model": workload.name,
+        "n_blocks": None,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "tokens": batch_size * seq_len,
+        "policy": str(policy),
+        "effective_density": None,
+        "checkpointed_blocks": None,
+        "device": str(dev),
+        "device_name": device_name(dev),
+        "dtype": dtype,
+        "optimizer": optimizer,
+        "steps": steps,
+        "warmup": warmup,
+        "memory_limit_bytes": limit,
+        "peak_bytes": None,
+        **{f"peak_{c}_bytes": None for c in CATEGORIES},
+        "peak_phase": None,
+        "saved_activation_bytes": None,
+        "cuda_max_allocated_bytes": None,
+        "cuda_max_reserved_bytes": None,
+        "cuda_alloc_retries": None,
+        "cuda_ooms": None,
+        "recompute_count": None,
+        "loss": None,
+        "step_ms": None,
+        "step_ms_min": None,
+        "step_ms_max": None,
+        "tokens_per_s": None,
+        "fits": None,
+        "status": "ok",
+        "message": "",
+    }
+    try:
+        _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer)
+    except torch.OutOfMemoryError as exc:
+        record.update(status="oom", fits=False, message=_first_line(exc))
+    except Exception as exc:  # noqa: BLE001 - a record with the reason beats a lost sweep
+        record.update(status="error", message=f"{type(exc).__name__}: {_first_line(exc)}")
+    finally:
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, dev)
+            torch.cuda.empty_cache()
+    return record
+
+
+def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name) -> None:
+    if dev.type == "cuda":
+        capacity = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / capacity), dev)
+    model = workload.build(dev)
+    model.train()
+    handle = apply_checkpointing(model, policy)
+    record.update(
+        n_blocks=handle.n_blocks,
+        effective_density=handle.effective_density,
+        checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
+    )
+    batch = workload.batch(record["batch_size"], record["seq_len"], dev)
+    optimizer = make_optimizer(optimizer_name, model)
+    step = training_step(model, workload, batch, optimizer, dtype)
+
+    torch.manual_seed(workload.seed)
+    step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    handle.reset_counts()
+    with track_memory(model, optimizer, inputs=batch, device=dev) as tracker:
+        loss = step(tracker)
+    report = tracker.report()
+    record.update(
+        peak_bytes=report.peak_bytes,
+        **{f"peak_{c}_bytes": report.peak_by_category[c] for c in CATEGORIES},
+        peak_phase=report.peak_phase,
+        saved_activation_bytes=report.saved_activation_bytes,
+        recompute_count=handle.recompute_count,
+        loss=float(loss),
+    )
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        record.update(cuda_allocator_stats(dev))
+    peak = max(report.peak_bytes, record["cuda_max_allocated_bytes"] or 0)
+    if limit is not None:
+        record["fits"] = peak <= limit
+    if dev.type == "cpu" and limit is not None and not record["fits"]:
+        record.update(status="oom", message=f"peak {peak} B exceeds the emulated memory limit {limit} B")
+        return
+
+    timing = time_steps(step, steps=steps, warmup=warmup, device=dev)
+    record.update(
+        step_ms=timing.median_ms,
+        step_ms_min=timing.min_ms,
+        step_ms_max=timing.max_ms,
+        tokens_per_s=record["tokens"] / (timing.median_ms / 1e3),
+    )
+
+
+def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32"):
+    """A closure running one forward + backward [+ optimizer step]; pass it a tracker to mark
+    phases. Gradients are set to None at the end, as a training loop does between steps."""
+    autocast_dtype = DTYPES[dtype]
+    device_type = batch[0].device.type
+
+    def step(tracker=None):
+        ctx = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with ctx:
+            loss = workload.loss(model, batch)
+        if tracker is not None:
+            tracker.phase("backward")
+        loss.backward()
+        if tracker is not None:
+            tracker.phase("optimizer")
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def make_optimizer(name: str, model: torch.nn.Module):
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-3)
+    return None
+
+
+def resolve_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda, cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda, cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} is invalid here: no CUDA device is available; allowed is cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} is invalid: allowed are cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return dev
+
+
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {minimum}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+__all__ = ["measure", "training_step", "make_optimizer", "resolve_device"]

@@ -1,0 +1,158 @@
+"""The checkpoint-policy vocabulary: which of a model's N blocks recompute their activations.
+
+Policies are written as strings because notebook parameters and CLI flags are strings:
+
+    none            keep every activation (the baseline)
+    full            recompute every block (Hugging Face `gradient_checkpointing=True`)
+    density=D       round(D * N) blocks, spread evenly (see `spread_evenly`), D in [0, 1]
+    every=K         blocks K-1, 2K-1, ... (every K-th block; HF `every_n_layers`,
+                    torchtitan `selective_ac_option=K`), K >= 1
+    layers=0,3,5    exactly these block indices
+    segments=S      `torch.utils.checkpoint.checkpoint_sequential(blocks, S)`: the blocks are cut
+    segments=sqrt   into S contiguous segments; every segment but the last is ONE checkpoint
+                    region that keeps only its input; the last runs normally, as in PyTorch,
+                    because its backward starts right after forward. `sqrt` means round(sqrt(N)).
+
+`parse_policy` only checks the syntax; anything that depends on N (layers out of range, more
+segments than blocks) is checked by `Policy.regions(n_blocks)`, which `apply_checkpointing`
+calls before touching the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KINDS = ("none", "full", "density", "every", "layers", "segments")
+
+POLICY_HELP = (
+    "one of: none | full | density=D (0<=D<=1) | every=K (K>=1) | "
+    "layers=i,j,... (block indices) | segments=S (S>=1) | segments=sqrt"
+)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A parsed policy. `value` is None for none/full, a float for density, an int for every,
+    a tuple of ints for layers, and an int or "sqrt" for segments."""
+
+    kind: str
+    value: object = None
+
+    def __str__(self) -> str:
+        if self.value is None:
+            return self.kind
+        if self.kind == "layers":
+            return "layers=" + ",".join(str(i) for i in self.value)
+        return f"{self.kind}={self.value}"
+
+    def regions(self, n_blocks: int) -> list[tuple[int, int]]:
+        """Checkpoint regions as half-open block ranges [start, stop), in block order.
+
+        A region of one block recomputes that block; a longer region (segments) recomputes the
+        whole segment from its input. Raises ValueError if the policy cannot apply to n_blocks.
+        """
+        if n_blocks < 1:
+            raise ValueError(f"n_blocks={n_blocks!r} is invalid: a model needs at least 1 block")
+        if self.kind == "none":
+            return []
+        if self.kind == "full":
+            return [(i, i + 1) for i in range(n_blocks)]
+        if self.kind == "density":
+            return [(i, i + 1) for i in spread_evenly(round(self.value * n_blocks), n_blocks)]
+        if self.kind == "every":
+            return [(i, i + 1) for i in range(self.value - 1, n_blocks, self.value)]
+        if self.kind == "layers":
+            bad = [i for i in self.value if i >= n_blocks]
+            if bad:
+                raise ValueError(
+                    f"layers={','.join(map(str, self.value))} is invalid for a model with "
+                    f"{n_blocks} blocks: index {bad[0]} out of range; allowed indices are "
+                    f"0..{n_blocks - 1}"
+                )
+            return [(i, i + 1) for i in self.value]
+        if self.kind == "segments":
+            n_segments = max(1, round(math.sqrt(n_blocks))) if self.value == "sqrt" else self.value
+            if n_segments > n_blocks:
+                raise ValueError(
+                    f"segments={self.value} is invalid for a model with {n_blocks} blocks: "
+                    f"allowed is 1..{n_blocks} segments"
+                )
+            # Same cut as torch.utils.checkpoint.checkpoint_sequential: equal segments of
+            # N // S blocks, the remainder going to the last (uncheckpointed) one.
+            size = n_blocks // n_segments
+            return [(s * size, (s + 1) * size) for s in range(n_segments - 1)]
+        raise AssertionError(f"unhandled policy kind {self.kind!r}")
+
+    def checkpointed_blocks(self, n_blocks: int) -> list[int]:
+        """Indices of the blocks whose activations are recomputed."""
+        return [i for start, stop in self.regions(n_blocks) for i in range(start, stop)]
+
+    def effective_density(self, n_blocks: int) -> float:
+        """Fraction of the n_blocks blocks that recompute: the common axis for every policy."""
+        return len(self.checkpointed_blocks(n_blocks)) / n_blocks
+
+
+def spread_evenly(k: int, n: int) -> list[int]:
+    """k of n indices spread evenly: the midpoints of k equal slices of range(n).
+
+    k=1 of 8 -> [4]; k=2 of 8 -> [2, 6]; k=4 of 8 -> [1, 3, 5, 7]; k=n -> all. Spreading keeps
+    the recomputed blocks apart, so the backward pass never recomputes two neighbours at once.
+    """
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k!r} is invalid: allowed is 0..{n}")
+    return [int((j + 0.5) * n / k) for j in range(k)]
+
+
+def parse_policy(text: str | Policy) -> Policy:
+    """Parse a policy string such as `density=0.5`; a Policy passes through unchanged.
+
+    Raises ValueError naming the parameter, the value and what is allowed.
+    """
+    if isinstance(text, Policy):
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"policy={text!r} is invalid: expected a string, {POLICY_HELP}")
+    spec = text.strip().lower()
+    name, sep, arg = spec.partition("=")
+    name, arg = name.strip(), arg.strip()
+    if name not in KINDS:
+        raise ValueError(f"policy={text!r} is invalid: unknown policy {name!r}; allowed is {POLICY_HELP}")
+    if name in ("none", "full"):
+        if sep:
+            raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; allowed is {POLICY_HELP}")
+        return Policy(name)
+    if not sep or not arg:
+        raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; allowed is {POLICY_HELP}")
+    if name == "density":
+        density = _number(text, name, arg, float)
+        if not (0.0 <= density <= 1.0) or math.isnan(density):
+            raise ValueError(f"density={arg} is invalid: allowed is a number in [0, 1]")
+        return Policy("density", density)
+    if name == "every":
+        k = _number(text, name, arg, int)
+        if k < 1:
+            raise ValueError(f"every={arg} is invalid: allowed is an integer >= 1")
+        return Policy("every", k)
+    if name == "layers":
+        indices = tuple(_number(text, name, part.strip(), int) for part in arg.split(","))
+        if any(i < 0 for i in indices):
+            raise ValueError(f"layers={arg} is invalid: allowed are block indices >= 0")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"layers={arg} is invalid: an index is repeated; allowed are distinct indices")
+        return Policy("layers", tuple(sorted(indices)))
+    # segments
+    if arg == "sqrt":
+        return Policy("segments", "sqrt")
+    n_segments = _number(text, name, arg, int)
+    if n_segments < 1:
+        raise ValueError(f"segments={arg} is invalid: allowed is an integer >= 1 or 'sqrt'")
+    return Policy("segments", n_segments)
+
+
+def _number(text: str, name: str, arg: str, kind: type):
+    try:
+        return kind(arg)
+    except ValueError:
+        expected = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name}={arg} is invalid in policy={text!r}: expected {expected}") from None
