@@ -1,0 +1,122 @@
+"""`ckptlab` command line. Each subcommand is a thin layer over a library function.
+
+    ckptlab measure --model gpt-tiny --batch 4 --seq 64 --policy none,density=0.5,full
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .memory import format_bytes
+
+
+def split_list(text: str) -> list[str]:
+    """'none,density=0.5,layers=0,2' -> ['none', 'density=0.5', 'layers=0,2']: a comma starts a
+    new item only when what follows it starts a new policy or value (not a bare layer index)."""
+    items: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if items and part.isdigit() and items[-1].startswith("layers="):
+            items[-1] += "," + part
+        elif part:
+            items.append(part)
+    return items
+
+
+def int_list(name: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in split_list(text)]
+    except ValueError:
+        raise SystemExit(f"error: --{name} {text!r} is invalid: allowed is a comma-separated list of integers")
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, callable]]) -> str:
+    """Plain-text table: columns are (header, key, formatter)."""
+    cells = [[header for header, _, _ in columns]]
+    for row in rows:
+        cells.append([fmt(row.get(key)) for _, key, fmt in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _num(fmt: str):
+    return lambda v: "-" if v is None else format(v, fmt)
+
+
+MEASURE_COLUMNS = [
+    ("policy", "policy", str),
+    ("density", "effective_density", _num(".2f")),
+    ("batch", "batch_size", str),
+    ("seq", "seq_len", str),
+    ("peak", "peak_bytes", format_bytes),
+    ("activations@peak", "peak_activations_bytes", format_bytes),
+    ("saved by forward", "saved_activation_bytes", format_bytes),
+    ("recomputed blocks", "recompute_count", str),
+    ("step ms", "step_ms", _num(".1f")),
+    ("overhead", "overhead", lambda v: "-" if v is None else f"{v:+.0%}"),
+    ("tokens/s", "tokens_per_s", _num(",.0f")),
+    ("status", "status", str),
+]
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    from .measure import measure
+    from .models import get_workload
+    from .policy import parse_policy
+
+    policies = [parse_policy(p) for p in split_list(args.policy)]
+    batches, seqs = int_list("batch", args.batch), int_list("seq", args.seq)
+    workload = get_workload(args.model)
+    rows = []
+    for batch in batches:
+        for seq in seqs:
+            group = []
+            for policy in policies:
+                record = measure(workload, batch, seq, policy, device=args.device, dtype=args.dtype,
+                                 steps=args.steps, warmup=args.warmup, memory_limit=args.memory_limit)
+                group.append(record)
+            baseline = next((r for r in group if r["effective_density"] == 0 and r["step_ms"]), None)
+            for r in group:
+                r["overhead"] = (r["step_ms"] / baseline["step_ms"] - 1) if baseline and r["step_ms"] else None
+            rows += group
+    print(f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}), "
+          f"median of {args.steps} steps after {args.warmup} warm-up")
+    print(format_table(rows, MEASURE_COLUMNS))
+    failed = [r for r in rows if r["status"] == "error"]
+    for r in failed:
+        print(f"error in {r['policy']} b={r['batch_size']} s={r['seq_len']}: {r['message']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptlab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("measure", help="measure one training step per policy and print a table")
+    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
+    p.add_argument("--batch", default="4", help="batch size(s), comma-separated")
+    p.add_argument("--seq", default="64", help="sequence length(s), comma-separated")
+    p.add_argument("--policy", default="none,full", help="policies, comma-separated, e.g. none,density=0.5,full")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
+    p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
+    p.set_defaults(func=cmd_measure)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # invalid input: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
