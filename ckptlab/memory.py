@@ -216,13 +216,16 @@ def profiler_peak_bytes(fn: Callable[[], object]) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(
-        (e for e in prof.events() if e.name == "[memory]" and e.device_type == torch.autograd.DeviceType.CPU),
-        key=lambda e: e.time_range.start,
+    # The raw allocator records (signed bytes, timestamps): the aggregated FunctionEvents net
+    # out allocations freed inside one op, which would hide transient peaks.
+    records = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     )
     current = peak = 0
-    for e in events:
-        current += e.cpu_memory_usage
+    for _, nbytes in records:
+        current += nbytes
         peak = max(peak, current)
     return peak
 

@@ -89,6 +89,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight  # tied, as in GPT-2 (124M counts it once)
         self.apply(self._init_weights)
 
     @staticmethod

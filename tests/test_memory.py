@@ -1,0 +1,116 @@
+import pytest
+import torch
+
+from ckptlab import apply_checkpointing, get_workload, measure, track_memory
+from ckptlab.measure import make_optimizer, training_step
+from ckptlab.memory import format_bytes, parse_bytes, profiler_peak_bytes
+from ckptlab.models import mlp_chain_activation_bytes
+
+MLP = dict(n_layer=8, n_embd=32)
+
+
+@pytest.mark.parametrize("density, n_checkpointed", [(0, 0), (0.5, 4), (1, 8)])
+def test_mlp_chain_activation_bytes_equal_hand_count(density, n_checkpointed):
+    workload = get_workload("mlp-chain", **MLP)
+    record = measure(workload, 4, 8, f"density={density}", steps=1, warmup=0, optimizer="none")
+    expected = mlp_chain_activation_bytes(workload.config, 4, 8, n_checkpointed)
+    assert record["saved_activation_bytes"] == expected
+
+
+def test_mlp_chain_parameter_and_optimizer_bytes_equal_hand_count():
+    workload = get_workload("mlp-chain", **MLP)
+    record = measure(workload, 4, 8, "none", steps=1, warmup=0, optimizer="adamw")
+    h, n = MLP["n_embd"], MLP["n_layer"]
+    n_params = n * (h * 4 * h + 4 * h + 4 * h * h + h)
+    assert record["peak_parameters_bytes"] == 4 * n_params
+    # AdamW keeps exp_avg and exp_avg_sq (fp32, one each per parameter element) and a 0-d fp32
+    # step counter per parameter tensor (4 tensors a block).
+    assert record["peak_optimizer_state_bytes"] == 2 * 4 * n_params + 4 * (4 * n)
+
+
+def test_peak_falls_monotonically_with_density_on_gpt():
+    workload = get_workload("gpt-tiny")
+    peaks = [measure(workload, 4, 64, f"density={d}", steps=1, warmup=0)["peak_bytes"]
+             for d in (0, 0.25, 0.5, 0.75, 1)]
+    assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks
+
+
+def test_full_removes_at_least_60_percent_of_activation_memory_on_gpt_tiny():
+    workload = get_workload("gpt-tiny")
+    none = measure(workload, 4, 64, "none", steps=1, warmup=0)
+    full = measure(workload, 4, 64, "full", steps=1, warmup=0)
+    assert full["saved_activation_bytes"] <= 0.4 * none["saved_activation_bytes"]
+    assert full["peak_activations_bytes"] <= 0.4 * none["peak_activations_bytes"]
+
+
+@pytest.mark.parametrize("name, policy", [("gpt-tiny", "none"), ("gpt-tiny", "full"),
+                                          ("gpt-tiny", "segments=2"), ("mlp-chain", "density=0.5")])
+def test_tracker_agrees_with_the_profilers_allocator_count(name, policy):
+    workload = get_workload(name, n_layer=4)
+    model = workload.build()
+    apply_checkpointing(model, policy)
+    batch = workload.batch(4, 32)
+    optimizer = make_optimizer("adamw", model)
+    step = training_step(model, workload, batch, optimizer)
+    step()  # optimizer state exists before both counts
+    with track_memory(model, optimizer, inputs=batch) as tracker:
+        step(tracker)
+    report = tracker.report()
+    allocator_peak = profiler_peak_bytes(step)
+    assert (report.peak_bytes - report.start_bytes) == pytest.approx(allocator_peak, rel=0.01)
+
+
+def test_categories_add_up_and_phases_are_recorded():
+    record = measure("gpt-tiny", 2, 32, "density=0.5", steps=1, warmup=0)
+    parts = sum(record[f"peak_{c}_bytes"] for c in
+                ("parameters", "gradients", "optimizer_state", "activations", "temporaries"))
+    assert parts == record["peak_bytes"]
+    assert record["peak_phase"] in ("forward", "backward", "optimizer")
+
+
+def test_timeline_rises_in_forward_and_falls_in_backward():
+    workload = get_workload("gpt-tiny", n_layer=2)
+    model = workload.build()
+    batch = workload.batch(2, 32)
+    step = training_step(model, workload, batch, None)
+    with track_memory(model, inputs=batch) as tracker:
+        step(tracker)
+    timeline = tracker.report().timeline
+    forward = [b for p, b in timeline if p == "forward"]
+    backward = [b for p, b in timeline if p == "backward"]
+    assert max(forward) > forward[0] and backward[-1] < max(backward)
+
+
+def test_views_are_counted_once():
+    with track_memory(device="cpu") as tracker:
+        x = torch.empty(1000, dtype=torch.float32)
+        views = [x[:10], x.view(10, 100), x.t() if x.dim() == 2 else x.unsqueeze(0)]
+    report = tracker.report()
+    assert report.peak_bytes == 4000 and len(views) == 3
+
+
+def test_freed_tensors_leave_the_count():
+    with track_memory(device="cpu") as tracker:
+        a = torch.ones(1000)
+        del a
+        b = torch.ones(500)
+    report = tracker.report()
+    assert report.peak_bytes == 4000 and report.timeline[-1][1] == 2000 and b.numel() == 500
+
+
+@pytest.mark.parametrize("text, expected", [("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9),
+                                            ("1.5e3", 1500), (1024, 1024), ("100 kib", 102400)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "-1GiB", "0", "12 parsecs", "GiB"])
+def test_parse_bytes_rejects_with_a_clear_error(text):
+    with pytest.raises(ValueError, match=r"memory_limit=.* is invalid: allowed is a positive size such as 24GiB"):
+        parse_bytes(text)
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 * 2**30) == "3.0 GiB"

@@ -1,0 +1,92 @@
+import pytest
+
+from ckptlab import parse_policy
+from ckptlab.policy import spread_evenly
+
+
+@pytest.mark.parametrize(
+    "text, n, blocks, density",
+    [
+        ("none", 8, [], 0.0),
+        ("full", 8, list(range(8)), 1.0),
+        ("density=0", 8, [], 0.0),
+        ("density=0.5", 8, [1, 3, 5, 7], 0.5),
+        ("density=0.25", 8, [2, 6], 0.25),
+        ("density=1", 8, list(range(8)), 1.0),
+        ("density=0.5", 4, [1, 3], 0.5),
+        ("every=2", 8, [1, 3, 5, 7], 0.5),
+        ("every=3", 8, [2, 5], 0.25),
+        ("every=1", 4, [0, 1, 2, 3], 1.0),
+        ("layers=0,3,5", 8, [0, 3, 5], 0.375),
+        ("layers=5,0", 8, [0, 5], 0.25),
+        ("segments=2", 8, [0, 1, 2, 3], 0.5),      # last segment runs normally
+        ("segments=4", 8, [0, 1, 2, 3, 4, 5], 0.75),
+        ("segments=3", 8, [0, 1, 2, 3], 0.5),      # 8 // 3 = 2 blocks a segment, rest in the last
+        ("segments=sqrt", 9, list(range(6)), 6 / 9),
+        ("segments=1", 8, [], 0.0),
+    ],
+)
+def test_blocks_and_effective_density(text, n, blocks, density):
+    policy = parse_policy(text)
+    assert policy.checkpointed_blocks(n) == blocks
+    assert policy.effective_density(n) == pytest.approx(density)
+
+
+def test_segments_are_single_regions():
+    assert parse_policy("segments=2").regions(8) == [(0, 4)]
+    assert parse_policy("full").regions(3) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_round_trip_and_passthrough():
+    for text in ["none", "full", "density=0.5", "every=2", "layers=0,3", "segments=sqrt", "segments=3"]:
+        policy = parse_policy(text)
+        assert str(policy) == text
+        assert parse_policy(policy) is policy
+        assert parse_policy(str(policy)) == policy
+    assert parse_policy(" Density = 0.5 ") == parse_policy("density=0.5")
+
+
+def test_spread_evenly_is_even_and_distinct():
+    for n in range(1, 25):
+        for k in range(n + 1):
+            idx = spread_evenly(k, n)
+            assert len(set(idx)) == k and all(0 <= i < n for i in idx)
+            gaps = [b - a for a, b in zip(idx, idx[1:])]
+            assert not gaps or max(gaps) - min(gaps) <= 1
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("density=1.5", ["density=1.5", "[0, 1]"]),
+        ("density=-0.1", ["density=-0.1", "[0, 1]"]),
+        ("density=abc", ["density=abc", "a number"]),
+        ("density=nan", ["density=nan", "[0, 1]"]),
+        ("every=0", ["every=0", ">= 1"]),
+        ("every=1.5", ["every=1.5", "an integer"]),
+        ("segments=0", ["segments=0", ">= 1", "sqrt"]),
+        ("layers=-1", ["layers=-1", ">= 0"]),
+        ("layers=1,1", ["layers=1,1", "distinct"]),
+        ("foo", ["'foo'", "none | full | density=D"]),
+        ("full=1", ["full", "takes no value"]),
+        ("density", ["density", "needs a value"]),
+        ("", ["policy=''", "allowed"]),
+    ],
+)
+def test_invalid_policy_strings_name_value_and_allowed(text, fragments):
+    with pytest.raises(ValueError) as err:
+        parse_policy(text)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_errors_that_depend_on_the_number_of_blocks():
+    with pytest.raises(ValueError, match=r"layers=99 is invalid for a model with 8 blocks.*0\.\.7"):
+        parse_policy("layers=99").regions(8)
+    with pytest.raises(ValueError, match=r"segments=9 is invalid for a model with 8 blocks.*1\.\.8"):
+        parse_policy("segments=9").regions(8)
+
+
+def test_non_string_policy_is_rejected():
+    with pytest.raises(ValueError, match="policy=0.5 is invalid: expected a string"):
+        parse_policy(0.5)
