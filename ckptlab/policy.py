@@ -12,6 +12,21 @@ Policies are written as strings because notebook parameters and CLI flags are st
     segments=sqrt   into S contiguous segments; every segment but the last is ONE checkpoint
                     region that keeps only its input; the last runs normally, as in PyTorch,
                     because its backward starts right after forward. `sqrt` means round(sqrt(N)).
+    selective       op-level selective checkpointing in every block
+    selective=V     (`torch.utils.checkpoint.create_selective_checkpoint_contexts`): keep the
+                    outputs of some ops, recompute the rest. V picks what is kept: `mm` (default:
+                    every matmul and attention output), `alt` (every other matmul + attention, as
+                    torchtitan does), `attn` (attention outputs only).
+    plan=kfsk...    one letter per block: k keep, s selective, f full recompute (what the budget
+                    planner chooses; printable and re-appliable)
+    budget=B        let `ckptlab.plan` choose keep/selective/full per block to fit B: a size
+                    (6GiB, 512MiB) or a fraction in (0, 1] of the no-checkpointing peak (0.5).
+                    Needs the workload's shapes, so `measure`/`plan_budget` resolve it to a plan.
+    compile         `torch.compile` the model; `compile:budget=B` (0 <= B <= 1) also sets
+    compile:budget=B  `torch._functorch.config.activation_memory_budget`, PyTorch's own planner.
+    P+offload       any policy above with saved activations moved to host memory
+                    (`torch.autograd.graph.save_on_cpu`, pinned on CUDA); `offload` alone is
+                    none+offload. A no-op on CPU, where activations already live in host memory.
 
 `parse_policy` only checks the syntax; anything that depends on N (layers out of range, more
 segments than blocks) is checked by `Policy.regions(n_blocks)`, which `apply_checkpointing`
@@ -23,28 +38,53 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-KINDS = ("none", "full", "density", "every", "layers", "segments")
+KINDS = ("none", "full", "density", "every", "layers", "segments", "selective", "plan", "budget", "compile")
+SELECTIVE_VARIANTS = ("mm", "alt", "attn")
+PLAN_LETTERS = {"k": "keep", "s": "selective", "f": "full"}
 
 POLICY_HELP = (
     "one of: none | full | density=D (0<=D<=1) | every=K (K>=1) | "
-    "layers=i,j,... (block indices) | segments=S (S>=1) | segments=sqrt"
+    "layers=i,j,... (block indices) | segments=S (S>=1) | segments=sqrt | selective[=mm|alt|attn] | "
+    "plan=<k|s|f per block> | budget=<size like 6GiB, or fraction like 0.5> | compile | "
+    "compile:budget=B (0<=B<=1); any of them +offload"
 )
 
 
 @dataclass(frozen=True)
 class Policy:
     """A parsed policy. `value` is None for none/full, a float for density, an int for every,
-    a tuple of ints for layers, and an int or "sqrt" for segments."""
+    a tuple of ints for layers, an int or "sqrt" for segments, a variant name for selective, a
+    string of k/s/f letters for plan, bytes (int) or a fraction (float) for budget, and the
+    activation memory budget (float, None for the default) for compile. `offload` composes."""
 
     kind: str
     value: object = None
+    offload: bool = False
 
     def __str__(self) -> str:
-        if self.value is None:
-            return self.kind
-        if self.kind == "layers":
-            return "layers=" + ",".join(str(i) for i in self.value)
-        return f"{self.kind}={self.value}"
+        if self.value is None or (self.kind == "selective" and self.value == "mm"):
+            text = self.kind
+        elif self.kind == "layers":
+            text = "layers=" + ",".join(str(i) for i in self.value)
+        elif self.kind == "compile":
+            text = f"compile:budget={self.value}"
+        elif self.kind == "budget" and isinstance(self.value, int):
+            text = f"budget={self.value}B"
+        else:
+            text = f"{self.kind}={self.value}"
+        if self.offload:
+            return "offload" if self.kind == "none" else text + "+offload"
+        return text
+
+    def modes(self, n_blocks: int) -> list[str]:
+        """Per block: "keep", "full" or "selective[=V]" (what wrap applies to each block)."""
+        if self.kind == "plan":
+            self.regions(n_blocks)  # validates the length
+            return [PLAN_LETTERS[c] for c in self.value]
+        chosen = set(self.checkpointed_blocks(n_blocks))
+        mode = "selective" if self.kind == "selective" and self.value == "mm" else (
+            f"selective={self.value}" if self.kind == "selective" else "full")
+        return [mode if i in chosen else "keep" for i in range(n_blocks)]
 
     def regions(self, n_blocks: int) -> list[tuple[int, int]]:
         """Checkpoint regions as half-open block ranges [start, stop), in block order.
@@ -56,8 +96,22 @@ class Policy:
             raise ValueError(f"n_blocks={n_blocks!r} is invalid: a model needs at least 1 block")
         if self.kind == "none":
             return []
-        if self.kind == "full":
+        if self.kind in ("full", "selective"):
             return [(i, i + 1) for i in range(n_blocks)]
+        if self.kind == "compile":
+            return []  # the compiler decides what to recompute, inside the compiled graph
+        if self.kind == "plan":
+            if len(self.value) != n_blocks:
+                raise ValueError(
+                    f"plan={self.value} is invalid for a model with {n_blocks} blocks: allowed is "
+                    f"exactly {n_blocks} letters (k keep, s selective, f full), one per block"
+                )
+            return [(i, i + 1) for i, c in enumerate(self.value) if c != "k"]
+        if self.kind == "budget":
+            raise ValueError(
+                f"policy={self} needs the workload's shapes to become a per-block plan: use "
+                "ckptlab.measure(...) or ckptlab.plan_budget(...) and apply the plan it returns"
+            )
         if self.kind == "density":
             return [(i, i + 1) for i in spread_evenly(round(self.value * n_blocks), n_blocks)]
         if self.kind == "every":
@@ -113,17 +167,45 @@ def parse_policy(text: str | Policy) -> Policy:
         return text
     if not isinstance(text, str):
         raise ValueError(f"policy={text!r} is invalid: expected a string, {POLICY_HELP}")
+    if "+" in text:
+        parts = [p.strip().lower() for p in text.split("+")]
+        if "offload" not in parts or parts.count("offload") > 1 or len(parts) > 2 or "" in parts:
+            raise ValueError(
+                f"policy={text!r} is invalid: '+' composes one policy with offload only, "
+                "e.g. density=0.5+offload"
+            )
+        base = parse_policy(next((p for p in parts if p != "offload"), "none"))
+        if base.offload:
+            raise ValueError(f"policy={text!r} is invalid: offload is given twice")
+        return Policy(base.kind, base.value, offload=True)
     spec = text.strip().lower()
+    if spec == "offload":
+        return Policy("none", offload=True)
+    if spec.startswith("compile"):
+        return _parse_compile(text, spec)
     name, sep, arg = spec.partition("=")
     name, arg = name.strip(), arg.strip()
     if name not in KINDS:
         raise ValueError(f"policy={text!r} is invalid: unknown policy {name!r}; allowed is {POLICY_HELP}")
+    if name == "selective":
+        variant = arg if sep else "mm"
+        if variant not in SELECTIVE_VARIANTS:
+            raise ValueError(f"selective={arg} is invalid: allowed variants are {', '.join(SELECTIVE_VARIANTS)}")
+        return Policy("selective", variant)
     if name in ("none", "full"):
         if sep:
             raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; allowed is {POLICY_HELP}")
         return Policy(name)
     if not sep or not arg:
         raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; allowed is {POLICY_HELP}")
+    if name == "plan":
+        bad = sorted(set(arg) - set(PLAN_LETTERS))
+        if bad:
+            raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed; allowed are "
+                             "k (keep), s (selective), f (full), one per block")
+        return Policy("plan", arg)
+    if name == "budget":
+        return Policy("budget", _parse_budget(arg))
     if name == "density":
         density = _number(text, name, arg, float)
         if not (0.0 <= density <= 1.0) or math.isnan(density):
@@ -148,6 +230,37 @@ def parse_policy(text: str | Policy) -> Policy:
     if n_segments < 1:
         raise ValueError(f"segments={arg} is invalid: allowed is an integer >= 1 or 'sqrt'")
     return Policy("segments", n_segments)
+
+
+def _parse_budget(arg: str) -> int | float:
+    """'0.5' -> 0.5 (a fraction of the no-checkpointing peak); '6GiB', '512MB', '1e9' -> bytes."""
+    try:
+        number = float(arg)
+    except ValueError:
+        number = None
+    if number is not None and 0 < number <= 1:
+        return number
+    if number is not None and number <= 0:
+        raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] or a size such as 6GiB")
+    from .memory import parse_bytes  # memory imports torch; policy parsing alone does not need it
+    try:
+        return parse_bytes(arg, "budget")
+    except ValueError:
+        raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] of the "
+                         "no-checkpointing peak, or a size such as 6GiB, 512MiB, 2GB") from None
+
+
+def _parse_compile(text: str, spec: str) -> Policy:
+    rest = spec[len("compile"):].strip()
+    if not rest:
+        return Policy("compile")
+    name, sep, arg = rest.lstrip(":").partition("=")
+    if not rest.startswith(":") or name.strip() != "budget" or not sep:
+        raise ValueError(f"policy={text!r} is invalid: allowed is compile or compile:budget=B with 0<=B<=1")
+    budget = _number(text, "compile:budget", arg.strip(), float)
+    if not (0.0 <= budget <= 1.0) or math.isnan(budget):
+        raise ValueError(f"compile:budget={arg.strip()} is invalid: allowed is a number in [0, 1]")
+    return Policy("compile", budget)
 
 
 def _number(text: str, name: str, arg: str, kind: type):
