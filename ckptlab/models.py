@@ -168,6 +168,11 @@ class Workload:
     seed: int = 0
 
     def build(self, device: str | torch.device = "cpu") -> nn.Module:
+        """A fresh model. Weights are drawn on the CPU from the seed, so every device gets the
+        same model; on "meta" nothing is allocated (and `.to` would untie shared weights)."""
+        if torch.device(device).type == "meta":
+            with torch.device("meta"):
+                return self.make_model(self.config)
         torch.manual_seed(self.seed)
         return self.make_model(self.config).to(device)
 
