@@ -38,6 +38,7 @@ def measure(
     warmup: int = 2,
     memory_limit: Optional[str | int] = None,
     optimizer: str = "adamw",
+    accum_steps: int = 1,
 ) -> dict:
     """Measure one training step of `workload` at (batch_size, seq_len) under `policy`.
 
@@ -45,7 +46,8 @@ def measure(
     raise ValueError; failures during the measurement come back as status "oom" or "error" with a
     message, so a sweep never loses a row. On CPU `memory_limit` is emulated: a peak above it is
     reported as status "oom". On CUDA it caps the process (real OOMs), defaulting to the device's
-    capacity.
+    capacity. `accum_steps` > 1 runs that many forward+backward micro-batches of `batch_size`
+    before one optimizer step (gradient accumulation): effective batch = batch_size * accum_steps.
     """
     workload = get_workload(workload) if isinstance(workload, str) else workload
     policy = parse_policy(policy)
@@ -55,6 +57,7 @@ def measure(
         raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
     _check_int("steps", steps, 1)
     _check_int("warmup", warmup, 0)
+    _check_int("accum_steps", accum_steps, 1)
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
     if optimizer not in OPTIMIZERS:
@@ -69,7 +72,9 @@ def measure(
         "n_blocks": None,
         "batch_size": batch_size,
         "seq_len": seq_len,
-        "tokens": batch_size * seq_len,
+        "accum_steps": accum_steps,
+        "effective_batch_size": batch_size * accum_steps,
+        "tokens": batch_size * seq_len * accum_steps,   # per optimizer step
         "policy": str(policy),
         "effective_density": None,
         "checkpointed_blocks": None,
@@ -126,7 +131,7 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
     )
     batch = workload.batch(record["batch_size"], record["seq_len"], dev)
     optimizer = make_optimizer(optimizer_name, model)
-    step = training_step(model, workload, batch, optimizer, dtype)
+    step = training_step(model, workload, batch, optimizer, dtype, record["accum_steps"])
 
     torch.manual_seed(workload.seed)
     step()
@@ -164,19 +169,24 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
     )
 
 
-def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32"):
+def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", accum_steps: int = 1):
     """A closure running one forward + backward [+ optimizer step]; pass it a tracker to mark
-    phases. Gradients are set to None at the end, as a training loop does between steps."""
+    phases. Gradients are set to None at the end, as a training loop does between steps.
+    With accum_steps > 1 the forward + backward runs that many times on the micro-batch
+    (gradients accumulate, loss scaled by 1/accum_steps) before the one optimizer step."""
     autocast_dtype = DTYPES[dtype]
     device_type = batch[0].device.type
 
     def step(tracker=None):
-        ctx = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with ctx:
-            loss = workload.loss(model, batch)
-        if tracker is not None:
-            tracker.phase("backward")
-        loss.backward()
+        for micro in range(accum_steps):
+            if tracker is not None and micro:
+                tracker.phase("forward")
+            ctx = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+            with ctx:
+                loss = workload.loss(model, batch)
+            if tracker is not None:
+                tracker.phase("backward")
+            (loss / accum_steps if accum_steps > 1 else loss).backward()
         if tracker is not None:
             tracker.phase("optimizer")
         if optimizer is not None:

@@ -1,0 +1,155 @@
+"""Analysis of a sweep's records (a DataFrame from `sweep()` or `load_run()`); every function
+returns a new DataFrame and leaves its input alone.
+
+    overhead(df)    step time and memory against the no-checkpointing baseline (density 0)
+    pareto(df)      which configurations are on the (peak memory, step time) frontier
+    what_fits(df)   the largest batch (or seq) per policy that fits a memory limit: measured for
+                    the run's limit, extrapolated for 24/40/80/141 GiB cards from a linear fit
+    summary(df)     status counts and the best configuration per memory limit
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .memory import format_bytes
+
+GiB = 2**30
+CARD_LIMITS = {"24 GiB": 24 * GiB, "40 GiB": 40 * GiB, "80 GiB": 80 * GiB, "141 GiB": 141 * GiB}
+SHAPE = ["model", "batch_size", "seq_len", "dtype", "accum_steps"]   # what a baseline must share
+
+
+def ok(df: pd.DataFrame) -> pd.DataFrame:
+    """Only the cells that were measured successfully."""
+    return df[df["status"] == "ok"].copy() if len(df) else df.copy()
+
+
+def overhead(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows with baseline columns added, per (model, batch, seq, dtype, accum):
+
+    overhead            step_ms / baseline step_ms - 1 (baseline: effective_density == 0)
+    memory_saved_bytes  baseline peak - peak;  memory_saved_frac: that / baseline peak
+    Rows without a measured baseline get NaN.
+    """
+    rows = ok(df)
+    base = rows[rows["effective_density"] == 0].groupby(SHAPE, as_index=False).agg(
+        baseline_step_ms=("step_ms", "median"), baseline_peak_bytes=("peak_bytes", "median"),
+        baseline_tokens_per_s=("tokens_per_s", "median"))
+    rows = rows.merge(base, on=SHAPE, how="left")
+    rows["overhead"] = rows["step_ms"] / rows["baseline_step_ms"] - 1
+    rows["memory_saved_bytes"] = rows["baseline_peak_bytes"] - rows["peak_bytes"]
+    rows["memory_saved_frac"] = rows["memory_saved_bytes"] / rows["baseline_peak_bytes"]
+    return rows
+
+
+def pareto(df: pd.DataFrame, x: str = "peak_bytes", y: str = "step_ms",
+           group: Sequence[str] = ("model", "seq_len", "effective_batch_size")) -> pd.DataFrame:
+    """The ok rows with `pareto_optimal` (True on the frontier, False = dominated).
+
+    Points compete within a group of equal work per optimizer step (same seq and effective
+    batch), so checkpointing, accumulation and bf16 are compared fairly. A point is dominated
+    when another in its group is no worse in both x and y and better in one (lower is better).
+    """
+    rows = ok(df)
+    rows["pareto_optimal"] = False
+    for _, g in rows.groupby(list(group)):
+        xs, ys = g[x].to_numpy(float), g[y].to_numpy(float)
+        for idx, xi, yi in zip(g.index, xs, ys):
+            dominated = np.any((xs <= xi) & (ys <= yi) & ((xs < xi) | (ys < yi)))
+            rows.loc[idx, "pareto_optimal"] = not dominated
+    return rows
+
+
+def what_fits(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batch_size") -> pd.DataFrame:
+    """Largest `axis` value ("batch_size" or "seq_len") that fits, per policy and the other axes.
+
+    kind="measured": the largest measured value with status ok and fits, for the run's own
+    memory limit (one row per group; only if the run had a limit).
+    kind="extrapolated": for each of `limits` (default 24/40/80/141 GiB), from a least-squares
+    line peak_bytes = intercept + slope * axis through the ok cells (needs 2+ distinct values);
+    `fit_rms_residual_bytes` and `fit_max_rel_residual` say how straight the line was. It
+    assumes the rest of the card behaves like the device measured (same dtype, same kernels).
+    """
+    if axis not in ("batch_size", "seq_len"):
+        raise ValueError(f"axis={axis!r} is invalid: allowed are batch_size, seq_len")
+    other = "seq_len" if axis == "batch_size" else "batch_size"
+    keys = ["model", "policy", other, "dtype", "accum_steps"]
+    limits = CARD_LIMITS if limits is None else limits
+    out = []
+    measured = df[df["status"].isin(["ok", "oom"])]
+    for key, g in measured.groupby(keys, dropna=False):
+        base = dict(zip(keys, key))
+        run_limit = g["memory_limit_bytes"].dropna()
+        if len(run_limit):
+            fit_rows = g[(g["status"] == "ok") & (g["fits"] == True)]  # noqa: E712 - column of bools/None
+            best = int(fit_rows[axis].max()) if len(fit_rows) else None
+            out.append({**base, "limit": format_bytes(run_limit.iloc[0]), "limit_bytes": int(run_limit.iloc[0]),
+                        "kind": "measured", f"max_{axis}": best})
+        good = g[g["status"] == "ok"]
+        xs, ys = good[axis].to_numpy(float), good["peak_bytes"].to_numpy(float)
+        if len(np.unique(xs)) < 2:
+            continue
+        slope, intercept = np.polyfit(xs, ys, 1)
+        resid = ys - (intercept + slope * xs)
+        fit = dict(fit_intercept_bytes=float(intercept), fit_slope_bytes=float(slope),
+                   fit_rms_residual_bytes=float(np.sqrt(np.mean(resid ** 2))),
+                   fit_max_rel_residual=float(np.max(np.abs(resid) / ys)), fit_points=len(xs))
+        for label, limit in limits.items():
+            best = int((limit - intercept) // slope) if slope > 0 and limit > intercept else None
+            out.append({**base, "limit": label, "limit_bytes": int(limit), "kind": "extrapolated",
+                        f"max_{axis}": best if best is None or best >= 1 else None, **fit})
+    return pd.DataFrame(out)
+
+
+def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
+    """Best configuration (highest tokens/s among ok cells whose measured peak fits) per limit:
+    the run's own limit (or "none"), then the card sizes. Status counts are in `df.status`."""
+    rows = ok(df)
+    run_limit = df["memory_limit_bytes"].dropna() if "memory_limit_bytes" in df else pd.Series(dtype=float)
+    table = {("run limit " + format_bytes(run_limit.iloc[0])) if len(run_limit) else "no limit":
+             run_limit.iloc[0] if len(run_limit) else np.inf}
+    table.update(CARD_LIMITS if limits is None else limits)
+    out = []
+    for label, limit in table.items():
+        fit = rows[rows["peak_bytes"] <= limit]
+        if not len(fit):
+            out.append({"limit": label, "policy": None})
+            continue
+        best = fit.loc[fit["tokens_per_s"].idxmax()]
+        out.append({"limit": label, **{k: best[k] for k in
+                    ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms", "tokens_per_s")}})
+    return pd.DataFrame(out)
+
+
+def format_summary(df: pd.DataFrame) -> str:
+    """The text printed at the end of a sweep: counts, then the best config per limit."""
+    from .cli import format_table
+
+    counts = df["status"].value_counts().to_dict() if len(df) else {}
+    inferred = int(df["inferred"].fillna(False).astype(bool).sum()) if "inferred" in df else 0
+    head = (f"{len(df)} cells: {counts.get('ok', 0)} ok, {counts.get('oom', 0)} oom "
+            f"({inferred} inferred), {counts.get('error', 0)} error")
+    if not len(df):
+        return head
+    num = lambda f: (lambda v: "-" if v is None or v != v else format(v, f))  # noqa: E731
+    columns = [("limit", "limit", str), ("policy", "policy", lambda v: v or "nothing fits"),
+               ("batch", "batch_size", num("d")), ("seq", "seq_len", num("d")), ("dtype", "dtype", lambda v: v or "-"),
+               ("accum", "accum_steps", num("d")), ("peak", "peak_bytes", lambda v: format_bytes(v) if v == v else "-"),
+               ("step ms", "step_ms", num(".1f")), ("tokens/s", "tokens_per_s", num(",.0f"))]
+    rows = [{k: (None if isinstance(v, float) and np.isnan(v) else _py(v)) for k, v in r.items()}
+            for r in summary(df).to_dict("records")]
+    errors = df[df["status"] == "error"]
+    lines = [head, "best configuration (highest tokens/s) per memory limit:", format_table(rows, columns)]
+    for _, r in errors.head(5).iterrows():
+        lines.append(f"error in {r.get('cell_id')}: {r.get('message')}")
+    return "\n".join(lines)
+
+
+def _py(v):
+    return v.item() if hasattr(v, "item") else v
+
+
+__all__ = ["CARD_LIMITS", "format_summary", "ok", "overhead", "pareto", "summary", "what_fits"]
