@@ -9,6 +9,7 @@ the `with` block) deletes the instance attribute to restore the class's forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -118,6 +119,13 @@ def apply_checkpointing(
         previous = getattr(block.__dict__.get("forward"), "_ckptlab_handle", None)
         if previous is not None:
             previous.remove()
+    modes = policy.modes(len(blocks)) if policy.kind in ("selective", "plan") else None
+    if modes and any(m.startswith("selective") for m in modes):
+        if use_reentrant:
+            raise ValueError(f"policy={policy} is invalid with use_reentrant=True: selective "
+                             "checkpointing needs non-reentrant checkpoint")
+        if context_fn is not None:
+            raise ValueError(f"context_fn is invalid with policy={policy}: the policy sets its own")
     handle = CheckpointHandle(policy, blocks, regions)
     options = dict(use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
     if not use_reentrant:
@@ -125,8 +133,89 @@ def apply_checkpointing(
         if context_fn is not None:
             options["context_fn"] = context_fn
     for start, stop in regions:
-        _patch_region(handle, blocks[start:stop], options, early_stop)
+        mode = modes[start] if modes else "full"
+        region_options = options
+        if mode.startswith("selective"):
+            variant = mode.partition("=")[2] or "mm"
+            region_options = {**options, "context_fn": selective_context_fn(variant)}
+        _patch_region(handle, blocks[start:stop], region_options, early_stop)
+    if policy.offload:
+        _patch_offload(handle, blocks)
     return handle
+
+
+# --------------------------------------------------------------------------- selective (op-level)
+
+def _sdpa_ops() -> set:
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_flash_attention_forward", "_efficient_attention_forward")
+    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+
+
+def _matmul_ops() -> set:
+    aten = torch.ops.aten
+    return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def selective_policy_fn(variant: str = "mm") -> Callable:
+    """A `create_selective_checkpoint_contexts` policy for one checkpoint call.
+
+    mm:   keep every matmul output and every fused-attention output, recompute the rest
+          (pointwise ops, norms, dropout: cheap to recompute, as large as the matmul outputs);
+    alt:  keep attention and every other matmul (the 2nd, 4th, ... of the block), as torchtitan's
+          op-level selective AC does, trading recompute of half the matmuls for memory;
+    attn: keep only attention outputs.
+    Random ops (dropout) are recomputed under checkpoint's preserved RNG state, so masks match.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if variant not in ("mm", "alt", "attn"):
+        raise ValueError(f"selective variant {variant!r} is invalid: allowed are mm, alt, attn")
+    sdpa, matmuls = _sdpa_ops(), _matmul_ops()
+    counter = [0]
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        if op in sdpa:
+            return CheckpointPolicy.MUST_SAVE
+        if op in matmuls and variant != "attn":
+            counter[0] += 1
+            if variant == "mm" or counter[0] % 2 == 0:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn
+
+
+def selective_context_fn(variant: str = "mm") -> Callable:
+    """`context_fn` for `torch.utils.checkpoint.checkpoint`: a fresh policy (and matmul counter)
+    per checkpoint call."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    def context_fn():
+        return create_selective_checkpoint_contexts(selective_policy_fn(variant))
+
+    return context_fn
+
+
+# --------------------------------------------------------------------------- offload
+
+def _patch_offload(handle: CheckpointHandle, blocks: list[nn.Module]) -> None:
+    """Run every block's forward (checkpointed or not) under `save_on_cpu`: tensors autograd
+    saves inside a block go to host memory (pinned when the block's parameters are on CUDA) and
+    come back in backward. On CPU `save_on_cpu` hands the same tensor back (`tensor.cpu()` of a
+    CPU tensor is itself), so memory and results are unchanged; `measure` says so in the record."""
+    for block in blocks:
+        inner = block.forward  # the checkpointing patch or the class's bound forward
+        first = next(block.parameters(), None)
+        pin = first is not None and first.device.type == "cuda"
+
+        def offload_forward(*args, _inner=inner, _pin=pin, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=_pin):
+                return _inner(*args, **kwargs)
+
+        offload_forward._ckptlab_handle = handle
+        block.forward = offload_forward
 
 
 def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: dict, early_stop: bool) -> None:
