@@ -219,10 +219,19 @@ PRESETS: dict[str, tuple[Callable[..., object], dict]] = {
 }
 
 
+# Workloads from optional modules: name -> factory(name, seed=..., **overrides). ckptlab.hf adds
+# the hf-* names when first asked for one, so ckptlab itself works without transformers.
+WORKLOAD_FACTORIES: dict[str, Callable[..., Workload]] = {}
+
+
 def get_workload(name: str, seed: int = 0, **overrides) -> Workload:
     """A built-in workload by preset name, with config fields overridden (e.g. n_layer=8)."""
+    if name.startswith("hf-") and name not in WORKLOAD_FACTORIES:
+        from . import hf  # noqa: F401  registers the hf-* workloads; needs the extra ckptlab[hf]
+    if name in WORKLOAD_FACTORIES:
+        return WORKLOAD_FACTORIES[name](name, seed=seed, **overrides)
     if name not in PRESETS:
-        raise ValueError(f"model={name!r} is invalid: allowed presets are {', '.join(PRESETS)}")
+        raise ValueError(f"model={name!r} is invalid: allowed presets are {', '.join([*PRESETS, *WORKLOAD_FACTORIES])}")
     config_cls, defaults = PRESETS[name]
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(overrides) - fields)
@@ -242,6 +251,6 @@ def get_workload(name: str, seed: int = 0, **overrides) -> Workload:
 
 
 __all__ = [
-    "GPT", "GPTConfig", "MLPChain", "MLPChainConfig", "Workload", "get_workload", "PRESETS",
+    "GPT", "GPTConfig", "MLPChain", "MLPChainConfig", "Workload", "get_workload", "PRESETS", "WORKLOAD_FACTORIES",
     "mlp_chain_activation_bytes",
 ]

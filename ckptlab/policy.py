@@ -27,6 +27,9 @@ Policies are written as strings because notebook parameters and CLI flags are st
     P+offload       any policy above with saved activations moved to host memory
                     (`torch.autograd.graph.save_on_cpu`, pinned on CUDA); `offload` alone is
                     none+offload. A no-op on CPU, where activations already live in host memory.
+    hf              transformers models only (`ckptlab.hf`): Hugging Face's own checkpointing,
+    hf:every_n_layers=K  `activation_checkpointing_enable()` (non-reentrant) on every layer, on
+    hf:offload      layers 0, K, 2K, ..., or with offload=True, where the installed version has it.
 
 `parse_policy` only checks the syntax; anything that depends on N (layers out of range, more
 segments than blocks) is checked by `Policy.regions(n_blocks)`, which `apply_checkpointing`
@@ -47,6 +50,7 @@ POLICY_HELP = (
     "layers=i,j,... (block indices) | segments=S (S>=1) | segments=sqrt | selective[=mm|alt|attn] | "
     "plan=<k|s|f per block> | budget=<size like 6GiB, or fraction like 0.5> | compile | "
     "compile:budget=B (0<=B<=1); any of them +offload"
+    "; transformers models also: hf | hf:every_n_layers=K (K>=1) | hf:offload"
 )
 
 
@@ -136,6 +140,9 @@ class Policy:
             # N // S blocks, the remainder going to the last (uncheckpointed) one.
             size = n_blocks // n_segments
             return [(s * size, (s + 1) * size) for s in range(n_segments - 1)]
+        if self.kind in HF_KINDS:  # nominal; ckptlab.hf reports the layers transformers marks
+            step = self.value if self.kind == "hf:every_n_layers" else 1
+            return [(i, i + 1) for i in range(0, n_blocks, step)]
         raise AssertionError(f"unhandled policy kind {self.kind!r}")
 
     def checkpointed_blocks(self, n_blocks: int) -> list[int]:
@@ -185,6 +192,8 @@ def parse_policy(text: str | Policy) -> Policy:
         return _parse_compile(text, spec)
     name, sep, arg = spec.partition("=")
     name, arg = name.strip(), arg.strip()
+    if name == "hf" or name.startswith("hf:"):  # transformers' own mechanism, applied by ckptlab.hf
+        return _parse_hf(text, name, sep, arg)
     if name not in KINDS:
         raise ValueError(f"policy={text!r} is invalid: unknown policy {name!r}; allowed is {POLICY_HELP}")
     if name == "selective":
@@ -261,6 +270,25 @@ def _parse_compile(text: str, spec: str) -> Policy:
     if not (0.0 <= budget <= 1.0) or math.isnan(budget):
         raise ValueError(f"compile:budget={arg.strip()} is invalid: allowed is a number in [0, 1]")
     return Policy("compile", budget)
+
+
+HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")
+
+
+def _parse_hf(text: str, name: str, sep: str, arg: str) -> Policy:
+    allowed = "allowed is hf | hf:every_n_layers=K (K>=1) | hf:offload"
+    if name not in HF_KINDS:
+        raise ValueError(f"policy={text!r} is invalid: unknown Hugging Face policy {name!r}; {allowed}")
+    if name != "hf:every_n_layers":
+        if sep:
+            raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; {allowed}")
+        return Policy(name)
+    if not sep or not arg:
+        raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; {allowed}")
+    k = _number(text, "every_n_layers", arg, int)
+    if k < 1:
+        raise ValueError(f"hf:every_n_layers={arg} is invalid: allowed is an integer >= 1")
+    return Policy(name, k)
 
 
 def _number(text: str, name: str, arg: str, kind: type):

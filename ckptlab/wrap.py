@@ -111,6 +111,11 @@ def apply_checkpointing(
     `determinism_check`, `debug`, `early_stop` and `context_fn` pass through to PyTorch.
     """
     policy = parse_policy(policy)
+    if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.hf applies it
+        from .hf import apply_hf_checkpointing
+        return apply_hf_checkpointing(
+            model, policy, blocks, use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check, debug=debug, early_stop=early_stop, context_fn=context_fn)
     blocks = list(blocks) if blocks is not None else find_blocks(model)
     regions = policy.regions(len(blocks))  # raises before the model is touched
     if use_reentrant and context_fn is not None:
@@ -239,7 +244,13 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
         if torch.is_grad_enabled():
             handle._forward_block_runs += len(region)
             with set_checkpoint_early_stop(early_stop):
-                out = checkpoint(run_region, *args, **options, **kwargs)
+                if kwargs and options["use_reentrant"]:
+                    # Reentrant checkpoint takes no keyword arguments (Hugging Face layers get
+                    # masks and RoPE tables so): bind them, as transformers does. No gradient
+                    # flows back through a keyword-argument tensor then.
+                    out = checkpoint(functools.partial(run_region, **kwargs), *args, **options)
+                else:
+                    out = checkpoint(run_region, *args, **options, **kwargs)
         else:  # inference: nothing is saved, so there is nothing to recompute
             with _paused(handle):
                 out = run_region(*args, **kwargs)
