@@ -4,6 +4,8 @@ from .measure import measure
 from .memory import MemoryReport, format_bytes, parse_bytes, track_memory
 from .models import Workload, get_workload
 from .policy import Policy, parse_policy
+from .store import RunLockedError, load_run
+from .sweep import make_grid, sweep
 from .timing import time_steps
 from .wrap import CheckpointHandle, apply_checkpointing, find_blocks
 
@@ -12,5 +14,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointHandle", "MemoryReport", "Policy", "Workload", "apply_checkpointing", "find_blocks",
     "format_bytes", "get_workload", "measure", "parse_bytes", "parse_policy", "time_steps",
-    "track_memory",
+    "track_memory", "sweep", "make_grid", "load_run", "RunLockedError",
 ]

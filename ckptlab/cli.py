@@ -91,6 +91,50 @@ def cmd_measure(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .store import RunLockedError
+    from .sweep import sweep
+
+    overrides = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r} is invalid: allowed is KEY=VALUE, e.g. n_layer=8")
+        overrides[key] = _literal(value)
+    try:
+        df = sweep(model=args.model, batch_sizes=int_list("batch", args.batch), seq_lens=int_list("seq", args.seq),
+                   policies=split_list(args.policy), dtypes=split_list(args.dtype),
+                   accum_steps=int_list("accum", args.accum), device=args.device,
+                   memory_limit=args.memory_limit, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                   model_overrides=overrides, out=args.out, isolate=args.isolate, resume=args.resume,
+                   progress=not args.quiet, plots=not args.no_plots)
+    except RunLockedError as exc:  # another sweep is writing there: refuse, do not interleave
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    if args.quiet:  # sweep() prints the summary itself when it shows progress
+        from .analysis import format_summary
+        print(format_summary(df))
+    print(f"run folder: {args.out}")
+    return 1 if (df["status"] == "error").any() else 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plots import redraw_all
+
+    for path in redraw_all(args.run_dir):
+        print(path)
+    return 0
+
+
+def _literal(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +150,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
     p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
     p.set_defaults(func=cmd_measure)
+
+    p = sub.add_parser("sweep", help="measure a grid into a run folder (OOM-safe, resumable); print a summary")
+    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override, e.g. --set n_layer=8")
+    p.add_argument("--batch", default="1,2,4", help="batch sizes, comma-separated")
+    p.add_argument("--seq", default="64", help="sequence lengths, comma-separated")
+    p.add_argument("--policy", default="none,density=0.5,full", help="policies, comma-separated")
+    p.add_argument("--dtype", default="fp32", help="fp32 and/or bf16, comma-separated")
+    p.add_argument("--accum", default="1", help="gradient-accumulation steps, comma-separated")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--memory-limit", default=None, help="e.g. 2GiB (emulated on CPU)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--out", required=True, help="run folder, e.g. results/my-sweep")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="one subprocess per cell (default: on for CUDA, off for CPU)")
+    p.add_argument("--resume", action="store_true", help="add the missing cells to an existing run folder")
+    p.add_argument("--no-plots", action="store_true", help="skip drawing figures")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("plot", help="redraw every figure of a run folder from its data")
+    p.add_argument("run_dir", help="run folder, e.g. results/my-sweep")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import __version__
 from .measure import DTYPES, OPTIMIZERS, device_name, measure, resolve_device
 from .memory import format_bytes, parse_bytes
 from .models import get_workload
@@ -283,6 +282,8 @@ def _child_main() -> int:
 def run_metadata(grid: Grid, out: Path, isolate: bool, previous: Optional[dict] = None) -> dict:
     """What run.json holds: the grid and the environment. Deliberately no environment
     variables, no command line and no absolute paths (they can carry secrets or home paths)."""
+    from . import __version__
+
     history = list((previous or {}).get("history", []))
     started = _now()
     history.append({"started_at": started, "cells": len(grid.cells())})
