@@ -1,0 +1,51 @@
+"""The two commands and the environment files stay consistent with each other."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _requirements() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep, f"requirements.txt must pin exact versions: {line!r}"
+            pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_requirements_pin_the_design_card_packages():
+    pins = _requirements()
+    for package in ["torch", "jupyterlab", "matplotlib", "ipywidgets", "nbval", "papermill", "pandas", "tqdm", "pytest"]:
+        assert package in pins, package
+    assert pins["torch"] == "2.13.0"  # no local label: resolves to CPU or CUDA build per machine
+
+
+def test_environment_yml_installs_the_same_lock():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    assert "conda-forge" in env["channels"]
+    deps = env["dependencies"]
+    assert "python=3.11" in deps
+    pip_section = next(d["pip"] for d in deps if isinstance(d, dict))
+    assert "-r requirements.txt" in pip_section and "-e ." in pip_section
+
+
+def test_pyproject_dependencies_are_all_locked():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _requirements()
+    declared = project["dependencies"] + [d for deps in project["optional-dependencies"].values() for d in deps]
+    for requirement in declared:
+        name = re.split(r"[<>=\[ ;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        if name != "ckptlab":
+            assert name in pins, f"{name} is declared in pyproject.toml but not pinned in requirements.txt"
+
+
+def test_ci_runs_exactly_make_test():
+    lines = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l and not l.startswith("#")]
+    assert lines[-1] == "make test"
