@@ -39,10 +39,12 @@ def measure(
     memory_limit: Optional[str | int] = None,
     optimizer: str = "adamw",
     accum_steps: int = 1,
+    with_report: bool = False,
 ) -> dict:
     """Measure one training step of `workload` at (batch_size, seq_len) under `policy`.
 
-    Returns a flat dict (one row of a results table). Inputs are validated before any work and
+    Returns a flat dict (one row of a results table), or with `with_report=True` the pair
+    (record, MemoryReport of the tracked step, timeline included; None if it failed). Inputs are validated before any work and
     raise ValueError; failures during the measurement come back as status "oom" or "error" with a
     message, so a sweep never loses a row. On CPU `memory_limit` is emulated: a peak above it is
     reported as status "oom". On CUDA it caps the process (real OOMs), defaulting to the device's
@@ -103,8 +105,9 @@ def measure(
         "status": "ok",
         "message": "",
     }
+    report = None
     try:
-        _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer)
+        report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer)
     except torch.OutOfMemoryError as exc:
         record.update(status="oom", fits=False, message=_first_line(exc))
     except Exception as exc:  # noqa: BLE001 - a record with the reason beats a lost sweep
@@ -114,7 +117,7 @@ def measure(
         if dev.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, dev)
             torch.cuda.empty_cache()
-    return record
+    return (record, report) if with_report else record
 
 
 def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name) -> None:
@@ -158,7 +161,7 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
         record["fits"] = peak <= limit
     if dev.type == "cpu" and limit is not None and not record["fits"]:
         record.update(status="oom", message=f"peak {peak} B exceeds the emulated memory limit {limit} B")
-        return
+        return report
 
     timing = time_steps(step, steps=steps, warmup=warmup, device=dev)
     record.update(
@@ -167,6 +170,7 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
         step_ms_max=timing.max_ms,
         tokens_per_s=record["tokens"] / (timing.median_ms / 1e3),
     )
+    return report
 
 
 def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", accum_steps: int = 1):
