@@ -29,5 +29,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 
+# GPU validation of sweeps (ckptlab/gpu_check.py): a CUDA sweep at gpt2-small shape, tracker vs
+# allocator peaks, one memory snapshot, into results/gpu-check-<device>/. Fails clearly without a GPU.
+gpu-check: $(STAMP)
+	$(BIN)/python -m ckptlab.gpu_check
+
 clean:
 	rm -rf $(VENV)
