@@ -1,0 +1,67 @@
+"""Analysis on hand-made records whose answers are known."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ckptlab.analysis import GiB, format_summary, overhead, pareto, summary, what_fits
+
+
+def rec(policy, density, batch, peak, ms, status="ok", seq=64, accum=1, dtype="fp32", limit=None, **kw):
+    fits = None if limit is None else peak is not None and peak <= limit
+    return dict(model="m", policy=policy, effective_density=density, batch_size=batch, seq_len=seq,
+                accum_steps=accum, effective_batch_size=batch * accum, dtype=dtype, peak_bytes=peak,
+                step_ms=ms, tokens_per_s=None if ms is None else batch * seq * accum / ms * 1e3,
+                status=status, memory_limit_bytes=limit, fits=fits, inferred=False, cell_id=f"{policy}{batch}", **kw)
+
+
+def test_overhead_against_density_zero():
+    df = pd.DataFrame([rec("none", 0.0, 4, 100, 10.0), rec("full", 1.0, 4, 60, 13.0), rec("full", 1.0, 8, 90, 20.0)])
+    out = overhead(df).set_index(["policy", "batch_size"])
+    assert out.loc[("full", 4), "overhead"] == pytest.approx(0.3)
+    assert out.loc[("full", 4), "memory_saved_bytes"] == 40
+    assert out.loc[("full", 4), "memory_saved_frac"] == pytest.approx(0.4)
+    assert out.loc[("none", 4), "overhead"] == 0
+    assert np.isnan(out.loc[("full", 8), "overhead"])  # no baseline at batch 8
+
+
+def test_pareto_marks_dominated_points_within_equal_work():
+    df = pd.DataFrame([
+        rec("none", 0.0, 4, 100, 10.0), rec("density=0.5", 0.5, 4, 80, 12.0),
+        rec("every=2", 0.5, 4, 90, 13.0),                     # dominated by density=0.5
+        rec("full", 1.0, 4, 60, 15.0),
+        rec("none", 0.0, 2, 70, 5.0, accum=2),                # same effective batch: competes
+        rec("full", 1.0, 8, 10, 1.0),                         # other group: does not dominate
+    ])
+    out = pareto(df).set_index(["policy", "batch_size", "accum_steps"])["pareto_optimal"]
+    assert not out[("every=2", 4, 1)]
+    assert not out[("density=0.5", 4, 1)]  # dominated by accumulation (70 B, 5 ms)
+    assert not out[("none", 4, 1)] and out[("full", 4, 1)]
+    assert out[("none", 2, 2)] and out[("full", 8, 1)]
+
+
+def test_what_fits_measured_and_extrapolated():
+    limit = 5 * GiB
+    # peak = 1 GiB + batch * 1 GiB exactly: 24 GiB fits batch 23; under 5 GiB, batch 4 fits, 8 does not.
+    df = pd.DataFrame([rec("none", 0.0, b, (1 + b) * GiB, 1.0, limit=limit) for b in (1, 2, 4)]
+                      + [rec("none", 0.0, 8, 9 * GiB, None, status="oom", limit=limit)])
+    fits = what_fits(df).set_index(["kind", "limit"])
+    assert fits.loc[("measured", "5.0 GiB"), "max_batch_size"] == 4
+    assert fits.loc[("extrapolated", "24 GiB"), "max_batch_size"] == 23
+    assert fits.loc[("extrapolated", "141 GiB"), "max_batch_size"] == 140
+    assert fits.loc[("extrapolated", "24 GiB"), "fit_rms_residual_bytes"] == pytest.approx(0, abs=1e-3)
+    assert fits.loc[("extrapolated", "24 GiB"), "fit_points"] == 3
+    by_seq = what_fits(df, axis="seq_len")
+    assert (by_seq["kind"] == "measured").all()  # one seq: nothing to fit
+    with pytest.raises(ValueError, match="axis='dtype'"):
+        what_fits(df, axis="dtype")
+
+
+def test_summary_best_config_per_limit():
+    df = pd.DataFrame([rec("none", 0.0, 8, 30 * GiB, 10.0), rec("full", 1.0, 8, 20 * GiB, 12.0),
+                       rec("full", 1.0, 2, 5 * GiB, 4.0), rec("none", 0.0, 16, None, None, status="oom")])
+    s = summary(df).set_index("limit")
+    assert s.loc["no limit", "policy"] == "none" and s.loc["no limit", "batch_size"] == 8
+    assert s.loc["24 GiB", "policy"] == "full" and s.loc["24 GiB", "batch_size"] == 8
+    text = format_summary(df)
+    assert "4 cells: 3 ok, 1 oom (0 inferred), 0 error" in text and "24 GiB" in text
