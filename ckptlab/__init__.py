@@ -7,12 +7,14 @@ from .policy import Policy, parse_policy
 from .store import RunLockedError, load_run
 from .sweep import make_grid, sweep
 from .timing import time_steps
+from .verify import compare_gradients
 from .wrap import CheckpointHandle, apply_checkpointing, find_blocks
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointHandle", "MemoryReport", "Policy", "Workload", "apply_checkpointing", "find_blocks",
+    "CheckpointHandle", "MemoryReport", "Policy", "Workload", "apply_checkpointing", "compare_gradients",
+    "find_blocks",
     "format_bytes", "get_workload", "measure", "parse_bytes", "parse_policy", "time_steps",
     "track_memory", "sweep", "make_grid", "load_run", "RunLockedError",
 ]

@@ -192,4 +192,58 @@ def redraw_all(run_dir: str | Path) -> list[Path]:
     return written
 
 
-__all__ = ["FIGURES", "heatmaps", "memory_time_vs_density", "pareto_plot", "redraw_all", "what_fits_plot"]
+# ----------------------------------------------------------------------------- single-step figures
+
+CATEGORY_COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
+                   "activations": "#c44e52", "temporaries": "#8172b3"}
+
+
+def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = None, label: str = "policy"):
+    """Stacked bars: peak memory by category, one bar per row of `df` (records from `measure`),
+    with step time written above each bar and an optional memory-limit line."""
+    from .memory import CATEGORIES
+
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * max(len(df), 1), 4.2))
+    if not len(df):
+        return _save(_empty(fig, ax, "no records"), path)
+    x = np.arange(len(df))
+    bottom = np.zeros(len(df))
+    for cat in CATEGORIES:
+        values = df[f"peak_{cat}_bytes"].fillna(0).to_numpy(dtype=float) / MiB
+        ax.bar(x, values, bottom=bottom, color=CATEGORY_COLORS[cat], label=cat.replace("_", " "))
+        bottom += values
+    for xi, total, ms in zip(x, bottom, df["step_ms"]):
+        ax.text(xi, total, "" if pd.isna(ms) else f"{ms:.0f} ms", ha="center", va="bottom", fontsize=8)
+    if limit_bytes:
+        ax.axhline(limit_bytes / MiB, color="k", ls="--", lw=1, label=f"limit {limit_bytes / MiB:.0f} MiB")
+    ax.set_xticks(x, df[label].astype(str), rotation=20, ha="right")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title("peak memory by category (step time above)")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def memory_timeline(timelines: dict, path=None):
+    """Live bytes over one training step, one line per policy: x is the allocation/free event
+    index scaled to [0, 1] of the step, forward rising, backward falling (recompute spikes).
+    `timelines` maps a label to a MemoryReport.timeline [(phase, bytes), ...]."""
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for label, timeline in timelines.items():
+        if not timeline:
+            continue
+        t = np.linspace(0, 1, len(timeline))
+        ax.plot(t, np.array([b for _, b in timeline]) / MiB, lw=1.2, label=label)
+        first_backward = next((i for i, (p, _) in enumerate(timeline) if p == "backward"), None)
+        if first_backward is not None:
+            ax.axvline(t[first_backward], color=ax.lines[-1].get_color(), ls=":", lw=0.8)
+    ax.set_xlabel("fraction of the step's memory events (dotted: backward starts)")
+    ax.set_ylabel("live tensor memory (MiB)")
+    ax.set_title("memory over one training step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+__all__ = ["FIGURES", "heatmaps", "memory_time_vs_density", "memory_timeline", "pareto_plot", "peak_breakdown",
+           "redraw_all", "what_fits_plot"]

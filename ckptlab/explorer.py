@@ -1,0 +1,157 @@
+"""The interactive explorer: pick a model, batch, sequence length, policy and memory limit; see
+peak memory (by category) and step time for that policy next to no checkpointing.
+
+    Explorer().show()                    # JupyterLab: widgets; a change re-measures
+    Explorer().show(interactive=False)   # papermill / static: the same views, rendered once
+
+Every view is a real measurement (`ckptlab.measure`) of the chosen configuration. Sliders use
+`continuous_update=False`, so a drag measures once, on release; Run measures again (after
+editing the memory limit, or to re-time). The callbacks are plain methods, tested without a
+browser.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+
+from .measure import measure
+from .memory import format_bytes, parse_bytes
+from .models import PRESETS
+from .policy import parse_policy
+
+POLICY_CHOICES = ("none", "density", "every=2", "segments=sqrt", "full")  # "density" uses the slider
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+SEQS = [16, 32, 64, 128, 256, 512, 1024]
+
+
+class Explorer:
+    def __init__(self, model: str = "gpt-tiny", batch_size: int = 4, seq_len: int = 64,
+                 policy: str = "density=0.5", memory_limit: Optional[str] = None,
+                 device: str = "cpu", steps: int = 2, warmup: int = 1):
+        parse_policy(policy)
+        parse_bytes(memory_limit)
+        self.config = dict(model=model, batch_size=batch_size, seq_len=seq_len, policy=policy,
+                           memory_limit=memory_limit, device=device, steps=steps, warmup=warmup)
+        self.records: Optional[pd.DataFrame] = None
+        self._widgets = None
+
+    # ------------------------------------------------------------------ the model of the view
+    def set(self, **changes) -> None:
+        """Change the configuration (validated: a bad value raises and changes nothing)."""
+        new = {**self.config, **changes}
+        parse_policy(new["policy"])
+        parse_bytes(new["memory_limit"])
+        if new["model"] not in PRESETS:
+            raise ValueError(f"model={new['model']!r} is invalid: allowed presets are {', '.join(PRESETS)}")
+        self.config = new
+
+    def run(self) -> pd.DataFrame:
+        """Measure the chosen policy and the no-checkpointing baseline; returns both rows."""
+        c = self.config
+        rows = [measure(c["model"], c["batch_size"], c["seq_len"], p, device=c["device"], steps=c["steps"],
+                        warmup=c["warmup"], memory_limit=c["memory_limit"])
+                for p in dict.fromkeys(["none", c["policy"]])]
+        self.records = pd.DataFrame(rows)
+        return self.records
+
+    def summary(self) -> str:
+        """One line per measured policy: peak, step time, overhead, fits."""
+        if self.records is None:
+            return "not measured yet"
+        df = self.records
+        base = df.iloc[0]
+        lines = [f"{self.config['model']}  batch {self.config['batch_size']} x seq {self.config['seq_len']}"
+                 f"  on {base['device_name']}"]
+        for _, r in df.iterrows():
+            if r["status"] != "ok" and r["status"] != "oom":
+                lines.append(f"{r['policy']:>14}: {r['status']} — {r['message']}")
+                continue
+            overhead = "" if pd.isna(r["step_ms"]) or pd.isna(base["step_ms"]) else \
+                f"  overhead {r['step_ms'] / base['step_ms'] - 1:+.0%}"
+            time = "not timed" if pd.isna(r["step_ms"]) else f"{r['step_ms']:.1f} ms/step"
+            fits = "" if r["fits"] is None or pd.isna(r["fits"]) else ("  fits" if r["fits"] else "  DOES NOT FIT")
+            lines.append(f"{r['policy']:>14}: peak {format_bytes(r['peak_bytes'])}, "
+                         f"held for backward {format_bytes(r['saved_activation_bytes'])}, {time}{overhead}{fits}")
+        return "\n".join(lines)
+
+    def figure(self):
+        from .plots import peak_breakdown
+
+        limit = parse_bytes(self.config["memory_limit"])
+        return peak_breakdown(self.records if self.records is not None else pd.DataFrame(), limit_bytes=limit)
+
+    # ------------------------------------------------------------------ widgets
+    def on_change(self, name: str, value) -> None:
+        """A control changed: update the configuration, then measure and redraw."""
+        if name in ("policy_choice", "density"):
+            choice = self._widgets["policy_choice"].value
+            self.set(policy=f"density={self._widgets['density'].value:g}" if choice == "density" else choice)
+        elif name == "memory_limit":
+            self.set(memory_limit=value.strip() or None)
+        else:
+            self.set(**{name: value})
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Measure and redraw into the output area (the Run button and every change end here)."""
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        out = self._widgets["output"]
+        out.clear_output(wait=True)
+        with out:
+            try:
+                self.run()
+                print(self.summary())
+                fig = self.figure()
+                display(fig)
+                plt.close(fig)
+            except ValueError as exc:
+                print(f"error: {exc}")
+
+    def widgets(self):
+        import ipywidgets as w
+
+        c = self.config
+        kind, _, value = c["policy"].partition("=")
+        choices = list(dict.fromkeys(POLICY_CHOICES + (c["policy"] if kind != "density" else "density",)))
+        controls = dict(
+            model=w.Dropdown(options=[n for n in PRESETS], value=c["model"], description="model"),
+            batch_size=w.SelectionSlider(options=BATCHES, value=c["batch_size"], description="batch",
+                                         continuous_update=False),
+            seq_len=w.SelectionSlider(options=SEQS, value=c["seq_len"], description="seq",
+                                      continuous_update=False),
+            policy_choice=w.Dropdown(options=choices, value="density" if kind == "density" else c["policy"],
+                                     description="policy"),
+            density=w.FloatSlider(value=float(value) if kind == "density" else 0.5, min=0, max=1, step=0.125,
+                                  description="density", continuous_update=False),
+            memory_limit=w.Text(value=c["memory_limit"] or "", description="limit", placeholder="e.g. 40MiB",
+                                continuous_update=False),
+        )
+        for name, control in controls.items():
+            control.observe(lambda change, name=name: self.on_change(name, change["new"]), names="value")
+        button = w.Button(description="Run", button_style="primary")
+        button.on_click(lambda _: self.refresh())
+        self._widgets = {**controls, "output": w.Output()}
+        return w.VBox([w.HBox([controls["model"], controls["policy_choice"], controls["density"]]),
+                       w.HBox([controls["batch_size"], controls["seq_len"]]),
+                       w.HBox([controls["memory_limit"], button]), self._widgets["output"]])
+
+    def show(self, interactive: bool = True) -> None:
+        """Interactive: the widgets and a first measurement. Static: measure once and render the
+        same summary and figure without widgets (papermill, nbval)."""
+        from IPython.display import display
+
+        if interactive:
+            display(self.widgets())
+            self.refresh()
+            return
+        import matplotlib.pyplot as plt
+
+        self.run()
+        print(self.summary())
+        fig = self.figure()
+        display(fig)
+        plt.close(fig)

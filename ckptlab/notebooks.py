@@ -1,0 +1,248 @@
+"""The papermill batch runner and the helpers notebooks call.
+
+    ckptlab notebooks run                       # every notebook, parameter set "default"
+    ckptlab notebooks run 02 -p steps 5         # one notebook, one parameter overridden
+    ckptlab notebooks params 02_density_sweep   # its parameters: types, defaults, help
+
+Each run writes `results/<notebook>/<param-set>/`: the executed notebook, `run.json` (parameters,
+environment, status), and whatever the notebook saves there (records, figures, `headline.json`).
+`results/README.md` is regenerated after every batch: one row per run folder.
+
+Parameters are checked before anything runs — papermill only warns about unknown names — and a
+failing notebook (an exception, a dead kernel, a timeout) is reported while the batch goes on.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+PARAMS = NOTEBOOKS / "params"
+RESULTS = ROOT / "results"
+
+
+# ----------------------------------------------------------------------------- inside notebooks
+
+def run_folder(run_dir: Optional[str], notebook: str) -> Path:
+    """The folder a notebook writes to: `run_dir` when the runner passes one, else a scratch
+    folder (git-ignored) for interactive sessions. Created if missing."""
+    path = Path(run_dir) if run_dir else RESULTS / "_scratch" / notebook
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save_headline(run_dir: Path, **numbers) -> dict:
+    """The few numbers a notebook's run is summarised by in results/README.md."""
+    (Path(run_dir) / "headline.json").write_text(json.dumps(numbers, indent=1, default=str) + "\n")
+    return numbers
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def list_notebooks() -> list[Path]:
+    return sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+
+
+def find_notebook(name: str) -> Path:
+    """'02', '02_density_sweep' or '02_density_sweep.ipynb' -> its path."""
+    stem = Path(name).stem
+    matches = [p for p in list_notebooks() if p.stem == stem or p.stem.split("_")[0] == stem]
+    if len(matches) != 1:
+        raise ValueError(f"notebook={name!r} is invalid: allowed are {', '.join(p.stem for p in list_notebooks())}")
+    return matches[0]
+
+
+@dataclass
+class Parameter:
+    name: str
+    type: str
+    default: str
+    help: str
+
+
+def notebook_parameters(path: Path) -> dict[str, Parameter]:
+    """The parameters cell as papermill reads it (`name: type = value  # help`)."""
+    import papermill
+
+    return {name: Parameter(name, p["inferred_type_name"], p["default"], p["help"])
+            for name, p in papermill.inspect_notebook(str(path)).items()}
+
+
+def check_parameters(path: Path, values: dict) -> None:
+    """Unknown names and wrong types are errors that list what is valid."""
+    params = notebook_parameters(path)
+    for name, value in values.items():
+        if name not in params:
+            valid = ", ".join(f"{p.name}: {p.type}" for p in params.values())
+            raise ValueError(f"parameter {name!r} is invalid for notebook {path.stem}: allowed are {valid}")
+        if not _matches(params[name].type, value):
+            raise ValueError(f"parameter {name}={value!r} is invalid for notebook {path.stem}: "
+                             f"allowed is a value of type {params[name].type}")
+
+
+def _matches(type_name: str, value) -> bool:
+    type_name = type_name.replace(" ", "")
+    if type_name.startswith("Optional[") and type_name.endswith("]"):
+        return value is None or _matches(type_name[len("Optional["):-1], value)
+    if type_name.startswith("List[") and type_name.endswith("]"):
+        return isinstance(value, list) and all(_matches(type_name[5:-1], v) for v in value)
+    scalar = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "str": lambda v: isinstance(v, str),
+              "bool": lambda v: isinstance(v, bool)}
+    return scalar[type_name](value) if type_name in scalar else True
+
+
+def load_param_set(name: str) -> dict[str, dict]:
+    """notebooks/params/<name>.yaml: {notebook stem: {parameter: value}}."""
+    path = PARAMS / f"{name}.yaml"
+    if not path.exists():
+        allowed = ", ".join(sorted(p.stem for p in PARAMS.glob("*.yaml")))
+        raise ValueError(f"param_set={name!r} is invalid: allowed are {allowed}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+# ----------------------------------------------------------------------------- the batch runner
+
+@dataclass
+class NotebookRun:
+    notebook: str
+    run_dir: Path
+    status: str          # ok | failed | timeout
+    seconds: float
+    error: str = ""
+
+
+def run_notebooks(
+    names: Optional[Sequence[str]] = None,
+    param_set: str = "default",
+    overrides: Optional[dict] = None,
+    out: str | Path = RESULTS,
+    run_name: Optional[str] = None,
+    timeout_s: float = 900,
+) -> list[NotebookRun]:
+    """Execute notebooks headless with papermill, each in its own process and kernel.
+
+    Parameters come from `notebooks/params/<param_set>.yaml`, then `overrides` (applied to every
+    selected notebook). All are checked before the first notebook starts. Output goes to
+    `<out>/<notebook>/<run_name or param_set>/`.
+    """
+    paths = [find_notebook(n) for n in names] if names else list_notebooks()
+    sets = load_param_set(param_set)
+    overrides = dict(overrides or {})
+    plan = []
+    for path in paths:
+        values = {**(sets.get(path.stem) or {}), **overrides}
+        check_parameters(path, values)
+        plan.append((path, values))
+    out = Path(out)
+    run_name = run_name or (param_set if not overrides else f"{param_set}-custom")
+
+    runs = []
+    for i, (path, values) in enumerate(plan, 1):
+        run_dir = out / path.stem / run_name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[{i}/{len(plan)}] {path.stem} -> {_relative(run_dir)}", flush=True)
+        run = _execute(path, run_dir, values, param_set, timeout_s)
+        runs.append(run)
+        print(f"[{i}/{len(plan)}] {path.stem}: {run.status} in {run.seconds:.0f} s"
+              + (f" — {run.error}" if run.error else ""), flush=True)
+    write_results_index(out)
+    return runs
+
+
+def _execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s: float) -> NotebookRun:
+    parameters = {**values, "run_dir": _relative(run_dir)}
+    started = time.time()
+    meta = {"notebook": path.stem, "param_set": param_set, "parameters": parameters,
+            "started_at": _now(), "finished_at": None, "status": "running", "error": ""}
+    _write_json(run_dir / "run.json", meta)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(parameters, f)
+        params_file = f.name
+    command = [sys.executable, "-m", "papermill", str(path), str(run_dir / path.name), "-f", params_file,
+               "--cwd", str(ROOT), "-k", "python3", "--log-level", "ERROR", "--no-progress-bar"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        status, error = ("ok", "") if proc.returncode == 0 else ("failed", _papermill_error(proc.stderr))
+    except subprocess.TimeoutExpired:
+        status, error = "timeout", f"did not finish within {timeout_s:.0f} s"
+    finally:
+        Path(params_file).unlink(missing_ok=True)
+    from .sweep import environment
+
+    device = parameters.get("device", "cpu")
+    meta.update(finished_at=_now(), status=status, error=error,
+                seconds=round(time.time() - started, 1), environment=environment(device if status == "ok" else "cpu"))
+    _write_json(run_dir / "run.json", meta)
+    return NotebookRun(path.stem, run_dir, status, time.time() - started, error)
+
+
+def _papermill_error(stderr: str) -> str:
+    """The exception line papermill prints, or the last line (a dead kernel says so there)."""
+    lines = [l.strip() for l in stderr.splitlines() if l.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line or "Dead" in line:
+            return line[:500]
+    return lines[-1][:500] if lines else "papermill failed without a message"
+
+
+# ----------------------------------------------------------------------------- results/README.md
+
+def write_results_index(out: str | Path = RESULTS) -> Path:
+    """One row per run folder holding a run.json from this runner."""
+    out = Path(out)
+    rows = []
+    for meta_path in sorted(out.glob("*/*/run.json")):
+        meta = json.loads(meta_path.read_text())
+        if "notebook" not in meta:
+            continue
+        run_dir = meta_path.parent
+        headline_path = run_dir / "headline.json"
+        headline = json.loads(headline_path.read_text()) if headline_path.exists() else {}
+        figures = sorted(run_dir.glob("**/*.png"))
+        env = meta.get("environment") or {}
+        rows.append("| {nb} | {ps} | {date} | {device} | {status} | {head} | {figs} |".format(
+            nb=f"[{meta['notebook']}]({run_dir.relative_to(out)}/{meta['notebook']}.ipynb)",
+            ps=run_dir.name,
+            date=(meta.get("finished_at") or "")[:10],
+            device=env.get("device_name", "-"),
+            status=meta.get("status", "-"),
+            head="<br>".join(f"{k}: {v}" for k, v in headline.items()) or "-",
+            figs=" ".join(f"[{p.stem}]({p.relative_to(out)})" for p in figures) or "-",
+        ))
+    text = ("# Results\n\nGenerated by `ckptlab notebooks run` (`make run`); do not edit by hand. "
+            "One row per notebook run folder; every number is measured in that run.\n\n"
+            "| notebook | parameter set | date | device | status | headline | figures |\n"
+            "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    path = out / "README.md"
+    path.write_text(text)
+    return path
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
