@@ -96,6 +96,9 @@ def measure(
         "cuda_alloc_retries": None,
         "cuda_ooms": None,
         "recompute_count": None,
+        "plan": None,                     # budget=...: the per-block plan it resolved to (k/s/f)
+        "allocator_peak_bytes": None,     # compile: peak from the profiler's allocator events
+        "note": "",                       # what the policy did not do here (offload on CPU, ...)
         "loss": None,
         "step_ms": None,
         "step_ms_min": None,
@@ -107,7 +110,8 @@ def measure(
     }
     report = None
     try:
-        report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer)
+        with compile_config(policy):
+            report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer)
     except torch.OutOfMemoryError as exc:
         record.update(status="oom", fits=False, message=_first_line(exc))
     except Exception as exc:  # noqa: BLE001 - a record with the reason beats a lost sweep
@@ -126,6 +130,7 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / capacity), dev)
     model = workload.build(dev)
     model.train()
+    policy = _resolve_policy(record, workload, policy, dev, dtype, optimizer_name)
     handle = apply_checkpointing(model, policy)
     record.update(
         n_blocks=handle.n_blocks,
@@ -134,7 +139,8 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
     )
     batch = workload.batch(record["batch_size"], record["seq_len"], dev)
     optimizer = make_optimizer(optimizer_name, model)
-    step = training_step(model, workload, batch, optimizer, dtype, record["accum_steps"])
+    compiled = torch.compile(model) if policy.kind == "compile" else model
+    step = training_step(compiled, workload, batch, optimizer, dtype, record["accum_steps"])
 
     torch.manual_seed(workload.seed)
     step()
@@ -142,12 +148,16 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     handle.reset_counts()
-    with track_memory(model, optimizer, inputs=batch, device=dev) as tracker:
-        loss = step(tracker)
-    report = tracker.report()
+    if policy.kind == "compile":  # a dispatch-mode tracker cannot see inside compiled graphs
+        report, loss = allocator_step_memory(step, model, optimizer, batch, dev)
+        record["allocator_peak_bytes"] = report.peak_bytes
+    else:
+        with track_memory(model, optimizer, inputs=batch, device=dev) as tracker:
+            loss = step(tracker)
+        report = tracker.report()
     record.update(
         peak_bytes=report.peak_bytes,
-        **{f"peak_{c}_bytes": report.peak_by_category[c] for c in CATEGORIES},
+        **{f"peak_{c}_bytes": report.peak_by_category.get(c) for c in CATEGORIES},
         peak_phase=report.peak_phase,
         saved_activation_bytes=report.saved_activation_bytes,
         recompute_count=handle.recompute_count,
@@ -171,6 +181,96 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
         tokens_per_s=record["tokens"] / (timing.median_ms / 1e3),
     )
     return report
+
+
+def _resolve_policy(record, workload, policy, dev, dtype, optimizer_name):
+    """budget=... becomes the per-block plan `ckptlab.plan.plan_budget` chooses (recorded);
+    offload on CPU is noted as a no-op; compile is noted as measured by allocator events."""
+    notes = []
+    if policy.kind == "budget":
+        from .plan import plan_budget
+
+        plan = plan_budget(workload, record["batch_size"], record["seq_len"], policy, dtype=dtype,
+                           optimizer=optimizer_name)
+        record["plan"] = plan.letters
+        notes.append(f"plan {plan.letters} (predicted peak {plan.predicted_peak_bytes} B <= budget {plan.budget_bytes} B)")
+        policy = type(policy)("plan", plan.letters, offload=policy.offload)
+    if policy.offload and dev.type == "cpu":
+        notes.append("offload is a no-op on CPU: activations already live in host memory")
+    if policy.kind == "compile":
+        notes.append("torch.compile: peak from the profiler's allocator events (categories and "
+                     "recompute count not visible inside compiled graphs)")
+    record["note"] = "; ".join(notes)
+    return policy
+
+
+@contextlib.contextmanager
+def compile_config(policy):
+    """For compile policies: a fresh dynamo cache and, for compile:budget=B,
+    `torch._functorch.config.activation_memory_budget = B` for the whole measurement."""
+    if getattr(policy, "kind", None) != "compile":
+        yield
+        return
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    budget = 1.0 if policy.value is None else policy.value
+    try:
+        with functorch_config.patch(activation_memory_budget=budget):
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
+def allocator_step_memory(step, model, optimizer, batch, dev):
+    """One step's memory from the allocator rather than from tensors: CUDA's peak counters, or on
+    CPU the profiler's `[memory]` events (each allocation and free, with its size and time) —
+    which see allocations inside compiled graphs that a dispatch-mode tracker cannot. Returns a
+    MemoryReport (peak = bytes held when the step began + the allocator's high-water mark above
+    it; saved activations = bytes the forward left allocated) and the loss."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from .memory import MemoryReport
+
+    start = {}
+    for t in list(model.parameters()) + list(batch) + [
+            t for st in (optimizer.state.values() if optimizer else []) for t in st.values()
+            if isinstance(t, torch.Tensor)]:
+        if t.device == dev:
+            start[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    start_bytes = sum(start.values())
+
+    class _Marks:
+        def phase(self, name):
+            with record_function(f"ckptlab::{name}"):
+                pass
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        loss = step()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base + start_bytes
+        return MemoryReport(peak, {}, "unknown", start_bytes, None), loss
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = step(_Marks())
+    events = list(prof.profiler.kineto_results.events())
+    records = sorted((e.start_ns(), e.nbytes()) for e in events
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    marks = {e.name(): e.start_ns() for e in events if e.name().startswith("ckptlab::")}
+    bwd_mark = marks.get("ckptlab::backward")
+    current = peak = 0
+    at_backward, peak_phase, timeline = None, "forward", []
+    for t, nbytes in records:
+        if at_backward is None and bwd_mark is not None and t >= bwd_mark:
+            at_backward = current
+        current += nbytes
+        timeline.append(("forward" if at_backward is None else "backward", start_bytes + current))
+        if current > peak:
+            peak, peak_phase = current, ("forward" if at_backward is None else "backward")
+    return MemoryReport(start_bytes + peak, {}, peak_phase, start_bytes, at_backward, timeline), loss
 
 
 def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", accum_steps: int = 1):
