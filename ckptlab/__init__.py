@@ -1,8 +1,10 @@
 """ckptlab: measure what activation checkpointing saves and costs, and choose what to recompute."""
 
+from .estimate import Prediction, closed_form, predict, what_fits
 from .measure import measure
 from .memory import MemoryReport, format_bytes, parse_bytes, track_memory
 from .models import Workload, get_workload
+from .plan import Plan, plan_budget, profile_blocks
 from .policy import Policy, parse_policy
 from .store import RunLockedError, load_run
 from .sweep import make_grid, sweep
@@ -17,4 +19,5 @@ __all__ = [
     "find_blocks",
     "format_bytes", "get_workload", "measure", "parse_bytes", "parse_policy", "time_steps",
     "track_memory", "sweep", "make_grid", "load_run", "RunLockedError",
+    "Prediction", "predict", "closed_form", "what_fits", "Plan", "plan_budget", "profile_blocks",
 ]
