@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export MPLBACKEND := agg
 export PYTHONHASHSEED := 0
 
-.PHONY: setup run test bench gpu-check clean
+.PHONY: setup run test test-browser bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -21,10 +21,15 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/ckptlab measure --model gpt-tiny --batch 4 --seq 64 --policy none,every=2,density=0.5,segments=sqrt,full
+	$(BIN)/ckptlab notebooks run --file default --out results
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --sanitize-with tests/nbval_sanitize.cfg
+
+# Opt-in: the explorer (notebook 06) in JupyterLab in headless Chromium, installed from Debian if
+# missing; a slider and a dropdown change re-measure. Screenshots + report.json in results/browser-check/.
+test-browser: $(STAMP)
+	timeout -s INT 900 $(BIN)/python -m pytest -q -p no:xdist -m browser tests/browser
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -135,6 +135,32 @@ def _literal(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+def cmd_notebooks_run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from .notebooks import run_notebooks
+
+    overrides = {key: yaml.safe_load(value) for key, value in args.param}
+    runs = run_notebooks(args.names or None, param_set=args.file, overrides=overrides, out=args.out,
+                         run_name=args.name, timeout_s=args.timeout)
+    failed = [r for r in runs if r.status != "ok"]
+    print(f"{len(runs) - len(failed)} of {len(runs)} notebooks ran; results index: {args.out}/README.md")
+    for r in failed:
+        print(f"FAILED {r.notebook} ({r.status}): {r.error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_notebooks_params(args: argparse.Namespace) -> int:
+    from .notebooks import find_notebook, notebook_parameters
+
+    path = find_notebook(args.name)
+    params = list(notebook_parameters(path).values())
+    print(f"{path.stem} parameters:")
+    print(format_table([vars(p) for p in params],
+                       [("name", "name", str), ("type", "type", str), ("default", "default", str), ("help", "help", str)]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,6 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="redraw every figure of a run folder from its data")
     p.add_argument("run_dir", help="run folder, e.g. results/my-sweep")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("notebooks", help="run the notebooks headless with papermill, or list their parameters")
+    nb = p.add_subparsers(dest="notebooks_command", required=True)
+    q = nb.add_parser("run", help="execute notebooks into <out>/<notebook>/<name>/ and regenerate <out>/README.md")
+    q.add_argument("names", nargs="*", help="notebooks by number or name (default: all)")
+    q.add_argument("-f", "--file", default="default",
+                   help="parameter set: a name in notebooks/params/ (default, gpu) or a YAML file")
+    q.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                   help="override a parameter in every selected notebook (VALUE is YAML: 8, [1,2], none)")
+    q.add_argument("--out", default="results", help="results folder (default: results)")
+    q.add_argument("--name", default=None, help="run folder name (default: the parameter set's)")
+    q.add_argument("--timeout", type=float, default=900, help="seconds per notebook (default 900)")
+    q.set_defaults(func=cmd_notebooks_run)
+    q = nb.add_parser("params", help="list a notebook's parameters: types, defaults, help")
+    q.add_argument("name", help="notebook by number or name, e.g. 02 or 02_density_sweep")
+    q.set_defaults(func=cmd_notebooks_params)
     return parser
 
 

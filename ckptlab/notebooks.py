@@ -14,8 +14,10 @@ failing notebook (an exception, a dead kernel, a timeout) is reported while the 
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,11 +74,26 @@ class Parameter:
 
 
 def notebook_parameters(path: Path) -> dict[str, Parameter]:
-    """The parameters cell as papermill reads it (`name: type = value  # help`)."""
-    import papermill
+    """The cell tagged `parameters`, read as `name: type = value  # help` lines. Parsed with `ast`
+    rather than papermill's inspector, whose regex drops any line holding two '=' (such as
+    `policy: str = "density=0.5"`)."""
+    import nbformat
 
-    return {name: Parameter(name, p["inferred_type_name"], p["default"], p["help"])
-            for name, p in papermill.inspect_notebook(str(path)).items()}
+    book = nbformat.read(str(path), as_version=4)
+    cells = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
+    if len(cells) != 1:
+        raise ValueError(f"notebook {path.stem} must have exactly one cell tagged 'parameters', found {len(cells)}")
+    source = cells[0].source
+    lines = source.splitlines()
+    params = {}
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None):
+            raise ValueError(f"notebook {path.stem}: parameters cell line {node.lineno} is not `name: type = value`")
+        line = lines[node.lineno - 1]
+        comment = line[node.end_col_offset:].strip() if node.end_lineno == node.lineno else ""
+        params[node.target.id] = Parameter(node.target.id, ast.unparse(node.annotation),
+                                           ast.unparse(node.value), comment.lstrip("#").strip())
+    return params
 
 
 def check_parameters(path: Path, values: dict) -> None:
@@ -105,12 +122,18 @@ def _matches(type_name: str, value) -> bool:
 
 
 def load_param_set(name: str) -> dict[str, dict]:
-    """notebooks/params/<name>.yaml: {notebook stem: {parameter: value}}."""
-    path = PARAMS / f"{name}.yaml"
+    """A parameter set: a name in notebooks/params/ or a path to a YAML file, holding
+    {notebook stem: {parameter: value}}."""
+    path = Path(name) if Path(name).suffix in (".yaml", ".yml") else PARAMS / f"{name}.yaml"
     if not path.exists():
         allowed = ", ".join(sorted(p.stem for p in PARAMS.glob("*.yaml")))
-        raise ValueError(f"param_set={name!r} is invalid: allowed are {allowed}")
-    return yaml.safe_load(path.read_text()) or {}
+        raise ValueError(f"param_set={name!r} is invalid: allowed are {allowed}, or a path to a .yaml file")
+    sets = yaml.safe_load(path.read_text()) or {}
+    known = {p.stem for p in list_notebooks()}
+    unknown = sorted(set(sets) - known)
+    if unknown:
+        raise ValueError(f"param_set={name!r}: notebook {unknown[0]!r} is invalid: allowed are {', '.join(sorted(known))}")
+    return sets
 
 
 # ----------------------------------------------------------------------------- the batch runner
@@ -147,12 +170,14 @@ def run_notebooks(
         check_parameters(path, values)
         plan.append((path, values))
     out = Path(out)
-    run_name = run_name or (param_set if not overrides else f"{param_set}-custom")
+    run_name = run_name or (Path(param_set).stem if not overrides else f"{Path(param_set).stem}-custom")
 
     runs = []
     for i, (path, values) in enumerate(plan, 1):
         run_dir = out / path.stem / run_name
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if run_dir.exists():  # a new execution of the same notebook and parameters replaces the old
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
         print(f"[{i}/{len(plan)}] {path.stem} -> {_relative(run_dir)}", flush=True)
         run = _execute(path, run_dir, values, param_set, timeout_s)
         runs.append(run)

@@ -1,0 +1,133 @@
+"""Notebooks: clean in git, parameters checked, executed by papermill with values read back
+(the scikit-hep/pyhf pattern). nbval executes every notebook separately (`make test`)."""
+
+import ast
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from ckptlab.cli import main as cli_main
+from ckptlab.notebooks import (check_parameters, find_notebook, list_notebooks, notebook_parameters,
+                               run_notebooks, write_results_index)
+
+NOTEBOOKS = list_notebooks()
+
+
+def test_the_numbered_notebooks_exist():
+    assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebooks_in_git_are_clean(path):
+    book = nbformat.read(str(path), as_version=4)
+    assert book.metadata["kernelspec"]["name"] == "python3"
+    tagged = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1
+    for cell in book.cells:
+        if cell.cell_type != "code":
+            continue
+        assert cell.execution_count is None, "executed notebook committed"
+        if "# NBVAL_CHECK_OUTPUT" in cell.source:
+            # deterministic output that nbval compares: bytes only, no times
+            text = "".join(o.get("text", "") for o in cell.outputs)
+            assert text and " ms" not in text
+        else:
+            assert cell.outputs == [], f"volatile output committed in {path.stem}: {cell.source[:60]!r}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_parameters_cell_is_literal_typed_and_documented(path):
+    params = notebook_parameters(path)
+    assert "run_dir" in params and params["run_dir"].type == "Optional[str]"
+    for p in params.values():
+        ast.literal_eval(p.default)          # literal values only
+        assert "|" not in p.type, "use Optional[X], not X | None (papermill)"
+        assert p.help, f"{p.name} has no '# help' comment"
+
+
+def test_parameters_are_checked_before_running(tmp_path):
+    path = find_notebook("01")
+    check_parameters(path, {"batch_size": 2, "policy": "full", "run_dir": None})
+    with pytest.raises(ValueError, match="parameter 'batchsize' is invalid for notebook 01_quickstart: allowed are model: str"):
+        check_parameters(path, {"batchsize": 2})
+    with pytest.raises(ValueError, match=r"parameter batch_size='2' is invalid .* allowed is a value of type int"):
+        check_parameters(path, {"batch_size": "2"})
+    with pytest.raises(ValueError, match="densities=\\['a'\\] is invalid .* List\\[float\\]"):
+        check_parameters(find_notebook("02"), {"densities": ["a"]})
+    with pytest.raises(ValueError, match="notebook='99' is invalid: allowed are 01_quickstart"):
+        find_notebook("99")
+    # Unknown names are refused before any notebook runs: nothing is written.
+    with pytest.raises(ValueError, match="parameter 'nope' is invalid"):
+        run_notebooks(["01"], overrides={"nope": 1}, out=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_papermill_run_reads_back_the_parameters_it_was_given(tmp_path):
+    runs = run_notebooks(["01"], overrides={"batch_size": 2, "seq_len": 16, "policy": "density=0.5"},
+                         out=tmp_path, run_name="small")
+    assert [r.status for r in runs] == ["ok"], runs[0].error
+    run_dir = tmp_path / "01_quickstart" / "small"
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["parameters"]["batch_size"] == 2 and meta["status"] == "ok"
+    assert meta["environment"]["torch"].startswith("2.13.0")
+    records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
+    assert [(r["policy"], r["batch_size"], r["seq_len"]) for r in records] == [("none", 2, 16), ("density=0.5", 2, 16)]
+    assert records[1]["effective_density"] == 0.5 and records[1]["peak_bytes"] < records[0]["peak_bytes"]
+    headline = json.loads((run_dir / "headline.json").read_text())
+    assert headline["policy"] == "density=0.5"
+    executed = nbformat.read(str(run_dir / "01_quickstart.ipynb"), as_version=4)
+    injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert "batch_size = 2" in injected[0].source
+    assert (run_dir / "peak_breakdown.png").stat().st_size > 1000
+    index = (tmp_path / "README.md").read_text()
+    assert "| [01_quickstart](01_quickstart/small/01_quickstart.ipynb) | small |" in index
+    assert "policy: density=0.5" in index
+
+
+def test_runner_continues_past_failures_and_reports_them(tmp_path, capsys):
+    dead = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell("from typing import Optional\nrun_dir: Optional[str] = None  # output folder")
+    params.metadata["tags"] = ["parameters"]
+    dead.cells = [params, nbformat.v4.new_code_cell("import os\nos._exit(1)")]
+    dead.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    dead_path = tmp_path / "98_dead_kernel.ipynb"
+    nbformat.write(dead, str(dead_path))
+    raising = nbformat.v4.new_notebook()
+    raising.cells = [params, nbformat.v4.new_code_cell("raise ValueError('policy=density=2 is invalid')")]
+    raising.metadata["kernelspec"] = dead.metadata["kernelspec"]
+    raising_path = tmp_path / "97_raises.ipynb"
+    nbformat.write(raising, str(raising_path))
+
+    out = tmp_path / "results"
+    runs = run_notebooks([str(raising_path), str(dead_path)], out=out, timeout_s=120)
+    assert [(r.notebook, r.status) for r in runs] == [("97_raises", "failed"), ("98_dead_kernel", "failed")]
+    assert "policy=density=2 is invalid" in runs[0].error
+    assert "dead" in runs[1].error.lower() or "died" in runs[1].error.lower(), runs[1].error
+    meta = json.loads((out / "98_dead_kernel" / "default" / "run.json").read_text())
+    assert meta["status"] == "failed"
+
+    code = cli_main(["notebooks", "run", str(raising_path), "--out", str(out)])
+    assert code == 1
+    assert "FAILED 97_raises (failed)" in capsys.readouterr().err
+
+
+def test_results_index_lists_each_run(tmp_path):
+    run_dir = tmp_path / "02_density_sweep" / "default"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"notebook": "02_density_sweep", "status": "ok",
+                                                  "finished_at": "2026-11-29T12:00:00+00:00",
+                                                  "environment": {"device_name": "AMD EPYC"}}))
+    (run_dir / "headline.json").write_text(json.dumps({"overhead_full": "+31%"}))
+    (run_dir / "sweep" / "figures").mkdir(parents=True)
+    (run_dir / "sweep" / "figures" / "pareto.png").write_bytes(b"png")
+    text = write_results_index(tmp_path).read_text()
+    assert ("| [02_density_sweep](02_density_sweep/default/02_density_sweep.ipynb) | default | 2026-11-29 | "
+            "AMD EPYC | ok | overhead_full: +31% | [pareto](02_density_sweep/default/sweep/figures/pareto.png) |") in text
+
+
+def test_cli_lists_a_notebooks_parameters(capsys):
+    assert cli_main(["notebooks", "params", "02"]) == 0
+    out = capsys.readouterr().out
+    assert "densities" in out and "List[float]" in out and "checkpoint densities to measure" in out
