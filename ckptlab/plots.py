@@ -81,9 +81,14 @@ def heatmaps(df: pd.DataFrame, path=None, dtype: Optional[str] = None, accum_ste
     if not policies:
         return _save(_empty(fig, axes[0, 0]), path)
     batches, seqs = sorted(rows["batch_size"].unique()), sorted(rows["seq_len"].unique())
+    rows = rows.assign(peak_mib=rows["peak_bytes"] / MiB)
+    ok_rows = rows[rows["status"] == "ok"]
+    # One colour scale per row across policies, so equal colours mean equal values.
+    scales = {v: (ok_rows[v].min(), ok_rows[v].max()) if len(ok_rows) else (None, None)
+              for v in ("peak_mib", "tokens_per_s")}
     for col, policy in enumerate(policies):
         g = rows[rows["policy"] == policy]
-        for row, (value, label, fmt) in enumerate([("peak_bytes", "peak MiB", lambda v: f"{v / MiB:.0f}"),
+        for row, (value, label, fmt) in enumerate([("peak_mib", "peak MiB", lambda v: f"{v:.0f}"),
                                                    ("tokens_per_s", "tokens/s", lambda v: f"{v:,.0f}")]):
             ax = axes[row, col]
             grid = np.full((len(seqs), len(batches)), np.nan)
@@ -93,10 +98,14 @@ def heatmaps(df: pd.DataFrame, path=None, dtype: Optional[str] = None, accum_ste
                 status[i, j] = r["status"]
                 if r["status"] == "ok":
                     grid[i, j] = r[value]
-            im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis" if row else "magma")
+            vmin, vmax = scales[value]
+            im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis" if row else "magma",
+                           vmin=vmin, vmax=vmax)
             for (i, j), st in status.items():
                 text = fmt(grid[i, j]) if st == "ok" else st.upper()
-                ax.text(j, i, text, ha="center", va="center", fontsize=7, color="w" if st == "ok" else "r")
+                light = st == "ok" and im.norm(grid[i, j]) > 0.6  # the top of both colour maps is pale
+                ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                        color="r" if st != "ok" else ("k" if light else "w"))
             # The batches are (usually) powers of two, so equal spacing is a log2 axis.
             ax.set_xticks(range(len(batches)), [str(b) for b in batches])
             ax.set_yticks(range(len(seqs)), [str(s) for s in seqs])
