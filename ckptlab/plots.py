@@ -118,7 +118,7 @@ def heatmaps(df: pd.DataFrame, path=None, dtype: Optional[str] = None, accum_ste
 
 def pareto_plot(df: pd.DataFrame, path=None):
     """Peak memory vs step time; one colour per (seq, effective batch) group, the frontier of
-    each group joined by a line, dominated points hollow, frontier points labelled."""
+    each group joined by a line, dominated points hollow with grey labels."""
     fig, ax = plt.subplots(figsize=(7, 5))
     rows = analysis.pareto(df)
     if not len(rows):
@@ -128,11 +128,11 @@ def pareto_plot(df: pd.DataFrame, path=None):
         line, = ax.plot(front["peak_bytes"] / MiB, front["step_ms"], "o-", label=f"s={s} eff. batch={eb}")
         dom = g[~g["pareto_optimal"]]
         ax.scatter(dom["peak_bytes"] / MiB, dom["step_ms"], facecolors="none", edgecolors=line.get_color())
-        for _, r in front.iterrows():
+        for _, r in g.iterrows():
             tag = r["policy"] + ("" if r["dtype"] == "fp32" else f" {r['dtype']}") + \
-                ("" if r["accum_steps"] == 1 else f" x{r['accum_steps']}")
+                ("" if r["accum_steps"] == 1 else f" accum={r['accum_steps']}")
             ax.annotate(tag, (r["peak_bytes"] / MiB, r["step_ms"]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
+                        textcoords="offset points", color="k" if r["pareto_optimal"] else "0.45")
     ax.set(xlabel="peak memory (MiB)", ylabel="step time (ms, median)",
            title="Pareto frontier (filled, joined); dominated hollow")
     ax.legend(fontsize=7)
