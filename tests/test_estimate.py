@@ -1,0 +1,112 @@
+"""Prediction without allocation: the fake-tensor run must match measurement, cheaply."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ckptlab import closed_form, get_workload, measure, predict, what_fits
+from ckptlab.estimate import gpt_block_bytes, prediction_error
+
+GPT_POLICIES = ["none", "full", "density=0.5", "every=2", "segments=sqrt", "selective", "selective=alt",
+                "plan=kfsk", "density=0.5+offload"]
+MLP_POLICIES = ["none", "full", "density=0.25", "segments=sqrt", "selective", "plan=kfskkfsk"]
+BOUND = 0.03  # the issue's bound; on CPU the prediction is in fact exact (same ops, same tracker)
+
+
+def _check(workload, batch, seq, policy, dtype="fp32"):
+    predicted = predict(workload, batch, seq, policy, dtype=dtype)
+    measured = measure(workload, batch, seq, policy, dtype=dtype, steps=1, warmup=0)
+    assert measured["status"] == "ok", measured["message"]
+    assert abs(prediction_error(predicted.peak_bytes, measured["peak_bytes"])) <= BOUND, (policy, predicted)
+    assert abs(prediction_error(predicted.saved_activation_bytes, measured["saved_activation_bytes"])) <= BOUND
+    return predicted, measured
+
+
+@pytest.mark.parametrize("policy", GPT_POLICIES)
+def test_prediction_matches_measurement_on_gpt(policy):
+    _check(get_workload("gpt-tiny"), 2, 32, policy)
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+def test_prediction_matches_measurement_in_bf16(policy):
+    _check(get_workload("gpt-tiny", n_layer=2), 2, 32, policy, dtype="bf16")
+
+
+@pytest.mark.parametrize("policy", MLP_POLICIES)
+def test_prediction_matches_measurement_on_mlp_chain(policy):
+    _check(get_workload("mlp-chain"), 4, 16, policy)
+
+
+def test_prediction_of_a_budget_policy_resolves_a_plan():
+    workload = get_workload("gpt-tiny")
+    p = predict(workload, 4, 64, "budget=0.85")
+    none = predict(workload, 4, 64, "none")
+    assert p.plan and set(p.plan) <= set("ksf") and p.peak_bytes <= 0.85 * none.peak_bytes
+
+
+def test_prediction_of_shapes_that_do_not_fit_here_is_fast():
+    # gpt2-small at batch 64, seq 1024 holds tens of GiB; the fake run allocates none of it.
+    p = predict(get_workload("gpt2-small"), 64, 1024, "none")
+    assert p.peak_bytes > 40 * 2**30 and p.predict_s < 30
+    assert p.peak_phase in ("forward", "backward")
+
+
+LLAMA = """
+import json, resource, time
+t = time.perf_counter()
+from ckptlab.estimate import llama7b_shape, predict
+p = predict(llama7b_shape(), 8, 4096, "full", dtype="bf16")
+print(json.dumps({"s": time.perf_counter() - t, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "peak": p.peak_bytes, "params": p.peak_by_category["parameters"]}))
+"""
+
+
+def test_llama7b_shape_at_batch_8_seq_4096_in_under_30s_and_2GiB():
+    out = subprocess.run([sys.executable, "-c", LLAMA], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["s"] < 30, result            # including the torch import
+    assert result["rss"] < 2 * 2**30, result    # maximum resident set of the whole process
+    assert 6.5e9 * 4 < result["params"] < 7e9 * 4  # 6.7B fp32 parameters, never allocated
+
+
+def test_compile_and_bad_input_are_refused_clearly():
+    with pytest.raises(ValueError, match="cannot be predicted"):
+        predict("gpt-tiny", 2, 16, "compile:budget=0.5")
+    with pytest.raises(ValueError, match="seq_len=999"):
+        predict("gpt-tiny", 2, 999)
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        predict("gpt-tiny", 2, 16, dtype="fp8")
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+def test_closed_form_is_close_to_measurement(policy):
+    workload = get_workload("gpt-tiny", dropout=0.0)  # fused attention, as on a GPU
+    cf = closed_form(workload, 4, 64, policy)
+    p = predict(workload, 4, 64, policy)
+    assert abs(prediction_error(cf["closed_form_saved_activation_bytes"], p.saved_activation_bytes)) < 0.15
+    assert abs(prediction_error(cf["closed_form_peak_bytes"], p.peak_bytes)) < 0.15
+
+
+def test_closed_form_block_terms_match_korthikanti_shape():
+    cfg = get_workload("gpt-tiny", dropout=0.0).config
+    t, h = 4 * 64, cfg.n_embd
+    per = gpt_block_bytes(cfg, 4, 64, "fp32")
+    assert per["full"] == 4 * t * h  # only the block input (Korthikanti: 2sbh in 16-bit)
+    # fp32, fused attention, no dropout: 17 (T x h) fp32 tensors, logsumexp, LayerNorm stats
+    assert per["keep"] == 68 * t * h + 4 * 4 * cfg.n_head * 64 + 16 * t
+
+
+def test_what_fits_is_consistent_with_predict():
+    workload = get_workload("gpt-tiny", n_layer=2)
+    cap = 16 * 2**20
+    rows = what_fits(workload, ["none", "full"], capacities=["16MiB"], seq_len=64, batch_size=2,
+                     dtype="fp32", max_batch=32, seq_lens=[64, 128, 256])
+    by = {r["policy"]: r for r in rows}
+    for pol in ("none", "full"):
+        b = by[pol]["max_batch_size"]
+        assert 1 <= b < 32 and predict(workload, b, 64, pol).peak_bytes <= cap
+        assert predict(workload, b + 1, 64, pol).peak_bytes > cap
+    assert by["full"]["max_batch_size"] > by["none"]["max_batch_size"]
+    assert by["full"]["max_seq_len"] >= by["none"]["max_seq_len"] >= 64
