@@ -84,7 +84,8 @@ class _Tracker(TorchDispatchMode):
         self.live[key] = [nbytes, category, self.phase, ref]
         self.by_category[category] += nbytes
         self.total += nbytes
-        self.timeline.append((self.phase, self.total))
+        if self.phase != "setup":  # what existed before the step is the timeline's starting level
+            self.timeline.append((self.phase, self.total))
         if self.total > self.peak:
             self.peak = self.total
             self.peak_by_category = dict(self.by_category)
@@ -111,6 +112,8 @@ class _Tracker(TorchDispatchMode):
     def set_phase(self, phase: str) -> None:
         if phase not in PHASES:
             raise ValueError(f"phase={phase!r} is invalid: allowed are {', '.join(PHASES)}")
+        if self.phase == "setup":
+            self.timeline.append((phase, self.total))
         if self.phase == "forward" and phase != "forward":
             # Whatever forward allocated and is still alive is held for backward.
             held = 0
