@@ -57,7 +57,9 @@ def list_notebooks() -> list[Path]:
 
 
 def find_notebook(name: str) -> Path:
-    """'02', '02_density_sweep' or '02_density_sweep.ipynb' -> its path."""
+    """'02', '02_density_sweep', '02_density_sweep.ipynb' or a path to any notebook -> its path."""
+    if Path(name).suffix == ".ipynb" and Path(name).is_file():
+        return Path(name)
     stem = Path(name).stem
     matches = [p for p in list_notebooks() if p.stem == stem or p.stem.split("_")[0] == stem]
     if len(matches) != 1:
@@ -154,12 +156,15 @@ def run_notebooks(
     out: str | Path = RESULTS,
     run_name: Optional[str] = None,
     timeout_s: float = 900,
+    executor: str = "local",
+    job_options: Optional[dict] = None,
 ) -> list[NotebookRun]:
     """Execute notebooks headless with papermill, each in its own process and kernel.
 
     Parameters come from `notebooks/params/<param_set>.yaml`, then `overrides` (applied to every
     selected notebook). All are checked before the first notebook starts. Output goes to
-    `<out>/<notebook>/<run_name or param_set>/`.
+    `<out>/<notebook>/<run_name or param_set>/`. executor="submitit" runs each notebook as a
+    job (`ckptlab.cluster`; `job_options`: cluster, slurm_partition, slurm_gpus_per_job, ...).
     """
     paths = [find_notebook(n) for n in names] if names else list_notebooks()
     sets = load_param_set(param_set)
@@ -172,6 +177,11 @@ def run_notebooks(
     out = Path(out)
     run_name = run_name or (Path(param_set).stem if not overrides else f"{Path(param_set).stem}-custom")
 
+    if executor != "local":   # each notebook a submitit job, same run folders (ckptlab.cluster)
+        from .cluster import run_notebooks_as_jobs
+        runs = run_notebooks_as_jobs(plan, out, run_name, param_set, timeout_s, executor, **(job_options or {}))
+        write_results_index(out)
+        return runs
     runs = []
     for i, (path, values) in enumerate(plan, 1):
         run_dir = out / path.stem / run_name
