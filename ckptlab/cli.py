@@ -107,7 +107,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                    accum_steps=int_list("accum", args.accum), device=args.device,
                    memory_limit=args.memory_limit, steps=args.steps, warmup=args.warmup, seed=args.seed,
                    model_overrides=overrides, out=args.out, isolate=args.isolate, resume=args.resume,
-                   progress=not args.quiet, plots=not args.no_plots)
+                   progress=not args.quiet, plots=not args.no_plots, nproc=args.nproc,
+                   executor=args.executor, cluster=args.cluster, slurm_partition=args.slurm_partition,
+                   slurm_gpus_per_job=args.slurm_gpus, slurm_time_min=args.slurm_time,
+                   slurm_account=args.slurm_account, cells_per_job=args.cells_per_job)
     except RunLockedError as exc:  # another sweep is writing there: refuse, do not interleave
         print(f"error: {exc}", file=sys.stderr)
         return 3
@@ -142,7 +145,10 @@ def cmd_notebooks_run(args: argparse.Namespace) -> int:
 
     overrides = {key: yaml.safe_load(value) for key, value in args.param}
     runs = run_notebooks(args.names or None, param_set=args.file, overrides=overrides, out=args.out,
-                         run_name=args.name, timeout_s=args.timeout)
+                         run_name=args.name, timeout_s=args.timeout, executor=args.executor,
+                         job_options=dict(cluster=args.cluster, slurm_partition=args.slurm_partition,
+                                          slurm_gpus_per_job=args.slurm_gpus, slurm_time_min=args.slurm_time,
+                                          slurm_account=args.slurm_account))
     failed = [r for r in runs if r.status != "ok"]
     print(f"{len(runs) - len(failed)} of {len(runs)} notebooks ran; results index: {args.out}/README.md")
     for r in failed:
@@ -159,6 +165,20 @@ def cmd_notebooks_params(args: argparse.Namespace) -> int:
     print(format_table([vars(p) for p in params],
                        [("name", "name", str), ("type", "type", str), ("default", "default", str), ("help", "help", str)]))
     return 0
+
+
+def add_executor_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """--executor local|submitit and the job options (ckptlab.cluster)."""
+    p.add_argument("--executor", choices=("local", "submitit"), default="local",
+                   help="local: run here; submitit: one job per cell/chunk/notebook (SLURM, or --cluster local)")
+    p.add_argument("--cluster", choices=("slurm", "local", "debug"), default=None,
+                   help="submitit cluster (default: SLURM when srun is on PATH, else local processes)")
+    p.add_argument("--slurm-partition", default=None, help="SLURM partition")
+    p.add_argument("--slurm-gpus", type=int, default=None, help="GPUs per job (default: --nproc on CUDA, 0 on CPU)")
+    p.add_argument("--slurm-time", type=int, default=60, help="time limit per job, minutes (default 60)")
+    p.add_argument("--slurm-account", default=None, help="SLURM account")
+    if sweep:
+        p.add_argument("--cells-per-job", type=int, default=1, help="cells measured by one job (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="one subprocess per cell (default: on for CUDA, off for CPU)")
     p.add_argument("--resume", action="store_true", help="add the missing cells to an existing run folder")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per cell: >1 measures under FSDP2 (gloo on CPU, NCCL on CUDA)")
+    add_executor_arguments(p, sweep=True)
     p.add_argument("--no-plots", action="store_true", help="skip drawing figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_sweep)
@@ -213,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", default="results", help="results folder (default: results)")
     q.add_argument("--name", default=None, help="run folder name (default: the parameter set's)")
     q.add_argument("--timeout", type=float, default=900, help="seconds per notebook (default 900)")
+    add_executor_arguments(q)
     q.set_defaults(func=cmd_notebooks_run)
     q = nb.add_parser("params", help="list a notebook's parameters: types, defaults, help")
     q.add_argument("name", help="notebook by number or name, e.g. 02 or 02_density_sweep")

@@ -39,7 +39,9 @@ RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (i
 AXES = ("seq_len", "dtype", "accum_steps", "policy", "batch_size")   # loop order, outermost first
 # Run-level settings that must match when resuming into an existing folder: mixing cells measured
 # under different settings in one table would make every comparison in it wrong.
-FIXED = ("model", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit_bytes", "optimizer")
+FIXED = ("model", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit_bytes", "optimizer",
+         "nproc")
+FIXED_DEFAULTS = {"nproc": 1}   # what a run.json written before the field existed meant
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Grid:
     seed: int
     optimizer: str
     model_overrides: dict = field(default_factory=dict)
+    nproc: int = 1   # ranks per cell: > 1 measures under FSDP2 (ckptlab.distributed)
 
     def cells(self) -> list[dict]:
         """Every cell, in run order (batch innermost, ascending)."""
@@ -86,7 +89,7 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
               seq_lens: Sequence[int] = (64,), policies: Sequence[str] = ("none", "density=0.5", "full"),
               dtypes: Sequence[str] = ("fp32",), accum_steps: Sequence[int] = (1,), device: str = "cpu",
               memory_limit=None, steps: int = 3, warmup: int = 1, seed: int = 0,
-              optimizer: str = "adamw", model_overrides: Optional[dict] = None) -> Grid:
+              optimizer: str = "adamw", model_overrides: Optional[dict] = None, nproc: int = 1) -> Grid:
     """Validate every grid value; raise ValueError naming the parameter, the value and what is
     allowed. Nothing is built on a real device and nothing is written."""
     overrides = dict(model_overrides or {})
@@ -117,7 +120,7 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
     return Grid(model=model, batch_sizes=batch_sizes, seq_lens=seq_lens, policies=parsed, dtypes=dtypes,
                 accum_steps=accum_steps, device=str(dev), memory_limit_bytes=parse_bytes(memory_limit),
                 steps=_int("steps", steps, 1), warmup=_int("warmup", warmup, 0), seed=seed,
-                optimizer=optimizer, model_overrides=overrides)
+                optimizer=optimizer, model_overrides=overrides, nproc=_int("nproc", nproc, 1))
 
 
 def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (64,),
@@ -126,7 +129,10 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
           warmup: int = 1, seed: int = 0, optimizer: str = "adamw", model_overrides: Optional[dict] = None,
           out: Optional[str | Path] = None, isolate: Optional[bool] = None, resume: bool = True,
           progress: bool = True, infer_oom: bool = True, plots: bool = True,
-          cell_timeout_s: Optional[float] = None):
+          cell_timeout_s: Optional[float] = None, nproc: int = 1, executor: str = "local",
+          cluster: Optional[str] = None, slurm_partition: Optional[str] = None,
+          slurm_gpus_per_job: Optional[int] = None, slurm_time_min: int = 60,
+          slurm_account: Optional[str] = None, cells_per_job: int = 1, submitit_folder=None):
     """Measure every cell of the grid; return all of the run's records as a pandas DataFrame.
 
     Grid axes: `batch_sizes` (micro-batch), `seq_lens`, `policies` (strings such as "none",
@@ -141,14 +147,29 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
     progress tqdm progress bar, and print the summary table at the end.
     infer_oom  record larger batches of an out-of-memory group as oom (inferred) without running.
     plots    redraw the figures into `out/figures` at the end.
+    nproc    ranks per cell: > 1 measures each cell sharded with FSDP2 over that many processes
+             (gloo on CPU, NCCL on CUDA; see `ckptlab.distributed`); records gain world_size,
+             peak_bytes_per_rank, and peak_bytes is the max over ranks.
+    executor "local" (cells in this process or one subprocess each) or "submitit": each chunk of
+             `cells_per_job` cells is a job (`ckptlab.cluster`): on SLURM with `slurm_partition`,
+             `slurm_gpus_per_job` (default: nproc on CUDA, 0 on CPU), `slurm_time_min` per job,
+             `slurm_account`; `cluster` "slurm" | "local" (jobs as local processes) | None (SLURM if
+             there, else local);
+             job files under `submitit_folder` (default <out>/submitit). Same records, same resume.
 
     Raises ValueError on any bad grid value (nothing written) and `store.RunLockedError` when
     another sweep is writing to `out`.
     """
     grid = make_grid(model, batch_sizes, seq_lens, policies, dtypes, accum_steps, device, memory_limit,
-                     steps, warmup, seed, optimizer, model_overrides)
+                     steps, warmup, seed, optimizer, model_overrides, nproc)
     isolate = grid.device.startswith("cuda") if isolate is None else bool(isolate)
     out = Path(out) if out is not None else Path("results") / dt.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
+    if executor not in ("local", "submitit"):
+        raise ValueError(f"executor={executor!r} is invalid: allowed are local, submitit")
+    if executor == "submitit":
+        from .cluster import job_options
+        jobs = job_options(out, submitit_folder, cluster, slurm_partition, slurm_gpus_per_job, slurm_time_min,
+                           slurm_account, cells_per_job, grid.device, grid.nproc)
     existing_meta = read_meta(out)
     if existing_meta:
         _check_resumable(out, existing_meta, grid, resume)
@@ -160,7 +181,11 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
                              f"(CLI --resume) to add the missing cells, or choose another folder")
         meta = run_metadata(grid, out, isolate, existing_meta)
         writer.write_meta(meta)
-        records = _run_cells(grid, writer, done, isolate, progress, infer_oom, cell_timeout_s)
+        if executor == "submitit":
+            from .cluster import run_as_jobs
+            records = run_as_jobs(grid, writer, done, jobs, progress, infer_oom, cell_timeout_s)
+        else:
+            records = _run_cells(grid, writer, done, isolate, progress, infer_oom, cell_timeout_s)
         meta["finished_at"] = _now()
         meta["status_counts"] = _counts(records)
         meta["history"][-1].update(finished_at=meta["finished_at"])
@@ -232,7 +257,13 @@ def _inferred_oom(grid: Grid, cell: dict, oom_batch: int) -> dict:
 
 
 def run_cell(grid: Grid, cell: dict) -> dict:
-    """Measure one cell in this process."""
+    """Measure one cell in this process (with nproc > 1: in nproc rank processes it starts)."""
+    if grid.nproc > 1:
+        from .distributed import measure_sharded
+        return measure_sharded(grid.model, cell["batch_size"], cell["seq_len"], cell["policy"], nproc=grid.nproc,
+                               device=grid.device, dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
+                               memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
+                               accum_steps=cell["accum_steps"], seed=grid.seed, model_overrides=grid.model_overrides)
     workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
     return measure(workload, cell["batch_size"], cell["seq_len"], cell["policy"], device=grid.device,
                    dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
@@ -306,7 +337,7 @@ def environment(device: str) -> dict:
 
     from importlib import metadata
     packages = {}
-    for name in ("torch", "numpy", "pandas", "matplotlib", "tqdm", "PyYAML"):
+    for name in ("torch", "numpy", "pandas", "matplotlib", "tqdm", "PyYAML", "submitit"):
         try:
             packages[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -349,7 +380,7 @@ def _git_commit() -> Optional[str]:
 
 
 def _check_resumable(out: Path, meta: dict, grid: Grid, resume: bool) -> None:
-    old = {k: meta.get("grid", {}).get(k) for k in FIXED}
+    old = {k: meta.get("grid", {}).get(k, FIXED_DEFAULTS.get(k)) for k in FIXED}
     new = json.loads(json.dumps(grid.fixed()))
     diff = [k for k in FIXED if old[k] != new[k]]
     if diff and resume:
