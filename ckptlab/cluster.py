@@ -216,7 +216,7 @@ def _wave(grid, executor, cells: list[dict], options: JobOptions, infer_oom: boo
         while waiting:
             still = []
             for job, chunk, path, started in waiting:
-                if job.done():
+                if _is_done(job):
                     again += _gather(grid, job, chunk, path, time.monotonic() - started, keep, size == 1)
                 else:
                     still.append((job, chunk, path, started))
@@ -256,6 +256,13 @@ def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, is
         else:
             again.append(cell)
     return again
+
+
+def _is_done(job) -> bool:
+    try:
+        return job.done()
+    except Exception:  # noqa: BLE001 - DebugExecutor runs the job inside done(): a failure is an end
+        return True
 
 
 def _state(job) -> str:
@@ -327,7 +334,7 @@ def run_notebooks_as_jobs(plan, out: Path, run_name: str, param_set: str, timeou
                 waiting.append((job, i, path, run_dir, time.monotonic()))
             still = []
             for job, i, path, run_dir, started in waiting:
-                if not job.done():
+                if not _is_done(job):
                     still.append((job, i, path, run_dir, started))
                     continue
                 try:
