@@ -24,7 +24,7 @@ run: $(STAMP)
 	$(BIN)/ckptlab notebooks run --file default --out results
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --sanitize-with tests/nbval_sanitize.cfg
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 # Opt-in: the explorer (notebook 06) in JupyterLab in headless Chromium, installed from Debian if
 # missing; a slider and a dropdown change re-measure. Screenshots + report.json in results/browser-check/.
