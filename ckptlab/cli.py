@@ -181,6 +181,71 @@ def add_executor_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> N
         p.add_argument("--cells-per-job", type=int, default=1, help="cells measured by one job (default 1)")
 
 
+def _model_overrides(pairs) -> dict:
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--set {pair!r} is invalid: allowed is KEY=VALUE, e.g. n_layer=8")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            try:
+                out[key.strip()] = float(value)
+            except ValueError:
+                out[key.strip()] = value
+    return out
+
+
+PREDICT_COLUMNS = [
+    ("policy", "policy", str),
+    ("batch", "batch_size", str),
+    ("seq", "seq_len", str),
+    ("predicted peak", "predicted_peak_bytes", format_bytes),
+    ("activations@peak", "predicted_peak_activations_bytes", format_bytes),
+    ("saved by forward", "predicted_saved_activation_bytes", format_bytes),
+    ("peak in", "peak_phase", str),
+    ("plan", "plan", lambda v: v or ""),
+    ("closed form", "closed_form_peak_bytes", format_bytes),
+    ("seconds", "predict_s", _num(".1f")),
+]
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Predicted memory per policy without allocating (fake tensors); closed form beside."""
+    from .estimate import closed_form, predict
+    from .models import get_workload
+
+    workload = get_workload(args.model, **_model_overrides(args.set))
+    rows = []
+    for batch in int_list("batch", args.batch):
+        for seq in int_list("seq", args.seq):
+            for policy in split_list(args.policy):
+                row = predict(workload, batch, seq, policy, dtype=args.dtype).record()
+                try:
+                    row.update(closed_form(workload, batch, seq, row["plan"] and f"plan={row['plan']}" or policy,
+                                           dtype=args.dtype))
+                except ValueError:
+                    pass
+                rows.append(row)
+    print(f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, AdamW: predicted, nothing allocated")
+    print(format_table(rows, PREDICT_COLUMNS))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Choose keep/selective/full per block for a memory budget; print the plan."""
+    from .models import get_workload
+    from .plan import plan_budget
+
+    workload = get_workload(args.model, **_model_overrides(args.set))
+    plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost)
+    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype}, budget {args.budget}")
+    print(plan)
+    print(f"apply it with: --policy plan={plan.letters}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -219,6 +284,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="skip drawing figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors)")
+    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override, e.g. --set n_layer=32")
+    p.add_argument("--batch", default="4", help="batch size(s), comma-separated")
+    p.add_argument("--seq", default="64", help="sequence length(s), comma-separated")
+    p.add_argument("--policy", default="none,selective,full", help="policies, comma-separated")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("plan", help="choose keep/selective/full per block to fit a memory budget")
+    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override, e.g. --set n_layer=8")
+    p.add_argument("--batch", type=int, default=4, help="batch size")
+    p.add_argument("--seq", type=int, default=64, help="sequence length")
+    p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of the no-checkpointing peak (0.5)")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
+    p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("plot", help="redraw every figure of a run folder from its data")
     p.add_argument("run_dir", help="run folder, e.g. results/my-sweep")
