@@ -212,7 +212,7 @@ def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = Non
     with step time written above each bar and an optional memory-limit line."""
     from .memory import CATEGORIES
 
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * max(len(df), 1), 4.2))
+    fig, ax = plt.subplots(figsize=(3.2 + 1.3 * max(len(df), 1), 4.2))
     if not len(df):
         return _save(_empty(fig, ax, "no records"), path)
     x = np.arange(len(df))
@@ -228,7 +228,7 @@ def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = Non
     ax.set_xticks(x, df[label].astype(str), rotation=20, ha="right")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_title("peak memory by category (step time above)")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over a bar
     fig.tight_layout()
     return _save(fig, path)
 
