@@ -1,0 +1,39 @@
+"""Per-job overhead of `executor="submitit"` with submitit's LocalExecutor on this machine.
+
+    python benchmarks/job_overhead.py
+
+Times submit -> result for jobs that do no measuring, one at a time: `time.sleep(0)` (submitit's
+own cost: a controller process, a job process, pickles on disk) and an empty `ckptlab.cluster.run_job`
+(that plus importing torch and ckptlab in the job, which every real job pays).
+"""
+
+import statistics
+import tempfile
+import time
+
+import submitit
+
+from ckptlab.cluster import run_job
+from ckptlab.sweep import make_grid
+
+
+def main(repeats: int = 3) -> None:
+    import dataclasses
+
+    grid = dataclasses.asdict(make_grid(policies=["none"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        ex = submitit.AutoExecutor(folder=f"{tmp}/%j", cluster="local")
+        ex.update_parameters(timeout_min=5)
+        for label, fn, args in [("submitit only (time.sleep(0))", time.sleep, (0,)),
+                                ("+ import torch/ckptlab (empty run_job)", run_job, (grid, [], f"{tmp}/p.jsonl"))]:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                ex.submit(fn, *args).result()
+                times.append(time.perf_counter() - t0)
+            print(f"{label}: median {statistics.median(times):.1f} s over {repeats} jobs "
+                  f"(min {min(times):.1f}, max {max(times):.1f})")
+
+
+if __name__ == "__main__":
+    main()
