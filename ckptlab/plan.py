@@ -297,7 +297,7 @@ def _roofline_ms(func, args, kwargs, out) -> float:
 
 
 def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str, cost: str,
-                  reps: int = 3) -> list[dict[str, float]]:
+                  reps: int = 5) -> list[dict[str, float]]:
     """Recompute time per block and option, from a per-op pass over each block's forward."""
     import contextlib
 

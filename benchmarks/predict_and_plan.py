@@ -1,0 +1,351 @@
+"""Predict before you run, plan for a budget: the numbers issue 7 asks for, in one run.
+
+  1. prediction error: predicted (fake tensors) vs measured peak and saved-activation bytes on the
+     default CPU grid (gpt-tiny, batch 1..8 x seq 32..256, every policy; mlp-chain; bf16), with
+     the closed form beside it;
+  2. the measured frontier at one shape: none, full, density steps, every-k, segments=sqrt,
+     selective (+ variants), compile:budget at a few budgets, budget plans at several budgets;
+     the Pareto frontier; whether budget plans dominate the uniform policies; at the peak of
+     `full`, how much faster the best plan is; what fraction of full's savings selective gets;
+  3. what fits on 24/40/80/141 GiB cards, by prediction, and the cost of predicting a
+     Llama-7B-shaped GPT at batch 8, seq 4096;
+  4. compile:budget: what the budget does to the allocator-measured peak, checked first on a case
+     where the answer is known, and where the peak happens.
+
+    python benchmarks/predict_and_plan.py [--quick] [--out results/predict_and_plan.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from ckptlab import closed_form, get_workload, measure, predict, what_fits
+from ckptlab.cli import format_table
+from ckptlab.estimate import llama7b_shape, prediction_error
+from ckptlab.memory import format_bytes
+from ckptlab.plan import plan_budget
+
+GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
+                 "selective", "selective=alt", "selective=attn", "plan=kfsk", "density=0.5+offload",
+                 "budget=mid"]
+MLP_POLICIES = ["none", "full", "density=0.5", "every=3", "segments=sqrt", "selective", "selective=alt",
+                "plan=kfskkfsk", "budget=mid"]
+
+
+def pct(v):
+    return "-" if v is None else f"{v:+.2%}"
+
+
+def mib(v):
+    return format_bytes(v)
+
+
+# --------------------------------------------------------------------------- 1. prediction error
+
+def prediction_table(quick: bool) -> list[dict]:
+    rows = []
+    gpt = get_workload("gpt-tiny")
+    batches, seqs = ([2, 8], [32, 256]) if quick else ([1, 2, 4, 8], [32, 64, 128, 256])
+    cases = [(gpt, b, s, p, "fp32") for b in batches for s in seqs for p in GRID_POLICIES]
+    cases += [(get_workload("mlp-chain"), 8, 128, p, "fp32") for p in MLP_POLICIES]
+    cases += [(gpt, 8, 128, p, "bf16") for p in ("none", "full", "density=0.5", "selective", "segments=sqrt")]
+    for workload, b, s, policy, dtype in cases:
+        if policy == "budget=mid":  # halfway between full's and none's peak: always feasible
+            mid = (predict(workload, b, s, "none", dtype=dtype).peak_bytes
+                   + predict(workload, b, s, "full", dtype=dtype).peak_bytes) // 2
+            policy = f"budget={mid}B"
+        pred = predict(workload, b, s, policy, dtype=dtype)
+        rec = measure(workload, b, s, policy, dtype=dtype, steps=1, warmup=0)
+        row = {"model": workload.name, "batch": b, "seq": s, "policy": policy, "dtype": dtype,
+               "measured_peak": rec["peak_bytes"], "predicted_peak": pred.peak_bytes,
+               "error": prediction_error(pred.peak_bytes, rec["peak_bytes"]),
+               "saved_error": prediction_error(pred.saved_activation_bytes, rec["saved_activation_bytes"]),
+               "predict_s": pred.predict_s, "status": rec["status"], "cf_error": None, "cf_saved_error": None}
+        if workload.name.startswith("gpt") and not policy.startswith("budget"):
+            cf = closed_form(workload, b, s, policy.replace("+offload", ""), dtype)
+            row["cf_error"] = prediction_error(cf["closed_form_peak_bytes"], rec["peak_bytes"])
+            row["cf_saved_error"] = prediction_error(cf["closed_form_saved_activation_bytes"], rec["saved_activation_bytes"])
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- 2. frontier
+
+def frontier(quick: bool, batch: int, seq: int, rounds: int) -> tuple[list[dict], dict]:
+    workload = get_workload("gpt-tiny")
+    uniform = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
+               "selective", "selective=alt", "selective=attn"]
+    none_p, full_p = predict(workload, batch, seq, "none"), predict(workload, batch, seq, "full")
+    fracs = [0.95, 0.9, 0.85, 0.8]
+    budgets = [f"budget={f}" for f in fracs] + [f"budget={full_p.peak_bytes}B"]
+    plans = {}
+    for b in budgets:
+        try:
+            plans[b] = plan_budget(workload, batch, seq, b.split("=", 1)[1] if b.endswith("B") else b)
+        except ValueError as exc:
+            print(f"  {b}: {exc}")
+    planned = [f"plan={p.letters}" for p in plans.values()]
+    eager = list(dict.fromkeys(uniform + planned))
+    # Interleaved rounds: machine-load drift hits every policy alike; median over rounds.
+    times: dict[str, list[float]] = {p: [] for p in eager}
+    recs: dict[str, dict] = {}
+    for _ in range(rounds):
+        for p in eager:
+            rec = measure(workload, batch, seq, p, steps=3 if quick else 5, warmup=1)
+            times[p].append(rec["step_ms_min"])
+            recs[p] = rec
+    rows = []
+    for p in eager:
+        rec = recs[p]
+        pred = predict(workload, batch, seq, p)
+        label = next((b for b, pl in plans.items() if f"plan={pl.letters}" == p), "")
+        rows.append({"policy": p, "from": label, "kind": "plan" if p.startswith("plan") else "uniform",
+                     "peak_bytes": rec["peak_bytes"], "predicted_peak_bytes": pred.peak_bytes,
+                     "error": prediction_error(pred.peak_bytes, rec["peak_bytes"]),
+                     "saved_activation_bytes": rec["saved_activation_bytes"],
+                     "step_ms": min(times[p])})
+    compile_budgets = [1.0, 0.0] if quick else [1.0, 0.5, 0.0]
+    for cb in compile_budgets:
+        rec = measure(workload, batch, seq, f"compile:budget={cb}", steps=3 if quick else 5, warmup=1)
+        rows.append({"policy": f"compile:budget={cb}", "from": "", "kind": "compile", "peak_bytes": rec["peak_bytes"],
+                     "predicted_peak_bytes": None, "error": None,
+                     "saved_activation_bytes": rec["saved_activation_bytes"], "step_ms": rec["step_ms_min"],
+                     "status": rec["status"], "message": rec["message"]})
+    base = next(r for r in rows if r["policy"] == "none")["step_ms"]
+    for r in rows:
+        r["overhead"] = r["step_ms"] / base - 1 if r["step_ms"] else None
+    ok = [r for r in rows if r["step_ms"] and r["peak_bytes"]]
+    for r in ok:
+        r["pareto"] = not any(o["peak_bytes"] <= r["peak_bytes"] and o["step_ms"] <= r["step_ms"]
+                              and (o["peak_bytes"], o["step_ms"]) != (r["peak_bytes"], r["step_ms"]) for o in ok)
+    return rows, {"plans": plans, "none": none_p, "full": full_p}
+
+
+def frontier_summary(rows: list[dict]) -> dict:
+    by = {r["policy"]: r for r in rows}
+    none, full, sel = by["none"], by["full"], by["selective"]
+    eager = [r for r in rows if r["kind"] != "compile"]
+    at_full = [r for r in eager if r["kind"] == "plan" and r["peak_bytes"] <= full["peak_bytes"]]
+    best_at_full = min(at_full, key=lambda r: r["step_ms"], default=None)
+    # Dominance: for each uniform policy, the fastest plan with the same or lower peak.
+    dom = []
+    for u in (r for r in eager if r["kind"] == "uniform" and r["policy"] != "none"):
+        cands = [p for p in eager if p["kind"] == "plan" and p["peak_bytes"] <= u["peak_bytes"]]
+        best = min(cands, key=lambda r: r["step_ms"], default=None)
+        dom.append({"uniform": u["policy"], "uniform_peak": u["peak_bytes"], "uniform_ms": u["step_ms"],
+                    "best_plan": best["policy"] if best else "-", "plan_peak": best["peak_bytes"] if best else None,
+                    "plan_ms": best["step_ms"] if best else None,
+                    "dominated": bool(best and best["step_ms"] < u["step_ms"])})
+    saved_total = none["peak_bytes"] - full["peak_bytes"]
+    return {
+        "best_plan_at_full_peak": best_at_full["policy"] if best_at_full else None,
+        "speedup_at_full_peak": (full["step_ms"] / best_at_full["step_ms"] - 1) if best_at_full else None,
+        "selective_fraction_of_full_peak_savings": (none["peak_bytes"] - sel["peak_bytes"]) / saved_total,
+        "selective_fraction_of_full_saved_bytes": (none["saved_activation_bytes"] - sel["saved_activation_bytes"])
+        / (none["saved_activation_bytes"] - full["saved_activation_bytes"]),
+        "selective_overhead": sel["overhead"], "full_overhead": full["overhead"],
+        "dominance": dom,
+    }
+
+
+# --------------------------------------------------------------------------- 3. what fits
+
+LLAMA = """
+import json, resource, time
+t = time.perf_counter()
+from ckptlab.estimate import llama7b_shape, predict
+out = {}
+for policy in ("none", "full", "selective"):
+    p = predict(llama7b_shape(), 8, 4096, policy, dtype="bf16")
+    out[policy] = {"peak": p.peak_bytes, "saved": p.saved_activation_bytes, "s": p.predict_s}
+out["total_s"] = time.perf_counter() - t
+out["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(out))
+"""
+
+
+def llama_cost() -> dict:
+    out = subprocess.run([sys.executable, "-c", LLAMA], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fits_table(quick: bool) -> list[dict]:
+    # GPT-3 XL shape (1.3B, 24 blocks, width 2048, no dropout) in bf16 autocast with AdamW (fp32
+    # master weights and state: 16 B/parameter before any activation).
+    workload = get_workload("gpt2-small", n_layer=24, n_embd=2048, n_head=16, vocab_size=50257,
+                            block_size=8192, dropout=0.0)
+    policies = ["none", "full"] if quick else ["none", "selective", "density=0.5", "segments=sqrt", "full"]
+    return what_fits(workload, policies, seq_len=2048, batch_size=1, dtype="bf16", max_batch=512,
+                     seq_lens=[512, 1024, 2048, 4096, 8192])
+
+
+# --------------------------------------------------------------------------- 4. compile:budget
+
+def compile_investigation(quick: bool) -> list[dict]:
+    """mlp-chain with activations >> parameters. Known answers first: eager none / full, where
+    the live-tensor tracker is ground truth, measured with the same allocator accounting."""
+    from ckptlab.measure import allocator_step_memory, compile_config, make_optimizer, training_step
+    from ckptlab.policy import parse_policy
+    from ckptlab import apply_checkpointing, track_memory
+
+    workload = get_workload("mlp-chain", n_layer=4, n_embd=64)
+    b, s = 32, 256
+    rows = []
+    for policy in ["none", "full", "compile:budget=1.0", "compile:budget=0.5", "compile:budget=0.0"]:
+        pol = parse_policy(policy)
+        with compile_config(pol):
+            model = workload.build()
+            run = model
+            if pol.kind == "compile":
+                run = torch.compile(model)
+            else:
+                apply_checkpointing(model, pol)
+            batch = workload.batch(b, s)
+            opt = make_optimizer("adamw", model)
+            step = training_step(run, workload, batch, opt)
+            step()
+            tracker_peak = tracker_saved = None
+            if pol.kind != "compile":
+                with track_memory(model, opt, inputs=batch) as tracker:
+                    step(tracker)
+                tracker_peak = tracker.report().peak_bytes
+                tracker_saved = tracker.report().saved_activation_bytes
+            report, _ = allocator_step_memory(step, model, opt, batch, torch.device("cpu"))
+            t0 = time.perf_counter()
+            for _ in range(3):
+                step()
+            ms = (time.perf_counter() - t0) / 3 * 1e3
+        # Where in backward is the peak? Fraction of backward's allocator events before it.
+        bwd = [(i, v) for i, (ph, v) in enumerate(report.timeline) if ph == "backward"]
+        peak_i = max(bwd, key=lambda x: x[1])[0] if bwd else None
+        frac = (peak_i - bwd[0][0]) / max(1, len(bwd)) if bwd else None
+        rows.append({"policy": policy, "tracker_peak": tracker_peak, "allocator_peak": report.peak_bytes,
+                     "tracker_saved": tracker_saved, "allocator_saved": report.saved_activation_bytes,
+                     "peak_phase": report.peak_phase, "peak_at_backward_fraction": frac, "step_ms": ms,
+                     # bytes the backward materialises above what forward left for it
+                     "backward_rise": report.peak_bytes - report.start_bytes - (report.saved_activation_bytes or 0)})
+    return rows
+
+
+def compile_dropout_check() -> dict:
+    """gpt-tiny with dropout: compile:budget=0.5 vs 1.0 gradients, under inductor's own RNG and
+    under fallback_random (eager RNG)."""
+    import torch._dynamo
+    import torch._functorch.config as fc
+    import torch._inductor.config as ic
+
+    workload = get_workload("gpt-tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=64, dropout=0.2)
+    batch = workload.batch(2, 16)
+
+    def grads(budget, fallback):
+        model = workload.build().train()
+        torch._dynamo.reset()
+        with fc.patch(activation_memory_budget=budget), ic.patch(fallback_random=fallback):
+            torch.manual_seed(0)
+            workload.loss(torch.compile(model), batch).backward()
+        torch._dynamo.reset()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    out = {}
+    for fallback in (False, True):
+        g1, g05 = grads(1.0, fallback), grads(0.5, fallback)
+        out[f"fallback_random={fallback}"] = max((g05[n] - g1[n]).abs().max().item() for n in g1)
+    return out
+
+
+# --------------------------------------------------------------------------- main
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller grid (CI smoke run)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds for the frontier")
+    parser.add_argument("--out", default=None, help="write every table as JSON here")
+    parser.add_argument("--skip-compile", action="store_true", help="skip torch.compile runs (slow on CPU)")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    t_start = time.perf_counter()
+    result = {}
+
+    print("== 1. predicted vs measured peak (fake tensors vs live-tensor tracker), closed form beside ==")
+    pred_rows = prediction_table(args.quick)
+    result["prediction"] = pred_rows
+    print(format_table(pred_rows, [
+        ("model", "model", str), ("b", "batch", str), ("s", "seq", str), ("policy", "policy", str),
+        ("dtype", "dtype", str), ("measured", "measured_peak", mib), ("predicted", "predicted_peak", mib),
+        ("error", "error", pct), ("saved err", "saved_error", pct), ("closed form err", "cf_error", pct),
+        ("cf saved err", "cf_saved_error", pct), ("predict s", "predict_s", lambda v: f"{v:.2f}")]))
+    worst = max(pred_rows, key=lambda r: abs(r["error"]))
+    cf = [r for r in pred_rows if r["cf_error"] is not None]
+    print(f"worst prediction error: {worst['error']:+.3%} ({worst['policy']} b={worst['batch']} s={worst['seq']}) "
+          f"over {len(pred_rows)} configurations; closed form: peak error "
+          f"{min(r['cf_error'] for r in cf):+.1%}..{max(r['cf_error'] for r in cf):+.1%}, "
+          f"saved-activation error {min(r['cf_saved_error'] for r in cf):+.1%}..{max(r['cf_saved_error'] for r in cf):+.1%}")
+
+    print(f"\n== 2. measured frontier: gpt-tiny b={args.batch} s={args.seq}, fp32, step time = fastest step over "
+          f"{args.rounds} interleaved rounds (the machine is shared: the minimum is the least disturbed) ==")
+    rows, ctx = frontier(args.quick, args.batch, args.seq, args.rounds)
+    if args.skip_compile:
+        rows = [r for r in rows if r["kind"] != "compile"]
+    for name, plan in ctx["plans"].items():
+        print(f"{name}:\n{plan}")
+    print(format_table(rows, [
+        ("policy", "policy", str), ("from", "from", str), ("peak", "peak_bytes", mib),
+        ("predicted", "predicted_peak_bytes", mib), ("error", "error", pct),
+        ("saved", "saved_activation_bytes", mib), ("step ms", "step_ms", lambda v: "-" if v is None else f"{v:.1f}"),
+        ("overhead", "overhead", pct), ("pareto", "pareto", lambda v: "*" if v else "")]))
+    summary = frontier_summary(rows)
+    result["frontier"], result["frontier_summary"] = rows, summary
+    print(format_table(summary["dominance"], [
+        ("uniform", "uniform", str), ("peak", "uniform_peak", mib), ("ms", "uniform_ms", lambda v: f"{v:.1f}"),
+        ("best plan with <= peak", "best_plan", str), ("peak", "plan_peak", mib),
+        ("ms", "plan_ms", lambda v: "-" if v is None else f"{v:.1f}"), ("plan faster", "dominated", str)]))
+    sp = summary["speedup_at_full_peak"]
+    print(f"at the peak of full: best plan {summary['best_plan_at_full_peak']} is "
+          f"{'-' if sp is None else f'{sp:.0%}'} faster than full")
+    print(f"selective gets {summary['selective_fraction_of_full_peak_savings']:.0%} of full's peak savings "
+          f"({summary['selective_fraction_of_full_saved_bytes']:.0%} of its saved-activation savings) at "
+          f"{summary['selective_overhead']:+.0%} overhead (full: {summary['full_overhead']:+.0%})")
+
+    print("\n== 3. what fits, by prediction: GPT 1.3B shape (24 x 2048), bf16 autocast, AdamW ==")
+    fits = fits_table(args.quick)
+    result["what_fits"] = fits
+    print(format_table(fits, [("policy", "policy", str), ("capacity", "capacity", str),
+                              ("max batch @ seq 2048", "max_batch_size", str),
+                              ("max seq @ batch 1", "max_seq_len", str)]))
+    llama = llama_cost()
+    result["llama7b"] = llama
+    print(f"Llama-7B-shaped GPT (6.7B) at batch 8, seq 4096, bf16, fresh process: "
+          + ", ".join(f"{p} peak {mib(llama[p]['peak'])} ({llama[p]['s']:.1f} s)" for p in ("none", "full", "selective"))
+          + f"; whole process {llama['total_s']:.1f} s incl. import, max RSS {mib(llama['max_rss'])}")
+
+    if not args.skip_compile:
+        print("\n== 4. compile:budget on mlp-chain (4 x 64, b=32, s=256): allocator-level accounting ==")
+        comp = compile_investigation(args.quick)
+        result["compile"] = comp
+        print(format_table(comp, [
+            ("policy", "policy", str), ("tracker peak", "tracker_peak", mib), ("allocator peak", "allocator_peak", mib),
+            ("tracker saved", "tracker_saved", mib), ("allocator saved", "allocator_saved", mib),
+            ("backward rise", "backward_rise", mib), ("peak in", "peak_phase", str),
+            ("peak at % of bwd", "peak_at_backward_fraction", lambda v: "-" if v is None else f"{v:.0%}"),
+            ("step ms", "step_ms", lambda v: f"{v:.1f}")]))
+        drop = compile_dropout_check()
+        result["compile_dropout"] = drop
+        print("gpt-tiny with dropout, max |grad(compile:budget=0.5) - grad(compile:budget=1.0)|: "
+              + ", ".join(f"{k}: {v:.3g}" for k, v in drop.items()))
+    print(f"\n(total {time.perf_counter() - t_start:.0f} s)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=lambda o: str(o))
+
+
+if __name__ == "__main__":
+    main()
