@@ -89,7 +89,9 @@ def measure_sharded_many(workload: Workload | str, batch_size: int, seq_len: int
     for i, policy in enumerate(spec["policies"]):
         if error or len(ranks) != nproc:
             record = _base_record({**spec, "policy": policy}, nproc)
-            record.update(status="error", message=error or f"only {len(ranks)} of {nproc} ranks reported")
+            oom = "OutOfMemoryError" in error
+            record.update(status="oom" if oom else "error", fits=False if oom else None,
+                          message=error or f"only {len(ranks)} of {nproc} ranks reported")
         else:
             record = combine([r[i] for r in ranks])
         records.append(record)
@@ -271,50 +273,54 @@ def rank_batch(workload: Workload, batch_size: int, seq_len: int, rank: int, wor
 
 
 def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
+    """This rank's partial record. An exception is not caught: it ends this rank's process, and
+    the launcher ends the group (a rank that stopped early would leave the others waiting in a
+    collective) and reports the error — an out-of-memory error as status "oom"."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from .timing import time_steps
 
     out = {"rank": rank, "world_size": world, "spec": spec, "device_name": device_name(dev)}
-    try:
-        workload = get_workload(spec["model"], seed=spec["seed"], **spec["overrides"])
-        model = workload.build(dev)
-        model.train()
-        handle = shard_model(model, parse_policy(spec["policy"]), world, dev.type)
-        out.update(n_blocks=handle.n_blocks, effective_density=handle.effective_density,
-                   checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)))
-        batch = rank_batch(workload, spec["batch_size"], spec["seq_len"], rank, world, dev)
-        optimizer = make_optimizer(spec["optimizer"], model)
-        step = training_step(model, workload, batch, optimizer, spec["dtype"], spec["accum_steps"])
-        torch.manual_seed(workload.seed + rank)
-        step()   # warm-up: optimizer state exists
-        handle.reset_counts()
+    limit = spec["memory_limit_bytes"]
+    if dev.type == "cuda" and limit is not None:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / torch.cuda.get_device_properties(dev).total_memory), dev)
+    workload = get_workload(spec["model"], seed=spec["seed"], **spec["overrides"])
+    model = workload.build(dev)
+    model.train()
+    handle = shard_model(model, parse_policy(spec["policy"]), world, dev.type)
+    out.update(n_blocks=handle.n_blocks, effective_density=handle.effective_density,
+               checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)))
+    batch = rank_batch(workload, spec["batch_size"], spec["seq_len"], rank, world, dev)
+    optimizer = make_optimizer(spec["optimizer"], model)
+    step = training_step(model, workload, batch, optimizer, spec["dtype"], spec["accum_steps"])
+    torch.manual_seed(workload.seed + rank)
+    step()   # warm-up: optimizer state exists
+    handle.reset_counts()
 
-        def local(t):
-            return t.to_local() if isinstance(t, DTensor) else t
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
 
-        held = list(model.parameters()) + list(batch)
-        if optimizer is not None:
-            held += [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        start = {}
-        for t in map(local, held):
-            if t.device == dev:
-                start[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        peak, saved, loss = _step_peak(step, dev, sum(start.values()))
-        out.update(peak_bytes=peak, start_bytes=sum(start.values()), saved_activation_bytes=saved,
-                   recompute_count=handle.recompute_count, loss=float(loss))
-        limit = spec["memory_limit_bytes"]
-        out["fits"] = None if limit is None else peak <= limit
-        if out["fits"] is False:
-            out.update(status="oom", message=f"rank {rank}: peak {peak} B exceeds the memory limit {limit} B")
-            return out
-        timing = time_steps(step, steps=spec["steps"], warmup=spec["warmup"], device=dev)
-        out.update(step_ms=timing.median_ms, step_ms_min=timing.min_ms, step_ms_max=timing.max_ms,
-                   status="ok", message="")
-    except torch.OutOfMemoryError as exc:
-        out.update(status="oom", fits=False, message=f"rank {rank}: {str(exc).splitlines()[0]}")
-    except Exception as exc:  # noqa: BLE001 - reported in the record, like measure()
-        out.update(status="error", message=f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    held = list(model.parameters()) + list(batch)
+    if optimizer is not None:
+        held += [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    start = {}
+    for t in map(local, held):
+        if t.device == dev:
+            start[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    peak, saved, loss = _step_peak(step, dev, sum(start.values()))
+    out.update(peak_bytes=peak, start_bytes=sum(start.values()), saved_activation_bytes=saved,
+               recompute_count=handle.recompute_count, loss=float(loss), status="ok", message="")
+    out["fits"] = None if limit is None else peak <= limit
+    # Every rank must take the same branch: time the steps only if every rank fits.
+    all_fit = torch.tensor([0 if out["fits"] is False else 1], device=dev)
+    dist.all_reduce(all_fit, op=dist.ReduceOp.MIN)
+    if not all_fit.item():
+        out.update(status="oom", message=f"rank {rank}: peak {peak} B exceeds the memory limit {limit} B"
+                   if out["fits"] is False else f"another rank exceeds the memory limit {limit} B")
+        return out
+    timing = time_steps(step, steps=spec["steps"], warmup=spec["warmup"], device=dev)
+    out.update(step_ms=timing.median_ms, step_ms_min=timing.min_ms, step_ms_max=timing.max_ms)
     return out
 
 
@@ -382,7 +388,8 @@ def combine(ranks: list[dict]) -> dict:
     """Per-rank partial records -> one record: peak = max over ranks, the rest from rank 0."""
     r0 = ranks[0]
     record = _base_record(r0["spec"], r0["world_size"])
-    bad = next((r for r in ranks if r.get("status") != "ok"), None)
+    bad = next((r for r in ranks if r.get("fits") is False), None) or next(
+        (r for r in ranks if r.get("status") != "ok"), None)
     record.update({k: r0.get(k) for k in ("n_blocks", "effective_density", "checkpointed_blocks",
                                           "device_name", "saved_activation_bytes", "recompute_count",
                                           "loss", "step_ms", "step_ms_min", "step_ms_max")})

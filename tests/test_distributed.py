@@ -85,5 +85,9 @@ def test_a_hung_or_dead_rank_group_is_an_error_record_not_a_hang():
     [record] = measure_sharded_many("gpt-tiny", 1, 16, ["full"], nproc=2, model_overrides=TINY, timeout_s=0.5)
     assert record["status"] == "error" and record["message"] == "2 ranks timed out after 0.5 s"
     assert record["world_size"] == 2 and record["peak_bytes"] is None
+    # A rank that raises ends its process; the group is stopped and the error reported at once.
+    [record] = measure_sharded_many("gpt-tiny", 1, 16, ["layers=9"], nproc=2, model_overrides=TINY, timeout_s=300)
+    assert record["status"] == "error" and "exited with code 1" in record["message"]
+    assert "layers=9" in record["message"] or "ValueError" in record["message"], record["message"]
     with pytest.raises(ValueError, match="nproc=0 is invalid"):
         measure_sharded_many("gpt-tiny", 1, 16, ["none"], nproc=0)
