@@ -234,6 +234,41 @@ def compile_investigation(quick: bool) -> list[dict]:
     return rows
 
 
+def backward_graph_order() -> dict:
+    """Where does the partitioner put recomputation? Capture AOTAutograd's joint-partitioned
+    backward graph (same min-cut partitioner inductor uses, eager-executed) for a 4-block
+    mlp-chain and list the positions of the forward ops (addmm, relu) it re-runs."""
+    import torch._dynamo
+    import torch._functorch.config as fc
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from functorch.compile import make_boxed_func
+
+    workload = get_workload("mlp-chain", n_layer=4, n_embd=16)
+    out = {}
+    for budget in (1.0, 0.5, 0.0):
+        graphs = {}
+
+        def keep(name):
+            def compiler(gm, inputs):
+                graphs[name] = gm
+                return make_boxed_func(gm.forward)
+            return compiler
+
+        torch._dynamo.reset()
+        with fc.patch(activation_memory_budget=budget):
+            backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"),
+                                   partition_fn=min_cut_rematerialization_partition)
+            workload.loss(torch.compile(workload.build(), backend=backend), workload.batch(2, 8)).backward()
+        torch._dynamo.reset()
+        names = [str(n.target) for n in graphs["bw"].graph.nodes if n.op == "call_function"]
+        recompute = [i for i, n in enumerate(names) if n in ("aten.addmm.default", "aten.relu.default")]
+        grads = [i for i, n in enumerate(names) if n == "aten.threshold_backward.default"]
+        out[budget] = {"bw_ops": len(names), "recompute_positions": recompute,
+                       "first_relu_grad": grads[0] if grads else None}
+    return out
+
+
 def compile_dropout_check() -> dict:
     """gpt-tiny with dropout: compile:budget=0.5 vs 1.0 gradients, under inductor's own RNG and
     under fallback_random (eager RNG)."""
@@ -337,6 +372,13 @@ def main() -> None:
             ("backward rise", "backward_rise", mib), ("peak in", "peak_phase", str),
             ("peak at % of bwd", "peak_at_backward_fraction", lambda v: "-" if v is None else f"{v:.0%}"),
             ("step ms", "step_ms", lambda v: f"{v:.1f}")]))
+        order = backward_graph_order()
+        result["compile_bw_order"] = order
+        for budget, o in order.items():
+            rc = o["recompute_positions"]
+            print(f"budget {budget}: backward graph of {o['bw_ops']} ops re-runs {len(rc)} forward ops"
+                  + (f" at positions {rc[0]}..{rc[-1]}, before the first relu gradient (position "
+                     f"{o['first_relu_grad']})" if rc else ""))
         drop = compile_dropout_check()
         result["compile_dropout"] = drop
         print("gpt-tiny with dropout, max |grad(compile:budget=0.5) - grad(compile:budget=1.0)|: "
