@@ -237,6 +237,7 @@ def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, is
     from .sweep import _failed
 
     reason = ""
+    _local_results_wait(job)
     try:
         by_cell = {json.dumps(r["_cell"], sort_keys=True): r for r in job.result()}
     except Exception as exc:  # noqa: BLE001 - the job died: keep what it wrote, say why
@@ -256,6 +257,15 @@ def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, is
         else:
             again.append(cell)
     return again
+
+
+def _local_results_wait(job) -> None:
+    """submitit waits 15 s for a dead job's result file to appear (NFS caching on clusters); a
+    local job writes to a local disk, so 1 s is plenty."""
+    import submitit
+
+    if isinstance(job, submitit.LocalJob):
+        job._results_timeout_s = 1
 
 
 def _is_done(job) -> bool:
@@ -337,6 +347,7 @@ def run_notebooks_as_jobs(plan, out: Path, run_name: str, param_set: str, timeou
                 if not _is_done(job):
                     still.append((job, i, path, run_dir, started))
                     continue
+                _local_results_wait(job)
                 try:
                     run = job.result()
                 except Exception as exc:  # noqa: BLE001 - the job died: a failed run with the reason
