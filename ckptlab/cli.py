@@ -174,7 +174,7 @@ def add_executor_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> N
     p.add_argument("--cluster", choices=("slurm", "local", "debug"), default=None,
                    help="submitit cluster (default: SLURM when srun is on PATH, else local processes)")
     p.add_argument("--slurm-partition", default=None, help="SLURM partition")
-    p.add_argument("--slurm-gpus", type=int, default=None, help="GPUs per job (default: --nproc on CUDA, 0 on CPU)")
+    p.add_argument("--slurm-gpus", type=int, default=None, help="GPUs per job (sweep default: --nproc on CUDA, else 0)")
     p.add_argument("--slurm-time", type=int, default=60, help="time limit per job, minutes (default 60)")
     p.add_argument("--slurm-account", default=None, help="SLURM account")
     if sweep:
