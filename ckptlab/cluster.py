@@ -19,6 +19,10 @@ Nothing is lost silently:
   * resume: running the same sweep into the same folder submits only cells without a record —
     and first gathers records that jobs of an interrupted earlier sweep left in their files.
 
+Out-of-memory inference (larger batches of a group recorded as `oom` without running) uses the
+records already in the folder and, inside a job, the job's own earlier cells: with one cell per
+job the batches of a group run in parallel, so a larger batch is measured rather than inferred.
+
 Job time limit: `slurm_time_min` (minutes, per job); with `cell_timeout_s` the limit is
 `cell_timeout_s * cells_per_job` seconds instead (on SLURM rounded up to whole minutes).
 Requires the optional extra `ckptlab[cluster]` (submitit).
@@ -173,9 +177,10 @@ def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: b
 
     try:
         # Records that jobs of an interrupted earlier sweep finished after it stopped listening.
+        in_grid = {cell_id(c) for c in cells}
         for record in _leftovers(options.folder):
             cell = record.get("_cell")
-            if cell and cell_id(cell) not in finished and record.get("status") in ("ok", "oom"):
+            if cell and cell_id(cell) in in_grid - finished and record.get("status") in ("ok", "oom"):
                 keep(record, cell, record.get("job_id"), isolated=options.cells_per_job == 1)
         pending = []
         for cell in cells:
@@ -244,8 +249,8 @@ def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, is
         by_cell = {json.dumps(r["_cell"], sort_keys=True): r for r in _read_partial(path)}
         lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
         state = _state(job)
-        reason = (f"job {job.job_id} ended without finishing this cell (state {state}, after "
-                  f"{elapsed_s:.0f} s): {lines[0][:300] if lines else type(exc).__name__}")
+        reason = (f"job {job.job_id} ended without finishing this cell (state {state}, {elapsed_s:.0f} s "
+                  f"after submission): {lines[0][:300] if lines else type(exc).__name__}")
     again, blamed = [], False
     for cell in chunk:
         record = by_cell.get(json.dumps(cell, sort_keys=True))
