@@ -10,10 +10,11 @@ minimise the recompute time subject to the predicted peak <= budget.
      bytes its forward leaves alive for backward (kept[j][o]) and the peak of live bytes while its
      backward runs (bwd_peak[j][o]); the peak before the first block's backward (forward + loss
      head) and after the last (embedding backward + optimizer);
-   - time, per op: one forward of each block (real tensors, per-op wall time; or, for shapes that
-     do not fit here, a roofline estimate from the op's FLOPs and bytes). An option's recompute
-     cost is the time of the ops it recomputes: all of them for full, those the selective policy
-     does not save for selective, none for keep.
+   - time: measured, an option's cost is what it adds to the block's forward + backward (the
+     fastest of interleaved repeats of each option, minus keep's), framework overhead included;
+     roofline (shapes that do not fit here), the FLOPs and bytes of the ops it recomputes (all of
+     them for full, those the selective policy does not save for selective) on an assumed
+     accelerator.
 2. Peak model of a plan o_0..o_{N-1} (d_i(o) = kept[i][o] - kept[i][keep]):
        head   = max_o (head_o - sum_i d_i(o)) + sum_i d_i(o_i)
        block j = bwd_peak[j][o_j] - sum_{i<j} d_i(o_j) + sum_{i<j} d_i(o_i)
@@ -347,6 +348,12 @@ def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str,
                 saved.append(policy_fn(None, func) in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE))
             full = sum(per_op)
             sel = sum(t for t, s in zip(per_op, saved) if not s)
+            if not fake:
+                # What the option really adds to the block's forward + backward, framework
+                # overhead included (selective checkpointing intercepts every op in Python: at
+                # small sizes that costs more than the ops it saves).
+                extra = _block_option_ms(block, args, kwargs, amp, reps)
+                full, sel = extra["full"], extra["selective"]
             costs.append({"keep": 0.0, "selective": sel, "full": full})
         # Blocks of one type and parameter shapes do the same work: average their timings, so
         # the plan is chosen by where a block sits (memory), not by timer noise.
@@ -359,6 +366,31 @@ def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str,
             for j in members:
                 costs[j] = dict(mean)
     return costs
+
+
+def _block_option_ms(block, args, kwargs, amp, reps: int) -> dict[str, float]:
+    """Fastest forward + backward of one block per option, minus keep's (>= 0)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .wrap import selective_context_fn
+
+    def run(option):
+        if option == "keep":
+            out = block(*args, **kwargs)
+        else:
+            extra = {"context_fn": selective_context_fn("mm")} if option == "selective" else {}
+            out = checkpoint(block, *args, use_reentrant=False, **extra, **kwargs)
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        out.backward(torch.ones_like(out))
+
+    best = {o: math.inf for o in OPTIONS}
+    for _ in range(reps):  # interleaved, so load drift hits every option alike
+        for option in OPTIONS:
+            with amp():
+                t0 = time.perf_counter()
+                run(option)
+                best[option] = min(best[option], (time.perf_counter() - t0) * 1e3)
+    return {o: max(0.0, best[o] - best["keep"]) for o in OPTIONS}
 
 
 _PROFILE_CACHE: dict = {}
