@@ -305,11 +305,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds for the frontier")
     parser.add_argument("--out", default=None, help="write every table as JSON here")
     parser.add_argument("--skip-compile", action="store_true", help="skip torch.compile runs (slow on CPU)")
+    parser.add_argument("--sections", default="1,2,3,4", help="which sections to run, e.g. 2,4")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     t_start = time.perf_counter()
     result = {}
+    sections = set(args.sections.split(","))
+    if "1" in sections:
+        section_prediction(args, result)
+    if "2" in sections:
+        section_frontier(args, result)
+    if "3" in sections:
+        section_fits(args, result)
+    if "4" in sections and not args.skip_compile:
+        section_compile(args, result)
+    print(f"\n(total {time.perf_counter() - t_start:.0f} s)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=lambda o: str(o))
 
+
+def section_prediction(args, result) -> None:
     print("== 1. predicted vs measured peak (fake tensors vs live-tensor tracker), closed form beside ==")
     pred_rows = prediction_table(args.quick)
     result["prediction"] = pred_rows
@@ -325,6 +341,9 @@ def main() -> None:
           f"{min(r['cf_error'] for r in cf):+.1%}..{max(r['cf_error'] for r in cf):+.1%}, "
           f"saved-activation error {min(r['cf_saved_error'] for r in cf):+.1%}..{max(r['cf_saved_error'] for r in cf):+.1%}")
 
+
+
+def section_frontier(args, result) -> None:
     print(f"\n== 2. measured frontier: gpt-tiny b={args.batch} s={args.seq}, fp32, step time = fastest step over "
           f"{args.rounds} interleaved rounds (the machine is shared: the minimum is the least disturbed) ==")
     rows, ctx = frontier(args.quick, args.batch, args.seq, args.rounds)
@@ -350,6 +369,9 @@ def main() -> None:
           f"({summary['selective_fraction_of_full_saved_bytes']:.0%} of its saved-activation savings) at "
           f"{summary['selective_overhead']:+.0%} overhead (full: {summary['full_overhead']:+.0%})")
 
+
+
+def section_fits(args, result) -> None:
     print("\n== 3. what fits, by prediction: GPT 1.3B shape (24 x 2048), bf16 autocast, AdamW ==")
     fits = fits_table(args.quick)
     result["what_fits"] = fits
@@ -362,7 +384,10 @@ def main() -> None:
           + ", ".join(f"{p} peak {mib(llama[p]['peak'])} ({llama[p]['s']:.1f} s)" for p in ("none", "full", "selective"))
           + f"; whole process {llama['total_s']:.1f} s incl. import, max RSS {mib(llama['max_rss'])}")
 
-    if not args.skip_compile:
+
+
+def section_compile(args, result) -> None:
+    if True:
         print("\n== 4. compile:budget on mlp-chain (4 x 64, b=32, s=256): allocator-level accounting ==")
         comp = compile_investigation(args.quick)
         result["compile"] = comp
@@ -383,10 +408,6 @@ def main() -> None:
         result["compile_dropout"] = drop
         print("gpt-tiny with dropout, max |grad(compile:budget=0.5) - grad(compile:budget=1.0)|: "
               + ", ".join(f"{k}: {v:.3g}" for k, v in drop.items()))
-    print(f"\n(total {time.perf_counter() - t_start:.0f} s)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=lambda o: str(o))
 
 
 if __name__ == "__main__":
