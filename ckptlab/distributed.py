@@ -198,7 +198,10 @@ def _free_port() -> int:
 
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
-_RANK_MAIN = "import sys; from ckptlab.distributed import _rank_main; _rank_main(sys.argv[1])"
+# os._exit once the results are on disk: gloo's C++ threads can abort the interpreter's normal
+# shutdown ("terminate called without an active exception", seen here in the test suite).
+_RANK_MAIN = ("import os, sys; from ckptlab.distributed import _rank_main; _rank_main(sys.argv[1]); "
+              "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
 
 
 def _rank_main(out_dir: str) -> None:
@@ -230,13 +233,17 @@ def run_rank(spec: dict, gather: bool = False):
         dist.init_process_group("gloo")
     try:
         if spec.get("mode") == "gradients":
-            return [_gradients_rank(spec, p, rank, world, dev) for p in spec["policies"]]
-        mine = [_measure_rank({**spec, "policy": p}, rank, world, dev) for p in spec["policies"]]
-        if not gather:
-            return mine
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine)
-        return everyone
+            result = [_gradients_rank(spec, p, rank, world, dev) for p in spec["policies"]]
+        else:
+            result = [_measure_rank({**spec, "policy": p}, rank, world, dev) for p in spec["policies"]]
+            if gather:
+                everyone = [None] * world
+                dist.all_gather_object(everyone, result)
+                result = everyone
+        # No rank tears down its group while a peer is still in a collective with it (only on
+        # success: after a failure the launcher ends the group instead of a barrier hanging).
+        dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
 
