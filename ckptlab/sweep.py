@@ -107,7 +107,8 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
     parsed = []
     for p in _list("policies", policies):
         policy = parse_policy(p)
-        policy.regions(n_blocks)
+        if policy.kind != "budget":  # a budget becomes a plan per cell, from that cell's shapes
+            policy.regions(n_blocks)
         if str(policy) not in parsed:
             parsed.append(str(policy))
     dtypes = list(dict.fromkeys(_list("dtypes", dtypes)))
