@@ -246,7 +246,7 @@ def write_results_index(out: str | Path = RESULTS) -> Path:
         run_dir = meta_path.parent
         headline_path = run_dir / "headline.json"
         headline = json.loads(headline_path.read_text()) if headline_path.exists() else {}
-        figures = sorted(run_dir.glob("**/*.png"))
+        figures = sorted(run_dir.glob("*.png"))  # the notebook's own figures, not its sub-sweeps
         env = meta.get("environment") or {}
         rows.append("| {nb} | {ps} | {date} | {device} | {status} | {head} | {figs} |".format(
             nb=f"[{meta['notebook']}]({run_dir.relative_to(out)}/{meta['notebook']}.ipynb)",

@@ -124,11 +124,12 @@ def test_results_index_lists_each_run(tmp_path):
                                                   "finished_at": "2026-11-29T12:00:00+00:00",
                                                   "environment": {"device_name": "AMD EPYC"}}))
     (run_dir / "headline.json").write_text(json.dumps({"overhead_full": "+31%"}))
+    (run_dir / "pareto.png").write_bytes(b"png")
     (run_dir / "sweep" / "figures").mkdir(parents=True)
-    (run_dir / "sweep" / "figures" / "pareto.png").write_bytes(b"png")
+    (run_dir / "sweep" / "figures" / "heatmaps.png").write_bytes(b"png")  # a sub-sweep's: not listed
     text = write_results_index(tmp_path).read_text()
     assert ("| [02_density_sweep](02_density_sweep/default/02_density_sweep.ipynb) | default | 2026-11-29 | "
-            "AMD EPYC | ok | overhead_full: +31% | [pareto](02_density_sweep/default/sweep/figures/pareto.png) |") in text
+            "AMD EPYC | ok | overhead_full: +31% | [pareto](02_density_sweep/default/pareto.png) |") in text
 
 
 def test_cli_lists_a_notebooks_parameters(capsys):
