@@ -206,10 +206,11 @@ def _execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(parameters, f)
         params_file = f.name
-    command = [sys.executable, "-m", "papermill", str(path), str(run_dir / path.name), "-f", params_file,
-               "--cwd", str(ROOT), "-k", "python3", "--log-level", "ERROR", "--no-progress-bar"]
+    # Paths relative to the repository (papermill records them in the executed notebook).
+    command = [sys.executable, "-m", "papermill", _relative(path), _relative(run_dir / path.name), "-f", params_file,
+               "--cwd", ".", "-k", "python3", "--log-level", "ERROR", "--no-progress-bar"]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
         status, error = ("ok", "") if proc.returncode == 0 else ("failed", _papermill_error(proc.stderr))
     except subprocess.TimeoutExpired:
         status, error = "timeout", f"did not finish within {timeout_s:.0f} s"
