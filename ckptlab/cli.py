@@ -69,7 +69,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     policies = [parse_policy(p) for p in split_list(args.policy)]
     batches, seqs = int_list("batch", args.batch), int_list("seq", args.seq)
-    workload = get_workload(args.model)
+    workload = get_workload(args.model, **_model_overrides(args.set))
     rows = []
     for batch in batches:
         for seq in seqs:
@@ -95,12 +95,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .store import RunLockedError
     from .sweep import sweep
 
-    overrides = {}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r} is invalid: allowed is KEY=VALUE, e.g. n_layer=8")
-        overrides[key] = _literal(value)
+    overrides = _model_overrides(args.set)
     try:
         df = sweep(model=args.model, batch_sizes=int_list("batch", args.batch), seq_lens=int_list("seq", args.seq),
                    policies=split_list(args.policy), dtypes=split_list(args.dtype),
@@ -187,13 +182,7 @@ def _model_overrides(pairs) -> dict:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ValueError(f"--set {pair!r} is invalid: allowed is KEY=VALUE, e.g. n_layer=8")
-        try:
-            out[key.strip()] = int(value)
-        except ValueError:
-            try:
-                out[key.strip()] = float(value)
-            except ValueError:
-                out[key.strip()] = value
+        out[key.strip()] = _literal(value.strip())
     return out
 
 
@@ -246,29 +235,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, policy: str, lists: bool = True) -> None:
+    """--model, --set, --batch, --seq, --policy, --dtype: what every measuring subcommand takes."""
+    many = ", comma-separated" if lists else ""
+    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override, e.g. --set n_layer=8")
+    p.add_argument("--batch", default=batch, type=str if lists else int, help=f"batch size{'s' if lists else ''}{many}")
+    p.add_argument("--seq", default=seq, type=str if lists else int, help=f"sequence length{'s' if lists else ''}{many}")
+    if policy:
+        p.add_argument("--policy", default=policy, help="policies, comma-separated, e.g. none,density=0.5,full")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16" + (" (comma-separated for sweeps)" if lists else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("measure", help="measure one training step per policy and print a table")
-    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
-    p.add_argument("--batch", default="4", help="batch size(s), comma-separated")
-    p.add_argument("--seq", default="64", help="sequence length(s), comma-separated")
-    p.add_argument("--policy", default="none,full", help="policies, comma-separated, e.g. none,density=0.5,full")
+    add_workload_arguments(p, batch="4", seq="64", policy="none,full")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
     p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
     p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("sweep", help="measure a grid into a run folder (OOM-safe, resumable); print a summary")
-    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override, e.g. --set n_layer=8")
-    p.add_argument("--batch", default="1,2,4", help="batch sizes, comma-separated")
-    p.add_argument("--seq", default="64", help="sequence lengths, comma-separated")
-    p.add_argument("--policy", default="none,density=0.5,full", help="policies, comma-separated")
-    p.add_argument("--dtype", default="fp32", help="fp32 and/or bf16, comma-separated")
+    add_workload_arguments(p, batch="1,2,4", seq="64", policy="none,density=0.5,full")
     p.add_argument("--accum", default="1", help="gradient-accumulation steps, comma-separated")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--memory-limit", default=None, help="e.g. 2GiB (emulated on CPU)")
@@ -286,21 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors)")
-    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override, e.g. --set n_layer=32")
-    p.add_argument("--batch", default="4", help="batch size(s), comma-separated")
-    p.add_argument("--seq", default="64", help="sequence length(s), comma-separated")
-    p.add_argument("--policy", default="none,selective,full", help="policies, comma-separated")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
+    add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("plan", help="choose keep/selective/full per block to fit a memory budget")
-    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override, e.g. --set n_layer=8")
-    p.add_argument("--batch", type=int, default=4, help="batch size")
-    p.add_argument("--seq", type=int, default=64, help="sequence length")
+    add_workload_arguments(p, batch="4", seq="64", policy="", lists=False)
     p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of the no-checkpointing peak (0.5)")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
     p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
     p.set_defaults(func=cmd_plan)
 
