@@ -7,7 +7,7 @@ from .models import Workload, get_workload
 from .plan import Plan, plan_budget, profile_blocks
 from .policy import Policy, parse_policy
 from .store import RunLockedError, load_run
-from .sweep import make_grid, sweep
+from .sweep import equal_batch_sweep, make_grid, sweep
 from .timing import time_steps
 from .verify import compare_gradients
 from .wrap import CheckpointHandle, apply_checkpointing, find_blocks
@@ -18,6 +18,6 @@ __all__ = [
     "CheckpointHandle", "MemoryReport", "Policy", "Workload", "apply_checkpointing", "compare_gradients",
     "find_blocks",
     "format_bytes", "get_workload", "measure", "parse_bytes", "parse_policy", "time_steps",
-    "track_memory", "sweep", "make_grid", "load_run", "RunLockedError",
+    "track_memory", "sweep", "equal_batch_sweep", "make_grid", "load_run", "RunLockedError",
     "Prediction", "predict", "closed_form", "what_fits", "Plan", "plan_budget", "profile_blocks",
 ]

@@ -104,6 +104,41 @@ def what_fits(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batc
     return pd.DataFrame(out)
 
 
+def config_label(df: pd.DataFrame) -> pd.Series:
+    """A row's configuration in words: the policy, plus the dtype unless fp32, plus the
+    accumulation unless 1 — e.g. "full bf16", "none accum=4"."""
+    return (df["policy"] + df["dtype"].map(lambda d: "" if d == "fp32" else f" {d}")
+            + df["accum_steps"].map(lambda k: "" if k == 1 else f" accum={k}"))
+
+
+BUSY_SPREAD = 1.5  # max/min step time within one cell above which timings are not to be trusted
+
+
+def timing_note(df: pd.DataFrame) -> str:
+    """How noisy the run's timings were: the largest max/min step-time spread within one cell,
+    and a warning to rerun above BUSY_SPREAD (a busy machine)."""
+    spread = (df["step_ms_max"] / df["step_ms_min"]).max()
+    return (f"Largest max/min step-time spread in one cell: {spread:.2f}x"
+            + (" — a busy machine: rerun before trusting the times." if spread > BUSY_SPREAD else "."))
+
+
+def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
+    """Each budget plan against the fastest uniform policy whose peak is no higher: the plan's
+    time over that policy's, minus one (negative: the plan is faster); missing where no uniform
+    policy reaches the plan's peak."""
+    rows = ok(df)
+    uniform, plans = rows[~rows["policy"].str.startswith("budget")], rows[rows["policy"].str.startswith("budget")]
+    out = []
+    for r in plans.itertuples():
+        rivals = uniform[uniform["peak_bytes"] <= r.peak_bytes]
+        best = rivals.loc[rivals["step_ms"].idxmin()] if len(rivals) else None
+        out.append({"policy": r.policy, "plan": r.plan, "peak_bytes": r.peak_bytes, "step_ms": r.step_ms,
+                    "best_uniform": None if best is None else best["policy"],
+                    "best_uniform_step_ms": None if best is None else best["step_ms"],
+                    "vs_best_uniform": None if best is None else r.step_ms / best["step_ms"] - 1})
+    return pd.DataFrame(out)
+
+
 def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
     """Best configuration (highest tokens/s among ok cells whose measured peak fits) per limit:
     the run's own limit (or "none"), then the card sizes. Status counts are in `df.status`."""

@@ -42,7 +42,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from .models import WORKLOAD_FACTORIES, Workload
 from .policy import Policy, parse_policy
-from .wrap import CheckpointHandle
+from .wrap import CheckpointHandle, remove_earlier_policies
 
 try:
     import transformers
@@ -213,20 +213,11 @@ class HFCheckpointHandle(CheckpointHandle):
         self._removed = True
 
 
-def apply_hf_checkpointing(
-    model: nn.Module,
-    policy: str | Policy,
-    blocks: Sequence[nn.Module] | None = None,
-    *,
-    use_reentrant: bool = False,
-    preserve_rng_state: bool = True,
-    determinism_check: str = "default",
-    debug: bool = False,
-    early_stop: bool = True,
-    context_fn: Callable | None = None,
-) -> HFCheckpointHandle:
+def apply_hf_checkpointing(model: nn.Module, policy: str | Policy, blocks: Sequence[nn.Module] | None,
+                           checkpoint_options: dict, early_stop: bool = True) -> HFCheckpointHandle:
     """Turn on transformers' own checkpointing as `policy` (hf, hf:every_n_layers=K, hf:offload)
-    says. Called by `ckptlab.apply_checkpointing`, whose options it takes; raises ValueError,
+    says. Called by `ckptlab.apply_checkpointing`, with the `torch.utils.checkpoint` keyword
+    arguments it built from its options; raises ValueError,
     before touching the model, for a non-transformers model or an option this transformers lacks."""
     policy = parse_policy(policy)
     version = f"transformers {transformers.__version__}"
@@ -266,23 +257,12 @@ def apply_hf_checkpointing(
     layers = hf_layers(model)
     if not layers:
         raise ValueError(f"policy={str(policy)!r} is invalid: {type(model).__name__} has no checkpointable layers")
-    if use_reentrant and context_fn is not None:
-        raise ValueError("context_fn is invalid with use_reentrant=True: PyTorch supports it only non-reentrant")
-    for layer in layers:  # checkpoints never nest: drop an earlier ckptlab or hf policy first
-        previous = getattr(layer.__dict__.get("forward"), "_ckptlab_handle", None)
-        if previous is not None:
-            previous.remove()
-
-    ckpt_kwargs = dict(use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
-    if not use_reentrant:
-        ckpt_kwargs.update(determinism_check=determinism_check, debug=debug)
-        if context_fn is not None:
-            ckpt_kwargs["context_fn"] = context_fn
+    remove_earlier_policies(layers)
     enable, disable, kwargs_name = _methods(model)
     hooks_before = list(getattr(model, "_require_grads_hooks", None) or [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* are deprecated in 5.x
-        enable(**{kwargs_name: ckpt_kwargs}, **options)
+        enable(**{kwargs_name: checkpoint_options}, **options)
     handle = HFCheckpointHandle(policy, model, layers, disable, hooks_before)
     for layer in layers:
         _count_recomputes(layer, handle, early_stop)

@@ -128,9 +128,7 @@ def pareto_plot(df: pd.DataFrame, path=None):
         line, = ax.plot(front["peak_bytes"] / MiB, front["step_ms"], "o-", label=f"s={s} eff. batch={eb}")
         dom = g[~g["pareto_optimal"]]
         ax.scatter(dom["peak_bytes"] / MiB, dom["step_ms"], facecolors="none", edgecolors=line.get_color())
-        for _, r in g.iterrows():
-            tag = r["policy"] + ("" if r["dtype"] == "fp32" else f" {r['dtype']}") + \
-                ("" if r["accum_steps"] == 1 else f" accum={r['accum_steps']}")
+        for (_, r), tag in zip(g.iterrows(), analysis.config_label(g)):
             ax.annotate(tag, (r["peak_bytes"] / MiB, r["step_ms"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points", color="k" if r["pareto_optimal"] else "0.45")
     ax.set(xlabel="peak memory (MiB)", ylabel="step time (ms, median)",

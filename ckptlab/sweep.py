@@ -203,6 +203,33 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
     return df
 
 
+def equal_batch_sweep(out: str | Path, batch_size: int, policies: Sequence[str] = ("none", "full"),
+                      accum_steps: Sequence[int] = (), dtypes: Sequence[str] = (), **options):
+    """Checkpointing against its alternatives at one effective batch: `policies` at `batch_size`;
+    for each k in `accum_steps`, no checkpointing at micro-batch batch_size // k accumulated k
+    times; for each dtype in `dtypes`, none and full in that dtype. Each part is a sweep in its
+    own subfolder of `out` (policies/, accum<k>/, dtypes/); returns them as one DataFrame with a
+    `config` label per row. `options` go to every `sweep` (model, seq_lens, device, steps, ...)."""
+    import pandas as pd
+
+    from .analysis import config_label
+
+    out = Path(out)
+    for k in accum_steps:
+        if batch_size // int(k) < 1:
+            raise ValueError(f"accum_steps={k} is invalid for batch_size={batch_size}: allowed is 1..{batch_size}")
+    parts = [sweep(batch_sizes=[batch_size], policies=policies, out=out / "policies", **options)]
+    for k in accum_steps:
+        parts.append(sweep(batch_sizes=[batch_size // k], accum_steps=[k], policies=["none"],
+                           out=out / f"accum{k}", **options))
+    if dtypes:
+        parts.append(sweep(batch_sizes=[batch_size], dtypes=dtypes, policies=["none", "full"],
+                           out=out / "dtypes", **options))
+    df = pd.concat(parts, ignore_index=True)
+    df["config"] = config_label(df)
+    return df
+
+
 def _run_cells(grid: Grid, writer: RunWriter, done: list[dict], isolate: bool, progress: bool,
                infer_oom: bool, cell_timeout_s) -> list[dict]:
     from tqdm.auto import tqdm

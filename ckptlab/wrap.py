@@ -111,19 +111,19 @@ def apply_checkpointing(
     `determinism_check`, `debug`, `early_stop` and `context_fn` pass through to PyTorch.
     """
     policy = parse_policy(policy)
-    if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.hf applies it
-        from .hf import apply_hf_checkpointing
-        return apply_hf_checkpointing(
-            model, policy, blocks, use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state,
-            determinism_check=determinism_check, debug=debug, early_stop=early_stop, context_fn=context_fn)
-    blocks = list(blocks) if blocks is not None else find_blocks(model)
-    regions = policy.regions(len(blocks))  # raises before the model is touched
     if use_reentrant and context_fn is not None:
         raise ValueError("context_fn is invalid with use_reentrant=True: PyTorch supports it only non-reentrant")
-    for block in blocks:
-        previous = getattr(block.__dict__.get("forward"), "_ckptlab_handle", None)
-        if previous is not None:
-            previous.remove()
+    options = dict(use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
+    if not use_reentrant:
+        options.update(determinism_check=determinism_check, debug=debug)
+        if context_fn is not None:
+            options["context_fn"] = context_fn
+    if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.hf applies it
+        from .hf import apply_hf_checkpointing
+        return apply_hf_checkpointing(model, policy, blocks, options, early_stop)
+    blocks = list(blocks) if blocks is not None else find_blocks(model)
+    regions = policy.regions(len(blocks))  # raises before the model is touched
+    remove_earlier_policies(blocks)
     modes = policy.modes(len(blocks)) if policy.kind in ("selective", "plan") else None
     if modes and any(m.startswith("selective") for m in modes):
         if use_reentrant:
@@ -132,11 +132,6 @@ def apply_checkpointing(
         if context_fn is not None:
             raise ValueError(f"context_fn is invalid with policy={policy}: the policy sets its own")
     handle = CheckpointHandle(policy, blocks, regions)
-    options = dict(use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
-    if not use_reentrant:
-        options.update(determinism_check=determinism_check, debug=debug)
-        if context_fn is not None:
-            options["context_fn"] = context_fn
     for start, stop in regions:
         mode = modes[start] if modes else "full"
         region_options = options
@@ -147,6 +142,14 @@ def apply_checkpointing(
     if policy.offload:
         _patch_offload(handle, blocks)
     return handle
+
+
+def remove_earlier_policies(blocks: Sequence[nn.Module]) -> None:
+    """Checkpoints never nest: remove whatever ckptlab (or hf) policy these blocks carry."""
+    for block in blocks:
+        previous = getattr(block.__dict__.get("forward"), "_ckptlab_handle", None)
+        if previous is not None:
+            previous.remove()
 
 
 # --------------------------------------------------------------------------- selective (op-level)

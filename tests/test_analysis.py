@@ -4,7 +4,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ckptlab.analysis import GiB, format_summary, overhead, pareto, summary, what_fits
+from ckptlab.analysis import (GiB, config_label, format_summary, overhead, pareto, plans_vs_uniform, summary,
+                              timing_note, what_fits)
 
 
 def rec(policy, density, batch, peak, ms, status="ok", seq=64, accum=1, dtype="fp32", limit=None, **kw):
@@ -65,3 +66,27 @@ def test_summary_best_config_per_limit():
     assert s.loc["24 GiB", "policy"] == "full" and s.loc["24 GiB", "batch_size"] == 8
     text = format_summary(df)
     assert "4 cells: 3 ok, 1 oom (0 inferred), 0 error" in text and "24 GiB" in text
+
+
+def test_config_label_names_dtype_and_accumulation_only_when_not_default():
+    df = pd.DataFrame([rec("full", 1.0, 8, 1, 1.0), rec("full", 1.0, 8, 1, 1.0, dtype="bf16"),
+                       rec("none", 0.0, 2, 1, 1.0, accum=4)])
+    assert list(config_label(df)) == ["full", "full bf16", "none accum=4"]
+
+
+def test_plans_against_the_fastest_uniform_policy_at_no_more_memory():
+    df = pd.DataFrame([rec("none", 0.0, 4, 100, 10.0), rec("full", 1.0, 4, 50, 14.0),
+                       rec("every=2", 0.5, 4, 75, 12.0),
+                       rec("budget=0.8", 0.25, 4, 80, 11.0, plan="fkkk"),
+                       rec("budget=0.4", 1.0, 4, 40, 15.0, plan="ffff")])
+    out = plans_vs_uniform(df).set_index("policy")
+    assert out.loc["budget=0.8", "best_uniform"] == "every=2"
+    assert out.loc["budget=0.8", "vs_best_uniform"] == pytest.approx(11 / 12 - 1)
+    assert pd.isna(out.loc["budget=0.4", "best_uniform"])  # nothing uniform reaches 40
+
+
+def test_timing_note_warns_on_a_busy_machine():
+    quiet = pd.DataFrame([dict(step_ms_min=10.0, step_ms_max=11.0)])
+    busy = pd.DataFrame([dict(step_ms_min=10.0, step_ms_max=40.0)])
+    assert timing_note(quiet) == "Largest max/min step-time spread in one cell: 1.10x."
+    assert timing_note(busy).endswith("4.00x — a busy machine: rerun before trusting the times.")
