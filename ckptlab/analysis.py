@@ -10,6 +10,7 @@ returns a new DataFrame and leaves its input alone.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -98,10 +99,25 @@ def what_fits(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batc
                    fit_rms_residual_bytes=float(np.sqrt(np.mean(resid ** 2))),
                    fit_max_rel_residual=float(np.max(np.abs(resid) / ys)), fit_points=len(xs))
         for label, limit in limits.items():
-            best = int((limit - intercept) // slope) if slope > 0 and limit > intercept else None
             out.append({**base, "limit": label, "limit_bytes": int(limit), "kind": "extrapolated",
-                        f"max_{axis}": best if best is None or best >= 1 else None, **fit})
+                        f"max_{axis}": largest_fitting(intercept, slope, limit), **fit})
     return pd.DataFrame(out)
+
+
+def largest_fitting(intercept: float, slope: float, limit: float) -> Optional[int]:
+    """Largest integer x >= 1 whose fitted peak, rounded to the byte, is <= limit (None if none).
+
+    A least-squares line through exactly linear peaks lands a hair off the integers, so
+    `floor((limit - intercept) / slope)` alone can drop the value that fits exactly; comparing
+    whole bytes around that estimate cannot."""
+    if not slope > 0:
+        return None
+    x = max(0, math.floor((limit - intercept) / slope))
+    while round(intercept + slope * (x + 1)) <= limit:
+        x += 1
+    while x >= 1 and round(intercept + slope * x) > limit:
+        x -= 1
+    return x if x >= 1 else None
 
 
 def config_label(df: pd.DataFrame) -> pd.Series:

@@ -162,7 +162,7 @@ def spread_evenly(k: int, n: int) -> list[int]:
     """
     if not 0 <= k <= n:
         raise ValueError(f"k={k!r} is invalid: allowed is 0..{n}")
-    return [int((j + 0.5) * n / k) for j in range(k)]
+    return [(2 * j + 1) * n // (2 * k) for j in range(k)]  # integer arithmetic: no float rounding
 
 
 def parse_policy(text: str | Policy) -> Policy:

@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ckptlab.analysis import (GiB, config_label, format_summary, overhead, pareto, plans_vs_uniform, summary,
+from ckptlab.analysis import (GiB, config_label, format_summary, largest_fitting, overhead, pareto, plans_vs_uniform, summary,
                               timing_note, what_fits)
 
 
@@ -90,3 +90,29 @@ def test_timing_note_warns_on_a_busy_machine():
     busy = pd.DataFrame([dict(step_ms_min=10.0, step_ms_max=40.0)])
     assert timing_note(quiet) == "Largest max/min step-time spread in one cell: 1.10x."
     assert timing_note(busy).endswith("4.00x — a busy machine: rerun before trusting the times.")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_what_fits_counts_a_batch_that_fits_exactly(seed):
+    """Adversarial values: peaks exactly linear with awkward intercepts and slopes, and a limit
+    equal to one of the peaks; least squares lands a hair off, the answer must not."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        intercept, slope = int(rng.integers(1, 10**9)), int(rng.integers(1, 10**8)) + 0.5 * int(rng.integers(0, 2))
+        batches = sorted(set(int(b) for b in rng.integers(1, 64, size=4)))
+        if len(batches) < 2:
+            continue
+        target = int(rng.integers(1, 10**4))
+        limit = round(intercept + slope * target)
+        df = pd.DataFrame([rec("none", 0.0, b, round(intercept + slope * b), 1.0) for b in batches])
+        fits = what_fits(df, limits={"card": limit}).set_index("kind")
+        assert fits.loc["extrapolated", "max_batch_size"] == target
+        assert largest_fitting(intercept, slope, limit - 1) == target - 1 or target == 1
+
+
+def test_largest_fitting_edges():
+    assert largest_fitting(10.0, 0.0, 100) is None       # flat line: no answer, not infinity
+    assert largest_fitting(200.0, 1.0, 100) is None      # intercept alone over the limit
+    assert largest_fitting(0.0, 3.0, 2) is None          # not even x=1 fits
+    assert largest_fitting(0.0, 3.0, 3) == 1
+    assert largest_fitting(1 - 1e-7, 1.0, 24) == 23      # 24 + 1 - 1e-7 rounds over 24 -> 23
