@@ -5,18 +5,21 @@ returns a new DataFrame and leaves its input alone.
     pareto(df)      which configurations are on the (peak memory, step time) frontier
     what_fits(df)   the largest batch (or seq) per policy that fits a memory limit: measured for
                     the run's limit, extrapolated for 24/40/80/141 GiB cards from a linear fit
-    summary(df)     status counts and the best configuration per memory limit
+    summary(df)     the best configuration per memory limit: measured for the run's limit,
+                    from what_fits's extrapolation for the card sizes
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
 from .memory import format_bytes
+from .policy import parse_policy
 
 GiB = 2**30
 CARD_LIMITS = {"24 GiB": 24 * GiB, "40 GiB": 40 * GiB, "80 GiB": 80 * GiB, "141 GiB": 141 * GiB}
@@ -70,9 +73,14 @@ def what_fits(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batc
     kind="measured": the largest measured value with status ok and fits, for the run's own
     memory limit (one row per group; only if the run had a limit).
     kind="extrapolated": for each of `limits` (default 24/40/80/141 GiB), from a least-squares
-    line peak_bytes = intercept + slope * axis through the ok cells (needs 2+ distinct values);
-    `fit_rms_residual_bytes` and `fit_max_rel_residual` say how straight the line was. It
-    assumes the rest of the card behaves like the device measured (same dtype, same kernels).
+    line peak_bytes = intercept + slope * axis through the ok cells (needs 2+ distinct values).
+    `fit_points` says how many cells the line went through; `fit_rms_residual_bytes` and
+    `fit_max_rel_residual` say how straight it was, and are measured only from 3 points on (a
+    line through 2 points has no residual): with 2 they are NaN. It assumes the rest of the
+    card behaves like the device measured (same dtype, same kernels).
+    kind="no fit": one row per group with fewer than 2 ok values, so that a policy missing from
+    the card sizes is explained, not silently dropped.
+    Every extrapolated and no-fit row has `fit_note`, the words a figure or table shows for it.
     """
     if axis not in ("batch_size", "seq_len"):
         raise ValueError(f"axis={axis!r} is invalid: allowed are batch_size, seq_len")
@@ -91,17 +99,50 @@ def what_fits(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batc
                         "kind": "measured", f"max_{axis}": best})
         good = g[g["status"] == "ok"]
         xs, ys = good[axis].to_numpy(float), good["peak_bytes"].to_numpy(float)
-        if len(np.unique(xs)) < 2:
+        n_values = len(np.unique(xs))
+        if n_values < 2:
+            out.append({**base, "limit": None, "limit_bytes": None, "kind": "no fit", f"max_{axis}": None,
+                        "fit_points": len(xs), "fit_note": _no_fit_note(n_values, int((g["status"] == "oom").sum()), axis)})
             continue
-        slope, intercept = np.polyfit(xs, ys, 1)
-        resid = ys - (intercept + slope * xs)
+        slope, intercept = line_fit(xs, ys)
+        resid = ys - (float(intercept) + float(slope) * xs)
+        residual_measured = len(xs) > 2
         fit = dict(fit_intercept_bytes=float(intercept), fit_slope_bytes=float(slope),
-                   fit_rms_residual_bytes=float(np.sqrt(np.mean(resid ** 2))),
-                   fit_max_rel_residual=float(np.max(np.abs(resid) / ys)), fit_points=len(xs))
+                   fit_rms_residual_bytes=float(np.sqrt(np.mean(resid ** 2))) if residual_measured else np.nan,
+                   fit_max_rel_residual=float(np.max(np.abs(resid) / ys)) if residual_measured else np.nan,
+                   fit_points=len(xs))
+        fit["fit_note"] = fit_note(fit)
         for label, limit in limits.items():
             out.append({**base, "limit": label, "limit_bytes": int(limit), "kind": "extrapolated",
                         f"max_{axis}": largest_fitting(intercept, slope, limit), **fit})
     return pd.DataFrame(out)
+
+
+def line_fit(xs, ys) -> tuple[Fraction, Fraction]:
+    """Least-squares (slope, intercept) in exact rational arithmetic: a float fit through
+    exactly linear peaks lands a hair off, and extrapolating a hundredfold past the measured
+    batches turns that hair into a whole batch."""
+    xs = [Fraction(float(x)) for x in xs]
+    ys = [Fraction(float(y)) for y in ys]
+    n, sx, sy = len(xs), sum(xs), sum(ys)
+    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
+    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    return slope, (sy - slope * sx) / n
+
+
+def fit_note(fit: dict) -> str:
+    """A fit in words: its number of points, and its residual only where one was measured."""
+    n = fit["fit_points"]
+    if n <= 2 or not fit["fit_max_rel_residual"] == fit["fit_max_rel_residual"]:
+        return f"line through {n} points"
+    percent = 100 * fit["fit_max_rel_residual"]
+    return f"fit of {n} points, residual " + (f"≤{percent:.1f}%" if percent >= 0.1 else "<0.1%")
+
+
+def _no_fit_note(n_ok_values: int, n_oom: int, axis: str) -> str:
+    name = "batch size" if axis == "batch_size" else "sequence length"
+    ok_part = f"one {name} ran" if n_ok_values == 1 else f"no {name} ran"
+    return f"no fit: {ok_part} ok" + (f", {n_oom} out of memory" if n_oom else "")
 
 
 def largest_fitting(intercept: float, slope: float, limit: float) -> Optional[int]:
@@ -120,10 +161,19 @@ def largest_fitting(intercept: float, slope: float, limit: float) -> Optional[in
     return x if x >= 1 else None
 
 
+def policy_label(policy: str) -> str:
+    """A policy as tables and figures name it (`Policy.label`: budget=42.7MiB); text that does
+    not parse as a policy is shown as it is."""
+    try:
+        return parse_policy(policy).label
+    except ValueError:
+        return str(policy)
+
+
 def config_label(df: pd.DataFrame) -> pd.Series:
-    """A row's configuration in words: the policy, plus the dtype unless fp32, plus the
+    """A row's configuration in words: the policy (as `policy_label`), plus the dtype unless fp32, plus the
     accumulation unless 1 — e.g. "full bf16", "none accum=4"."""
-    return (df["policy"] + df["dtype"].map(lambda d: "" if d == "fp32" else f" {d}")
+    return (df["policy"].map(policy_label) + df["dtype"].map(lambda d: "" if d == "fp32" else f" {d}")
             + df["accum_steps"].map(lambda k: "" if k == 1 else f" accum={k}"))
 
 
@@ -155,24 +205,58 @@ def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+SUMMARY_COLUMNS = ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms", "tokens_per_s")
+
+
 def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
-    """Best configuration (highest tokens/s among ok cells whose measured peak fits) per limit:
-    the run's own limit (or "none"), then the card sizes. Status counts are in `df.status`."""
+    """The best configuration per memory limit, one row each, with `basis` saying how it was found.
+
+    The run's own limit (or "no limit"): basis "measured", the highest tokens/s among ok cells
+    whose measured peak fits.
+    Each card size (default 24/40/80/141 GiB): from `what_fits`'s extrapolation, the same lines
+    its figure draws — the configuration that fits the largest effective batch (batch x
+    accumulation) at the longest sequence with a fit; ties go to the higher measured tokens/s.
+    `batch_size` is then the extrapolated batch and `peak_bytes` the line's value there; its step
+    time and tokens/s were not measured and are left empty. Where no policy has a fit, the row
+    says so in `basis` ("cannot answer: ...") instead of recommending a cell measured far below
+    the card. Status counts are in `df.status`.
+    """
     rows = ok(df)
     run_limit = df["memory_limit_bytes"].dropna() if "memory_limit_bytes" in df else pd.Series(dtype=float)
-    table = {("run limit " + format_bytes(run_limit.iloc[0])) if len(run_limit) else "no limit":
-             run_limit.iloc[0] if len(run_limit) else np.inf}
-    table.update(CARD_LIMITS if limits is None else limits)
-    out = []
-    for label, limit in table.items():
-        fit = rows[rows["peak_bytes"] <= limit]
-        if not len(fit):
-            out.append({"limit": label, "policy": None})
-            continue
+    label = ("run limit " + format_bytes(run_limit.iloc[0])) if len(run_limit) else "no limit"
+    fit = rows[rows["peak_bytes"] <= (run_limit.iloc[0] if len(run_limit) else np.inf)]
+    if len(fit):
         best = fit.loc[fit["tokens_per_s"].idxmax()]
-        out.append({"limit": label, **{k: best[k] for k in
-                    ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms", "tokens_per_s")}})
+        out = [{"limit": label, "basis": "measured", **{k: best[k] for k in SUMMARY_COLUMNS}}]
+    else:
+        out = [{"limit": label, "basis": "measured: nothing fits", "policy": None}]
+    cards = CARD_LIMITS if limits is None else limits
+    fits = what_fits(df, cards) if len(rows) else pd.DataFrame()
+    lines = fits[fits["kind"] == "extrapolated"] if len(fits) else fits
+    for card in cards:
+        out.append(_best_on_card(card, lines[lines["limit"] == card] if len(lines) else lines, rows))
     return pd.DataFrame(out)
+
+
+def _best_on_card(card: str, lines: pd.DataFrame, rows: pd.DataFrame) -> dict:
+    if not len(lines):
+        return {"limit": card, "basis": "cannot answer: no policy has 2+ ok batch sizes to extrapolate from",
+                "policy": None}
+    lines = lines[lines["seq_len"] == lines["seq_len"].max()]
+    lines = lines[lines["max_batch_size"].notna()]
+    if not len(lines):
+        return {"limit": card, "basis": "extrapolated: not even batch 1 fits", "policy": None}
+    speed = rows.groupby(["model", "policy", "seq_len", "dtype", "accum_steps"])["tokens_per_s"].max()
+    ranked = lines.assign(
+        effective_batch=lines["max_batch_size"] * lines["accum_steps"],
+        measured_speed=[speed.get(tuple(r), np.nan) for r in
+                        lines[["model", "policy", "seq_len", "dtype", "accum_steps"]].itertuples(index=False)])
+    best = ranked.sort_values(["effective_batch", "measured_speed"], ascending=False).iloc[0]
+    batch = int(best["max_batch_size"])
+    return {"limit": card, "basis": f"extrapolated ({best['fit_note']})", "policy": best["policy"],
+            "batch_size": batch, "seq_len": best["seq_len"], "dtype": best["dtype"], "accum_steps": best["accum_steps"],
+            "peak_bytes": round(best["fit_intercept_bytes"] + best["fit_slope_bytes"] * batch),
+            "step_ms": None, "tokens_per_s": None}
 
 
 def format_summary(df: pd.DataFrame) -> str:
@@ -185,15 +269,16 @@ def format_summary(df: pd.DataFrame) -> str:
             f"({inferred} inferred), {counts.get('error', 0)} error")
     if not len(df):
         return head
-    num = lambda f: (lambda v: "-" if v is None or v != v else format(v, f))  # noqa: E731
-    columns = [("limit", "limit", str), ("policy", "policy", lambda v: v or "nothing fits"),
+    num = lambda f: (lambda v: "-" if v is None or v != v else format(int(v) if f == "d" else v, f))  # noqa: E731
+    columns = [("limit", "limit", str), ("policy", "policy", lambda v: v or "-"),
                ("batch", "batch_size", num("d")), ("seq", "seq_len", num("d")), ("dtype", "dtype", lambda v: v or "-"),
-               ("accum", "accum_steps", num("d")), ("peak", "peak_bytes", lambda v: format_bytes(v) if v == v else "-"),
-               ("step ms", "step_ms", num(".1f")), ("tokens/s", "tokens_per_s", num(",.0f"))]
+               ("accum", "accum_steps", num("d")), ("peak", "peak_bytes", lambda v: "-" if v is None or v != v else format_bytes(v)),
+               ("step ms", "step_ms", num(".1f")), ("tokens/s", "tokens_per_s", num(",.0f")), ("basis", "basis", str)]
     rows = [{k: (None if isinstance(v, float) and np.isnan(v) else _py(v)) for k, v in r.items()}
             for r in summary(df).to_dict("records")]
     errors = df[df["status"] == "error"]
-    lines = [head, "best configuration (highest tokens/s) per memory limit:", format_table(rows, columns)]
+    lines = [head, "best configuration per memory limit (run limit: highest measured tokens/s that fits; "
+             "cards: largest batch that fits, extrapolated as in what_fits):", format_table(rows, columns)]
     for _, r in errors.head(5).iterrows():
         lines.append(f"error in {r.get('cell_id')}: {r.get('message')}")
     return "\n".join(lines)
@@ -203,4 +288,4 @@ def _py(v):
     return v.item() if hasattr(v, "item") else v
 
 
-__all__ = ["CARD_LIMITS", "format_summary", "ok", "overhead", "pareto", "summary", "what_fits"]
+__all__ = ["CARD_LIMITS", "fit_note", "format_summary", "ok", "overhead", "pareto", "summary", "what_fits"]

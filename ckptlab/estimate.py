@@ -259,9 +259,9 @@ def closed_form(workload: Workload | str, batch_size: int, seq_len: int, policy:
 
 def llama7b_shape(**overrides) -> Workload:
     """A GPT with Llama-7B's shape (32 blocks, width 4096, 32 heads, vocab 32000, 4096 positions,
-    no dropout): 6.7B parameters. A GELU MLP of 4h stands in for SwiGLU's 3 matrices of 11008."""
-    return get_workload("gpt2-small", **{**dict(n_layer=32, n_embd=4096, n_head=32, vocab_size=32000,
-                                                block_size=4096, dropout=0.0), **overrides})
+    no dropout): 6.7B parameters. A GELU MLP of 4h stands in for SwiGLU's 3 matrices of 11008.
+    The preset `llama7b-shape`, so predictions and records name it as such."""
+    return get_workload("llama7b-shape", **overrides)
 
 
 def what_fits(

@@ -2,6 +2,8 @@
 
     gpt-tiny     4 blocks, d=128, a training step well under a second on a laptop CPU
     gpt2-small   the GPT-2 124M shape: 12 blocks, d=768, 12 heads, vocab 50257, 1024 positions
+    llama7b-shape  a GPT with Llama-7B's shape (32 blocks, d=4096, 32 heads, vocab 32000, 4096
+                 positions, no dropout; a 4h GELU MLP stands in for SwiGLU): for `predict`, 6.7B parameters
     mlp-chain    N identical residual MLP blocks whose activation bytes are computable by hand
 
 Every workload is seeded: the same name and overrides give the same weights and the same batch.
@@ -215,6 +217,8 @@ def _mlp_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
 PRESETS: dict[str, tuple[Callable[..., object], dict]] = {
     "gpt-tiny": (GPTConfig, dict(n_layer=4, n_head=4, n_embd=128, vocab_size=512, block_size=256)),
     "gpt2-small": (GPTConfig, dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)),
+    "llama7b-shape": (GPTConfig, dict(n_layer=32, n_head=32, n_embd=4096, vocab_size=32000, block_size=4096,
+                                      dropout=0.0)),
     "mlp-chain": (MLPChainConfig, dict(n_layer=8, n_embd=64)),
 }
 

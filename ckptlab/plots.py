@@ -1,7 +1,7 @@
 """Figures of a sweep. Each function takes the run's DataFrame (from `sweep()` or `load_run()`),
 returns the matplotlib Figure, and, given `path` (without extension), saves PNG and SVG there.
 
-    memory_time_vs_density(df)   peak memory and step time vs density, overhead % on a 2nd axis
+    memory_time_vs_density(df)   peak memory, step time and overhead % vs density, side by side
     heatmaps(df)                 peak memory and tokens/s over batch x seq, one column per policy
     pareto_plot(df)              peak memory vs step time, frontier joined, dominated hollow
     what_fits_plot(df)           largest batch per policy for 24/40/80/141 GiB (+ the run's limit)
@@ -10,16 +10,68 @@ returns the matplotlib Figure, and, given `path` (without extension), saves PNG 
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Optional
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.colors import to_hex, to_rgb
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from . import analysis
+from .analysis import policy_label
+from .policy import parse_policy
 
 MiB = 2**20
+
+# One colour and one marker per policy kind, in every figure.
+KIND_STYLES = {
+    "none": ("#404040", "o"), "full": ("#d62728", "s"), "density": ("#1f77b4", "^"),
+    "every": ("#17becf", "v"), "layers": ("#9467bd", "D"), "segments": ("#8c564b", "P"),
+    "selective": ("#2ca02c", "X"), "plan": ("#ff7f0e", "*"), "budget": ("#e377c2", "h"),
+    "compile": ("#bcbd22", "p"), "hf": ("#7f7f7f", "d"),
+}
+OTHER_STYLE = ("#7f7f7f", ".")
+
+
+def policy_style(policy: str) -> dict:
+    """How a policy is drawn in every figure: `color` and `marker` from its kind, the colour
+    shaded by the policy's value (density=0.25 lighter than density=0.75, every=4 lighter than
+    every=2), `linestyle` dashed for +offload. A function of the policy text alone, so the same
+    policy looks the same in every figure whatever else is drawn beside it."""
+    try:
+        parsed = parse_policy(policy)
+    except ValueError:  # a label this version cannot parse still gets a stable style
+        return {"color": OTHER_STYLE[0], "marker": OTHER_STYLE[1], "linestyle": "-"}
+    kind = "hf" if parsed.kind.startswith("hf") else parsed.kind
+    color, marker = KIND_STYLES.get(kind, OTHER_STYLE)
+    strength = _strength(parsed)
+    # Mix towards white: strength 1 is the kind's own colour, 0 is 60% white.
+    rgb = np.array(to_rgb(color))
+    shaded = rgb + (1 - rgb) * 0.6 * (1 - strength)
+    return {"color": to_hex(shaded), "marker": marker, "linestyle": "--" if parsed.offload else "-"}
+
+
+def _strength(policy) -> float:
+    """How much a policy recomputes, in [0, 1], for its shade (1 where the kind has no value)."""
+    value = policy.value
+    if value is None:
+        return 1.0
+    if policy.kind in ("density", "compile") or (policy.kind == "budget" and isinstance(value, float)):
+        return float(value)
+    if policy.kind in ("every", "hf:every_n_layers"):
+        return 1.0 / value
+    if policy.kind == "plan":
+        return sum(c != "k" for c in value) / len(value)
+    if policy.kind == "selective":
+        return {"mm": 1.0, "alt": 0.66, "attn": 0.33}[value]
+    # layers, segments, budget sizes: no natural order, a stable shade from the text
+    return 0.35 + 0.65 * (zlib.crc32(str(policy).encode()) % 1000) / 999
+
+
 
 
 def _save(fig, path: Optional[str | Path]):
@@ -44,31 +96,43 @@ def _empty(fig, ax, text="no ok cells to plot"):
     return fig
 
 
+SHAPE_LINESTYLES = ("-", "--", "-.", ":")
+
+
 def memory_time_vs_density(df: pd.DataFrame, path=None, dtype: Optional[str] = None,
                            accum_steps: Optional[int] = None):
-    """Left: peak memory vs effective density; right: step time vs density, with overhead
-    against density 0 on a second y axis. One line per (batch, seq)."""
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    """Peak memory, step time and overhead against density 0, each on its own panel, against
+    effective density. One grey line per (batch, seq); each point in its policy's style."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), layout="constrained")
+    ax_mem, ax_time, ax_over = axes
     rows = analysis.overhead(df)
     rows, dtype, accum_steps = _slice(rows, dtype, accum_steps) if len(rows) else (rows, dtype, accum_steps)
     if not len(rows):
         return _save(_empty(fig, ax_mem), path)
-    ax_over = ax_time.twinx()
-    for (b, s), g in rows.groupby(["batch_size", "seq_len"]):
-        g = g.groupby("effective_density", as_index=False).median(numeric_only=True).sort_values("effective_density")
-        label = f"b={b} s={s}"
-        line, = ax_mem.plot(g["effective_density"], g["peak_bytes"] / MiB, "o-", label=label)
-        ax_time.plot(g["effective_density"], g["step_ms"], "o-", color=line.get_color(), label=label)
-        ax_over.plot(g["effective_density"], 100 * g["overhead"], "x:", color=line.get_color(), alpha=0.7)
-    ax_mem.set(xlabel="density (fraction of blocks recomputed)", ylabel="peak memory (MiB)",
-               title=f"peak memory ({dtype}, accum {accum_steps})")
-    ax_time.set(xlabel="density (fraction of blocks recomputed)", ylabel="step time (ms, median) — solid",
-                title="step time and overhead")
-    ax_over.set_ylabel("overhead vs density 0 (%) — dotted")
-    ax_mem.legend(fontsize=8)
-    ax_mem.grid(alpha=0.3)
-    ax_time.grid(alpha=0.3)
-    fig.tight_layout()
+    handles, shapes = {}, {}
+    for k, ((b, s), g) in enumerate(rows.groupby(["batch_size", "seq_len"])):
+        g = g.sort_values("effective_density")
+        by_density = g.groupby("effective_density", as_index=False).median(numeric_only=True)
+        line_style = dict(color="0.55", ls=SHAPE_LINESTYLES[k % len(SHAPE_LINESTYLES)], lw=1.2, zorder=1)
+        for ax, column, scale in ((ax_mem, "peak_bytes", 1 / MiB), (ax_time, "step_ms", 1), (ax_over, "overhead", 100)):
+            ax.plot(by_density["effective_density"], by_density[column] * scale, **line_style, label=f"b={b} s={s}")
+            for policy, p in g.groupby("policy", sort=False):
+                style = policy_style(policy)
+                ax.scatter(p["effective_density"], p[column] * scale, color=style["color"], marker=style["marker"],
+                           s=40, zorder=3, label=policy_label(policy))
+        shapes[f"b={b} s={s}"] = Line2D([], [], **line_style)
+        for policy in g["policy"].unique():
+            style = policy_style(policy)
+            handles.setdefault(policy_label(policy), Line2D([], [], ls="", color=style["color"], marker=style["marker"]))
+    ax_over.axhline(0, color="k", lw=0.6)
+    xlabel = "density (fraction of blocks recomputed)"
+    ax_mem.set(xlabel=xlabel, ylabel="peak memory (MiB)", title=f"peak memory ({dtype}, accum {accum_steps})")
+    ax_time.set(xlabel=xlabel, ylabel="step time (ms, median)", title="step time")
+    ax_over.set(xlabel=xlabel, ylabel="overhead vs density 0 (%)", title="overhead (step time / density 0's − 1)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    handles.update(shapes)
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize=8)
     return _save(fig, path)
 
 
@@ -109,7 +173,8 @@ def heatmaps(df: pd.DataFrame, path=None, dtype: Optional[str] = None, accum_ste
             # The batches are (usually) powers of two, so equal spacing is a log2 axis.
             ax.set_xticks(range(len(batches)), [str(b) for b in batches])
             ax.set_yticks(range(len(seqs)), [str(s) for s in seqs])
-            ax.set(xlabel="batch (log2 spaced)", ylabel="seq", title=f"{policy}: {label}")
+            ax.set(xlabel="batch (log2 spaced)", ylabel="seq")
+            ax.set_title(f"{policy_label(policy)}: {label}", color=policy_style(policy)["color"], fontweight="bold")
             fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(f"{dtype}, accum {accum_steps}")
     fig.tight_layout()
@@ -117,60 +182,113 @@ def heatmaps(df: pd.DataFrame, path=None, dtype: Optional[str] = None, accum_ste
 
 
 def pareto_plot(df: pd.DataFrame, path=None):
-    """Peak memory vs step time; one colour per (seq, effective batch) group, the frontier of
-    each group joined by a line, dominated points hollow with grey labels."""
-    fig, ax = plt.subplots(figsize=(7, 5))
+    """Peak memory vs step time, each point in its policy's style and labelled with its
+    configuration; the frontier of each group of equal work (seq, effective batch) joined by a
+    grey line, dominated points hollow with grey labels. Labels are placed where they overlap
+    neither each other nor the axes' edges."""
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
     rows = analysis.pareto(df)
     if not len(rows):
         return _save(_empty(fig, ax), path)
-    for (_, s, eb), g in rows.groupby(["model", "seq_len", "effective_batch_size"]):
+    handles, frontiers = {}, {}
+    points, texts, colors = [], [], []
+    for k, ((_, s, eb), g) in enumerate(rows.groupby(["model", "seq_len", "effective_batch_size"])):
         front = g[g["pareto_optimal"]].sort_values("peak_bytes")
-        line, = ax.plot(front["peak_bytes"] / MiB, front["step_ms"], "o-", label=f"s={s} eff. batch={eb}")
-        dom = g[~g["pareto_optimal"]]
-        ax.scatter(dom["peak_bytes"] / MiB, dom["step_ms"], facecolors="none", edgecolors=line.get_color())
+        line_style = dict(color="0.6", ls=SHAPE_LINESTYLES[k % len(SHAPE_LINESTYLES)], lw=1.2)
+        ax.plot(front["peak_bytes"] / MiB, front["step_ms"], zorder=1, **line_style)
+        frontiers[f"frontier: s={s} eff. batch={eb}"] = Line2D([], [], **line_style)
         for (_, r), tag in zip(g.iterrows(), analysis.config_label(g)):
-            ax.annotate(tag, (r["peak_bytes"] / MiB, r["step_ms"]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points", color="k" if r["pareto_optimal"] else "0.45")
+            style = policy_style(r["policy"])
+            x, y = r["peak_bytes"] / MiB, r["step_ms"]
+            ax.scatter([x], [y], marker=style["marker"], s=45, zorder=3, edgecolors=style["color"],
+                       facecolors=style["color"] if r["pareto_optimal"] else "none")
+            handles.setdefault(policy_label(r["policy"]), Line2D([], [], ls="", marker=style["marker"], color=style["color"]))
+            points.append((x, y))
+            texts.append(tag)
+            colors.append("k" if r["pareto_optimal"] else "0.45")
     ax.set(xlabel="peak memory (MiB)", ylabel="step time (ms, median)",
            title="Pareto frontier (filled, joined); dominated hollow")
-    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
+    ax.margins(x=0.12, y=0.1)
+    handles.update(frontiers)
+    ax.legend(list(handles.values()), list(handles), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
+    place_labels(ax, points, texts, colors)
     return _save(fig, path)
+
+
+# Offsets (points) tried in turn for a point's label: beside it, then further away.
+LABEL_OFFSETS = [(dx * r, dy * r) for r in (4, 11, 18, 26) for dx, dy in ((1, 1), (1, -1), (-1, 1), (-1, -1))] + [
+    (0, 34), (0, -34), (40, 0), (-40, 0)]
+
+
+def place_labels(ax, points, texts, colors, fontsize: float = 7) -> list:
+    """Annotate each point with its text at the first offset whose label overlaps no label
+    placed before it and stays inside the axes (else the first offset inside the axes). The
+    figure's layout must be final: positions are measured in display space."""
+    renderer = ax.figure.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    placed, annotations = [], []
+    for (x, y), text, color in zip(points, texts, colors):
+        fallback = None
+        for dx, dy in LABEL_OFFSETS:
+            ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                              color=color, ha="left" if dx >= 0 else "right", va="bottom" if dy >= 0 else "top")
+            box = ann.get_window_extent(renderer)
+            within = (box.x0 >= inside.x0 and box.x1 <= inside.x1 and box.y0 >= inside.y0 and box.y1 <= inside.y1)
+            if within and not any(box.overlaps(other) for other in placed):
+                break
+            if within and fallback is None:
+                fallback = (dx, dy)
+            ann.remove()
+        else:
+            dx, dy = fallback or LABEL_OFFSETS[0]
+            ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                              color=color, ha="left" if dx >= 0 else "right", va="bottom" if dy >= 0 else "top")
+            box = ann.get_window_extent(renderer)
+        placed.append(box)
+        annotations.append(ann)
+    return annotations
 
 
 def what_fits_plot(df: pd.DataFrame, path=None, seq_len: Optional[int] = None, dtype: Optional[str] = None,
                    accum_steps: Optional[int] = None):
     """Largest batch per policy for each memory limit at one seq (default: the longest measured).
-    Extrapolated bars are hatched and labelled; the fit residual is in the legend."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    Extrapolated bars are hatched; the legend gives each policy's line (its number of points,
+    and its residual where one was measured) or why it has none ("no fit: one batch size ran
+    ok, 2 out of memory")."""
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
     fits = analysis.what_fits(df)
     if not len(fits):
-        return _save(_empty(fig, ax, "need 2+ ok batch sizes per policy to extrapolate"), path)
+        return _save(_empty(fig, ax, "no ok or out-of-memory cells"), path)
     fits, dtype, accum_steps = _slice(fits, dtype, accum_steps)
     seq_len = seq_len or int(fits["seq_len"].max())
     fits = fits[fits["seq_len"] == seq_len]
-    limits = list(dict.fromkeys(fits["limit"]))
+    bars = fits[fits["kind"] != "no fit"]
+    limits = list(dict.fromkeys(bars["limit"]))
     policies = list(dict.fromkeys(fits["policy"]))
     width = 0.8 / max(1, len(policies))
+    handles, labels = [], []
     for k, policy in enumerate(policies):
-        g = fits[fits["policy"] == policy].set_index("limit")
+        g = bars[bars["policy"] == policy].set_index("limit")
+        style = policy_style(policy)
         xs = np.arange(len(limits)) + k * width
         vals = [g.loc[lim, "max_batch_size"] if lim in g.index else np.nan for lim in limits]
         vals = [np.nan if v is None else float(v) for v in vals]
-        kinds = [g.loc[lim, "kind"] if lim in g.index else "" for lim in limits]
-        resid = g["fit_max_rel_residual"].dropna() if "fit_max_rel_residual" in g else pd.Series(dtype=float)
-        label = policy + (f" (fit residual ≤{100 * resid.iloc[0]:.1f}%)" if len(resid) else "")
-        bars = ax.bar(xs, vals, width, label=label)
-        for bar, kind in zip(bars, kinds):
-            if kind == "extrapolated":
+        drawn = ax.bar(xs, vals, width, color=style["color"], edgecolor="k", linewidth=0.5)
+        for bar, lim in zip(drawn, limits):
+            if lim in g.index and g.loc[lim, "kind"] == "extrapolated":
                 bar.set_hatch("//")
-    ax.set_yscale("log", base=2)
+        notes = fits[(fits["policy"] == policy) & fits["fit_note"].notna()]["fit_note"] if "fit_note" in fits else []
+        handles.append(Patch(facecolor=style["color"], edgecolor="k", linewidth=0.5))
+        labels.append(policy_label(policy) + (f" ({notes.iloc[0]})" if len(notes) else ""))
+    if limits:
+        ax.set_yscale("log", base=2)
     ax.set_xticks(np.arange(len(limits)) + width * (len(policies) - 1) / 2,
-                  [f"{lim}\n({'extrapolated' if lim in analysis.CARD_LIMITS else 'measured'})"
-                   for lim in limits])
+                  [f"{lim}\n{'extrapolated' if lim in analysis.CARD_LIMITS else 'measured'}" for lim in limits],
+                  fontsize=8)
     ax.set(ylabel="largest batch that fits (log2)", title=f"what fits: seq {seq_len}, {dtype}, accum {accum_steps}")
-    ax.legend(fontsize=7)
+    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return _save(fig, path)
@@ -205,9 +323,15 @@ CATEGORY_COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_s
                    "activations": "#c44e52", "temporaries": "#8172b3"}
 
 
+RECOMPUTE_NOTE = "with recompute, backward's temporaries include the recomputed blocks' activations"
+
+
 def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = None, label: str = "policy"):
     """Stacked bars: peak memory by category, one bar per row of `df` (records from `measure`),
-    with step time written above each bar and an optional memory-limit line."""
+    with step time written above each bar and an optional memory-limit line. Tick labels are in
+    their policy's colour. Where a row recomputed blocks and peaked in backward, the legend says
+    that its temporaries include the recomputed activations (the tracker counts them there:
+    they are allocated in backward and held only until the block's gradient is done)."""
     from .memory import CATEGORIES
 
     fig, ax = plt.subplots(figsize=(3.2 + 1.3 * max(len(df), 1), 4.2))
@@ -215,42 +339,65 @@ def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = Non
         return _save(_empty(fig, ax, "no records"), path)
     x = np.arange(len(df))
     bottom = np.zeros(len(df))
+    recomputed = (df["recompute_count"].fillna(0) > 0) & (df["peak_phase"] == "backward") \
+        if {"recompute_count", "peak_phase"} <= set(df) else pd.Series(False, index=df.index)
     for cat in CATEGORIES:
         values = df[f"peak_{cat}_bytes"].fillna(0).to_numpy(dtype=float) / MiB
-        ax.bar(x, values, bottom=bottom, color=CATEGORY_COLORS[cat], label=cat.replace("_", " "))
+        name = cat.replace("_", " ")
+        if cat == "temporaries" and recomputed.any():
+            name += "\n(" + RECOMPUTE_NOTE.replace("include ", "include\n") + ")"
+        ax.bar(x, values, bottom=bottom, color=CATEGORY_COLORS[cat], label=name)
         bottom += values
     for xi, total, ms in zip(x, bottom, df["step_ms"]):
         ax.text(xi, total, "" if pd.isna(ms) else f"{ms:.0f} ms", ha="center", va="bottom", fontsize=8)
     if limit_bytes:
         ax.axhline(limit_bytes / MiB, color="k", ls="--", lw=1, label=f"limit {limit_bytes / MiB:.0f} MiB")
-    ax.set_xticks(x, df[label].astype(str), rotation=20, ha="right")
+    names = df[label].astype(str)
+    ax.set_xticks(x, [policy_label(n) for n in names] if label == "policy" else names, rotation=20, ha="right",
+                  rotation_mode="anchor")
+    if label == "policy":
+        for tick, policy in zip(ax.get_xticklabels(), names):
+            tick.set_color(policy_style(policy)["color"])
     ax.set_ylabel("peak memory (MiB)")
     ax.set_title("peak memory by category (step time above)")
+    ax.margins(y=0.1)  # room for the step times above the bars
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over a bar
     fig.tight_layout()
     return _save(fig, path)
 
 
 def memory_timeline(timelines: dict, path=None):
-    """Live bytes over one training step, one line per policy: x is the allocation/free event
-    index scaled to [0, 1] of the step, forward rising, backward falling (recompute spikes).
-    `timelines` maps a label to a MemoryReport.timeline [(phase, bytes), ...]."""
+    """Live bytes over one training step, one line per policy in its style. The x axis is the
+    step's phases (forward, backward, optimizer), each one unit wide, the allocations and frees
+    of a phase spread evenly across it — so phases line up across policies whatever their
+    number of events: forward rising, backward falling, recompute spikes in backward.
+    `timelines` maps a policy to a MemoryReport.timeline [(phase, bytes), ...]."""
+    from .memory import PHASES
+
+    phases = [p for p in PHASES if p != "setup"]
     fig, ax = plt.subplots(figsize=(9, 4.2))
     for label, timeline in timelines.items():
         if not timeline:
             continue
-        t = np.linspace(0, 1, len(timeline))
-        ax.plot(t, np.array([b for _, b in timeline]) / MiB, lw=1.2, label=label)
-        first_backward = next((i for i, (p, _) in enumerate(timeline) if p == "backward"), None)
-        if first_backward is not None:
-            ax.axvline(t[first_backward], color=ax.lines[-1].get_color(), ls=":", lw=0.8)
-    ax.set_xlabel("fraction of the step's memory events (dotted: backward starts)")
+        xs = np.empty(len(timeline))
+        names = np.array([p for p, _ in timeline])
+        for k, phase in enumerate(phases):
+            at = np.flatnonzero(names == phase)
+            xs[at] = k + (np.arange(len(at)) + 0.5) / max(len(at), 1)
+        style = policy_style(label)
+        ax.plot(xs, np.array([b for _, b in timeline]) / MiB, lw=1.2, color=style["color"],
+                ls=style["linestyle"], label=policy_label(label))
+    for k in range(1, len(phases)):
+        ax.axvline(k, color="0.5", lw=0.8, ls=":")
+    ax.set_xlim(0, len(phases))
+    ax.set_xticks([k + 0.5 for k in range(len(phases))], phases)
+    ax.set_xlabel("phase of the step (each phase's memory events spread evenly across it)")
     ax.set_ylabel("live tensor memory (MiB)")
     ax.set_title("memory over one training step")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return _save(fig, path)
 
 
-__all__ = ["FIGURES", "heatmaps", "memory_time_vs_density", "memory_timeline", "pareto_plot", "peak_breakdown",
+__all__ = ["FIGURES", "KIND_STYLES", "heatmaps", "place_labels", "policy_label", "policy_style", "memory_time_vs_density", "memory_timeline", "pareto_plot", "peak_breakdown",
            "redraw_all", "what_fits_plot"]

@@ -73,12 +73,21 @@ class Policy:
         elif self.kind == "compile":
             text = f"compile:budget={self.value}"
         elif self.kind == "budget" and isinstance(self.value, int):
-            text = f"budget={self.value}B"
+            text = f"budget={exact_size(self.value)}"
         else:
             text = f"{self.kind}={self.value}"
         if self.offload:
             return "offload" if self.kind == "none" else text + "+offload"
         return text
+
+    @property
+    def label(self) -> str:
+        """The policy for a figure or a table: as `str`, but a budget in bytes reads as a rounded
+        size (budget=42.7MiB); `str` stays exact, so that it parses back to the same policy."""
+        if self.kind == "budget" and isinstance(self.value, int):
+            text = f"budget={readable_size(self.value)}"
+            return text + "+offload" if self.offload else text
+        return str(self)
 
     def modes(self, n_blocks: int) -> list[str]:
         """Per block: "keep", "full" or "selective[=V]" (what wrap applies to each block)."""
@@ -152,6 +161,30 @@ class Policy:
     def effective_density(self, n_blocks: int) -> float:
         """Fraction of the n_blocks blocks that recompute: the common axis for every policy."""
         return len(self.checkpointed_blocks(n_blocks)) / n_blocks
+
+
+SIZE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def exact_size(n_bytes: int) -> str:
+    """The size in GiB/MiB/KiB with the fewest decimals (at most 2) that `memory.parse_bytes`
+    reads back as exactly `n_bytes` (6GiB, 512MiB, 42.7MiB), else plain bytes (44777048B)."""
+    for decimals in range(3):
+        for unit, scale in SIZE_UNITS:
+            text = f"{n_bytes / scale:.{decimals}f}"
+            if float(text) > 0 and int(float(text) * scale) == n_bytes:  # parse_bytes' arithmetic
+                return text + unit
+    return f"{n_bytes}B"
+
+
+def readable_size(n_bytes: int) -> str:
+    """A size rounded to about 3 significant figures, as a label: 44777048 -> 42.7MiB."""
+    for unit, scale in SIZE_UNITS:
+        if n_bytes >= scale:
+            value = n_bytes / scale
+            text = f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f}"
+            return (text.rstrip("0").rstrip(".") if "." in text else text) + unit
+    return f"{n_bytes}B"
 
 
 def spread_evenly(k: int, n: int) -> list[int]:

@@ -52,8 +52,11 @@ def test_what_fits_measured_and_extrapolated():
     assert fits.loc[("extrapolated", "141 GiB"), "max_batch_size"] == 140
     assert fits.loc[("extrapolated", "24 GiB"), "fit_rms_residual_bytes"] == pytest.approx(0, abs=1e-3)
     assert fits.loc[("extrapolated", "24 GiB"), "fit_points"] == 3
+    assert fits.loc[("extrapolated", "24 GiB"), "fit_note"] == "fit of 3 points, residual <0.1%"
     by_seq = what_fits(df, axis="seq_len")
-    assert (by_seq["kind"] == "measured").all()  # one seq: nothing to fit
+    assert set(by_seq["kind"]) == {"measured", "no fit"}  # one seq: nothing to fit, and it says so
+    notes = by_seq[by_seq.kind == "no fit"].set_index("batch_size")["fit_note"]
+    assert notes[4] == "no fit: one sequence length ran ok" and notes[8] == "no fit: no sequence length ran ok, 1 out of memory"
     with pytest.raises(ValueError, match="axis='dtype'"):
         what_fits(df, axis="dtype")
 
@@ -63,9 +66,37 @@ def test_summary_best_config_per_limit():
                        rec("full", 1.0, 2, 5 * GiB, 4.0), rec("none", 0.0, 16, None, None, status="oom")])
     s = summary(df).set_index("limit")
     assert s.loc["no limit", "policy"] == "none" and s.loc["no limit", "batch_size"] == 8
-    assert s.loc["24 GiB", "policy"] == "full" and s.loc["24 GiB", "batch_size"] == 8
+    assert s.loc["no limit", "basis"] == "measured"
+    # full: peak = 2.5 GiB per sequence through (2, 5 GiB) and (8, 20 GiB), so batch 9 fits 24 GiB;
+    # none has one ok batch size, no line: the card rows may not rest on it.
+    assert s.loc["24 GiB", "policy"] == "full" and s.loc["24 GiB", "batch_size"] == 9
+    assert s.loc["24 GiB", "basis"] == "extrapolated (line through 2 points)"
+    assert s.loc["24 GiB", "peak_bytes"] == round(22.5 * GiB) and pd.isna(s.loc["24 GiB", "tokens_per_s"])
     text = format_summary(df)
     assert "4 cells: 3 ok, 1 oom (0 inferred), 0 error" in text and "24 GiB" in text
+
+
+def test_summary_cards_agree_with_what_fits_far_beyond_the_run_limit():
+    # A tiny emulated limit where full fits the largest measured batch, but none, the faster
+    # one, extrapolates to a much larger batch on a card: the card rows follow what_fits.
+    limit = 20 * 2**20
+    df = pd.DataFrame([rec("none", 0.0, b, (8 + 4 * b) * 2**20, 1.0 + b, limit=limit) for b in (1, 2)]
+                      + [rec("none", 0.0, 4, None, None, status="oom", limit=limit)]
+                      + [rec("full", 1.0, b, (8 + 2 * b) * 2**20, 1.0 + 1.5 * b, limit=limit) for b in (1, 2, 4)])
+    s = summary(df).set_index("limit")
+    assert s.loc["run limit 20.0 MiB", "policy"] == "none" and s.loc["run limit 20.0 MiB", "batch_size"] == 2
+    fits = what_fits(df)
+    card = fits[(fits.kind == "extrapolated") & (fits.limit == "24 GiB")].set_index("policy")["max_batch_size"]
+    assert s.loc["24 GiB", "batch_size"] == card.max() == (24 * GiB - 8 * 2**20) // (2 * 2**20)
+    assert s.loc["24 GiB", "policy"] == "full"
+
+
+def test_summary_says_plainly_when_it_cannot_answer_for_a_card():
+    df = pd.DataFrame([rec("none", 0.0, 4, 100, 10.0), rec("full", 1.0, 4, 60, 13.0)])
+    s = summary(df).set_index("limit")
+    assert pd.isna(s.loc["80 GiB", "policy"])
+    assert s.loc["80 GiB", "basis"] == "cannot answer: no policy has 2+ ok batch sizes to extrapolate from"
+    assert "cannot answer" in format_summary(df)
 
 
 def test_config_label_names_dtype_and_accumulation_only_when_not_default():
@@ -99,7 +130,8 @@ def test_what_fits_counts_a_batch_that_fits_exactly(seed):
     rng = np.random.default_rng(seed)
     for _ in range(50):
         intercept, slope = int(rng.integers(1, 10**9)), int(rng.integers(1, 10**8)) + 0.5 * int(rng.integers(0, 2))
-        batches = sorted(set(int(b) for b in rng.integers(1, 64, size=4)))
+        # even batches: a half-integer slope still gives whole-byte peaks, exactly on the line
+        batches = sorted(set(2 * int(b) for b in rng.integers(1, 32, size=4)))
         if len(batches) < 2:
             continue
         target = int(rng.integers(1, 10**4))

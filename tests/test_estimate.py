@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ckptlab import closed_form, get_workload, measure, predict, what_fits
-from ckptlab.estimate import gpt_block_bytes, prediction_error
+from ckptlab.estimate import gpt_block_bytes, llama7b_shape, prediction_error
 
 GPT_POLICIES = ["none", "full", "density=0.5", "every=2", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfsk", "density=0.5+offload"]
@@ -110,3 +110,10 @@ def test_what_fits_is_consistent_with_predict():
         assert predict(workload, b + 1, 64, pol).peak_bytes > cap
     assert by["full"]["max_batch_size"] > by["none"]["max_batch_size"]
     assert by["full"]["max_seq_len"] >= by["none"]["max_seq_len"] >= 64
+
+
+def test_shape_preset_carries_its_own_name():
+    workload = llama7b_shape(n_layer=2, n_embd=64, n_head=2, vocab_size=64)
+    assert workload.name == "llama7b-shape"
+    assert predict(workload, 1, 8, "full").model == "llama7b-shape"
+    assert 6.5e9 < get_workload("llama7b-shape").n_params < 6.9e9

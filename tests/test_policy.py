@@ -90,3 +90,24 @@ def test_errors_that_depend_on_the_number_of_blocks():
 def test_non_string_policy_is_rejected():
     with pytest.raises(ValueError, match="policy=0.5 is invalid: expected a string"):
         parse_policy(0.5)
+
+
+@pytest.mark.parametrize("n_bytes, text", [(6 * 2**30, "budget=6GiB"), (512 * 2**20, "budget=512MiB"),
+                                           (44774195, "budget=42.7MiB"), (44777048, "budget=44777048B")])
+def test_budget_in_bytes_prints_as_an_exact_size_that_parses_back(n_bytes, text):
+    policy = parse_policy(f"budget={n_bytes}")
+    assert str(policy) == text
+    assert parse_policy(str(policy)) == policy
+
+
+@pytest.mark.parametrize("n_bytes", [1, 1023, 1536, 10**9, 2**40 + 1, 44777048, 123456789])
+def test_budget_str_round_trips_for_awkward_sizes(n_bytes):
+    policy = parse_policy(f"budget={n_bytes}B")
+    assert parse_policy(str(policy)).value == n_bytes
+
+
+def test_budget_label_is_a_rounded_size():
+    assert parse_policy("budget=44777048B").label == "budget=42.7MiB"
+    assert parse_policy("budget=6GiB+offload").label == "budget=6GiB+offload"
+    assert parse_policy("budget=0.5").label == "budget=0.5"
+    assert parse_policy("density=0.5").label == "density=0.5"
