@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export MPLBACKEND := agg
 export PYTHONHASHSEED := 0
 
-.PHONY: setup run test test-browser bench gpu-check clean
+.PHONY: setup run test test-slow test-browser bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+# Opt-in, minutes: the wheel installed into a fresh venv with only the core dependencies measures.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:xdist -m slow tests
 
 # Opt-in: the explorer (notebook 06) in JupyterLab in headless Chromium, installed from Debian if
 # missing; a slider and a dropdown change re-measure. Screenshots + report.json in results/browser-check/.

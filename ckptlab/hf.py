@@ -42,16 +42,15 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from .models import WORKLOAD_FACTORIES, Workload
 from .policy import Policy, parse_policy
+from .extras import missing_extra
 from .wrap import CheckpointHandle, remove_earlier_policies
 
 try:
     import transformers
     from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                               LlamaForCausalLM, PreTrainedModel)
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "the hf-* workloads and hf policies need transformers: pip install 'ckptlab[hf]'"
-    ) from exc
+except ImportError:
+    raise missing_extra("transformers", "Hugging Face support (the hf-* models and hf policies)") from None
 
 try:
     from transformers.modeling_layers import GradientCheckpointingLayer

@@ -10,6 +10,10 @@ environment, status), and whatever the notebook saves there (records, figures, `
 
 Parameters are checked before anything runs — papermill only warns about unknown names — and a
 failing notebook (an exception, a dead kernel, a timeout) is reported while the batch goes on.
+
+The notebooks ship with the source repository, not with the installed package: running or
+listing them needs a clone (`git clone ...; make run`). An installed ckptlab says so in one
+line, and anything it writes by default goes under the working directory's results/.
 """
 
 from __future__ import annotations
@@ -28,10 +32,17 @@ from typing import Optional, Sequence
 
 import yaml
 
+from .extras import require
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 PARAMS = NOTEBOOKS / "params"
-RESULTS = ROOT / "results"
+IN_CLONE = NOTEBOOKS.is_dir() and (ROOT / "pyproject.toml").is_file()  # not site-packages
+# In a clone: the repository's results/; installed: results/ under the working directory (never
+# inside site-packages).
+RESULTS = ROOT / "results" if IN_CLONE else Path("results")
+NEED_A_CLONE = ("the notebooks ship with the source repository, not with the installed package: "
+                "clone the repository and run them there (make run)")
 
 
 # ----------------------------------------------------------------------------- inside notebooks
@@ -53,6 +64,8 @@ def save_headline(run_dir: Path, **numbers) -> dict:
 # ----------------------------------------------------------------------------- parameters
 
 def list_notebooks() -> list[Path]:
+    if not IN_CLONE:
+        raise ValueError(NEED_A_CLONE)
     return sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
@@ -79,8 +92,7 @@ def notebook_parameters(path: Path) -> dict[str, Parameter]:
     """The cell tagged `parameters`, read as `name: type = value  # help` lines. Parsed with `ast`
     rather than papermill's inspector, whose regex drops any line holding two '=' (such as
     `policy: str = "density=0.5"`)."""
-    import nbformat
-
+    nbformat = require("nbformat", "reading a notebook's parameters")
     book = nbformat.read(str(path), as_version=4)
     cells = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
     if len(cells) != 1:
@@ -166,6 +178,7 @@ def run_notebooks(
     `<out>/<notebook>/<run_name or param_set>/`. executor="submitit" runs each notebook as a
     job (`ckptlab.cluster`; `job_options`: cluster, slurm_partition, slurm_gpus_per_job, ...).
     """
+    require("papermill", "running notebooks")
     paths = [find_notebook(n) for n in names] if names else list_notebooks()
     sets = load_param_set(param_set)
     overrides = dict(overrides or {})
