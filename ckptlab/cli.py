@@ -6,9 +6,54 @@
 from __future__ import annotations
 
 import argparse
+import csv
+import json
+import math
 import sys
 
+from . import __version__
 from .memory import format_bytes
+from .models import PRESETS
+
+# The hf-* presets live in ckptlab.hf, which needs transformers; listed here so that --help
+# neither imports transformers nor needs it (a test keeps the two lists equal).
+HF_PRESET_NAMES = ("hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny", "hf-gpt2", "hf-llama-1b")
+
+# The policy vocabulary, one example each (each parses: tests/test_cli.py).
+POLICY_EXAMPLES = [
+    ("none", "no checkpointing"),
+    ("full", "recompute every block"),
+    ("density=0.5", "recompute round(0.5 x N) blocks, spread evenly"),
+    ("every=2", "recompute every 2nd block"),
+    ("layers=0,2", "recompute these blocks (indices)"),
+    ("segments=2", "checkpoint_sequential with 2 segments (segments=sqrt: sqrt(N))"),
+    ("selective", "op-level: keep matmul/attention outputs (selective=alt, selective=attn)"),
+    ("plan=kfsk", "one letter per block: k keep, s selective, f full"),
+    ("budget=6GiB", "the planner picks keep/selective/full per block to fit (budget=0.5: of none's peak)"),
+    ("compile", "torch.compile (compile:budget=0.5 sets PyTorch's activation_memory_budget)"),
+    ("full+offload", "any policy with saved activations in host memory (offload alone: none+offload)"),
+    ("hf", "transformers models: their own checkpointing (hf:every_n_layers=2, hf:offload)"),
+]
+
+EXIT_CODES = [
+    (0, "ok"),
+    (1, "a measured failure (a cell or notebook ended in error)"),
+    (2, "usage error: bad input, nothing was run"),
+    (3, "the run folder is in use by another sweep"),
+]
+
+FORMATS = ("table", "json", "csv")
+
+
+def help_epilog() -> str:
+    """What --help ends with: the model presets, the policy vocabulary, the exit codes."""
+    width = max(len(example) for example, _ in POLICY_EXAMPLES)
+    lines = ["model presets (--model):", "  " + ", ".join(PRESETS),
+             "  " + ", ".join(HF_PRESET_NAMES) + " (need: pip install 'ckptlab[hf]')", "",
+             "policies (--policy, comma-separated):"]
+    lines += [f"  {example:<{width}}  {meaning}" for example, meaning in POLICY_EXAMPLES]
+    lines += ["", "exit codes:"] + [f"  {code}  {meaning}" for code, meaning in EXIT_CODES]
+    return "\n".join(lines)
 
 
 def split_list(text: str) -> list[str]:
@@ -28,7 +73,7 @@ def int_list(name: str, text: str) -> list[int]:
     try:
         return [int(x) for x in split_list(text)]
     except ValueError:
-        raise SystemExit(f"error: --{name} {text!r} is invalid: allowed is a comma-separated list of integers")
+        raise ValueError(f"--{name} {text!r} is invalid: allowed is a comma-separated list of integers") from None
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, callable]]) -> str:
@@ -44,6 +89,31 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, callable]]) -> 
 
 def _num(fmt: str):
     return lambda v: "-" if v is None else format(v, fmt)
+
+
+def _plain(value):
+    """A record value as JSON/CSV takes it: numpy scalars as Python numbers, NaN as null."""
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def print_rows(rows: list[dict], columns: list, fmt: str, heading: str = "") -> None:
+    """Rows as a text table under `heading` (table), or every field of every row, for scripts:
+    a JSON list (json) or CSV with a header (csv); no heading then."""
+    if fmt == "table":
+        if heading:
+            print(heading)
+        print(format_table(rows, columns))
+    elif fmt == "json":
+        print(json.dumps([{k: _plain(v) for k, v in r.items()} for r in rows], indent=1, default=str))
+    else:
+        fields = list(dict.fromkeys(k for r in rows for k in r))
+        writer = csv.DictWriter(sys.stdout, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, (dict, list)) else _plain(v) for k, v in r.items()})
 
 
 MEASURE_COLUMNS = [
@@ -76,15 +146,17 @@ def cmd_measure(args: argparse.Namespace) -> int:
             group = []
             for policy in policies:
                 record = measure(workload, batch, seq, policy, device=args.device, dtype=args.dtype,
-                                 steps=args.steps, warmup=args.warmup, memory_limit=args.memory_limit)
+                                 steps=args.steps, warmup=args.warmup, memory_limit=args.memory_limit,
+                                 optimizer=args.optimizer, accum_steps=args.accum)
                 group.append(record)
             baseline = next((r for r in group if r["effective_density"] == 0 and r["step_ms"]), None)
             for r in group:
                 r["overhead"] = (r["step_ms"] / baseline["step_ms"] - 1) if baseline and r["step_ms"] else None
             rows += group
-    print(f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}), "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
-    print(format_table(rows, MEASURE_COLUMNS))
+    accum = f", accum {args.accum}" if args.accum != 1 else ""
+    print_rows(rows, MEASURE_COLUMNS, args.format,
+               f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}{accum}, {args.optimizer}), "
+               f"median of {args.steps} steps after {args.warmup} warm-up")
     failed = [r for r in rows if r["status"] == "error"]
     for r in failed:
         print(f"error in {r['policy']} b={r['batch_size']} s={r['seq_len']}: {r['message']}", file=sys.stderr)
@@ -217,8 +289,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 except ValueError:
                     pass
                 rows.append(row)
-    print(f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, AdamW: predicted, nothing allocated")
-    print(format_table(rows, PREDICT_COLUMNS))
+    print_rows(rows, PREDICT_COLUMNS, args.format,
+               f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, AdamW: predicted, nothing allocated")
     return 0
 
 
@@ -229,30 +301,52 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     workload = get_workload(args.model, **_model_overrides(args.set))
     plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost)
+    if args.format != "table":
+        row = {"model": args.model, "batch_size": args.batch, "seq_len": args.seq, "dtype": args.dtype,
+               "budget": args.budget, "policy": f"plan={plan.letters}", **plan.record(),
+               "plan_none_peak_bytes": plan.none_peak_bytes, "plan_full_peak_bytes": plan.full_peak_bytes}
+        print_rows([row], [], args.format)
+        return 0
     print(f"{args.model} b={args.batch} s={args.seq} {args.dtype}, budget {args.budget}")
     print(plan)
     print(f"apply it with: --policy plan={plan.letters}")
     return 0
 
 
-def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, policy: str, lists: bool = True) -> None:
-    """--model, --set, --batch, --seq, --policy, --dtype: what every measuring subcommand takes."""
+def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, policy: str, lists: bool = True,
+                           dtypes: bool = False) -> None:
+    """--model, --set, --batch, --seq, --policy, --dtype: what every measuring subcommand takes
+    (`dtypes`: --dtype takes a comma-separated list, as a sweep does)."""
     many = ", comma-separated" if lists else ""
-    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
+    p.add_argument("--model", default="gpt-tiny",
+                   help="workload preset (default: gpt-tiny): " + ", ".join([*PRESETS, *HF_PRESET_NAMES]))
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override, e.g. --set n_layer=8")
     p.add_argument("--batch", default=batch, type=str if lists else int, help=f"batch size{'s' if lists else ''}{many}")
     p.add_argument("--seq", default=seq, type=str if lists else int, help=f"sequence length{'s' if lists else ''}{many}")
     if policy:
-        p.add_argument("--policy", default=policy, help="policies, comma-separated, e.g. none,density=0.5,full")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16" + (" (comma-separated for sweeps)" if lists else ""))
+        p.add_argument("--policy", default=policy, help="policies, comma-separated, e.g. none,density=0.5,full "
+                       "(the vocabulary: ckptlab --help)")
+    p.add_argument("--dtype", default="fp32", help=("fp32 | bf16 (bf16: autocast), comma-separated" if dtypes else
+                                                    "one of fp32 | bf16 (bf16: autocast)"))
+
+
+def add_format_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=FORMATS, default="table",
+                   help="table: for reading (default); json, csv: every field of every row, for scripts")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptlab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ckptlab", description="Measure what activation checkpointing saves and "
+                                     "costs in PyTorch, and choose what to recompute.", epilog=help_epilog(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ckptlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("measure", help="measure one training step per policy and print a table")
     add_workload_arguments(p, batch="4", seq="64", policy="none,full")
+    p.add_argument("--accum", type=int, default=1, help="gradient-accumulation steps (micro-batches per optimizer step)")
+    p.add_argument("--optimizer", default="adamw", help="adamw | sgd | none (default: adamw)")
+    add_format_argument(p)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
@@ -260,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("sweep", help="measure a grid into a run folder (OOM-safe, resumable); print a summary")
-    add_workload_arguments(p, batch="1,2,4", seq="64", policy="none,density=0.5,full")
+    add_workload_arguments(p, batch="1,2,4", seq="64", policy="none,density=0.5,full", dtypes=True)
     p.add_argument("--accum", default="1", help="gradient-accumulation steps, comma-separated")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--memory-limit", default=None, help="e.g. 2GiB (emulated on CPU)")
@@ -279,12 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors)")
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
+    add_format_argument(p)
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("plan", help="choose keep/selective/full per block to fit a memory budget")
     add_workload_arguments(p, batch="4", seq="64", policy="", lists=False)
     p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of the no-checkpointing peak (0.5)")
     p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
+    add_format_argument(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("plot", help="redraw every figure of a run folder from its data")

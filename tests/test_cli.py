@@ -1,6 +1,14 @@
 """The command line: real output for good input, exit 2 and one clear line for bad input."""
 
-from ckptlab.cli import main, split_list
+import csv
+import io
+import json
+
+import pytest
+
+from ckptlab.cli import HF_PRESET_NAMES, POLICY_EXAMPLES, main, split_list
+from ckptlab.models import PRESETS
+from ckptlab.policy import KINDS, parse_policy
 
 TINY = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2"]
 
@@ -33,3 +41,82 @@ def test_predict_and_plan(capsys):
 def test_split_list_keeps_layer_indices_together():
     assert split_list("none,layers=0,2,density=0.5") == ["none", "layers=0,2", "density=0.5"]
     assert split_list("1, 2,4") == ["1", "2", "4"]
+
+
+def test_version(capsys):
+    import ckptlab
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ckptlab {ckptlab.__version__}"
+
+
+def test_help_lists_presets_policies_with_examples_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for preset in [*PRESETS, *HF_PRESET_NAMES]:
+        assert preset in out
+    for example, _ in POLICY_EXAMPLES:
+        assert f"  {example} " in out
+        parse_policy(example)  # every example is a policy that parses
+    kinds = {parse_policy(example).kind.split(":")[0] for example, _ in POLICY_EXAMPLES}
+    assert kinds == set(KINDS) | {"hf"}  # one example for each kind of the vocabulary
+    table = out[out.index("exit codes:"):].splitlines()[1:]
+    assert [line.split()[0] for line in table] == ["0", "1", "2", "3"]
+    assert "usage error" in table[2] and "in use" in table[3]
+
+
+def test_hf_preset_names_match_the_hf_module():
+    hf = pytest.importorskip("ckptlab.hf")
+    assert tuple(hf.HF_PRESETS) == HF_PRESET_NAMES
+
+
+def test_measure_help_says_dtype_takes_one_value(capsys):
+    with pytest.raises(SystemExit):
+        main(["measure", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--dtype DTYPE one of fp32 | bf16" in out and "comma-separated for sweeps" not in out
+    assert "--accum" in out and "--optimizer" in out and "--format {table,json,csv}" in out
+
+
+def test_measure_accum_and_optimizer_reach_the_record(capsys):
+    assert main(["measure", *TINY, "--batch", "2", "--seq", "16", "--policy", "none", "--steps", "1",
+                 "--warmup", "0", "--accum", "2", "--optimizer", "sgd", "--format", "json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["accum_steps"] == 2 and row["effective_batch_size"] == 4 and row["optimizer"] == "sgd"
+    assert row["status"] == "ok" and row["peak_bytes"] > 0
+
+
+def test_measure_csv_has_a_header_and_one_line_per_record(capsys):
+    assert main(["measure", *TINY, "--batch", "2", "--seq", "16", "--policy", "none,full", "--steps", "1",
+                 "--warmup", "0", "--format", "csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["policy"] for r in rows] == ["none", "full"]
+    assert float(rows[1]["overhead"]) == float(rows[1]["step_ms"]) / float(rows[0]["step_ms"]) - 1
+
+
+def test_predict_and_plan_as_json(capsys):
+    assert main(["predict", *TINY, "--batch", "2", "--seq", "16", "--policy", "none,full", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in rows] == ["none", "full"]
+    assert rows[1]["predicted_peak_bytes"] < rows[0]["predicted_peak_bytes"]
+    assert main(["plan", *TINY, "--batch", "2", "--seq", "16", "--budget", "1.0", "--format", "json"]) == 0
+    (plan,) = json.loads(capsys.readouterr().out)
+    assert plan["policy"] == "plan=" + plan["plan"] and len(plan["plan"]) == 2
+    assert plan["plan_predicted_peak_bytes"] <= plan["plan_none_peak_bytes"]
+
+
+@pytest.mark.parametrize("argv", [["measure", "--format", "xml"], ["measure", "--accum", "two"],
+                                  ["measure", "--batch", "2,x"], ["measure", "--optimizer", "lion"],
+                                  ["bogus"]])
+def test_usage_errors_exit_2(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own usage errors
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "error" in err and "Traceback" not in err
