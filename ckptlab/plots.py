@@ -20,6 +20,7 @@ import pandas as pd
 from matplotlib.colors import to_hex, to_rgb
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.transforms import Bbox
 
 from . import analysis
 from .analysis import policy_label
@@ -223,20 +224,24 @@ LABEL_OFFSETS = [(dx * r, dy * r) for r in (4, 11, 18, 26) for dx, dy in ((1, 1)
 
 
 def place_labels(ax, points, texts, colors, fontsize: float = 7) -> list:
-    """Annotate each point with its text at the first offset whose label overlaps no label
-    placed before it and stays inside the axes (else the first offset inside the axes). The
-    figure's layout must be final: positions are measured in display space."""
+    """Annotate each point with its text at the first offset whose label overlaps no marker and
+    no label placed before it, and stays inside the axes (else the first offset inside the
+    axes). The figure's layout must be final: positions are measured in display space."""
     renderer = ax.figure.canvas.get_renderer()
     inside = ax.get_window_extent(renderer)
+    radius = 3.5 * ax.figure.dpi / 72  # a marker's half-width (points), in display units
+    markers = [Bbox.from_extents(px - radius, py - radius, px + radius, py + radius)
+               for px, py in ax.transData.transform(np.asarray(points, dtype=float).reshape(-1, 2))]
     placed, annotations = [], []
-    for (x, y), text, color in zip(points, texts, colors):
+    for k, ((x, y), text, color) in enumerate(zip(points, texts, colors)):
         fallback = None
+        others = markers[:k] + markers[k + 1:]  # a label may touch its own marker, no other
         for dx, dy in LABEL_OFFSETS:
             ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
                               color=color, ha="left" if dx >= 0 else "right", va="bottom" if dy >= 0 else "top")
             box = ann.get_window_extent(renderer)
             within = (box.x0 >= inside.x0 and box.x1 <= inside.x1 and box.y0 >= inside.y0 and box.y1 <= inside.y1)
-            if within and not any(box.overlaps(other) for other in placed):
+            if within and not any(box.overlaps(other) for other in placed + others):
                 break
             if within and fallback is None:
                 fallback = (dx, dy)

@@ -144,6 +144,9 @@ def test_pareto_labels_every_point_inside_the_axes_without_overlap(run):
         assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1, text
     for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2):
         assert not box_a.overlaps(box_b), (a, b)
+    markers = [ax.transData.transform(p) for c in ax.collections for p in c.get_offsets()]
+    for text, box in boxes:
+        assert not any(box.contains(*m) for m in markers), text  # no label over a point
 
 
 def test_overhead_has_its_own_visible_panel(run):
