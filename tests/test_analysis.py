@@ -4,8 +4,18 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ckptlab.analysis import (GiB, config_label, format_summary, largest_fitting, overhead, pareto, plans_vs_uniform, summary,
-                              timing_note, what_fits)
+from ckptlab.core.units import GiB
+from ckptlab.report.analysis import (
+    config_label,
+    format_summary,
+    largest_fitting,
+    overhead,
+    pareto,
+    plans_vs_uniform,
+    summary,
+    timing_note,
+    what_fits,
+)
 
 
 def rec(policy, density, batch, peak, ms, status="ok", seq=64, accum=1, dtype="fp32", limit=None, **kw):
@@ -125,8 +135,8 @@ def test_timing_note_warns_on_a_busy_machine():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_what_fits_counts_a_batch_that_fits_exactly(seed):
-    """Adversarial values: peaks exactly linear with awkward intercepts and slopes, and a limit
-    equal to one of the peaks; least squares lands a hair off, the answer must not."""
+    """Adversarial values: peaks exactly linear in whole bytes with awkward intercepts and slopes,
+    and a limit equal to one of the peaks; least squares lands a hair off, the answer must not."""
     rng = np.random.default_rng(seed)
     for _ in range(50):
         intercept, slope = int(rng.integers(1, 10**9)), int(rng.integers(1, 10**8)) + 0.5 * int(rng.integers(0, 2))

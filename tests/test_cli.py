@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from ckptlab.cli import HF_PRESET_NAMES, POLICY_EXAMPLES, main, split_list
-from ckptlab.models import PRESETS
-from ckptlab.policy import KINDS, parse_policy
+from ckptlab.apps.cli import HF_PRESET_NAMES, POLICY_EXAMPLES, main
+from ckptlab.core.parsing import split_list
+from ckptlab.core.policy import KINDS, parse_policy
+from ckptlab.workloads.models import PRESETS
 
 TINY = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2"]
 
@@ -70,7 +71,7 @@ def test_help_lists_presets_policies_with_examples_and_exit_codes(capsys):
 
 
 def test_hf_preset_names_match_the_hf_module():
-    hf = pytest.importorskip("ckptlab.hf")
+    hf = pytest.importorskip("ckptlab.workloads.hf")
     assert tuple(hf.HF_PRESETS) == HF_PRESET_NAMES
 
 

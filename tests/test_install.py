@@ -5,16 +5,17 @@ dependencies that imports and measures (slow: `pytest -m slow tests/test_install
 import json
 import subprocess
 import sys
-import tomllib
 import venv
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import ckptlab
-from ckptlab import models, notebooks
-from ckptlab.cli import main
-from ckptlab.extras import EXTRA_OF, MissingExtraError, require
+from ckptlab.apps import notebooks
+from ckptlab.apps.cli import main
+from ckptlab.core.extras import EXTRA_OF, MissingExtraError, require
+from ckptlab.workloads import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -54,15 +55,16 @@ def test_missing_nbformat_is_one_line_naming_the_extra(monkeypatch, capsys):
 
 def test_missing_transformers_is_one_line_naming_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)
-    monkeypatch.delitem(sys.modules, "ckptlab.hf", raising=False)
-    monkeypatch.setattr(models, "WORKLOAD_FACTORIES", {})
+    monkeypatch.delitem(sys.modules, "ckptlab.workloads.hf", raising=False)
+    monkeypatch.delattr(ckptlab.workloads, "hf", raising=False)  # as if never imported
+    monkeypatch.setattr(registry, "WORKLOAD_FACTORIES", {})
     assert main(["measure", "--model", "hf-gpt2-tiny", *TINY[6:]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'ckptlab[hf]'" in err
 
 
 def test_missing_submitit_names_the_extra(monkeypatch, tmp_path):
-    from ckptlab.cluster import job_options
+    from ckptlab.run.cluster import job_options
 
     monkeypatch.setitem(sys.modules, "submitit", None)
     with pytest.raises(ValueError, match=r"^executor='submitit' needs submitit: pip install 'ckptlab\[cluster\]'$"):
@@ -107,7 +109,7 @@ def test_wheel_with_only_core_dependencies_measures(tmp_path):
                         (("measure", "--model", "hf-gpt2-tiny"), "pip install 'ckptlab[hf]'")]:
         result = ckptlab_cli(*args)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
-    where = subprocess.run([bin_dir / "python", "-c", "from ckptlab import notebooks; print(notebooks.RESULTS.resolve())"],
+    where = subprocess.run([bin_dir / "python", "-c", "from ckptlab.apps import notebooks; print(notebooks.RESULTS.resolve())"],
                            capture_output=True, text=True, cwd=work, check=True)
     assert where.stdout.strip() == str((work / "results").resolve())  # not inside site-packages
     assert list(env_dir.glob("lib/python*/site-packages/ckptlab/py.typed"))

@@ -13,10 +13,10 @@ matplotlib.use("agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ckptlab import plots  # noqa: E402
-from ckptlab.analysis import what_fits  # noqa: E402
-from ckptlab.memory import CATEGORIES  # noqa: E402
-from ckptlab.plots import policy_style  # noqa: E402
+from ckptlab.probe.memory import CATEGORIES  # noqa: E402
+from ckptlab.report import plots  # noqa: E402
+from ckptlab.report.analysis import what_fits  # noqa: E402
+from ckptlab.report.plots import policy_style  # noqa: E402
 
 MiB = 2**20
 LIMIT = 20 * MiB

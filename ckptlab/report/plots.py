@@ -22,9 +22,11 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.transforms import Bbox
 
+from ..core.policy import parse_policy
+from ..probe.memory import CATEGORIES, PHASES
+from ..run.store import load_run
 from . import analysis
 from .analysis import policy_label
-from .policy import parse_policy
 
 MiB = 2**20
 
@@ -310,8 +312,6 @@ FIGURES = {
 def redraw_all(run_dir: str | Path) -> list[Path]:
     """Redraw every figure of a run from its folder alone into run_dir/figures/ (PNG + SVG);
     return the paths written."""
-    from .store import load_run
-
     run_dir = Path(run_dir)
     df = load_run(run_dir)
     written = []
@@ -337,8 +337,6 @@ def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = Non
     their policy's colour. Where a row recomputed blocks and peaked in backward, the legend says
     that its temporaries include the recomputed activations (the tracker counts them there:
     they are allocated in backward and held only until the block's gradient is done)."""
-    from .memory import CATEGORIES
-
     fig, ax = plt.subplots(figsize=(3.2 + 1.3 * max(len(df), 1), 4.2))
     if not len(df):
         return _save(_empty(fig, ax, "no records"), path)
@@ -377,8 +375,6 @@ def memory_timeline(timelines: dict, path=None):
     of a phase spread evenly across it — so phases line up across policies whatever their
     number of events: forward rising, backward falling, recompute spikes in backward.
     `timelines` maps a policy to a MemoryReport.timeline [(phase, bytes), ...]."""
-    from .memory import PHASES
-
     phases = [p for p in PHASES if p != "setup"]
     fig, ax = plt.subplots(figsize=(9, 4.2))
     for label, timeline in timelines.items():
@@ -404,5 +400,5 @@ def memory_timeline(timelines: dict, path=None):
     return _save(fig, path)
 
 
-__all__ = ["FIGURES", "KIND_STYLES", "heatmaps", "place_labels", "policy_label", "policy_style", "memory_time_vs_density", "memory_timeline", "pareto_plot", "peak_breakdown",
-           "redraw_all", "what_fits_plot"]
+__all__ = ["CATEGORY_COLORS", "FIGURES", "KIND_STYLES", "MiB", "heatmaps", "memory_time_vs_density", "memory_timeline",
+           "pareto_plot", "peak_breakdown", "place_labels", "policy_label", "policy_style", "redraw_all", "what_fits_plot"]
