@@ -123,6 +123,13 @@ def test_what_fits_labels_say_the_points_and_why_a_policy_has_no_line(run):
     assert "full (fit of 3 points, residual <0.1%)" in legend
 
 
+def test_what_fits_with_nothing_to_extrapolate_says_why(run):
+    one_batch = run[(run.batch_size == 1) & (run.seq_len == 32)].assign(memory_limit_bytes=None, fits=None)
+    ax = plots.what_fits_plot(one_batch).axes[0]
+    assert "no fit: one batch size ran ok" in " ".join(legend_texts(ax.get_legend()))
+    assert [t.get_text() for t in ax.texts] == ["no limit to compare with: see the legend"]
+
+
 def test_what_fits_tick_labels_do_not_overlap(run):
     fig = plots.what_fits_plot(run)
     renderer = fig.canvas.get_renderer()

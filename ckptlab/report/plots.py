@@ -291,6 +291,8 @@ def what_fits_plot(df: pd.DataFrame, path=None, seq_len: Optional[int] = None, d
         labels.append(policy_label(policy) + (f" ({notes.iloc[0]})" if len(notes) else ""))
     if limits:
         ax.set_yscale("log", base=2)
+    else:  # one batch size per policy and no run limit: the legend says why there is nothing to draw
+        _empty(fig, ax, "no limit to compare with: see the legend")
     ax.set_xticks(np.arange(len(limits)) + width * (len(policies) - 1) / 2,
                   [f"{lim}\n{'extrapolated' if lim in analysis.CARD_LIMITS else 'measured'}" for lim in limits],
                   fontsize=8)
