@@ -121,3 +121,14 @@ def test_usage_errors_exit_2(argv, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "error" in err and "Traceback" not in err
+
+
+def test_sweep_into_a_folder_in_use_exits_3(tmp_path, capsys):
+    from ckptlab.run.store import RunWriter
+
+    out = tmp_path / "run"
+    with RunWriter(out):
+        code = main(["sweep", "--model", "mlp-chain", "--batch", "1", "--seq", "8", "--policy", "none",
+                     "--steps", "1", "--warmup", "0", "--out", str(out), "--quiet", "--no-plots"])
+    assert code == 3
+    assert "in use" in capsys.readouterr().err
