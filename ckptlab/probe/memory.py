@@ -32,8 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
-PHASES = ("setup", "forward", "backward", "optimizer")
+from ..core.records import CATEGORIES, PHASES
 
 
 @dataclass

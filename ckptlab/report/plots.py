@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from ..probe.memory import CATEGORIES
+from ..core.records import CATEGORIES
 from ..run.store import load_run
 from . import analysis
 
