@@ -295,5 +295,13 @@ def _count_recomputes(layer: nn.Module, handle: HFCheckpointHandle, early_stop: 
     layer.forward = forward
 
 
-__all__ = ["HF_PRESETS", "HFCheckpointHandle", "HFWorkload", "apply_hf_checkpointing", "get_hf_workload",
+def __getattr__(name: str):
+    # Imported on first use: it imports transformers' Trainer, which needs accelerate.
+    if name == "CkptlabCallback":
+        from .trainer import CkptlabCallback
+        return CkptlabCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CkptlabCallback", "HF_PRESETS", "HFCheckpointHandle", "HFWorkload", "apply_hf_checkpointing", "get_hf_workload",
            "hf_capabilities", "hf_layers"]
