@@ -1,0 +1,148 @@
+"""transformers' Trainer with CkptlabCallback: one record per optimizer step in a run folder,
+tracker categories and phases under Trainer, training unchanged by either checkpointing
+mechanism, and the two mechanisms never nested."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+from ckptlab import get_workload, load_run  # noqa: E402
+from ckptlab.hf import CkptlabCallback  # noqa: E402
+from ckptlab.memory import CATEGORIES  # noqa: E402
+from ckptlab.trainer import compare_trainer_runs, slowdown_answer, trainer_summary  # noqa: E402
+
+from .conftest import requires_cuda  # noqa: E402
+
+MODEL = "hf-llama-tiny"
+SHAPE = dict(batch_size=2, seq_len=16, accum_steps=2, max_steps=2)
+RUNS = ["none", "gradient_checkpointing", "full"]
+# The columns a sweep record has that mean something for a Trainer step.
+SWEEP_COLUMNS = ["model", "n_blocks", "batch_size", "seq_len", "accum_steps", "effective_batch_size", "tokens",
+                 "policy", "effective_density", "checkpointed_blocks", "device", "device_name", "dtype", "optimizer",
+                 "peak_bytes", *[f"peak_{c}_bytes" for c in CATEGORIES], "peak_phase", "saved_activation_bytes",
+                 "recompute_count", "loss", "step_ms", "tokens_per_s", "status"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer")
+    return out, compare_trainer_runs(out, RUNS, MODEL, track_steps=None, **SHAPE)
+
+
+def tiny_trainer(out, callback, max_steps=1, **arguments):
+    workload = get_workload(MODEL)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))]
+    args = transformers.TrainingArguments(output_dir=str(out / "scratch"), per_device_train_batch_size=2,
+                                          max_steps=max_steps, report_to="none", save_strategy="no",
+                                          disable_tqdm=True, use_cpu=True, **arguments)
+    return transformers.Trainer(model=workload.build(), args=args, train_dataset=data, callbacks=[callback])
+
+
+def test_one_row_per_optimizer_step_in_a_run_folder_load_run_reads(runs):
+    out, df = runs
+    for run in RUNS:
+        rows = load_run(out / run)
+        assert len(rows) == SHAPE["max_steps"]
+        assert set(SWEEP_COLUMNS) <= set(rows.columns), set(SWEEP_COLUMNS) - set(rows.columns)
+        assert rows["step"].tolist() == [1, 2]
+        assert (rows["accum_steps"] == 2).all() and (rows["effective_batch_size"] == 4).all()
+        assert (rows["tokens"] == 4 * 16).all() and (rows["seq_len"] == 16).all()
+        assert rows["memory_tracked"].all() and (rows["step_ms"] > 0).all()
+        assert rows.attrs["run"]["kind"] == "trainer"
+        assert rows.attrs["run"]["training_arguments"]["gradient_accumulation_steps"] == 2
+    by_run = df.groupby("run").first()
+    assert by_run.loc["none", ["policy", "mechanism", "effective_density"]].tolist() == ["none", "none", 0.0]
+    assert by_run.loc["gradient_checkpointing", ["policy", "mechanism", "effective_density"]].tolist() == [
+        "hf", "transformers", 1.0]
+    assert by_run.loc["full", ["policy", "mechanism", "effective_density"]].tolist() == ["full", "ckptlab", 1.0]
+    assert (df.loc[df.run == "full", "recompute_count"] == 2 * 4).all()  # 2 micro-batches x 4 layers
+
+
+def test_categories_and_phases_hold_under_trainer(runs):
+    _, df = runs
+    model = get_workload(MODEL).build()
+    params = list(model.parameters())
+    # AdamW: exp_avg and exp_avg_sq (fp32, one per parameter element) and a 0-d fp32 step per tensor.
+    adamw_state = 2 * 4 * sum(p.numel() for p in params) + 4 * len(params)
+    assert (df[f"peak_parameters_bytes"] == 4 * sum(p.numel() for p in params)).all()
+    parts = df[[f"peak_{c}_bytes" for c in CATEGORIES]].sum(axis=1)
+    assert (parts == df["peak_bytes"]).all()
+    assert (df.loc[df.step > 1, "peak_optimizer_state_bytes"] == adamw_state).all()
+    # The first step creates the state in its optimizer phase; where the peak falls there, it is
+    # counted as optimizer state, not as temporaries.
+    first = df[df.step == 1]
+    assert set(df["peak_phase"]) <= {"forward", "backward", "optimizer"}
+    in_optimizer = first[first.peak_phase == "optimizer"]
+    assert len(in_optimizer) and (in_optimizer["peak_optimizer_state_bytes"] == adamw_state).all()
+    # Forward -> backward was seen: the bytes held for backward, fewer under checkpointing.
+    saved = df.groupby("run")["saved_activation_bytes"].first()
+    assert saved["none"] > saved["full"] > 0
+    # transformers' mechanism and ckptlab's full keep the same layer inputs.
+    assert saved["gradient_checkpointing"] == saved["full"]
+
+
+def test_checkpointing_does_not_change_training(runs):
+    """Gradient accumulation and dropout (the preset's attention dropout) on: every logged loss of
+    every run is bitwise the un-checkpointed run's, both the callback's and Trainer's own."""
+    _, df = runs
+    assert get_workload(MODEL).config.attention_dropout > 0
+    losses = df.groupby("run")["trainer_loss"].apply(list)
+    assert losses["gradient_checkpointing"] == losses["none"]
+    assert losses["full"] == losses["none"]
+    assert len(set(losses["none"])) == SHAPE["max_steps"]  # the model trains: losses move
+    assert df["loss"].tolist() == pytest.approx(df["trainer_loss"].tolist(), rel=1e-6)
+    summary = trainer_summary(df)
+    assert summary["same_losses_as_none"].all()
+    assert (summary.set_index("run").loc[["gradient_checkpointing", "full"], "memory_saved_frac"] > 0).all()
+    answer = slowdown_answer(summary)
+    assert "gradient_checkpointing:" in answer and "full:" in answer and f"over {SHAPE['max_steps']} steps" in answer
+
+
+def test_ckptlab_policy_on_top_of_transformers_checkpointing_is_refused(tmp_path):
+    trainer = tiny_trainer(tmp_path, CkptlabCallback(tmp_path / "run", "full"), activation_checkpointing=True)
+    with pytest.raises(ValueError, match=r"policy='full' is invalid for this Trainer: transformers' own "
+                                         r"checkpointing is already on \(hf, layers \[0, 1, 2, 3\]\).*nest"):
+        trainer.train()
+    # Refused before the model was touched and before any record.
+    assert all("forward" not in layer.__dict__ for layer in trainer.model.model.layers)
+    assert not (tmp_path / "run" / "records.jsonl").exists()
+
+
+def test_policy_applied_for_training_and_removed_after(tmp_path):
+    callback = CkptlabCallback(tmp_path / "run", "every=2", track_steps=0)
+    trainer = tiny_trainer(tmp_path, callback, max_steps=2)
+    trainer.train()
+    rows = load_run(tmp_path / "run")
+    assert rows["checkpointed_blocks"].tolist() == ["1,3", "1,3"] and (rows["recompute_count"] == 2).all()
+    assert not rows["memory_tracked"].any() and rows["peak_bytes"].isna().all()
+    assert all("forward" not in layer.__dict__ for layer in trainer.model.model.layers)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["steps"] == 2
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="policy"):
+        CkptlabCallback(tmp_path, "densty=0.5")
+    with pytest.raises(ValueError, match=r"track_steps=-1 is invalid: allowed is None or an integer >= 0"):
+        CkptlabCallback(tmp_path, track_steps=-1)
+    with pytest.raises(ValueError, match=r"model='hf-bert-tiny' is invalid here: allowed are transformers causal"):
+        compare_trainer_runs(tmp_path, ["none"], "hf-bert-tiny")
+    with pytest.raises(ValueError, match=r"runs=\['none', 'none'\] is invalid"):
+        compare_trainer_runs(tmp_path, ["none", "none"])
+    with pytest.raises(ValueError, match="policy"):
+        compare_trainer_runs(tmp_path, ["none", "fulll"])
+    with pytest.raises(ValueError, match=r"seq_len=65 is invalid for model='hf-llama-tiny': allowed is 2..64"):
+        compare_trainer_runs(tmp_path, ["none"], seq_len=65)
+    assert list(tmp_path.iterdir()) == []
+
+
+@requires_cuda
+def test_allocator_peaks_on_cuda(tmp_path):
+    df = compare_trainer_runs(tmp_path, ["none", "full"], MODEL, device="cuda", **SHAPE)
+    assert (df["peak_bytes"] == df["cuda_max_allocated_bytes"]).all() and (df["peak_bytes"] > 0).all()
+    assert df["device"].str.startswith("cuda").all() and not df["memory_tracked"].any()
+    peaks = df.groupby("run")["peak_bytes"].max()
+    assert peaks["full"] < peaks["none"]
