@@ -13,7 +13,11 @@ Both at once would nest one checkpoint inside the other and is refused.
 
 Each row has the columns of a sweep record where they apply (peak memory by category, step time,
 tokens/s, loss, policy, effective density, accumulation steps) plus `step`, `mechanism` (none,
-ckptlab or transformers) and `memory_tracked`. Memory on CPU comes from the live-tensor tracker
+ckptlab or transformers: who turned checkpointing on), `memory_tracked`, and the highest live
+bytes in each phase (`peak_in_forward_bytes`, `peak_in_backward_bytes`, `peak_in_optimizer_bytes`).
+`loss` is the model's own (summed over micro-batches when Trainer had it normalised over the
+whole accumulated batch, else averaged): what Trainer logs, None when the loss is computed
+outside the model. Memory on CPU comes from the live-tensor tracker
 (`ckptlab.memory`), whose Python hooks slow the step they watch: rows with memory_tracked=True
 carry that slower time, so `track_steps` limits it to the first steps and the others time the
 Trainer as it runs. On CUDA the allocator's peak counters are read every step at no cost.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import shutil
 import statistics
 import tempfile
 import time
@@ -43,7 +48,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("CkptlabCallback needs transformers and accelerate: pip install 'ckptlab[hf]'") from exc
 
-from .hf import hf_layers
+from .hf import HFCheckpointHandle, hf_layers
 from .measure import device_name, resolve_device
 from .memory import CATEGORIES, cuda_allocator_stats, track_memory
 from .policy import parse_policy
@@ -51,7 +56,7 @@ from .store import RunWriter, load_run
 from .wrap import apply_checkpointing
 
 TRANSFORMERS_FLAG = "gradient_checkpointing"  # run label: TrainingArguments' own checkpointing
-MECHANISMS = ("none", "ckptlab", "transformers")
+STEP_PHASES = ("forward", "backward", "optimizer")
 
 
 class CkptlabCallback(TrainerCallback):
@@ -90,16 +95,22 @@ class CkptlabCallback(TrainerCallback):
         self.close()
         layers = hf_layers(model) if isinstance(model, PreTrainedModel) else []
         marked = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
-        if self.policy is not None and marked:
+        applied = _ckptlab_handle(model)  # a policy the user applied before train()
+        if marked and (self.policy is not None or applied is not None):
+            which = f"policy={str(self.policy)!r}" if self.policy is not None else \
+                f"the ckptlab policy {str(applied.policy)!r} already on the model"
             raise ValueError(
-                f"policy={str(self.policy)!r} is invalid for this Trainer: transformers' own checkpointing is "
-                f"already on ({_transformers_label(args)}, layers {marked}), and the two would nest (every "
-                "checkpointed layer recomputed twice). Choose one: CkptlabCallback(policy=None) measures "
-                "transformers' checkpointing; TrainingArguments(activation_checkpointing=False) lets ckptlab's apply")
+                f"{which} is invalid for this Trainer: transformers' own checkpointing is already on "
+                f"({_transformers_label(args)}, layers {marked}), and the two would nest (every checkpointed "
+                "layer recomputed twice). Choose one: CkptlabCallback(policy=None) on a model without a ckptlab "
+                "policy measures transformers' checkpointing; TrainingArguments(activation_checkpointing=False) "
+                "lets ckptlab's apply")
         if self.policy is not None:
             self.handle = apply_checkpointing(model, self.policy)
-            policy, mechanism = str(self.policy), ("none" if self.handle.effective_density == 0 else "ckptlab")
-            n_blocks, checkpointed = self.handle.n_blocks, self.handle.checkpointed_blocks
+            applied = self.handle
+        if applied is not None:
+            policy, mechanism = str(applied.policy), ("none" if applied.effective_density == 0 else "ckptlab")
+            n_blocks, checkpointed = applied.n_blocks, applied.checkpointed_blocks
         elif marked:
             policy, mechanism, n_blocks, checkpointed = _transformers_label(args), "transformers", len(layers), marked
         else:
@@ -157,7 +168,7 @@ class CkptlabCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         tracked = self._device.type == "cpu" and (self.track_steps is None or self._steps_done < self.track_steps)
-        self._step = {"micro_batches": 0, "sequences": 0, "tokens": 0, "seq_len": None, "losses": [],
+        self._step = {"micro_batches": 1, "sequences": 0, "tokens": 0, "seq_len": None, "losses": [],
                       "loss_spans_batch": False}
         if self.handle is not None:
             self.handle.reset_counts()
@@ -178,7 +189,6 @@ class CkptlabCallback(TrainerCallback):
             self._tracker.phase("forward")
             self._tracker.add_inputs(tensors)
         ids = kwargs.get("input_ids", tensors[0] if tensors else None)
-        self._step["micro_batches"] += 1
         if ids is not None:
             self._step["sequences"] += ids.shape[0]
             self._step["tokens"] += ids.numel()
@@ -192,6 +202,10 @@ class CkptlabCallback(TrainerCallback):
             self._step["losses"].append(loss.detach())
             # Normalised by the item count of the whole accumulated batch: the micro-batch losses add up.
             self._step["loss_spans_batch"] |= kwargs.get("num_items_in_batch") is not None
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if self._step is not None:  # Trainer calls it after every micro-batch but the last
+            self._step["micro_batches"] += 1
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self._tracker is not None:
@@ -214,7 +228,7 @@ class CkptlabCallback(TrainerCallback):
         record = {
             "model": self._run["model"],
             "n_blocks": self._run["n_blocks"],
-            "batch_size": step["sequences"] // max(step["micro_batches"], 1),
+            "batch_size": step["sequences"] // step["micro_batches"],
             "seq_len": step["seq_len"],
             "accum_steps": step["micro_batches"],
             "effective_batch_size": step["sequences"],
@@ -228,6 +242,8 @@ class CkptlabCallback(TrainerCallback):
             "peak_bytes": report.peak_bytes if report else None,
             **{f"peak_{c}_bytes": report.peak_by_category.get(c) if report else None for c in CATEGORIES},
             "peak_phase": report.peak_phase if report else None,
+            **{f"peak_in_{phase}_bytes": max((b for p, b in report.timeline if p == phase), default=None)
+               if report else None for phase in STEP_PHASES},
             "saved_activation_bytes": report.saved_activation_bytes if report else None,
             "cuda_max_allocated_bytes": None,
             "cuda_max_reserved_bytes": None,
@@ -247,6 +263,16 @@ class CkptlabCallback(TrainerCallback):
             record["peak_bytes"] = record["cuda_max_allocated_bytes"]
         self._writer.append(record)
         self._steps_done += 1
+
+
+def _ckptlab_handle(model: nn.Module):
+    """The handle of a ckptlab policy (other than transformers' own, which marks layers) that
+    some module of `model` carries, or None."""
+    for module in model.modules():
+        handle = getattr(module.__dict__.get("forward"), "_ckptlab_handle", None)
+        if handle is not None and not isinstance(handle, HFCheckpointHandle):
+            return handle
+    return None
 
 
 def _transformers_label(args) -> str:
@@ -332,8 +358,7 @@ def compare_trainer_runs(
     for run in runs:
         run_dir = out / run
         if run_dir.exists():  # a rerun replaces the run, as the notebook runner does
-            for f in run_dir.iterdir():
-                f.unlink()
+            shutil.rmtree(run_dir)
         callback = CkptlabCallback(run_dir, policies[run], track_steps=track_steps, model_name=workload.name)
         with tempfile.TemporaryDirectory() as scratch:
             args = TrainingArguments(

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
-from ckptlab import get_workload, load_run  # noqa: E402
+from ckptlab import apply_checkpointing, get_workload, load_run  # noqa: E402
 from ckptlab.hf import CkptlabCallback  # noqa: E402
 from ckptlab.memory import CATEGORIES  # noqa: E402
 from ckptlab.trainer import compare_trainer_runs, slowdown_answer, trainer_summary  # noqa: E402
@@ -68,7 +68,7 @@ def test_categories_and_phases_hold_under_trainer(runs):
     params = list(model.parameters())
     # AdamW: exp_avg and exp_avg_sq (fp32, one per parameter element) and a 0-d fp32 step per tensor.
     adamw_state = 2 * 4 * sum(p.numel() for p in params) + 4 * len(params)
-    assert (df[f"peak_parameters_bytes"] == 4 * sum(p.numel() for p in params)).all()
+    assert (df["peak_parameters_bytes"] == 4 * sum(p.numel() for p in params)).all()
     parts = df[[f"peak_{c}_bytes" for c in CATEGORIES]].sum(axis=1)
     assert (parts == df["peak_bytes"]).all()
     assert (df.loc[df.step > 1, "peak_optimizer_state_bytes"] == adamw_state).all()
@@ -78,6 +78,9 @@ def test_categories_and_phases_hold_under_trainer(runs):
     assert set(df["peak_phase"]) <= {"forward", "backward", "optimizer"}
     in_optimizer = first[first.peak_phase == "optimizer"]
     assert len(in_optimizer) and (in_optimizer["peak_optimizer_state_bytes"] == adamw_state).all()
+    # Every step went through all three phases, and the peak is the highest of them.
+    phases = df[["peak_in_forward_bytes", "peak_in_backward_bytes", "peak_in_optimizer_bytes"]]
+    assert (phases > 0).all().all() and (phases.max(axis=1) == df["peak_bytes"]).all()
     # Forward -> backward was seen: the bytes held for backward, fewer under checkpointing.
     saved = df.groupby("run")["saved_activation_bytes"].first()
     assert saved["none"] > saved["full"] > 0
@@ -102,7 +105,7 @@ def test_checkpointing_does_not_change_training(runs):
     assert "gradient_checkpointing:" in answer and "full:" in answer and f"over {SHAPE['max_steps']} steps" in answer
 
 
-def test_ckptlab_policy_on_top_of_transformers_checkpointing_is_refused(tmp_path):
+def test_ckptlab_policy_and_transformers_checkpointing_together_are_refused(tmp_path):
     trainer = tiny_trainer(tmp_path, CkptlabCallback(tmp_path / "run", "full"), activation_checkpointing=True)
     with pytest.raises(ValueError, match=r"policy='full' is invalid for this Trainer: transformers' own "
                                          r"checkpointing is already on \(hf, layers \[0, 1, 2, 3\]\).*nest"):
@@ -110,6 +113,22 @@ def test_ckptlab_policy_on_top_of_transformers_checkpointing_is_refused(tmp_path
     # Refused before the model was touched and before any record.
     assert all("forward" not in layer.__dict__ for layer in trainer.model.model.layers)
     assert not (tmp_path / "run" / "records.jsonl").exists()
+    # The same with the ckptlab policy applied by hand before train() and policy=None.
+    trainer.pop_callback(CkptlabCallback)
+    trainer.add_callback(CkptlabCallback(tmp_path / "run"))
+    apply_checkpointing(trainer.model, "every=2")
+    with pytest.raises(ValueError, match=r"the ckptlab policy 'every=2' already on the model is invalid for this "
+                                         r"Trainer: transformers' own checkpointing is already on"):
+        trainer.train()
+
+
+def test_policy_none_records_a_policy_applied_before_train(tmp_path):
+    trainer = tiny_trainer(tmp_path, CkptlabCallback(tmp_path / "run", track_steps=0))
+    with apply_checkpointing(trainer.model, "layers=0,2"):
+        trainer.train()
+    rows = load_run(tmp_path / "run")
+    assert rows[["policy", "mechanism", "checkpointed_blocks", "effective_density"]].values.tolist() == [
+        ["layers=0,2", "ckptlab", "0,2", 0.5]]
 
 
 def test_policy_applied_for_training_and_removed_after(tmp_path):
