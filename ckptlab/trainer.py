@@ -52,7 +52,7 @@ from .hf import HFCheckpointHandle, hf_layers
 from .measure import device_name, resolve_device
 from .memory import CATEGORIES, cuda_allocator_stats, track_memory
 from .policy import parse_policy
-from .store import RunWriter, load_run
+from .store import RunWriter, load_run, read_records
 from .wrap import apply_checkpointing
 
 TRANSFORMERS_FLAG = "gradient_checkpointing"  # run label: TrainingArguments' own checkpointing
@@ -93,6 +93,10 @@ class CkptlabCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.close()
+        earlier = read_records(self.out)
+        if earlier:
+            raise ValueError(f"out={str(self.out)!r} is invalid: it already holds {len(earlier)} records of an earlier "
+                             "run; choose another folder (one run folder per train())")
         layers = hf_layers(model) if isinstance(model, PreTrainedModel) else []
         marked = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
         applied = _ckptlab_handle(model)  # a policy the user applied before train()
@@ -104,7 +108,7 @@ class CkptlabCallback(TrainerCallback):
                 f"({_transformers_label(args)}, layers {marked}), and the two would nest (every checkpointed "
                 "layer recomputed twice). Choose one: CkptlabCallback(policy=None) on a model without a ckptlab "
                 "policy measures transformers' checkpointing; TrainingArguments(activation_checkpointing=False) "
-                "lets ckptlab's apply")
+                "lets ckptlab's policy apply")
         if self.policy is not None:
             self.handle = apply_checkpointing(model, self.policy)
             applied = self.handle

@@ -140,6 +140,11 @@ def test_policy_applied_for_training_and_removed_after(tmp_path):
     assert not rows["memory_tracked"].any() and rows["peak_bytes"].isna().all()
     assert all("forward" not in layer.__dict__ for layer in trainer.model.model.layers)
     assert json.loads((tmp_path / "run" / "run.json").read_text())["steps"] == 2
+    # A second train() into the same folder would mix two runs' rows.
+    trainer.pop_callback(CkptlabCallback)
+    trainer.add_callback(CkptlabCallback(tmp_path / "run"))
+    with pytest.raises(ValueError, match=r"already holds 2 records of an earlier run; choose another folder"):
+        trainer.train()
 
 
 def test_bad_arguments_are_refused_before_any_work(tmp_path):
