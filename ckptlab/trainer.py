@@ -80,7 +80,8 @@ class CkptlabCallback(TrainerCallback):
         self.out = Path(out)
         self.track_steps = track_steps
         self.model_name = model_name
-        self.handle = None
+        self.handle = None           # the policy this callback applied (removed at train end)
+        self._applied = None         # the policy on the model during training, whoever applied it
         self._writer = None
         self._hooks: list = []
         self._run: dict = {}
@@ -112,6 +113,7 @@ class CkptlabCallback(TrainerCallback):
         if self.policy is not None:
             self.handle = apply_checkpointing(model, self.policy)
             applied = self.handle
+        self._applied = applied
         if applied is not None:
             policy, mechanism = str(applied.policy), ("none" if applied.effective_density == 0 else "ckptlab")
             n_blocks, checkpointed = applied.n_blocks, applied.checkpointed_blocks
@@ -174,8 +176,8 @@ class CkptlabCallback(TrainerCallback):
         tracked = self._device.type == "cpu" and (self.track_steps is None or self._steps_done < self.track_steps)
         self._step = {"micro_batches": 1, "sequences": 0, "tokens": 0, "seq_len": None, "losses": [],
                       "loss_spans_batch": False}
-        if self.handle is not None:
-            self.handle.reset_counts()
+        if self._applied is not None:
+            self._applied.reset_counts()
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
             torch.cuda.reset_peak_memory_stats(self._device)
@@ -253,7 +255,7 @@ class CkptlabCallback(TrainerCallback):
             "cuda_max_reserved_bytes": None,
             "cuda_alloc_retries": None,
             "cuda_ooms": None,
-            "recompute_count": self.handle.recompute_count if self.handle is not None else None,
+            "recompute_count": self._applied.recompute_count if self._applied is not None else None,
             "note": "step time includes the live-tensor tracker's hooks" if report else "",
             "loss": loss,
             "step_ms": step_ms,

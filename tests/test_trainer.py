@@ -129,6 +129,7 @@ def test_policy_none_records_a_policy_applied_before_train(tmp_path):
     rows = load_run(tmp_path / "run")
     assert rows[["policy", "mechanism", "checkpointed_blocks", "effective_density"]].values.tolist() == [
         ["layers=0,2", "ckptlab", "0,2", 0.5]]
+    assert rows["recompute_count"].tolist() == [2]
 
 
 def test_policy_applied_for_training_and_removed_after(tmp_path):
