@@ -340,8 +340,9 @@ def compare_trainer_runs(
     from .models import get_workload
 
     runs = list(runs)
-    if not runs or len(set(runs)) != len(runs):
-        raise ValueError(f"runs={runs!r} is invalid: allowed is a non-empty list of distinct labels")
+    if "none" not in runs or len(set(runs)) != len(runs):
+        raise ValueError(f"runs={runs!r} is invalid: allowed is a list of distinct labels that includes 'none' "
+                         "(the run every other is compared against)")
     policies = {run: (None if run in ("none", TRANSFORMERS_FLAG) else str(parse_policy(run))) for run in runs}
     for name, value, minimum in (("batch_size", batch_size, 1), ("seq_len", seq_len, 2), ("accum_steps", accum_steps, 1),
                                  ("max_steps", max_steps, 1), ("seed", seed, 0)):
@@ -475,6 +476,8 @@ def trainer_plot(df, path=None):
 
 def slowdown_answer(summary) -> str:
     """The guide's "Training will be ~20% slower", answered from `trainer_summary`'s numbers."""
+    import pandas as pd
+
     if "overhead" not in summary:
         raise ValueError("summary is invalid: it has no 'none' run to compare against; include 'none' in runs")
     base = summary[summary["run"] == "none"].iloc[0]
@@ -482,12 +485,13 @@ def slowdown_answer(summary) -> str:
     for r in summary[summary["run"] != "none"].itertuples():
         verdict = ("within the step-to-step spread of no checkpointing: these steps cannot tell them apart"
                    if r.overlaps_none else ("more" if r.overhead > 0.2 else "less") + " than the guide's ~20%")
-        memory = "" if r.memory_saved_frac is None or r.memory_saved_frac != r.memory_saved_frac else \
-            f", {r.memory_saved_frac:.0%} less peak memory"
+        memory = "" if pd.isna(r.memory_saved_frac) else f", {r.memory_saved_frac:.0%} less peak memory"
         parts.append(f"{r.run}: {r.overhead:+.0%} step time (median {r.step_ms:.0f} ms, range "
                      f"{r.step_ms_min:.0f}-{r.step_ms_max:.0f}){memory} — {verdict}")
+    caveat = (" — every step ran under the memory tracker, whose hooks slow it: use track_steps below max_steps"
+              if summary["timed_with_tracker"].any() else "")
     return (f"Against no checkpointing (median {base.step_ms:.0f} ms, range {base.step_ms_min:.0f}-"
-            f"{base.step_ms_max:.0f} ms over {base.timed_steps} steps):\n" + "\n".join(parts))
+            f"{base.step_ms_max:.0f} ms over {base.timed_steps} steps){caveat}:\n" + "\n".join(parts))
 
 
 __all__ = ["CkptlabCallback", "compare_trainer_runs", "slowdown_answer", "trainer_plot", "trainer_summary"]

@@ -103,6 +103,7 @@ def test_checkpointing_does_not_change_training(runs):
     assert (summary.set_index("run").loc[["gradient_checkpointing", "full"], "memory_saved_frac"] > 0).all()
     answer = slowdown_answer(summary)
     assert "gradient_checkpointing:" in answer and "full:" in answer and f"over {SHAPE['max_steps']} steps" in answer
+    assert "every step ran under the memory tracker" in answer  # track_steps=None: said, not hidden
 
 
 def test_ckptlab_policy_and_transformers_checkpointing_together_are_refused(tmp_path):
@@ -157,6 +158,9 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
         compare_trainer_runs(tmp_path, ["none"], "hf-bert-tiny")
     with pytest.raises(ValueError, match=r"runs=\['none', 'none'\] is invalid"):
         compare_trainer_runs(tmp_path, ["none", "none"])
+    with pytest.raises(ValueError, match=r"runs=\['full'\] is invalid: allowed is a list of distinct labels that "
+                                         r"includes 'none'"):
+        compare_trainer_runs(tmp_path, ["full"])
     with pytest.raises(ValueError, match="policy"):
         compare_trainer_runs(tmp_path, ["none", "fulll"])
     with pytest.raises(ValueError, match=r"seq_len=65 is invalid for model='hf-llama-tiny': allowed is 2..64"):
@@ -171,3 +175,25 @@ def test_allocator_peaks_on_cuda(tmp_path):
     assert df["device"].str.startswith("cuda").all() and not df["memory_tracked"].any()
     peaks = df.groupby("run")["peak_bytes"].max()
     assert peaks["full"] < peaks["none"]
+
+
+def test_summary_times_only_the_steps_without_the_tracker_and_says_when_spreads_overlap():
+    import pandas as pd
+
+    def run(name, times, peak, losses=(3.0, 2.0, 1.0, 0.5)):
+        return [dict(run=name, policy=name, mechanism="none", effective_density=0.0, step=i + 1, step_ms=t,
+                     memory_tracked=i == 0, peak_bytes=peak if i == 0 else None, peak_activations_bytes=1,
+                     saved_activation_bytes=1, loss=losses[i]) for i, t in enumerate(times)]
+
+    df = pd.DataFrame(run("none", [900, 100, 110, 120], 1000) + run("full", [990, 130, 140, 150], 600)
+                      + run("every=2", [950, 105, 125, 115], 800, losses=(3.0, 2.0, 1.0, 0.25)))
+    table = trainer_summary(df).set_index("run")
+    assert table.loc["none", ["step_ms", "step_ms_min", "step_ms_max", "timed_steps"]].tolist() == [110, 100, 120, 3]
+    assert table.loc["full", "overhead"] == pytest.approx(140 / 110 - 1)
+    assert table.loc["full", "memory_saved_frac"] == pytest.approx(0.4)
+    assert table["overlaps_none"].tolist() == [True, False, True]
+    assert table["same_losses_as_none"].tolist() == [True, True, False]
+    answer = slowdown_answer(table.reset_index())
+    assert "full: +27% step time (median 140 ms, range 130-150), 40% less peak memory — more than the guide's ~20%" in answer
+    assert "every=2: +5% step time" in answer and "cannot tell them apart" in answer
+    assert "memory tracker" not in answer
