@@ -350,6 +350,9 @@ def compare_trainer_runs(
             raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {minimum}")
     if track_steps is not None and (isinstance(track_steps, bool) or not isinstance(track_steps, int) or track_steps < 0):
         raise ValueError(f"track_steps={track_steps!r} is invalid: allowed is None or an integer >= 0")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is invalid here: allowed are cpu, cuda (Trainer trains on the first "
+                         "visible GPU; choose it with CUDA_VISIBLE_DEVICES)")
     dev = resolve_device(device)
     workload = get_workload(model) if isinstance(model, str) else model
     causal = set(transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())

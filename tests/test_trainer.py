@@ -165,6 +165,8 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
         compare_trainer_runs(tmp_path, ["none", "fulll"])
     with pytest.raises(ValueError, match=r"seq_len=65 is invalid for model='hf-llama-tiny': allowed is 2..64"):
         compare_trainer_runs(tmp_path, ["none"], seq_len=65)
+    with pytest.raises(ValueError, match=r"device='cuda:1' is invalid here: allowed are cpu, cuda"):
+        compare_trainer_runs(tmp_path, ["none"], device="cuda:1")
     assert list(tmp_path.iterdir()) == []
 
 
