@@ -403,7 +403,8 @@ class _RandomTokens(torch.utils.data.Dataset):
 def trainer_summary(df):
     """One row per run of `compare_trainer_runs`' frame: peak memory (the highest tracked step),
     step time over the steps timed without the tracker (median, min, max, how many), and against
-    the "none" run: step-time overhead, memory saved, and whether every loss is bitwise the same."""
+    the "none" run: step-time overhead, memory saved, and whether every loss (the one Trainer
+    logged where the frame has it, else the callback's) is bitwise the same."""
     import pandas as pd
 
     rows = []
@@ -420,7 +421,7 @@ def trainer_summary(df):
             "step_ms": statistics.median(timed["step_ms"]), "step_ms_min": timed["step_ms"].min(),
             "step_ms_max": timed["step_ms"].max(), "timed_steps": len(timed),
             "timed_with_tracker": bool(timed["memory_tracked"].any()),
-            "losses": g["loss"].tolist(),
+            "losses": g["trainer_loss" if "trainer_loss" in g else "loss"].tolist(),
         })
     table = pd.DataFrame(rows)
     base = table[table["run"] == "none"]
