@@ -10,10 +10,9 @@ import torch
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
-from ckptlab import apply_checkpointing, get_workload, load_run  # noqa: E402
-from ckptlab.hf import CkptlabCallback  # noqa: E402
-from ckptlab.memory import CATEGORIES  # noqa: E402
-from ckptlab.trainer import compare_trainer_runs, slowdown_answer, trainer_summary  # noqa: E402
+from ckptlab import analysis, apply_checkpointing, get_workload, load_run  # noqa: E402
+from ckptlab.hf import CkptlabCallback, compare_trainer_runs  # noqa: E402
+from ckptlab.probe.memory import CATEGORIES  # noqa: E402
 
 from .conftest import requires_cuda  # noqa: E402
 
@@ -98,10 +97,10 @@ def test_checkpointing_does_not_change_training(runs):
     assert losses["full"] == losses["none"]
     assert len(set(losses["none"])) == SHAPE["max_steps"]  # the model trains: losses move
     assert df["loss"].tolist() == pytest.approx(df["trainer_loss"].tolist(), rel=1e-6)
-    summary = trainer_summary(df)
+    summary = analysis.trainer_summary(df)
     assert summary["same_losses_as_none"].all()
     assert (summary.set_index("run").loc[["gradient_checkpointing", "full"], "memory_saved_frac"] > 0).all()
-    answer = slowdown_answer(summary)
+    answer = analysis.slowdown_answer(summary)
     assert "gradient_checkpointing:" in answer and "full:" in answer and f"over {SHAPE['max_steps']} steps" in answer
     assert "every step ran under the memory tracker" in answer  # track_steps=None: said, not hidden
 
@@ -189,13 +188,13 @@ def test_summary_times_only_the_steps_without_the_tracker_and_says_when_spreads_
 
     df = pd.DataFrame(run("none", [900, 100, 110, 120], 1000) + run("full", [990, 130, 140, 150], 600)
                       + run("every=2", [950, 105, 125, 115], 800, losses=(3.0, 2.0, 1.0, 0.25)))
-    table = trainer_summary(df).set_index("run")
+    table = analysis.trainer_summary(df).set_index("run")
     assert table.loc["none", ["step_ms", "step_ms_min", "step_ms_max", "timed_steps"]].tolist() == [110, 100, 120, 3]
     assert table.loc["full", "overhead"] == pytest.approx(140 / 110 - 1)
     assert table.loc["full", "memory_saved_frac"] == pytest.approx(0.4)
     assert table["overlaps_none"].tolist() == [True, False, True]
     assert table["same_losses_as_none"].tolist() == [True, True, False]
-    answer = slowdown_answer(table.reset_index())
+    answer = analysis.slowdown_answer(table.reset_index())
     assert "full: +27% step time (median 140 ms, range 130-150), 40% less peak memory — more than the guide's ~20%" in answer
     assert "every=2: +5% step time" in answer and "cannot tell them apart" in answer
     assert "memory tracker" not in answer

@@ -15,20 +15,16 @@ failing notebook (an exception, a dead kernel, a timeout) is reported while the 
 from __future__ import annotations
 
 import ast
-import datetime as dt
 import json
 import shutil
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from .notebook_exec import ROOT, NotebookRun, execute, relative
+
 NOTEBOOKS = ROOT / "notebooks"
 PARAMS = NOTEBOOKS / "params"
 RESULTS = ROOT / "results"
@@ -79,7 +75,7 @@ def notebook_parameters(path: Path) -> dict[str, Parameter]:
     """The cell tagged `parameters`, read as `name: type = value  # help` lines. Parsed with `ast`
     rather than papermill's inspector, whose regex drops any line holding two '=' (such as
     `policy: str = "density=0.5"`)."""
-    import nbformat
+    import nbformat  # noqa: PLC0415 - nbformat comes with the notebooks extra
 
     book = nbformat.read(str(path), as_version=4)
     cells = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
@@ -140,14 +136,6 @@ def load_param_set(name: str) -> dict[str, dict]:
 
 # ----------------------------------------------------------------------------- the batch runner
 
-@dataclass
-class NotebookRun:
-    notebook: str
-    run_dir: Path
-    status: str          # ok | failed | timeout
-    seconds: float
-    error: str = ""
-
 
 def run_notebooks(
     names: Optional[Sequence[str]] = None,
@@ -164,7 +152,7 @@ def run_notebooks(
     Parameters come from `notebooks/params/<param_set>.yaml`, then `overrides` (applied to every
     selected notebook). All are checked before the first notebook starts. Output goes to
     `<out>/<notebook>/<run_name or param_set>/`. executor="submitit" runs each notebook as a
-    job (`ckptlab.cluster`; `job_options`: cluster, slurm_partition, slurm_gpus_per_job, ...).
+    job (`ckptlab.run.cluster`; `job_options`: cluster, slurm_partition, slurm_gpus_per_job, ...).
     """
     paths = [find_notebook(n) for n in names] if names else list_notebooks()
     sets = load_param_set(param_set)
@@ -177,8 +165,9 @@ def run_notebooks(
     out = Path(out)
     run_name = run_name or (Path(param_set).stem if not overrides else f"{Path(param_set).stem}-custom")
 
-    if executor != "local":   # each notebook a submitit job, same run folders (ckptlab.cluster)
-        from .cluster import run_notebooks_as_jobs
+    if executor != "local":   # each notebook a submitit job, same run folders (ckptlab.run.cluster)
+        # In-function: submitit is an optional dependency (extra ckptlab[cluster]).
+        from .notebook_jobs import run_notebooks_as_jobs  # noqa: PLC0415 - needs submitit, the cluster extra
         runs = run_notebooks_as_jobs(plan, out, run_name, param_set, timeout_s, executor, **(job_options or {}))
         write_results_index(out)
         return runs
@@ -188,50 +177,13 @@ def run_notebooks(
         if run_dir.exists():  # a new execution of the same notebook and parameters replaces the old
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        print(f"[{i}/{len(plan)}] {path.stem} -> {_relative(run_dir)}", flush=True)
-        run = _execute(path, run_dir, values, param_set, timeout_s)
+        print(f"[{i}/{len(plan)}] {path.stem} -> {relative(run_dir)}", flush=True)
+        run = execute(path, run_dir, values, param_set, timeout_s)
         runs.append(run)
         print(f"[{i}/{len(plan)}] {path.stem}: {run.status} in {run.seconds:.0f} s"
               + (f" — {run.error}" if run.error else ""), flush=True)
     write_results_index(out)
     return runs
-
-
-def _execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s: float) -> NotebookRun:
-    parameters = {**values, "run_dir": _relative(run_dir)}
-    started = time.time()
-    meta = {"notebook": path.stem, "param_set": param_set, "parameters": parameters,
-            "started_at": _now(), "finished_at": None, "status": "running", "error": ""}
-    _write_json(run_dir / "run.json", meta)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(parameters, f)
-        params_file = f.name
-    # Paths relative to the repository (papermill records them in the executed notebook).
-    command = [sys.executable, "-m", "papermill", _relative(path), _relative(run_dir / path.name), "-f", params_file,
-               "--cwd", ".", "-k", "python3", "--log-level", "ERROR", "--no-progress-bar"]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-        status, error = ("ok", "") if proc.returncode == 0 else ("failed", _papermill_error(proc.stderr))
-    except subprocess.TimeoutExpired:
-        status, error = "timeout", f"did not finish within {timeout_s:.0f} s"
-    finally:
-        Path(params_file).unlink(missing_ok=True)
-    from .sweep import environment
-
-    device = parameters.get("device", "cpu")
-    meta.update(finished_at=_now(), status=status, error=error,
-                seconds=round(time.time() - started, 1), environment=environment(device if status == "ok" else "cpu"))
-    _write_json(run_dir / "run.json", meta)
-    return NotebookRun(path.stem, run_dir, status, time.time() - started, error)
-
-
-def _papermill_error(stderr: str) -> str:
-    """The exception line papermill prints, or the last line (a dead kernel says so there)."""
-    lines = [l.strip() for l in stderr.splitlines() if l.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "error" in line or "Dead" in line:
-            return line[:500]
-    return lines[-1][:500] if lines else "papermill failed without a message"
 
 
 # ----------------------------------------------------------------------------- results/README.md
@@ -267,18 +219,6 @@ def write_results_index(out: str | Path = RESULTS) -> Path:
     return path
 
 
-def _relative(path: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    tmp.replace(path)
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+__all__ = ["NOTEBOOKS", "PARAMS", "Parameter", "RESULTS", "check_parameters", "find_notebook",
+           "list_notebooks", "load_param_set", "notebook_parameters", "run_folder", "run_notebooks",
+           "save_headline", "write_results_index"]

@@ -30,14 +30,14 @@ which runs before that hook, falls in backward.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import shutil
-import statistics
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Optional, Sequence
 
+import pandas as pd
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
@@ -48,12 +48,16 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("CkptlabCallback needs transformers and accelerate: pip install 'ckptlab[hf]'") from exc
 
-from .hf import HFCheckpointHandle, hf_layers
-from .measure import device_name, resolve_device
-from .memory import CATEGORIES, cuda_allocator_stats, track_memory
-from .policy import parse_policy
+from ..checkpoint.hf import HFCheckpointHandle, hf_layers
+from ..checkpoint.wrap import apply_checkpointing
+from ..core.policy import parse_policy
+from ..core.validate import check_int
+from ..probe.memory import CATEGORIES, cuda_allocator_stats, track_memory
+from ..probe.step import device_name, resolve_device
+from ..workloads.registry import get_workload
+from .cells import now
+from .provenance import environment
 from .store import RunWriter, load_run, read_records
-from .wrap import apply_checkpointing
 
 TRANSFORMERS_FLAG = "gradient_checkpointing"  # run label: TrainingArguments' own checkpointing
 STEP_PHASES = ("forward", "backward", "optimizer")
@@ -143,13 +147,13 @@ class CkptlabCallback(TrainerCallback):
         self._writer = RunWriter(self.out).__enter__()
         self._meta = {"kind": "trainer", **{k: self._run[k] for k in ("model", "policy", "mechanism")},
                       "training_arguments": _arguments(args), "track_steps": self.track_steps,
-                      "started_at": _now(), "finished_at": None, "steps": 0,
+                      "started_at": now(), "finished_at": None, "steps": 0,
                       "environment": _environment(str(device))}
         self._writer.write_meta(self._meta)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._writer is not None:
-            self._meta.update(finished_at=_now(), steps=self._steps_done)
+            self._meta.update(finished_at=now(), steps=self._steps_done)
             self._writer.write_meta(self._meta)
         self.close()
 
@@ -298,17 +302,9 @@ def _arguments(args) -> dict:
 
 
 def _environment(device: str) -> dict:
-    from importlib import metadata
-
-    from .sweep import environment
-
     env = environment(device)
     env["packages"].update({name: metadata.version(name) for name in ("transformers", "accelerate")})
     return env
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 # ----------------------------------------------------------------------------- the guide's recipe, measured
@@ -335,10 +331,6 @@ def compare_trainer_runs(
     Each run writes its folder `out/<run>/`. Returns one DataFrame row per optimizer step of every
     run: the callback's record plus `run` and `trainer_loss` (the loss Trainer itself logged).
     """
-    import pandas as pd
-
-    from .models import get_workload
-
     runs = list(runs)
     if "none" not in runs or len(set(runs)) != len(runs):
         raise ValueError(f"runs={runs!r} is invalid: allowed is a list of distinct labels that includes 'none' "
@@ -346,8 +338,7 @@ def compare_trainer_runs(
     policies = {run: (None if run in ("none", TRANSFORMERS_FLAG) else str(parse_policy(run))) for run in runs}
     for name, value, minimum in (("batch_size", batch_size, 1), ("seq_len", seq_len, 2), ("accum_steps", accum_steps, 1),
                                  ("max_steps", max_steps, 1), ("seed", seed, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {minimum}")
+        check_int(name, value, minimum)
     if track_steps is not None and (isinstance(track_steps, bool) or not isinstance(track_steps, int) or track_steps < 0):
         raise ValueError(f"track_steps={track_steps!r} is invalid: allowed is None or an integer >= 0")
     if device not in ("cpu", "cuda"):
@@ -400,102 +391,4 @@ class _RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def trainer_summary(df):
-    """One row per run of `compare_trainer_runs`' frame: peak memory (the highest tracked step),
-    step time over the steps timed without the tracker (median, min, max, how many), and against
-    the "none" run: step-time overhead, memory saved, and whether every loss (the one Trainer
-    logged where the frame has it, else the callback's) is bitwise the same."""
-    import pandas as pd
-
-    rows = []
-    for run, g in df.groupby("run", sort=False):
-        timed = g[~g["memory_tracked"]] if (~g["memory_tracked"]).any() else g
-        tracked = g[g["peak_bytes"].notna()]
-        peak = tracked.loc[tracked["peak_bytes"].idxmax()] if len(tracked) else None
-        rows.append({
-            "run": run, "policy": g["policy"].iloc[0], "mechanism": g["mechanism"].iloc[0],
-            "effective_density": g["effective_density"].iloc[0], "steps": len(g),
-            "peak_bytes": None if peak is None else peak["peak_bytes"],
-            "peak_activations_bytes": None if peak is None else peak["peak_activations_bytes"],
-            "saved_activation_bytes": None if peak is None else peak["saved_activation_bytes"],
-            "step_ms": statistics.median(timed["step_ms"]), "step_ms_min": timed["step_ms"].min(),
-            "step_ms_max": timed["step_ms"].max(), "timed_steps": len(timed),
-            "timed_with_tracker": bool(timed["memory_tracked"].any()),
-            "losses": g["trainer_loss" if "trainer_loss" in g else "loss"].tolist(),
-        })
-    table = pd.DataFrame(rows)
-    base = table[table["run"] == "none"]
-    if len(base):
-        b = base.iloc[0]
-        table["overhead"] = table["step_ms"] / b["step_ms"] - 1
-        table["memory_saved_frac"] = 1 - table["peak_bytes"] / b["peak_bytes"] if b["peak_bytes"] else None
-        table["same_losses_as_none"] = [losses == b["losses"] for losses in table["losses"]]
-        # Spreads that overlap the baseline's cannot tell the two apart from this many steps.
-        table["overlaps_none"] = (table["step_ms_min"] <= b["step_ms_max"]) & (table["step_ms_max"] >= b["step_ms_min"])
-    return table.drop(columns="losses")
-
-
-def trainer_plot(df, path=None):
-    """`compare_trainer_runs`' frame in three panels: the loss of every step, one line per run
-    (identical runs lie on top of each other); peak memory per run by category (the highest
-    tracked step); every step's time per run, steps timed under the tracker hollow."""
-    import matplotlib.pyplot as plt
-
-    from .plots import MiB, _save
-
-    fig, (ax_loss, ax_mem, ax_time) = plt.subplots(1, 3, figsize=(15, 4.2))
-    runs = list(dict.fromkeys(df["run"]))
-    markers = "os^Dvx+*"
-    for i, run in enumerate(runs):
-        g = df[df["run"] == run]
-        ax_loss.plot(g["step"], g["loss"], marker=markers[i % len(markers)], markersize=max(3, 9 - 1.5 * i),
-                     linewidth=1.5, alpha=0.8, label=run)
-        tracked, timed = g[g["memory_tracked"]], g[~g["memory_tracked"]]
-        color = f"C{i}"
-        ax_time.plot(timed["step"], timed["step_ms"], "o-", color=color, label=run)
-        ax_time.plot(tracked["step"], tracked["step_ms"], "o", color=color, markerfacecolor="none")
-    ax_loss.set(xlabel="optimizer step", ylabel="loss", title="loss per step (the runs overlap)")
-    ax_loss.legend()
-    peak_rows = []
-    for run in runs:
-        g = df[(df["run"] == run) & df["peak_bytes"].notna()]
-        peak_rows.append(g.loc[g["peak_bytes"].idxmax()] if len(g) else None)
-    by_category = all(r is not None and r[[f"peak_{c}_bytes" for c in CATEGORIES]].notna().all() for r in peak_rows)
-    if by_category:
-        bottom = [0.0] * len(runs)
-        for category in CATEGORIES:
-            part = [r[f"peak_{category}_bytes"] / MiB for r in peak_rows]
-            ax_mem.bar(runs, part, bottom=bottom, label=category.replace("_", " "))
-            bottom = [b + p for b, p in zip(bottom, part)]
-        ax_mem.legend(fontsize=8)
-    else:  # the allocator's peak (CUDA) has no categories
-        ax_mem.bar(runs, [0.0 if r is None else r["peak_bytes"] / MiB for r in peak_rows])
-    ax_mem.set(ylabel="MiB", title="peak memory at the highest tracked step")
-    plt.setp(ax_mem.get_xticklabels(), rotation=25, ha="right")
-    ax_time.set(xlabel="optimizer step", ylabel="ms", title="step time (hollow: under the memory tracker)")
-    ax_time.legend()
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def slowdown_answer(summary) -> str:
-    """The guide's "Training will be ~20% slower", answered from `trainer_summary`'s numbers."""
-    import pandas as pd
-
-    if "overhead" not in summary:
-        raise ValueError("summary is invalid: it has no 'none' run to compare against; include 'none' in runs")
-    base = summary[summary["run"] == "none"].iloc[0]
-    parts = []
-    for r in summary[summary["run"] != "none"].itertuples():
-        verdict = ("within the step-to-step spread of no checkpointing: these steps cannot tell them apart"
-                   if r.overlaps_none else ("more" if r.overhead > 0.2 else "less") + " than the guide's ~20%")
-        memory = "" if pd.isna(r.memory_saved_frac) else f", {r.memory_saved_frac:.0%} less peak memory"
-        parts.append(f"{r.run}: {r.overhead:+.0%} step time (median {r.step_ms:.0f} ms, range "
-                     f"{r.step_ms_min:.0f}-{r.step_ms_max:.0f}){memory} — {verdict}")
-    caveat = (" — every step ran under the memory tracker, whose hooks slow it: use track_steps below max_steps"
-              if summary["timed_with_tracker"].any() else "")
-    return (f"Against no checkpointing (median {base.step_ms:.0f} ms, range {base.step_ms_min:.0f}-"
-            f"{base.step_ms_max:.0f} ms over {base.timed_steps} steps){caveat}:\n" + "\n".join(parts))
-
-
-__all__ = ["CkptlabCallback", "compare_trainer_runs", "slowdown_answer", "trainer_plot", "trainer_summary"]
+__all__ = ["CkptlabCallback", "compare_trainer_runs"]
