@@ -18,7 +18,7 @@ bytes in each phase (`peak_in_forward_bytes`, `peak_in_backward_bytes`, `peak_in
 `loss` is the model's own (summed over micro-batches when Trainer had it normalised over the
 whole accumulated batch, else averaged): what Trainer logs, None when the loss is computed
 outside the model. Memory on CPU comes from the live-tensor tracker
-(`ckptlab.memory`), whose Python hooks slow the step they watch: rows with memory_tracked=True
+(`ckptlab.probe.memory`), whose Python hooks slow the step they watch: rows with memory_tracked=True
 carry that slower time, so `track_steps` limits it to the first steps and the others time the
 Trainer as it runs. On CUDA the allocator's peak counters are read every step at no cost.
 
