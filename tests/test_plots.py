@@ -180,3 +180,13 @@ def test_breakdown_says_temporaries_include_recomputed_activations():
     plt.close("all")
     texts = legend_texts(plots.peak_breakdown(records[records.policy == "none"]).axes[0].get_legend())
     assert "temporaries" in texts  # nothing recomputed: no note
+
+
+def test_trainer_figure_draws_each_run_in_its_policys_colour():
+    rows = [dict(run=policy, policy=policy, step=step, loss=2.0 - 0.1 * step, memory_tracked=step == 1,
+                 step_ms=10.0 + step, peak_bytes=(1 + step) * MiB if step == 1 else None,
+                 **{f"peak_{c}_bytes": (MiB if step == 1 else None) for c in CATEGORIES})
+            for policy in ("none", "full") for step in (1, 2, 3)]
+    loss_ax = plots.trainer_plot(pd.DataFrame(rows)).axes[0]
+    colors = {line.get_label(): to_hex(line.get_color()) for line in loss_ax.lines}
+    assert colors == {"none": policy_style("none")["color"], "full": policy_style("full")["color"]}
