@@ -8,16 +8,17 @@ from .plan import Plan, plan_budget, profile_blocks
 from .policy import Policy, parse_policy
 from .store import RunLockedError, load_run
 from .sweep import equal_batch_sweep, make_grid, sweep
-from .timing import time_steps
+from .compare import compare
+from .timing import time_interleaved, time_steps
 from .verify import compare_gradients
 from .wrap import CheckpointHandle, apply_checkpointing, find_blocks
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointHandle", "MemoryReport", "Policy", "Workload", "apply_checkpointing", "compare_gradients",
+    "CheckpointHandle", "MemoryReport", "Policy", "Workload", "apply_checkpointing", "compare", "compare_gradients",
     "find_blocks",
-    "format_bytes", "get_workload", "measure", "parse_bytes", "parse_policy", "time_steps",
+    "format_bytes", "get_workload", "measure", "parse_bytes", "parse_policy", "time_interleaved", "time_steps",
     "track_memory", "sweep", "equal_batch_sweep", "make_grid", "load_run", "RunLockedError",
     "Prediction", "predict", "closed_form", "what_fits", "Plan", "plan_budget", "profile_blocks",
 ]

@@ -31,16 +31,31 @@ def ok(df: pd.DataFrame) -> pd.DataFrame:
 def overhead(df: pd.DataFrame) -> pd.DataFrame:
     """The ok rows with baseline columns added, per (model, batch, seq, dtype, accum):
 
-    overhead            step_ms / baseline step_ms - 1 (baseline: effective_density == 0)
+    overhead            step time / baseline's - 1 (baseline: effective_density == 0): the paired
+                        median time ratio - 1 where timed together, else step_ms / baseline step_ms - 1
+    overhead_low/high   its 95% interval: from the paired time ratio where the row was timed
+                        together with that baseline (`time_ratio_low/high`, timing_baseline), else
+                        from the two step-time intervals, unpaired (low / high, high / low: wider)
     memory_saved_bytes  baseline peak - peak;  memory_saved_frac: that / baseline peak
     Rows without a measured baseline get NaN.
     """
     rows = ok(df)
-    base = rows[rows["effective_density"] == 0].groupby(SHAPE, as_index=False).agg(
+    for column in ("step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high",
+                   "timing_baseline"):
+        if column not in rows:
+            rows[column] = np.nan
+    base_rows = rows[rows["effective_density"] == 0]
+    base = base_rows.groupby(SHAPE, as_index=False).agg(
         baseline_step_ms=("step_ms", "median"), baseline_peak_bytes=("peak_bytes", "median"),
-        baseline_tokens_per_s=("tokens_per_s", "median"))
+        baseline_tokens_per_s=("tokens_per_s", "median"), baseline_step_ms_low=("step_ms_low", "median"),
+        baseline_step_ms_high=("step_ms_high", "median"), baseline_policy=("policy", "first"))
     rows = rows.merge(base, on=SHAPE, how="left")
-    rows["overhead"] = rows["step_ms"] / rows["baseline_step_ms"] - 1
+    paired = rows["timing_baseline"].notna() & (rows["timing_baseline"] == rows["baseline_policy"])
+    rows["overhead"] = np.where(paired, rows["time_ratio"], rows["step_ms"] / rows["baseline_step_ms"]).astype(float) - 1
+    rows["overhead_low"] = np.where(paired, rows["time_ratio_low"],
+                                    rows["step_ms_low"] / rows["baseline_step_ms_high"]).astype(float) - 1
+    rows["overhead_high"] = np.where(paired, rows["time_ratio_high"],
+                                     rows["step_ms_high"] / rows["baseline_step_ms_low"]).astype(float) - 1
     rows["memory_saved_bytes"] = rows["baseline_peak_bytes"] - rows["peak_bytes"]
     rows["memory_saved_frac"] = rows["memory_saved_bytes"] / rows["baseline_peak_bytes"]
     return rows
@@ -52,14 +67,24 @@ def pareto(df: pd.DataFrame, x: str = "peak_bytes", y: str = "step_ms",
 
     Points compete within a group of equal work per optimizer step (same seq and effective
     batch), so checkpointing, accumulation and bf16 are compared fairly. A point is dominated
-    when another in its group is no worse in both x and y and better in one (lower is better).
+    only when another in its group holds no more memory (x) and is faster beyond the intervals:
+    its time interval (`<y>_low`/`<y>_high`, the 95% interval of the median step time) lies
+    entirely below this point's. Two points whose intervals overlap cannot be told apart in time,
+    and both stay on the frontier. Records without interval columns compare the values alone.
     """
     rows = ok(df)
     rows["pareto_optimal"] = False
+    low_col, high_col = (f"{y}_low", f"{y}_high")
     for _, g in rows.groupby(list(group)):
         xs, ys = g[x].to_numpy(float), g[y].to_numpy(float)
-        for idx, xi, yi in zip(g.index, xs, ys):
-            dominated = np.any((xs <= xi) & (ys <= yi) & ((xs < xi) | (ys < yi)))
+        lows = g[low_col].to_numpy(float) if low_col in g else ys
+        highs = g[high_col].to_numpy(float) if high_col in g else ys
+        lows, highs = np.where(np.isnan(lows), ys, lows), np.where(np.isnan(highs), ys, highs)
+        for k, idx in enumerate(g.index):
+            no_more_memory = xs <= xs[k]
+            faster_beyond_interval = highs < lows[k]
+            same_time_less_memory = (xs < xs[k]) & (highs <= lows[k])
+            dominated = np.any(no_more_memory & (faster_beyond_interval | same_time_less_memory))
             rows.loc[idx, "pareto_optimal"] = not dominated
     return rows
 

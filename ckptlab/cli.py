@@ -116,6 +116,59 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if (df["status"] == "error").any() else 0
 
 
+def format_compare(df: pd.DataFrame) -> str:
+    """The comparison as a text table: peak, step time and time ratio with its interval."""
+    def ratio(r):
+        if r.get("time_ratio") is None or r["time_ratio"] != r["time_ratio"]:
+            return "-"
+        mark = " *" if r.get("significant") else ""
+        return f"{r['time_ratio']:.3f} [{r['time_ratio_low']:.3f}, {r['time_ratio_high']:.3f}]{mark}"
+
+    def value(fmt):
+        return lambda v: "-" if v is None or v != v else format(v, fmt)
+
+    rows = [dict(r, ratio_text=ratio(r)) for r in df.to_dict("records")]
+    columns = [("policy", "policy", str), ("source", "source", str),
+               ("density", "effective_density", value(".2f")),
+               ("peak", "peak_bytes", lambda v: "-" if v is None or v != v else format_bytes(v)),
+               ("step ms", "step_ms", value(".1f")), ("time ratio [95% CI]", "ratio_text", str),
+               ("status", "status", str)]
+    if "max_grad_diff" in df:
+        columns.insert(-1, ("max grad diff", "max_grad_diff", value(".2g")))
+    lines = [format_table(rows, columns)]
+    ok = df[df["status"] == "ok"]
+    if len(ok):
+        first = ok.iloc[0]
+        lines.append(f"{int(first['rounds'])} interleaved rounds, {int(first['threads'])} threads, "
+                     f"load {first['load_before']:.2f} -> {first['load_after']:.2f}"
+                     + (" (busy machine: more load than cores)" if first["busy"] else "")
+                     + "; * = the interval excludes 1")
+    for r in df[df["status"] != "ok"].to_dict("records"):
+        lines.append(f"{r['policy']}: {r['status']}: {r['message']}")
+    return "\n".join(lines)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .compare import compare
+    from .models import get_workload
+
+    workload = get_workload(args.model, **_model_overrides(args.set))
+    df = compare(workload, args.batch, args.seq, split_list(args.policy), dtype=args.dtype, device=args.device,
+                 target_ci=args.target_ci, max_seconds=args.max_seconds, anchors=args.anchors, verify=args.verify,
+                 out=args.out)
+    first = df.iloc[0]
+    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype} on {first['device_name']} ({first['device']}); "
+          f"time ratios to {df['policy'].iloc[0]}")
+    print(format_compare(df))
+    if args.out:
+        from .plots import compare_plot
+        compare_plot(df, Path(args.out) / "figures" / "compare")
+        print(f"table and figure: {args.out}")
+    return 1 if ((df["source"] == "ckptlab") & (df["status"] == "error")).any() else 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from .plots import redraw_all
 
@@ -276,6 +329,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="skip drawing figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("compare", help="policies (and, with --anchors, other frameworks' knobs) timed together, "
+                                       "with 95%% intervals")
+    add_workload_arguments(p, batch="4", seq="64", policy="none,density=0.5,full", lists=False)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--anchors", action="store_true",
+                   help="add torch.utils.checkpoint, torch.compile and (transformers models) transformers' own "
+                        "checkpointing, and planner plans at each anchor's peak")
+    p.add_argument("--verify", action="store_true", help="add max_grad_diff against no checkpointing")
+    p.add_argument("--target-ci", type=float, default=0.02, help="stop timing at this interval half-width (0.02: ±2%%)")
+    p.add_argument("--max-seconds", type=float, default=120, help="time budget for the timing rounds")
+    p.add_argument("--out", default=None, help="folder for compare.csv, compare.json and figures/compare.png")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors)")
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")

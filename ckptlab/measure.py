@@ -4,8 +4,10 @@ step time, tokens/s, recompute count, and whether it fits a memory limit.
 A measurement is two passes over the same model and batch:
   1. memory: one warm-up step (so optimizer state and lazy buffers exist), then one step under
      the live-tensor tracker (and, on CUDA, the allocator's peak counters);
-  2. time: `warmup` untracked steps, then `steps` timed steps — never under the tracker, whose
-     Python hooks would distort the time.
+  2. time: `warmup` untracked steps, then at least `steps` timed steps with the protocol of
+     `ckptlab.timing` (more, up to `max_seconds`, until the median step time is known to
+     ±`target_ci`): step_ms is the median, step_ms_low/high its 95% interval — never under the
+     tracker, whose Python hooks would distort the time.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ import torch
 from .memory import CATEGORIES, cuda_allocator_stats, parse_bytes, track_memory
 from .models import Workload, get_workload
 from .policy import parse_policy
-from .timing import time_steps
+from .timing import time_interleaved
 from .wrap import apply_checkpointing
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}   # name -> autocast dtype (None: no autocast)
 OPTIMIZERS = ("adamw", "sgd", "none")
+TIMING_COLUMNS = ("step_ms_low", "step_ms_high", "step_ms_min", "step_ms_max", "time_ratio", "time_ratio_low",
+                  "time_ratio_high", "significant", "timing_baseline", "rounds", "timing_target_ci",
+                  "timing_ci_half_width", "timing_stopped", "threads", "load_before", "load_after", "busy")
+MAX_ROUNDS = 200   # a step timed alone: at most this many rounds, even if the interval stays wide
 
 
 def measure(
@@ -40,6 +46,8 @@ def measure(
     optimizer: str = "adamw",
     accum_steps: int = 1,
     with_report: bool = False,
+    target_ci: float = 0.02,
+    max_seconds: float = 2.0,
 ) -> dict:
     """Measure one training step of `workload` at (batch_size, seq_len) under `policy`.
 
@@ -60,6 +68,7 @@ def measure(
     _check_int("steps", steps, 1)
     _check_int("warmup", warmup, 0)
     _check_int("accum_steps", accum_steps, 1)
+    check_timing_options(target_ci, max_seconds)
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
     if optimizer not in OPTIMIZERS:
@@ -69,7 +78,36 @@ def measure(
     if dev.type == "cuda" and limit is None:
         limit = torch.cuda.get_device_properties(dev).total_memory
 
-    record = {
+    record = new_record(workload, batch_size, seq_len, str(policy), dev, dtype, optimizer, steps, warmup, limit,
+                        accum_steps)
+    report = None
+    with failures_recorded(record, dev), compile_config(policy):
+        report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer, target_ci,
+                      max_seconds)
+    return (record, report) if with_report else record
+
+
+@contextlib.contextmanager
+def failures_recorded(record: dict, dev: torch.device):
+    """An exception inside becomes the record's status ("oom" or "error") and message instead of
+    propagating, so a table never loses a row; the device's memory settings are reset after."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        record.update(status="oom", fits=False, message=_first_line(exc))
+    except Exception as exc:  # noqa: BLE001 - a record with the reason beats a lost sweep
+        record.update(status="error", message=f"{type(exc).__name__}: {_first_line(exc)}")
+    finally:
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, dev)
+            torch.cuda.empty_cache()
+
+
+def new_record(workload: Workload, batch_size: int, seq_len: int, policy: str, dev: torch.device, dtype: str,
+               optimizer: str, steps: int, warmup: int, limit: Optional[int], accum_steps: int = 1) -> dict:
+    """A measurement record with its inputs filled in and every output column present (None)."""
+    return {
         "model": workload.name,
         "n_blocks": None,
         "batch_size": batch_size,
@@ -77,7 +115,7 @@ def measure(
         "accum_steps": accum_steps,
         "effective_batch_size": batch_size * accum_steps,
         "tokens": batch_size * seq_len * accum_steps,   # per optimizer step
-        "policy": str(policy),
+        "policy": policy,
         "effective_density": None,
         "checkpointed_blocks": None,
         "device": str(dev),
@@ -101,54 +139,66 @@ def measure(
         "note": "",                       # what the policy did not do here (offload on CPU, ...)
         "loss": None,
         "step_ms": None,
-        "step_ms_min": None,
-        "step_ms_max": None,
+        **dict.fromkeys(TIMING_COLUMNS),
         "tokens_per_s": None,
         "fits": None,
         "status": "ok",
         "message": "",
     }
-    report = None
-    try:
-        with compile_config(policy):
-            report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer)
-    except torch.OutOfMemoryError as exc:
-        record.update(status="oom", fits=False, message=_first_line(exc))
-    except Exception as exc:  # noqa: BLE001 - a record with the reason beats a lost sweep
-        record.update(status="error", message=f"{type(exc).__name__}: {_first_line(exc)}")
-    finally:
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, dev)
-            torch.cuda.empty_cache()
-    return (record, report) if with_report else record
 
 
-def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name) -> None:
+def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name, target_ci, max_seconds):
+    policy = resolve_policy(record, workload, policy, dev, dtype, optimizer_name)
+    step, report = prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, optimizer_name)
+    if step is None:
+        return report
+    timing = time_interleaved({record["policy"]: step}, device=dev, warmup=warmup, target_ci=target_ci,
+                              max_seconds=max_seconds, min_rounds=steps, max_rounds=max(steps, MAX_ROUNDS))
+    record.update(timing.row(record["policy"]))
+    record["tokens_per_s"] = record["tokens"] / (record["step_ms"] / 1e3)
+    return report
+
+
+def policy_applier(policy):
+    """`apply(model, record)` for `prepare_step` from a resolved ckptlab policy (no budget=)."""
+    def apply(model, record):
+        handle = apply_checkpointing(model, policy)
+        record.update(
+            n_blocks=handle.n_blocks,
+            effective_density=handle.effective_density,
+            checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
+        )
+        compiled = policy.kind == "compile"
+        return (torch.compile(model) if compiled else model), compiled, handle
+    return apply
+
+
+def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dtype: str, limit: Optional[int],
+                 optimizer_name: str):
+    """Everything of a measurement but the timing: build the model on `dev`, apply checkpointing
+    with `apply(model, record) -> (model to run, compiled?, handle or None)` (which fills the
+    record's checkpointing columns), run one warm-up step and one step under the live-tensor
+    tracker (allocator events for compiled models), and fill `record`'s memory columns.
+    Returns (step closure, MemoryReport); the step is None when the peak exceeds the emulated
+    CPU limit (status "oom")."""
     if dev.type == "cuda":
         capacity = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / capacity), dev)
     model = workload.build(dev)
     model.train()
-    policy = _resolve_policy(record, workload, policy, dev, dtype, optimizer_name)
-    handle = apply_checkpointing(model, policy)
-    record.update(
-        n_blocks=handle.n_blocks,
-        effective_density=handle.effective_density,
-        checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
-    )
+    runner, compiled, handle = apply(model, record)
     batch = workload.batch(record["batch_size"], record["seq_len"], dev)
     optimizer = make_optimizer(optimizer_name, model)
-    compiled = torch.compile(model) if policy.kind == "compile" else model
-    step = training_step(compiled, workload, batch, optimizer, dtype, record["accum_steps"])
+    step = training_step(runner, workload, batch, optimizer, dtype, record["accum_steps"])
 
     torch.manual_seed(workload.seed)
     step()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    handle.reset_counts()
-    if policy.kind == "compile":  # a dispatch-mode tracker cannot see inside compiled graphs
+    if handle is not None:
+        handle.reset_counts()
+    if compiled:  # a dispatch-mode tracker cannot see inside compiled graphs
         report, loss = allocator_step_memory(step, model, optimizer, batch, dev)
         record["allocator_peak_bytes"] = report.peak_bytes
     else:
@@ -160,7 +210,7 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
         **{f"peak_{c}_bytes": report.peak_by_category.get(c) for c in CATEGORIES},
         peak_phase=report.peak_phase,
         saved_activation_bytes=report.saved_activation_bytes,
-        recompute_count=handle.recompute_count,
+        recompute_count=None if handle is None else handle.recompute_count,
         loss=float(loss),
     )
     if dev.type == "cuda":
@@ -171,19 +221,11 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
         record["fits"] = peak <= limit
     if dev.type == "cpu" and limit is not None and not record["fits"]:
         record.update(status="oom", message=f"peak {peak} B exceeds the emulated memory limit {limit} B")
-        return report
-
-    timing = time_steps(step, steps=steps, warmup=warmup, device=dev)
-    record.update(
-        step_ms=timing.median_ms,
-        step_ms_min=timing.min_ms,
-        step_ms_max=timing.max_ms,
-        tokens_per_s=record["tokens"] / (timing.median_ms / 1e3),
-    )
-    return report
+        return None, report
+    return step, report
 
 
-def _resolve_policy(record, workload, policy, dev, dtype, optimizer_name):
+def resolve_policy(record, workload, policy, dev, dtype, optimizer_name):
     """budget=... becomes the per-block plan `ckptlab.plan.plan_budget` chooses (recorded);
     offload on CPU is noted as a no-op; compile is noted as measured by allocator events."""
     notes = []
@@ -339,6 +381,13 @@ def device_name(dev: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def check_timing_options(target_ci, max_seconds) -> None:
+    if isinstance(target_ci, bool) or not isinstance(target_ci, (int, float)) or not 0 < target_ci < 1:
+        raise ValueError(f"target_ci={target_ci!r} is invalid: allowed is a number in (0, 1), e.g. 0.02 for ±2%")
+    if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0:
+        raise ValueError(f"max_seconds={max_seconds!r} is invalid: allowed is a number of seconds > 0")
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {minimum}")
@@ -349,4 +398,5 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["measure", "training_step", "make_optimizer", "resolve_device"]
+__all__ = ["measure", "prepare_step", "policy_applier", "resolve_policy", "training_step", "make_optimizer",
+           "resolve_device"]

@@ -6,6 +6,7 @@ returns the matplotlib Figure, and, given `path` (without extension), saves PNG 
     pareto_plot(df)              peak memory vs step time, frontier joined, dominated hollow
     what_fits_plot(df)           largest batch per policy for 24/40/80/141 GiB (+ the run's limit)
     redraw_all(run_dir)          every figure above into run_dir/figures/, from the folder alone
+    compare_plot(df)             a `ckptlab.compare` table: peak vs time ratio with 95% intervals
 """
 
 from __future__ import annotations
@@ -254,3 +255,40 @@ def memory_timeline(timelines: dict, path=None):
 
 __all__ = ["FIGURES", "heatmaps", "memory_time_vs_density", "memory_timeline", "pareto_plot", "peak_breakdown",
            "redraw_all", "what_fits_plot"]
+
+
+def compare_plot(df: pd.DataFrame, path=None):
+    """Peak memory against time ratio (to the first row's policy) for a `ckptlab.compare` table,
+    the 95% interval of each ratio as a horizontal error bar; ckptlab's own rows filled, anchors
+    (the other frameworks' knobs) as squares, plans at an anchor's peak as diamonds."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    rows = df[(df["status"] == "ok") & df["time_ratio"].notna()] if len(df) else df
+    if not len(rows):
+        return _save(_empty(fig, ax, "no timed configurations to plot"), path)
+    for kind, marker, colour in (("ckptlab", "o", "C0"), ("anchor", "s", "C3"), ("plan", "D", "C2")):
+        part = rows[rows["source"].map(_source_kind) == kind]
+        if not len(part):
+            continue
+        err = [part["time_ratio"] - part["time_ratio_low"], part["time_ratio_high"] - part["time_ratio"]]
+        ax.errorbar(part["time_ratio"], part["peak_bytes"] / MiB, xerr=err, fmt=marker, color=colour, capsize=3,
+                    label={"ckptlab": "ckptlab policy", "anchor": "anchor (framework knob)",
+                           "plan": "ckptlab plan at an anchor's peak"}[kind])
+        for r in part.itertuples():
+            ax.annotate(r.policy, (r.time_ratio, r.peak_bytes / MiB), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")
+    ax.axvline(1.0, color="0.6", lw=0.8, ls="--")
+    first = rows.iloc[0]
+    ax.set(xlabel=f"time ratio to {rows['timing_baseline'].iloc[0]} (median, 95% interval)",
+           ylabel="peak memory (MiB)",
+           title=f"{first['model']} b={first['batch_size']} s={first['seq_len']} {first['dtype']}: "
+                 f"{int(first['rounds'])} interleaved rounds" + (" (busy machine)" if first["busy"] else ""))
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _source_kind(source: str) -> str:
+    if source == "ckptlab":
+        return "ckptlab"
+    return "plan" if source.startswith("ckptlab plan") else "anchor"
