@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 import pandas as pd
 import torch
 
-from .measure import (DTYPES, check_timing_options, failures_recorded, new_record, policy_applier,
+from .measure import (DTYPES, MAX_ROUNDS, check_timing_options, failures_recorded, new_record, policy_applier,
                       prepare_step, resolve_device, resolve_policy)
 from .models import Workload, get_workload
 from .policy import parse_policy
@@ -63,6 +63,29 @@ class Config:
     anchor: bool = False
 
 
+@dataclass
+class Shape:
+    """What every configuration of one comparison shares: workload, shape and run settings."""
+
+    workload: Workload
+    batch_size: int
+    seq_len: int
+    dtype: str
+    dev: torch.device
+    accum_steps: int = 1
+    memory_limit_bytes: Optional[int] = None
+    optimizer: str = OPTIMIZER
+    min_rounds: int = 5
+    warmup: int = 1
+
+    @property
+    def limit(self) -> Optional[int]:
+        """The limit `prepare_step` caps a CUDA process at: the device's capacity by default."""
+        if self.memory_limit_bytes is None and self.dev.type == "cuda":
+            return torch.cuda.get_device_properties(self.dev).total_memory
+        return self.memory_limit_bytes
+
+
 def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: Sequence[str] | str, *,
             dtype: str = "fp32", device: str = "cpu", target_ci: float = 0.02, max_seconds: float = 120,
             anchors: bool = False, verify: bool = False, out: Optional[str | Path] = None) -> pd.DataFrame:
@@ -81,27 +104,50 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     if anchors:
         configs += anchor_configs(workload)
 
+    shape = Shape(workload, batch_size, seq_len, dtype, dev)
+
+    def add_plans(rows, steps):
+        for anchor_row in [r for r in rows if r["source"] != CKPTLAB and r["status"] == "ok"]:
+            _add_plan_for(anchor_row, shape, rows, steps, configs)
+
+    rows = _measure(configs, shape, target_ci, max_seconds, add_plans if anchors else None,
+                    (lambda rows: _verify(rows, configs, shape)) if verify else None)
+    df = pd.DataFrame(rows)
+    df = df[[c for c in COLUMNS if c in df] + [c for c in df if c not in COLUMNS]]
+    if out is not None:
+        write(df, out)
+    return df
+
+
+def measure_together(workload: Workload, batch_size: int, seq_len: int, policies: Sequence[str], *,
+                     device: str = "cpu", dtype: str = "fp32", accum_steps: int = 1,
+                     memory_limit_bytes: Optional[int] = None, optimizer: str = OPTIMIZER, steps: int = 5,
+                     warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 30) -> list[dict]:
+    """ckptlab policies at one (batch, seq, dtype, accum), each measured like `measure` (same
+    record), then timed together: the records carry paired time ratios to the first policy that
+    ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`make_grid`)."""
+    shape = Shape(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
+                  optimizer, steps, warmup)
+    return _measure([_ckptlab_config(p) for p in policies], shape, target_ci, max_seconds)
+
+
+def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None) -> list[dict]:
     import torch._dynamo
 
     rows, steps = [], {}
     torch._dynamo.reset()
     try:
         for config in configs:
-            _prepare(config, workload, batch_size, seq_len, dtype, dev, rows, steps)
-        if anchors:
-            for anchor_row in [r for r in rows if r["source"] != CKPTLAB and r["status"] == "ok"]:
-                _add_plan_for(anchor_row, workload, batch_size, seq_len, dtype, dev, rows, steps, configs)
-        _time_together(rows, steps, dev, target_ci, max_seconds)
-        if verify:
-            _verify(rows, configs, workload, batch_size, seq_len, dtype, dev)
+            _prepare(config, shape, rows, steps)
+        if after_prepare is not None:
+            after_prepare(rows, steps)
+        _time_together(rows, steps, shape, target_ci, max_seconds)
+        if after_timing is not None:
+            after_timing(rows)
     finally:
         steps.clear()
         torch._dynamo.reset()
-    df = pd.DataFrame(rows)
-    df = df[[c for c in COLUMNS if c in df] + [c for c in df if c not in COLUMNS]]
-    if out is not None:
-        write(df, out)
-    return df
+    return rows
 
 
 def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
@@ -219,16 +265,24 @@ def _budget(config: Config):
     return functorch_config.patch(activation_memory_budget=config.compile_budget)
 
 
-def _prepare(config: Config, workload, batch_size, seq_len, dtype, dev, rows, steps) -> None:
+def _new_record(shape: Shape, policy: str, source: str) -> dict:
+    record = new_record(shape.workload, shape.batch_size, shape.seq_len, policy, shape.dev, shape.dtype,
+                        shape.optimizer, shape.min_rounds, shape.warmup, shape.limit, shape.accum_steps)
+    record["source"] = source
+    return record
+
+
+def _prepare(config: Config, shape: Shape, rows, steps) -> None:
     """Build, apply and measure the memory of one configuration; keep its step for timing."""
-    record = new_record(workload, batch_size, seq_len, config.policy, dev, dtype, OPTIMIZER, None, 1, None)
-    record["source"] = config.source
+    record = _new_record(shape, config.policy, config.source)
+    dev = shape.dev
     with failures_recorded(record, dev), _budget(config):
         if config.apply is None:
-            policy = resolve_policy(record, workload, parse_policy(config.policy), dev, dtype, OPTIMIZER)
+            policy = resolve_policy(record, shape.workload, parse_policy(config.policy), dev, shape.dtype,
+                                    shape.optimizer)
             config.apply = policy_applier(policy)
-        step, _ = prepare_step(record, workload, config.apply, dev, dtype, None, OPTIMIZER)
-        steps[config.policy] = _within_budget(step, config)
+        step, _ = prepare_step(record, shape.workload, config.apply, dev, shape.dtype, shape.limit, shape.optimizer)
+        steps[config.policy] = _within_budget(step, config) if step is not None else None
     rows.append(record)
 
 
@@ -242,45 +296,57 @@ def _within_budget(step, config: Config):
     return step_with_budget
 
 
-def _add_plan_for(anchor_row: dict, workload, batch_size, seq_len, dtype, dev, rows, steps, configs) -> None:
-    """The planner's plan whose predicted peak fits the anchor's measured peak, as a ckptlab row."""
+PLAN_SOURCE = "ckptlab plan"
+
+
+def _add_plan_for(anchor_row: dict, shape: Shape, rows, steps, configs) -> None:
+    """The planner's plan whose predicted peak fits the anchor's measured peak, as a ckptlab row
+    (`plan_at_peak_of` names the anchors whose peak chose it: one row per distinct plan)."""
     from .plan import plan_budget
 
-    source = f"ckptlab plan at the peak of: {anchor_row['policy']}"
-    record = new_record(workload, batch_size, seq_len, f"budget={anchor_row['peak_bytes']}B", dev, dtype,
-                        OPTIMIZER, None, 1, None)
-    record["source"] = source
+    peak = int(anchor_row["peak_bytes"])
+    same_peak = next((r for r in rows if r["source"] == PLAN_SOURCE and r.get("plan_budget_bytes") == peak), None)
+    if same_peak is not None:
+        same_peak["plan_at_peak_of"] += f"; {anchor_row['policy']}"
+        return
+    record = _new_record(shape, f"budget={peak}B", PLAN_SOURCE)
+    record.update(plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)
     try:
-        plan = plan_budget(workload, batch_size, seq_len, anchor_row["peak_bytes"], dtype=dtype, optimizer=OPTIMIZER)
+        plan = plan_budget(shape.workload, shape.batch_size, shape.seq_len, peak, dtype=shape.dtype,
+                           optimizer=shape.optimizer)
     except ValueError as exc:
         rows.append({**record, "status": "error", "message": str(exc)})
         return
     label = str(plan.policy)
     existing = next((r for r in rows if r["policy"] == label), None)
-    if existing is not None:  # the same plan already measured: one row, both sources named
-        existing["source"] += f"; {source}"
+    if existing is not None:  # the same plan is already a row: name this anchor there
+        existing["plan_at_peak_of"] = "; ".join(filter(None, [existing.get("plan_at_peak_of"), anchor_row["policy"]]))
+        existing.setdefault("plan_budget_bytes", peak)
         return
-    config = Config(label, source, policy_applier(plan.policy))
+    config = Config(label, PLAN_SOURCE, policy_applier(plan.policy))
     configs.append(config)
-    _prepare(config, workload, batch_size, seq_len, dtype, dev, rows, steps)
-    rows[-1]["plan"] = plan.letters
+    _prepare(config, shape, rows, steps)
+    rows[-1].update(plan=plan.letters, plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)
 
 
-def _time_together(rows, steps, dev, target_ci, max_seconds) -> None:
+def _time_together(rows, steps, shape: Shape, target_ci, max_seconds) -> None:
     timed = {r["policy"]: steps[r["policy"]] for r in rows if r["status"] == "ok" and steps.get(r["policy"])}
     if not timed:
         return
-    timing = time_interleaved(timed, device=dev, target_ci=target_ci, max_seconds=max_seconds)
+    timing = time_interleaved(timed, device=shape.dev, target_ci=target_ci, max_seconds=max_seconds,
+                              warmup=shape.warmup, min_rounds=shape.min_rounds,
+                              max_rounds=max(shape.min_rounds, MAX_ROUNDS))
     for r in rows:
         if r["policy"] in timed:
             r.update(timing.row(r["policy"]))
             r["tokens_per_s"] = r["tokens"] / (r["step_ms"] / 1e3)
 
 
-def _verify(rows, configs, workload, batch_size, seq_len, dtype, dev) -> None:
+def _verify(rows, configs, shape: Shape) -> None:
     """max_grad_diff per row: fresh models from the workload's seed, one forward + backward."""
-    batch = workload.batch(batch_size, seq_len, dev)
-    autocast = DTYPES[dtype]
+    workload, dev = shape.workload, shape.dev
+    batch = workload.batch(shape.batch_size, shape.seq_len, dev)
+    autocast = DTYPES[shape.dtype]
     reference = step_gradients(workload.build(dev).train(), workload, batch, workload.seed, autocast_dtype=autocast)
     by_label = {c.policy: c for c in configs}
     for r in rows:
@@ -312,4 +378,4 @@ def write(df: pd.DataFrame, out: str | Path) -> Path:
     return out
 
 
-__all__ = ["anchor_configs", "compare", "write"]
+__all__ = ["anchor_configs", "compare", "measure_together", "write"]

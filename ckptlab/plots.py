@@ -291,4 +291,4 @@ def compare_plot(df: pd.DataFrame, path=None):
 def _source_kind(source: str) -> str:
     if source == "ckptlab":
         return "ckptlab"
-    return "plan" if source.startswith("ckptlab plan") else "anchor"
+    return "plan" if source == "ckptlab plan" else "anchor"

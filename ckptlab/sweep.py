@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .measure import DTYPES, OPTIMIZERS, device_name, measure, resolve_device
+from .measure import DTYPES, OPTIMIZERS, check_timing_options, device_name, measure, resolve_device
 from .memory import format_bytes, parse_bytes
 from .models import get_workload
 from .policy import parse_policy
@@ -62,6 +62,8 @@ class Grid:
     optimizer: str
     model_overrides: dict = field(default_factory=dict)
     nproc: int = 1   # ranks per cell: > 1 measures under FSDP2 (ckptlab.distributed)
+    target_ci: float = 0.02     # timing: stop at this relative interval half-width ...
+    max_seconds: float = 10.0   # ... or after this many seconds of timing rounds per cell group
 
     def cells(self) -> list[dict]:
         """Every cell, in run order (batch innermost, ascending)."""
@@ -89,7 +91,8 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
               seq_lens: Sequence[int] = (64,), policies: Sequence[str] = ("none", "density=0.5", "full"),
               dtypes: Sequence[str] = ("fp32",), accum_steps: Sequence[int] = (1,), device: str = "cpu",
               memory_limit=None, steps: int = 3, warmup: int = 1, seed: int = 0,
-              optimizer: str = "adamw", model_overrides: Optional[dict] = None, nproc: int = 1) -> Grid:
+              optimizer: str = "adamw", model_overrides: Optional[dict] = None, nproc: int = 1,
+              target_ci: float = 0.02, max_seconds: float = 10.0) -> Grid:
     """Validate every grid value; raise ValueError naming the parameter, the value and what is
     allowed. Nothing is built on a real device and nothing is written."""
     overrides = dict(model_overrides or {})
@@ -118,10 +121,12 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
     dev = resolve_device(device)
+    check_timing_options(target_ci, max_seconds)
     return Grid(model=model, batch_sizes=batch_sizes, seq_lens=seq_lens, policies=parsed, dtypes=dtypes,
                 accum_steps=accum_steps, device=str(dev), memory_limit_bytes=parse_bytes(memory_limit),
                 steps=_int("steps", steps, 1), warmup=_int("warmup", warmup, 0), seed=seed,
-                optimizer=optimizer, model_overrides=overrides, nproc=_int("nproc", nproc, 1))
+                optimizer=optimizer, model_overrides=overrides, nproc=_int("nproc", nproc, 1),
+                target_ci=float(target_ci), max_seconds=float(max_seconds))
 
 
 def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (64,),
@@ -133,7 +138,8 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
           cell_timeout_s: Optional[float] = None, nproc: int = 1, executor: str = "local",
           cluster: Optional[str] = None, slurm_partition: Optional[str] = None,
           slurm_gpus_per_job: Optional[int] = None, slurm_time_min: int = 60,
-          slurm_account: Optional[str] = None, cells_per_job: int = 1, submitit_folder=None):
+          slurm_account: Optional[str] = None, cells_per_job: int = 1, submitit_folder=None,
+          target_ci: float = 0.02, max_seconds: float = 10.0):
     """Measure every cell of the grid; return all of the run's records as a pandas DataFrame.
 
     Grid axes: `batch_sizes` (micro-batch), `seq_lens`, `policies` (strings such as "none",
@@ -141,6 +147,12 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
     `accum_steps` (gradient accumulation: effective batch = batch x accum). Run-level: `model`
     (preset) + `model_overrides`, `device`, `memory_limit` (e.g. "2GiB"; emulated on CPU),
     `steps`/`warmup` timing, `seed`, `optimizer`.
+
+    Timing: in-process cells (not isolated, one rank) of one (batch, seq, dtype, accum) are
+    timed together with the interleaved protocol (`ckptlab.timing`): their records carry the
+    paired `time_ratio` to the group's first policy with its 95% interval; every cell's
+    `step_ms` carries its interval (`step_ms_low/high`). Rounds continue (at least `steps`)
+    until the interval is within ±`target_ci` or `max_seconds` of timing per group.
 
     out      run folder (default results/sweep-<timestamp>); records.jsonl, run.json, figures/.
     isolate  one subprocess per cell (default: True on CUDA, False on CPU).
@@ -162,7 +174,7 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
     another sweep is writing to `out`.
     """
     grid = make_grid(model, batch_sizes, seq_lens, policies, dtypes, accum_steps, device, memory_limit,
-                     steps, warmup, seed, optimizer, model_overrides, nproc)
+                     steps, warmup, seed, optimizer, model_overrides, nproc, target_ci, max_seconds)
     isolate = grid.device.startswith("cuda") if isolate is None else bool(isolate)
     out = Path(out) if out is not None else Path("results") / dt.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
     if executor not in ("local", "submitit"):
@@ -243,26 +255,64 @@ def _run_cells(grid: Grid, writer: RunWriter, done: list[dict], isolate: bool, p
     todo = [c for c in cells if cell_id(c) not in finished]
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), disable=not progress,
                desc=f"sweep {grid.model}", unit="cell")
+    together = not isolate and grid.nproc == 1
     try:
-        for cell in todo:
-            bar.set_postfix_str(cell_id(cell), refresh=False)
-            oom_batch = oom_at.get(_group(cell))
+        for batch_cells in _timing_groups(todo) if together else ([c] for c in todo):
             t0 = time.perf_counter()
-            if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
-                record = _inferred_oom(grid, cell, oom_batch)
+            inferred, measured = [], []
+            for cell in batch_cells:
+                oom_batch = oom_at.get(_group(cell))
+                if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
+                    inferred.append((cell, _inferred_oom(grid, cell, oom_batch)))
+                else:
+                    measured.append(cell)
+            bar.set_postfix_str(cell_id(batch_cells[0]), refresh=False)
+            if not measured:
+                results = []
             elif isolate:
-                record = run_isolated(grid, cell, cell_timeout_s)
+                results = [run_isolated(grid, cell, cell_timeout_s) for cell in measured]
+            elif len(measured) > 1:
+                results = run_together(grid, measured)
             else:
-                record = run_cell(grid, cell)
-            record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolate and not record.get("inferred"),
-                          inferred=bool(record.get("inferred")), cell_wall_s=round(time.perf_counter() - t0, 4),
-                          finished_at=_now())
-            writer.append(record)
-            records.append(record)
-            _note_oom(oom_at, record)
-            bar.update(1)
+                results = [run_cell(grid, measured[0])]
+            wall = round((time.perf_counter() - t0) / max(1, len(measured)), 4)
+            for cell, record in inferred + list(zip(measured, results)):
+                record.update(cell_id=cell_id(cell), seed=grid.seed,
+                              isolated=isolate and not record.get("inferred"),
+                              inferred=bool(record.get("inferred")), cell_wall_s=wall, finished_at=_now())
+                writer.append(record)
+                records.append(record)
+                _note_oom(oom_at, record)
+                bar.update(1)
     finally:
         bar.close()
+    return records
+
+
+def _timing_groups(cells: list[dict]) -> list[list[dict]]:
+    """The cells that differ only in policy, in grid order, batches ascending within each
+    (seq, dtype, accum): they are timed together, and an out-of-memory batch is known before
+    larger batches of the same policy come up."""
+    groups: dict[tuple, list[dict]] = {}
+    for cell in cells:
+        groups.setdefault((cell["seq_len"], cell["dtype"], cell["accum_steps"], cell["batch_size"]), []).append(cell)
+    return list(groups.values())
+
+
+def run_together(grid: Grid, cells: list[dict]) -> list[dict]:
+    """Measure cells that differ only in policy in this process, timed together (paired)."""
+    from .compare import measure_together
+
+    workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
+    first = cells[0]
+    records = measure_together(workload, first["batch_size"], first["seq_len"], [c["policy"] for c in cells],
+                               device=grid.device, dtype=first["dtype"], accum_steps=first["accum_steps"],
+                               memory_limit_bytes=grid.memory_limit_bytes, optimizer=grid.optimizer,
+                               steps=grid.steps, warmup=grid.warmup, target_ci=grid.target_ci,
+                               max_seconds=grid.max_seconds)
+    for cell, record in zip(cells, records):
+        record["policy"] = cell["policy"]  # the grid's spelling of it, as in the cell id
+        record.pop("source", None)
     return records
 
 
@@ -296,7 +346,7 @@ def run_cell(grid: Grid, cell: dict) -> dict:
     return measure(workload, cell["batch_size"], cell["seq_len"], cell["policy"], device=grid.device,
                    dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
                    memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
-                   accum_steps=cell["accum_steps"])
+                   accum_steps=cell["accum_steps"], target_ci=grid.target_ci, max_seconds=grid.max_seconds)
 
 
 def run_isolated(grid: Grid, cell: dict, timeout_s: Optional[float] = None) -> dict:

@@ -94,14 +94,17 @@ class IntervalTiming:
         return self.ratio_low[name] > 1 or self.ratio_high[name] < 1
 
     def row(self, name: str) -> dict:
-        """The record columns for one configuration."""
+        """The record columns for one configuration (a configuration timed alone has no ratio)."""
+        alone = len(self.names) == 1
         return {
             "step_ms": self.step_ms[name], "step_ms_low": self.step_ms_low[name],
             "step_ms_high": self.step_ms_high[name],
             "step_ms_min": min(self.times_ms[name]), "step_ms_max": max(self.times_ms[name]),
-            "time_ratio": self.ratio[name], "time_ratio_low": self.ratio_low[name],
-            "time_ratio_high": self.ratio_high[name], "significant": self.significant(name),
-            "timing_baseline": self.baseline, "rounds": self.rounds, "timing_target_ci": self.target_ci,
+            "time_ratio": None if alone else self.ratio[name],
+            "time_ratio_low": None if alone else self.ratio_low[name],
+            "time_ratio_high": None if alone else self.ratio_high[name],
+            "significant": None if alone else self.significant(name),
+            "timing_baseline": None if alone else self.baseline, "rounds": self.rounds, "timing_target_ci": self.target_ci,
             "timing_ci_half_width": self.ci_half_width, "timing_stopped": self.stopped,
             "threads": self.threads, "load_before": self.load_before, "load_after": self.load_after,
             "busy": self.busy,
