@@ -157,10 +157,37 @@ BUSY_SPREAD = 1.5  # max/min step time within one cell above which timings are n
 
 def timing_note(df: pd.DataFrame) -> str:
     """How noisy the run's timings were: the largest max/min step-time spread within one cell,
-    and a warning to rerun above BUSY_SPREAD (a busy machine)."""
+    and a warning to rerun above BUSY_SPREAD; plus, where recorded, the widest 95% interval of a
+    step time and how many cells ran while the load average exceeded the cores."""
     spread = (df["step_ms_max"] / df["step_ms_min"]).max()
-    return (f"Largest max/min step-time spread in one cell: {spread:.2f}x"
+    text = (f"Largest max/min step-time spread in one cell: {spread:.2f}x"
             + (" — a busy machine: rerun before trusting the times." if spread > BUSY_SPREAD else "."))
+    if {"step_ms_low", "step_ms_high"} <= set(df.columns) and df["step_ms_low"].notna().any():
+        width = ((df["step_ms_high"] - df["step_ms_low"]) / 2 / df["step_ms"]).max()
+        text += f" Widest 95% interval of a median step time: ±{width:.1%}."
+    if "busy" in df.columns and df["busy"].fillna(False).astype(bool).any():
+        text += (f" {int(df['busy'].fillna(False).astype(bool).sum())} of {len(df)} cells ran while the load "
+                 "average exceeded the CPU cores (other work competed).")
+    return text
+
+
+def compare_note(df: pd.DataFrame) -> str:
+    """One paragraph on a `ckptlab.compare` table: which configurations differ in time from the
+    baseline (interval excludes 1), which cannot be told apart, and whether the machine was busy."""
+    timed = df[(df["status"] == "ok") & df["time_ratio"].notna()]
+    if not len(timed):
+        return "Nothing was timed."
+    base, rest = timed.iloc[0], timed.iloc[1:]
+    differ = [f"{r.policy} {r.time_ratio:.2f}x [{r.time_ratio_low:.2f}, {r.time_ratio_high:.2f}]"
+              for r in rest.itertuples() if r.significant]
+    same = [r.policy for r in rest.itertuples() if not r.significant]
+    text = (f"{int(base['rounds'])} interleaved rounds, {int(base['threads'])} threads. "
+            f"Differ from {base['policy']}: {', '.join(differ) or 'none'}. "
+            f"Not distinguishable from {base['policy']} at 95%: {', '.join(same) or 'none'}.")
+    if bool(base["busy"]):
+        text += (f" The machine was busy (load {base['load_before']:.1f} -> {base['load_after']:.1f}, more than "
+                 "its CPU cores): the intervals are wider than on an idle machine.")
+    return text
 
 
 def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
@@ -228,4 +255,5 @@ def _py(v):
     return v.item() if hasattr(v, "item") else v
 
 
-__all__ = ["CARD_LIMITS", "format_summary", "ok", "overhead", "pareto", "summary", "what_fits"]
+__all__ = ["CARD_LIMITS", "compare_note", "format_summary", "ok", "overhead", "pareto", "summary", "timing_note",
+           "what_fits"]

@@ -55,36 +55,43 @@ MEASURE_COLUMNS = [
     ("activations@peak", "peak_activations_bytes", format_bytes),
     ("saved by forward", "saved_activation_bytes", format_bytes),
     ("recomputed blocks", "recompute_count", str),
-    ("step ms", "step_ms", _num(".1f")),
-    ("overhead", "overhead", lambda v: "-" if v is None else f"{v:+.0%}"),
+    ("step ms [95% CI]", "step_text", str),
+    ("overhead [95% CI]", "overhead_text", str),
     ("tokens/s", "tokens_per_s", _num(",.0f")),
     ("status", "status", str),
 ]
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    from .measure import measure
+    from .compare import measure_together
+    from .measure import check_timing_options
+    from .memory import parse_bytes
     from .models import get_workload
     from .policy import parse_policy
 
-    policies = [parse_policy(p) for p in split_list(args.policy)]
+    policies = list(dict.fromkeys(str(parse_policy(p)) for p in split_list(args.policy)))
     batches, seqs = int_list("batch", args.batch), int_list("seq", args.seq)
     workload = get_workload(args.model, **_model_overrides(args.set))
+    check_timing_options(0.02, args.max_seconds)
+    limit = parse_bytes(args.memory_limit)
     rows = []
     for batch in batches:
         for seq in seqs:
-            group = []
-            for policy in policies:
-                record = measure(workload, batch, seq, policy, device=args.device, dtype=args.dtype,
-                                 steps=args.steps, warmup=args.warmup, memory_limit=args.memory_limit)
-                group.append(record)
-            baseline = next((r for r in group if r["effective_density"] == 0 and r["step_ms"]), None)
-            for r in group:
-                r["overhead"] = (r["step_ms"] / baseline["step_ms"] - 1) if baseline and r["step_ms"] else None
-            rows += group
-    print(f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}), "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+            rows += measure_together(workload, batch, seq, policies, device=args.device, dtype=args.dtype,
+                                     memory_limit_bytes=limit, steps=args.steps, warmup=args.warmup,
+                                     max_seconds=args.max_seconds)
+    for r in rows:
+        r["step_text"] = "-" if r["step_ms"] is None else f"{r['step_ms']:.1f} [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]"
+        r["overhead_text"] = "-" if r["time_ratio"] is None else (
+            f"{r['time_ratio'] - 1:+.0%} [{r['time_ratio_low'] - 1:+.0%}, {r['time_ratio_high'] - 1:+.0%}]"
+            + (" *" if r["significant"] else ""))
+    timed = next((r for r in rows if r["rounds"]), rows[0])
+    print(f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}): policies of one shape "
+          f"timed together, {timed['rounds']} interleaved rounds, {timed['threads']} threads; medians with 95% "
+          f"intervals; overhead vs {policies[0]} (* = the interval excludes 0)")
     print(format_table(rows, MEASURE_COLUMNS))
+    if timed["busy"]:
+        print(f"busy machine: load {timed['load_before']:.1f} -> {timed['load_after']:.1f}, more than the CPU cores")
     failed = [r for r in rows if r["status"] == "error"]
     for r in failed:
         print(f"error in {r['policy']} b={r['batch_size']} s={r['seq_len']}: {r['message']}", file=sys.stderr)
@@ -307,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure", help="measure one training step per policy and print a table")
     add_workload_arguments(p, batch="4", seq="64", policy="none,full")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
+    p.add_argument("--steps", type=int, default=5, help="minimum interleaved timing rounds (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds")
+    p.add_argument("--max-seconds", type=float, default=10, help="timing budget per (batch, seq); stops earlier at ±2%%")
     p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
     p.set_defaults(func=cmd_measure)
 

@@ -150,6 +150,16 @@ def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, 
     return rows
 
 
+def paired_ratio(df: pd.DataFrame, policy: str, versus: str, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high) of `policy`'s per-round time over `versus`'s, from one comparison's
+    rows (the same rounds): the paired ratio between any two rows, not only against the first."""
+    from .timing import bootstrap_median
+
+    rows = df.set_index("policy")
+    a, b = (pd.Series(rows.loc[p, "round_ms"], dtype=float).to_numpy() for p in (policy, versus))
+    return bootstrap_median(a / b, seed)
+
+
 def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -339,6 +349,7 @@ def _time_together(rows, steps, shape: Shape, target_ci, max_seconds) -> None:
     for r in rows:
         if r["policy"] in timed:
             r.update(timing.row(r["policy"]))
+            r["round_ms"] = list(timing.times_ms[r["policy"]])  # aligned across rows: any pair can be paired
             r["tokens_per_s"] = r["tokens"] / (r["step_ms"] / 1e3)
 
 
@@ -378,4 +389,4 @@ def write(df: pd.DataFrame, out: str | Path) -> Path:
     return out
 
 
-__all__ = ["anchor_configs", "compare", "measure_together", "write"]
+__all__ = ["anchor_configs", "compare", "measure_together", "paired_ratio", "write"]

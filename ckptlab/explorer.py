@@ -4,7 +4,9 @@ peak memory (by category) and step time for that policy next to no checkpointing
     Explorer().show()                    # JupyterLab: widgets; a change re-measures
     Explorer().show(interactive=False)   # papermill / static: the same views, rendered once
 
-Every view is a real measurement (`ckptlab.measure`) of the chosen configuration. Sliders use
+Every view is a real measurement of the chosen configuration, timed together with no
+checkpointing (interleaved rounds, `ckptlab.timing`): step times and the overhead carry their
+95% intervals. Sliders use
 `continuous_update=False`, so a drag measures once, on release; Run measures again (after
 editing the memory limit, or to re-time). The callbacks are plain methods, tested without a
 browser.
@@ -16,11 +18,13 @@ from typing import Optional
 
 import pandas as pd
 
+from .compare import measure_together
 from .measure import measure
 from .memory import format_bytes, parse_bytes
-from .models import PRESETS
+from .models import PRESETS, get_workload
 from .policy import parse_policy
 
+TIMING_SECONDS = 5.0   # at most this long timing rounds per change: the view stays interactive
 POLICY_CHOICES = ("none", "density", "every=2", "segments=sqrt", "full")  # "density" uses the slider
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SEQS = [16, 32, 64, 128, 256, 512, 1024]
@@ -48,11 +52,17 @@ class Explorer:
         self.config = new
 
     def run(self) -> pd.DataFrame:
-        """Measure the chosen policy and the no-checkpointing baseline; returns both rows."""
+        """Measure the chosen policy and the no-checkpointing baseline, timed together (paired
+        rounds, `ckptlab.timing`); returns both rows."""
         c = self.config
-        rows = [measure(c["model"], c["batch_size"], c["seq_len"], p, device=c["device"], steps=c["steps"],
-                        warmup=c["warmup"], memory_limit=c["memory_limit"])
-                for p in dict.fromkeys(["none", c["policy"]])]
+        policies = list(dict.fromkeys(["none", str(parse_policy(c["policy"]))]))
+        if len(policies) == 1:
+            rows = [measure(c["model"], c["batch_size"], c["seq_len"], "none", device=c["device"], steps=c["steps"],
+                            warmup=c["warmup"], memory_limit=c["memory_limit"], max_seconds=TIMING_SECONDS)]
+        else:
+            rows = measure_together(get_workload(c["model"]), c["batch_size"], c["seq_len"], policies,
+                                    device=c["device"], memory_limit_bytes=parse_bytes(c["memory_limit"]),
+                                    steps=max(c["steps"], 2), warmup=c["warmup"], max_seconds=TIMING_SECONDS)
         self.records = pd.DataFrame(rows)
         return self.records
 
@@ -64,13 +74,22 @@ class Explorer:
         base = df.iloc[0]
         lines = [f"{self.config['model']}  batch {self.config['batch_size']} x seq {self.config['seq_len']}"
                  f"  on {base['device_name']}"]
+        timed = df[df["rounds"].notna()] if "rounds" in df else df.iloc[:0]
+        if len(timed):
+            t = timed.iloc[0]
+            lines.append(f"{int(t['rounds'])} interleaved rounds, 95% intervals in brackets, {int(t['threads'])} "
+                         f"threads, load {t['load_before']:.1f} -> {t['load_after']:.1f}"
+                         + ("  BUSY MACHINE: rerun before trusting the times" if t["busy"] else ""))
         for _, r in df.iterrows():
             if r["status"] != "ok" and r["status"] != "oom":
                 lines.append(f"{r['policy']:>14}: {r['status']} — {r['message']}")
                 continue
-            overhead = "" if pd.isna(r["step_ms"]) or pd.isna(base["step_ms"]) else \
-                f"  overhead {r['step_ms'] / base['step_ms'] - 1:+.0%}"
-            time = "not timed" if pd.isna(r["step_ms"]) else f"{r['step_ms']:.1f} ms/step"
+            ratio = r.get("time_ratio")
+            overhead = "" if ratio is None or pd.isna(ratio) or r["policy"] == base["policy"] else (
+                f"  overhead {ratio - 1:+.0%} [{r['time_ratio_low'] - 1:+.0%}, {r['time_ratio_high'] - 1:+.0%}]"
+                + ("" if r["significant"] else " (not distinguishable from none)"))
+            time = "not timed" if pd.isna(r["step_ms"]) else (
+                f"{r['step_ms']:.1f} ms/step [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]")
             fits = "" if r["fits"] is None or pd.isna(r["fits"]) else ("  fits" if r["fits"] else "  DOES NOT FIT")
             lines.append(f"{r['policy']:>14}: peak {format_bytes(r['peak_bytes'])}, "
                          f"held for backward {format_bytes(r['saved_activation_bytes'])}, {time}{overhead}{fits}")

@@ -40,6 +40,15 @@ def _slice(df: pd.DataFrame, dtype: Optional[str], accum_steps: Optional[int]) -
     return df[(df["dtype"] == dtype) & (df["accum_steps"] == accum_steps)], dtype, accum_steps
 
 
+def _interval(df: pd.DataFrame, column: str):
+    """Error-bar lengths (below, above) from `<column>_low/_high`; none where they are missing."""
+    low, high = f"{column}_low", f"{column}_high"
+    if low not in df or high not in df:
+        return None
+    return np.vstack([(df[column] - df[low]).clip(lower=0).fillna(0).to_numpy(float),
+                      (df[high] - df[column]).clip(lower=0).fillna(0).to_numpy(float)])
+
+
 def _empty(fig, ax, text="no ok cells to plot"):
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
     return fig
@@ -59,12 +68,16 @@ def memory_time_vs_density(df: pd.DataFrame, path=None, dtype: Optional[str] = N
         g = g.groupby("effective_density", as_index=False).median(numeric_only=True).sort_values("effective_density")
         label = f"b={b} s={s}"
         line, = ax_mem.plot(g["effective_density"], g["peak_bytes"] / MiB, "o-", label=label)
-        ax_time.plot(g["effective_density"], g["step_ms"], "o-", color=line.get_color(), label=label)
-        ax_over.plot(g["effective_density"], 100 * g["overhead"], "x:", color=line.get_color(), alpha=0.7)
+        ax_time.errorbar(g["effective_density"], g["step_ms"], yerr=_interval(g, "step_ms"), fmt="o-",
+                         color=line.get_color(), label=label, capsize=3)
+        over = g.assign(overhead_pct=100 * g["overhead"], overhead_pct_low=100 * g["overhead_low"],
+                        overhead_pct_high=100 * g["overhead_high"])
+        ax_over.errorbar(over["effective_density"], over["overhead_pct"], yerr=_interval(over, "overhead_pct"),
+                         fmt="x:", color=line.get_color(), alpha=0.7, capsize=2)
     ax_mem.set(xlabel="density (fraction of blocks recomputed)", ylabel="peak memory (MiB)",
                title=f"peak memory ({dtype}, accum {accum_steps})")
     ax_time.set(xlabel="density (fraction of blocks recomputed)", ylabel="step time (ms, median) — solid",
-                title="step time and overhead")
+                title="step time and overhead (bars: 95% intervals)")
     ax_over.set_ylabel("overhead vs density 0 (%) — dotted")
     ax_mem.legend(fontsize=8)
     ax_mem.grid(alpha=0.3)
@@ -129,10 +142,12 @@ def pareto_plot(df: pd.DataFrame, path=None):
         line, = ax.plot(front["peak_bytes"] / MiB, front["step_ms"], "o-", label=f"s={s} eff. batch={eb}")
         dom = g[~g["pareto_optimal"]]
         ax.scatter(dom["peak_bytes"] / MiB, dom["step_ms"], facecolors="none", edgecolors=line.get_color())
+        ax.errorbar(g["peak_bytes"] / MiB, g["step_ms"], yerr=_interval(g, "step_ms"), fmt="none",
+                    ecolor=line.get_color(), alpha=0.6, capsize=2)
         for (_, r), tag in zip(g.iterrows(), analysis.config_label(g)):
             ax.annotate(tag, (r["peak_bytes"] / MiB, r["step_ms"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points", color="k" if r["pareto_optimal"] else "0.45")
-    ax.set(xlabel="peak memory (MiB)", ylabel="step time (ms, median)",
+    ax.set(xlabel="peak memory (MiB)", ylabel="step time (ms, median, 95% interval)",
            title="Pareto frontier (filled, joined); dominated hollow")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -220,13 +235,16 @@ def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = Non
         values = df[f"peak_{cat}_bytes"].fillna(0).to_numpy(dtype=float) / MiB
         ax.bar(x, values, bottom=bottom, color=CATEGORY_COLORS[cat], label=cat.replace("_", " "))
         bottom += values
-    for xi, total, ms in zip(x, bottom, df["step_ms"]):
-        ax.text(xi, total, "" if pd.isna(ms) else f"{ms:.0f} ms", ha="center", va="bottom", fontsize=8)
+    lows = df["step_ms_low"] if "step_ms_low" in df else df["step_ms"]
+    highs = df["step_ms_high"] if "step_ms_high" in df else df["step_ms"]
+    for xi, total, ms, low, high in zip(x, bottom, df["step_ms"], lows, highs):
+        text = "" if pd.isna(ms) else f"{ms:.0f} ms" + ("" if pd.isna(low) else f"\n[{low:.0f}, {high:.0f}]")
+        ax.text(xi, total, text, ha="center", va="bottom", fontsize=8)
     if limit_bytes:
         ax.axhline(limit_bytes / MiB, color="k", ls="--", lw=1, label=f"limit {limit_bytes / MiB:.0f} MiB")
     ax.set_xticks(x, df[label].astype(str), rotation=20, ha="right")
     ax.set_ylabel("peak memory (MiB)")
-    ax.set_title("peak memory by category (step time above)")
+    ax.set_title("peak memory by category (step time, 95% interval, above)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over a bar
     fig.tight_layout()
     return _save(fig, path)

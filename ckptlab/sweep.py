@@ -63,7 +63,7 @@ class Grid:
     model_overrides: dict = field(default_factory=dict)
     nproc: int = 1   # ranks per cell: > 1 measures under FSDP2 (ckptlab.distributed)
     target_ci: float = 0.02     # timing: stop at this relative interval half-width ...
-    max_seconds: float = 10.0   # ... or after this many seconds of timing rounds per cell group
+    max_seconds: float = 5.0    # ... or after this many seconds of timing rounds per cell group
 
     def cells(self) -> list[dict]:
         """Every cell, in run order (batch innermost, ascending)."""
@@ -92,7 +92,7 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
               dtypes: Sequence[str] = ("fp32",), accum_steps: Sequence[int] = (1,), device: str = "cpu",
               memory_limit=None, steps: int = 3, warmup: int = 1, seed: int = 0,
               optimizer: str = "adamw", model_overrides: Optional[dict] = None, nproc: int = 1,
-              target_ci: float = 0.02, max_seconds: float = 10.0) -> Grid:
+              target_ci: float = 0.02, max_seconds: float = 5.0) -> Grid:
     """Validate every grid value; raise ValueError naming the parameter, the value and what is
     allowed. Nothing is built on a real device and nothing is written."""
     overrides = dict(model_overrides or {})
@@ -139,7 +139,7 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
           cluster: Optional[str] = None, slurm_partition: Optional[str] = None,
           slurm_gpus_per_job: Optional[int] = None, slurm_time_min: int = 60,
           slurm_account: Optional[str] = None, cells_per_job: int = 1, submitit_folder=None,
-          target_ci: float = 0.02, max_seconds: float = 10.0):
+          target_ci: float = 0.02, max_seconds: float = 5.0):
     """Measure every cell of the grid; return all of the run's records as a pandas DataFrame.
 
     Grid axes: `batch_sizes` (micro-batch), `seq_lens`, `policies` (strings such as "none",

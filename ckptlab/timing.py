@@ -36,6 +36,9 @@ import torch
 
 CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 2000
+# Fewer rounds than this give a bootstrap interval too coarse to stop on (one round: a point),
+# so reaching the target needs at least this many; the time budget may stop earlier.
+MIN_ROUNDS_FOR_TARGET = 5
 
 
 def bootstrap_median(values, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -156,7 +159,7 @@ def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: tor
             if rounds < min_rounds:
                 continue
             summary = _summarize(times, names, seed)
-            if summary["half_width"] < target_ci:
+            if rounds >= MIN_ROUNDS_FOR_TARGET and summary["half_width"] < target_ci:
                 stopped = "target"
                 break
             now = clock()

@@ -41,8 +41,13 @@ def test_small_sweep_every_record_and_figures(tmp_path):
     assert (full < none.loc[full.index]).all()
     full_rows = df[df.policy == "full"]  # gpt-tiny: 4 blocks, each recomputed once per micro-batch
     assert (full_rows["recompute_count"] == 4 * full_rows["accum_steps"]).all()
-    # Batches run in ascending order, whatever order they were given in.
-    assert list(df["batch_size"][:2]) == [1, 2]
+    # Batches run in ascending order per policy, whatever order they were given in; the policies
+    # of one (batch, seq, dtype, accum) are timed together, paired with the first.
+    for _, g in df.groupby(["policy", "dtype", "accum_steps"], sort=False):
+        assert list(g["batch_size"]) == [1, 2]
+    assert (df["timing_baseline"] == "none").all()
+    assert (df["time_ratio_low"] <= df["time_ratio"]).all() and (df["time_ratio"] <= df["time_ratio_high"]).all()
+    assert (df["step_ms_low"] <= df["step_ms"]).all() and (df["step_ms"] <= df["step_ms_high"]).all()
     figures = sorted(p.name for p in (out / "figures").iterdir())
     assert len(figures) == 8 and all(p.stat().st_size > 1000 for p in (out / "figures").iterdir())
     meta = json.loads((out / "run.json").read_text())
