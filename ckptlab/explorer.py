@@ -19,12 +19,11 @@ from typing import Optional
 import pandas as pd
 
 from .compare import measure_together
-from .measure import measure
+from .measure import check_timing_options, measure
 from .memory import format_bytes, parse_bytes
 from .models import PRESETS, get_workload
 from .policy import parse_policy
 
-TIMING_SECONDS = 5.0   # at most this long timing rounds per change: the view stays interactive
 POLICY_CHOICES = ("none", "density", "every=2", "segments=sqrt", "full")  # "density" uses the slider
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SEQS = [16, 32, 64, 128, 256, 512, 1024]
@@ -33,11 +32,13 @@ SEQS = [16, 32, 64, 128, 256, 512, 1024]
 class Explorer:
     def __init__(self, model: str = "gpt-tiny", batch_size: int = 4, seq_len: int = 64,
                  policy: str = "density=0.5", memory_limit: Optional[str] = None,
-                 device: str = "cpu", steps: int = 2, warmup: int = 1):
+                 device: str = "cpu", steps: int = 2, warmup: int = 1, max_seconds: float = 5.0):
         parse_policy(policy)
         parse_bytes(memory_limit)
+        check_timing_options(0.02, max_seconds)
         self.config = dict(model=model, batch_size=batch_size, seq_len=seq_len, policy=policy,
-                           memory_limit=memory_limit, device=device, steps=steps, warmup=warmup)
+                           memory_limit=memory_limit, device=device, steps=steps, warmup=warmup,
+                           max_seconds=max_seconds)
         self.records: Optional[pd.DataFrame] = None
         self._widgets = None
 
@@ -58,11 +59,11 @@ class Explorer:
         policies = list(dict.fromkeys(["none", str(parse_policy(c["policy"]))]))
         if len(policies) == 1:
             rows = [measure(c["model"], c["batch_size"], c["seq_len"], "none", device=c["device"], steps=c["steps"],
-                            warmup=c["warmup"], memory_limit=c["memory_limit"], max_seconds=TIMING_SECONDS)]
+                            warmup=c["warmup"], memory_limit=c["memory_limit"], max_seconds=c["max_seconds"])]
         else:
             rows = measure_together(get_workload(c["model"]), c["batch_size"], c["seq_len"], policies,
                                     device=c["device"], memory_limit_bytes=parse_bytes(c["memory_limit"]),
-                                    steps=max(c["steps"], 2), warmup=c["warmup"], max_seconds=TIMING_SECONDS)
+                                    steps=c["steps"], warmup=c["warmup"], max_seconds=c["max_seconds"])
         self.records = pd.DataFrame(rows)
         return self.records
 
@@ -74,12 +75,6 @@ class Explorer:
         base = df.iloc[0]
         lines = [f"{self.config['model']}  batch {self.config['batch_size']} x seq {self.config['seq_len']}"
                  f"  on {base['device_name']}"]
-        timed = df[df["rounds"].notna()] if "rounds" in df else df.iloc[:0]
-        if len(timed):
-            t = timed.iloc[0]
-            lines.append(f"{int(t['rounds'])} interleaved rounds, 95% intervals in brackets, {int(t['threads'])} "
-                         f"threads, load {t['load_before']:.1f} -> {t['load_after']:.1f}"
-                         + ("  BUSY MACHINE: rerun before trusting the times" if t["busy"] else ""))
         for _, r in df.iterrows():
             if r["status"] != "ok" and r["status"] != "oom":
                 lines.append(f"{r['policy']:>14}: {r['status']} — {r['message']}")
@@ -93,6 +88,12 @@ class Explorer:
             fits = "" if r["fits"] is None or pd.isna(r["fits"]) else ("  fits" if r["fits"] else "  DOES NOT FIT")
             lines.append(f"{r['policy']:>14}: peak {format_bytes(r['peak_bytes'])}, "
                          f"held for backward {format_bytes(r['saved_activation_bytes'])}, {time}{overhead}{fits}")
+        timed = df[df["rounds"].notna()] if "rounds" in df else df.iloc[:0]
+        if len(timed):
+            t = timed.iloc[0]
+            lines.append(f"{int(t['rounds'])} interleaved rounds, 95% intervals in brackets, {int(t['threads'])} "
+                         f"threads, load {t['load_before']:.1f} -> {t['load_after']:.1f}"
+                         + ("  BUSY MACHINE: rerun before trusting the times" if t["busy"] else ""))
         return "\n".join(lines)
 
     def figure(self):

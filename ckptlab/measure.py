@@ -47,7 +47,7 @@ def measure(
     accum_steps: int = 1,
     with_report: bool = False,
     target_ci: float = 0.02,
-    max_seconds: float = 2.0,
+    max_seconds: float = 1.0,
 ) -> dict:
     """Measure one training step of `workload` at (batch_size, seq_len) under `policy`.
 

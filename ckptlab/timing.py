@@ -185,23 +185,30 @@ def _rotated(names: list[str], r: int) -> list[str]:
 
 
 def _summarize(times: dict[str, list[float]], names: list[str], seed: int) -> dict:
+    """Medians and intervals; a single round has no interval (NaN), only a value."""
     base = np.asarray(times[names[0]])
     out = {k: {} for k in ("step", "step_low", "step_high", "ratio", "ratio_low", "ratio_high")}
     widths = []
     for name in names:
         t = np.asarray(times[name])
-        out["step"][name], out["step_low"][name], out["step_high"][name] = bootstrap_median(t, seed)
+        out["step"][name], out["step_low"][name], out["step_high"][name] = _median_interval(t, seed)
         if name == names[0]:
             out["ratio"][name] = out["ratio_low"][name] = out["ratio_high"][name] = 1.0
             continue
-        ratio, low, high = bootstrap_median(t / base, seed)
+        ratio, low, high = _median_interval(t / base, seed)
         out["ratio"][name], out["ratio_low"][name], out["ratio_high"][name] = ratio, low, high
         widths.append((high - low) / 2 / ratio)
     if not widths:  # one configuration: how well its own median step time is known
         step = out["step"][names[0]]
         widths.append((out["step_high"][names[0]] - out["step_low"][names[0]]) / 2 / step)
-    out["half_width"] = float(max(widths))
+    out["half_width"] = float(max(widths)) if not any(math.isnan(w) for w in widths) else math.inf
     return out
+
+
+def _median_interval(values: np.ndarray, seed: int) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return float(np.median(values)), math.nan, math.nan
+    return bootstrap_median(values, seed)
 
 
 def _cpu_timer(clock: Callable[[], float]) -> Callable[[Callable[[], object]], float]:

@@ -140,3 +140,27 @@ def test_time_steps_runs_exactly_the_steps_asked():
     timing = time_steps(lambda: calls.append(1), steps=3, warmup=2)
     assert len(calls) == 5 and len(timing.step_ms) == 3
     assert timing.min_ms <= timing.median_ms <= timing.max_ms
+
+
+def test_a_single_round_has_a_value_but_no_interval():
+    clock = FakeClock()
+    result = time_interleaved({"a": clock.step(3), "b": clock.step(6)}, min_rounds=1, max_rounds=1, clock=clock)
+    assert result.rounds == 1 and result.ratio["b"] == pytest.approx(2.0)
+    assert np.isnan(result.ratio_low["b"]) and np.isnan(result.step_ms_high["a"])
+    assert result.ci_half_width == float("inf") and not result.significant("b")
+
+
+def test_the_target_is_not_reached_on_fewer_rounds_than_an_interval_needs():
+    clock = FakeClock()
+    result = time_interleaved({"a": clock.step(3), "b": clock.step(3)}, min_rounds=1, max_rounds=100, clock=clock)
+    assert result.stopped == "target" and result.rounds == 5
+
+
+def test_a_measured_step_time_carries_its_interval_threads_and_load():
+    from ckptlab import measure
+
+    record = measure("mlp-chain", 2, 8, "none", steps=3, warmup=1, max_seconds=0.5)
+    assert record["step_ms_low"] <= record["step_ms"] <= record["step_ms_high"]
+    assert record["rounds"] >= 3 and record["threads"] == torch.get_num_threads()
+    assert record["load_before"] >= 0 and isinstance(record["busy"], bool)
+    assert record["time_ratio"] is None and record["timing_baseline"] is None  # timed alone: no ratio
