@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ckptlab import compare
-from ckptlab.cli import main
-from ckptlab.plots import compare_plot
+from ckptlab.apps.cli import main
+from ckptlab.report.plots import compare_plot
 
 # A shape where recomputation is clearly measurable (full adds ~60% to a step of a few dozen ms),
 # so that an interval of a few rounds is narrow enough to tell `full` from `none`.

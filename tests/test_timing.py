@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptlab.timing import bootstrap_median, time_interleaved, time_steps
+from ckptlab.probe.timing import bootstrap_median, time_interleaved, time_steps
 
 
 class FakeClock:

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+import matplotlib.pyplot as plt
 import pandas as pd
 
-from .compare import measure_together
-from .measure import check_timing_options, measure
-from .memory import format_bytes, parse_bytes
-from .models import PRESETS, get_workload
-from .policy import parse_policy
+from ..core.policy import parse_policy
+from ..core.units import format_bytes, parse_bytes
+from ..probe.compare import measure_together
+from ..probe.measure import measure
+from ..probe.timing import check_timing_options
+from ..report.plots import peak_breakdown
+from ..workloads.models import PRESETS
+from ..workloads.registry import get_workload
 
 POLICY_CHOICES = ("none", "density", "every=2", "segments=sqrt", "full")  # "density" uses the slider
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -97,7 +101,6 @@ class Explorer:
         return "\n".join(lines)
 
     def figure(self):
-        from .plots import peak_breakdown
 
         limit = parse_bytes(self.config["memory_limit"])
         return peak_breakdown(self.records if self.records is not None else pd.DataFrame(), limit_bytes=limit)
@@ -116,8 +119,7 @@ class Explorer:
 
     def refresh(self) -> None:
         """Measure and redraw into the output area (the Run button and every change end here)."""
-        import matplotlib.pyplot as plt
-        from IPython.display import display
+        from IPython.display import display  # noqa: PLC0415 - IPython comes with the notebooks extra
 
         out = self._widgets["output"]
         out.clear_output(wait=True)
@@ -132,7 +134,7 @@ class Explorer:
                 print(f"error: {exc}")
 
     def widgets(self):
-        import ipywidgets as w
+        import ipywidgets as w  # noqa: PLC0415 - ipywidgets comes with the notebooks extra
 
         c = self.config
         kind, _, value = c["policy"].partition("=")
@@ -162,13 +164,12 @@ class Explorer:
     def show(self, interactive: bool = True) -> None:
         """Interactive: the widgets and a first measurement. Static: measure once and render the
         same summary and figure without widgets (papermill, nbval)."""
-        from IPython.display import display
+        from IPython.display import display  # noqa: PLC0415 - IPython comes with the notebooks extra
 
         if interactive:
             display(self.widgets())
             self.refresh()
             return
-        import matplotlib.pyplot as plt
 
         self.run()
         print(self.summary())

@@ -41,6 +41,14 @@ BOOTSTRAP_RESAMPLES = 2000
 MIN_ROUNDS_FOR_TARGET = 5
 
 
+def check_timing_options(target_ci, max_seconds) -> None:
+    """The two knobs users pass for the protocol, checked before any work."""
+    if isinstance(target_ci, bool) or not isinstance(target_ci, (int, float)) or not 0 < target_ci < 1:
+        raise ValueError(f"target_ci={target_ci!r} is invalid: allowed is a number in (0, 1), e.g. 0.02 for ±2%")
+    if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0:
+        raise ValueError(f"max_seconds={max_seconds!r} is invalid: allowed is a number of seconds > 0")
+
+
 def bootstrap_median(values, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES,
                      confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """(median, low, high): the median of `values` and its percentile-bootstrap interval, from a
@@ -131,10 +139,7 @@ def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: tor
             raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {low}")
     if max_rounds < min_rounds:
         raise ValueError(f"max_rounds={max_rounds} is invalid: allowed is an integer >= min_rounds={min_rounds}")
-    if not (isinstance(target_ci, (int, float)) and 0 < target_ci < 1):
-        raise ValueError(f"target_ci={target_ci!r} is invalid: allowed is a number in (0, 1), e.g. 0.02 for ±2%")
-    if not (isinstance(max_seconds, (int, float)) and max_seconds > 0):
-        raise ValueError(f"max_seconds={max_seconds!r} is invalid: allowed is a number > 0")
+    check_timing_options(target_ci, max_seconds)
     threads = torch.get_num_threads() if threads is None else threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads={threads!r} is invalid: allowed is an integer >= 1")
@@ -261,4 +266,4 @@ def time_steps(step: Callable[[], object], steps: int, warmup: int, device: torc
     return Timing(result.times_ms["step"])
 
 
-__all__ = ["IntervalTiming", "Timing", "bootstrap_median", "time_interleaved", "time_steps"]
+__all__ = ["IntervalTiming", "Timing", "bootstrap_median", "check_timing_options", "time_interleaved", "time_steps"]

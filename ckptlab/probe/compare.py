@@ -4,7 +4,7 @@
 
 Each configuration's model is built once and its memory measured once with the live-tensor
 tracker (as `measure` does); then all of them are timed together with the interleaved protocol of
-`ckptlab.timing`, so every row's `time_ratio` (to the first policy) carries a 95% interval and
+`ckptlab.probe.timing`, so every row's `time_ratio` (to the first policy) carries a 95% interval and
 `significant` says whether that interval excludes 1.
 
 Anchors (`anchors=True`) are applied with their own framework's API, not through ckptlab:
@@ -32,14 +32,19 @@ from typing import Callable, Optional, Sequence
 
 import pandas as pd
 import torch
+import torch._dynamo
+import torch._functorch.config as functorch_config
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from .measure import (DTYPES, MAX_ROUNDS, check_timing_options, failures_recorded, new_record, policy_applier,
-                      prepare_step, resolve_device, resolve_policy)
-from .models import Workload, get_workload
-from .policy import parse_policy
-from .timing import time_interleaved
+from ..checkpoint.blocks import find_blocks
+from ..core.policy import parse_policy
+from ..workloads.base import Workload
+from ..workloads.registry import get_workload
+from .measure import MAX_ROUNDS, failures_recorded, new_record, policy_applier, prepare_step, resolve_policy
+from .plan import plan_budget
+from .step import DTYPES, resolve_device
+from .timing import bootstrap_median, check_timing_options, time_interleaved
 from .verify import gradient_difference, step_gradients
-from .wrap import find_blocks
 
 COLUMNS = ["policy", "source", "effective_density", "peak_bytes", "saved_activation_bytes", "step_ms",
            "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high", "significant",
@@ -94,7 +99,7 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     `target_ci`/`max_seconds` control the timing protocol (stop at ±target_ci or after
     max_seconds of timing); `verify=True` adds `max_grad_diff` (the largest absolute difference of
     loss and parameter gradients against no checkpointing, same weights, batch and seed);
-    `out=DIR` writes compare.csv and compare.json there (`plots.compare_plot` draws them)."""
+    `out=DIR` writes compare.csv and compare.json there (`ckptlab.report.plots.compare_plot` draws them)."""
     workload = get_workload(workload) if isinstance(workload, str) else workload
     policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
     policies = list(dict.fromkeys(str(parse_policy(p)) if isinstance(p, str) and p else p for p in policies))
@@ -132,8 +137,6 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
 
 
 def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None) -> list[dict]:
-    import torch._dynamo
-
     rows, steps = [], {}
     torch._dynamo.reset()
     try:
@@ -153,8 +156,6 @@ def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, 
 def paired_ratio(df: pd.DataFrame, policy: str, versus: str, seed: int = 0) -> tuple[float, float, float]:
     """(median, low, high) of `policy`'s per-round time over `versus`'s, from one comparison's
     rows (the same rounds): the paired ratio between any two rows, not only against the first."""
-    from .timing import bootstrap_median
-
     rows = df.set_index("policy")
     a, b = (pd.Series(rows.loc[p, "round_ms"], dtype=float).to_numpy() for p in (policy, versus))
     return bootstrap_median(a / b, seed)
@@ -208,15 +209,13 @@ def anchor_configs(workload: Workload) -> list[Config]:
 
 def _is_transformers(workload: Workload) -> bool:
     try:
-        from transformers import PreTrainedModel
+        from transformers import PreTrainedModel  # optional extra
     except ImportError:
         return False
     return isinstance(workload.build("meta"), PreTrainedModel)
 
 
 def _per_block_checkpoint(model, record):
-    from torch.utils.checkpoint import checkpoint
-
     blocks = find_blocks(model)
     for block in blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -240,9 +239,7 @@ def _sac_ops() -> list:
 
 def _transformers_checkpointing(every_n_layers: Optional[int] = None, selective: bool = False):
     def apply(model, record):
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        from .hf import checkpointing_methods, hf_capabilities, hf_layers
+        from ..checkpoint.hf import checkpointing_methods, hf_capabilities, hf_layers  # optional extra
 
         enable, _, kwargs_name = checkpointing_methods(model)
         options = {}
@@ -271,7 +268,6 @@ def _checkpointed(record: dict, n_blocks: int, blocks) -> None:
 def _budget(config: Config):
     if config.compile_budget is None:
         return contextlib.nullcontext()
-    import torch._functorch.config as functorch_config
     return functorch_config.patch(activation_memory_budget=config.compile_budget)
 
 
@@ -312,8 +308,6 @@ PLAN_SOURCE = "ckptlab plan"
 def _add_plan_for(anchor_row: dict, shape: Shape, rows, steps, configs) -> None:
     """The planner's plan whose predicted peak fits the anchor's measured peak, as a ckptlab row
     (`plan_at_peak_of` names the anchors whose peak chose it: one row per distinct plan)."""
-    from .plan import plan_budget
-
     peak = int(anchor_row["peak_bytes"])
     same_peak = next((r for r in rows if r["source"] == PLAN_SOURCE and r.get("plan_budget_bytes") == peak), None)
     if same_peak is not None:
@@ -381,7 +375,7 @@ def _verify(rows, configs, shape: Shape) -> None:
 
 def write(df: pd.DataFrame, out: str | Path) -> Path:
     """compare.csv and compare.json (one record per row) in `out`: everything
-    `plots.compare_plot` needs to draw the figure (the CLI draws it into out/figures/)."""
+    `ckptlab.report.plots.compare_plot` needs to draw the figure (the CLI draws it into out/figures/)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "compare.csv", index=False)
