@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from ckptlab import compare, get_workload
-from ckptlab.probe.compare import paired_ratio
 from ckptlab.core.units import format_bytes
+from ckptlab.probe.compare import paired_ratio
 
 # Llama blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention) at two widths; the vocabulary is
 # kept small so that the blocks, not the logits, hold most activation memory.

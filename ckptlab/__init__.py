@@ -11,11 +11,11 @@ from .checkpoint.wrap import apply_checkpointing
 from .core.meta import __version__
 from .core.policy import Policy, parse_policy
 from .core.units import format_bytes, parse_bytes
+from .probe.compare import compare
 from .probe.estimate import Prediction, closed_form, llama7b_shape, predict, what_fits
 from .probe.measure import measure
 from .probe.memory import MemoryReport, track_memory
 from .probe.plan import Plan, plan_budget, profile_blocks
-from .probe.compare import compare
 from .probe.timing import time_interleaved, time_steps
 from .probe.verify import compare_gradients
 from .report import analysis, plots

@@ -9,13 +9,14 @@ import argparse
 import sys
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 from ..core.parsing import split_list
 from ..core.policy import parse_policy
 from ..core.units import format_bytes, parse_bytes
-from ..probe.estimate import closed_form, predict
 from ..probe.compare import compare, measure_together
+from ..probe.estimate import closed_form, predict
 from ..probe.plan import plan_budget
 from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary

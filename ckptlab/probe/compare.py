@@ -209,7 +209,7 @@ def anchor_configs(workload: Workload) -> list[Config]:
 
 def _is_transformers(workload: Workload) -> bool:
     try:
-        from transformers import PreTrainedModel  # optional extra
+        from transformers import PreTrainedModel  # noqa: PLC0415 - transformers comes with the hf extra
     except ImportError:
         return False
     return isinstance(workload.build("meta"), PreTrainedModel)
@@ -239,7 +239,7 @@ def _sac_ops() -> list:
 
 def _transformers_checkpointing(every_n_layers: Optional[int] = None, selective: bool = False):
     def apply(model, record):
-        from ..checkpoint.hf import checkpointing_methods, hf_capabilities, hf_layers  # optional extra
+        from ..checkpoint.hf import checkpointing_methods, hf_capabilities, hf_layers  # noqa: PLC0415 - the hf extra
 
         enable, _, kwargs_name = checkpointing_methods(model)
         options = {}

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import benchmark
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
