@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from ckptlab import compare
+from ckptlab import compare, get_workload
 from ckptlab.apps.cli import main
 from ckptlab.report.plots import compare_plot
 
@@ -98,12 +98,13 @@ def test_anchors_on_a_transformers_model(monkeypatch):
         raise RuntimeError("no C++ compiler for inductor here")
 
     monkeypatch.setattr(torch, "compile", no_compiler)
-    df = compare("hf-llama-tiny", 1, 16, ["none"], anchors=True, max_seconds=0.5).set_index("policy")
+    workload = get_workload("hf-llama-tiny", num_hidden_layers=2)
+    df = compare(workload, 1, 16, ["none"], anchors=True, max_seconds=0.5).set_index("policy")
     sources = dict(zip(df.index, df["source"]))
     assert sources["torch.utils.checkpoint per block"] == "torch.utils.checkpoint"
     assert df.loc["torch.utils.checkpoint per block", "effective_density"] == 1.0
-    assert df.loc["transformers every_n_layers=2", "effective_density"] == 0.5
-    assert df.loc["transformers every_n_layers=4", "effective_density"] == 0.25
+    assert df.loc["transformers every_n_layers=2", "effective_density"] == 0.5   # layer 0 of 2
+    assert df.loc["transformers every_n_layers=4", "effective_density"] == 0.5
     assert df.loc["transformers + torch SAC (context_fn)", "status"] == "ok"
     compiled = df.loc["torch.compile activation_memory_budget=0.5"]
     assert compiled["status"] == "error" and "no C++ compiler" in compiled["message"]

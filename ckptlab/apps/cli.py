@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import torch
 import yaml
 
 from ..core.parsing import split_list
@@ -140,6 +141,10 @@ def format_compare(df: pd.DataFrame) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads} is invalid: allowed is an integer >= 1")
+        torch.set_num_threads(args.threads)
     workload = get_workload(args.model, **_model_overrides(args.set))
     df = compare(workload, args.batch, args.seq, split_list(args.policy), dtype=args.dtype, device=args.device,
                  target_ci=args.target_ci, max_seconds=args.max_seconds, anchors=args.anchors, verify=args.verify,
@@ -318,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="add max_grad_diff against no checkpointing")
     p.add_argument("--target-ci", type=float, default=0.02, help="stop timing at this interval half-width (0.02: ±2%%)")
     p.add_argument("--max-seconds", type=float, default=120, help="time budget for the timing rounds")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for every configuration (default: PyTorch's; 1 is steadiest on a shared machine)")
     p.add_argument("--out", default=None, help="folder for compare.csv, compare.json and figures/compare.png")
     p.set_defaults(func=cmd_compare)
 
