@@ -168,7 +168,8 @@ def test_no_secret_or_absolute_path_in_the_run_folder(tmp_path, monkeypatch):
 def test_cli_sweep_then_plot(tmp_path, capsys):
     out = str(tmp_path / "cli")
     args = ["sweep", "--model", "mlp-chain", "--batch", "1,2", "--seq", "8", "--policy", "none,full",
-            "--accum", "1,2", "--steps", "1", "--warmup", "0", "--out", out, "--quiet", "--no-plots"]
+            "--accum", "1,2", "--steps", "1", "--warmup", "0", "--max-seconds", "0.2", "--out", out, "--quiet",
+            "--no-plots"]
     assert cli_main(args) == 0
     text = capsys.readouterr().out
     assert "8 cells: 8 ok, 0 oom (0 inferred), 0 error" in text and "best configuration" in text

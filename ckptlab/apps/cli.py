@@ -94,6 +94,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                    policies=split_list(args.policy), dtypes=split_list(args.dtype),
                    accum_steps=int_list("accum", args.accum), device=args.device,
                    memory_limit=args.memory_limit, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                   max_seconds=args.max_seconds,
                    model_overrides=overrides, out=args.out, isolate=args.isolate, resume=args.resume,
                    progress=not args.quiet, plots=not args.no_plots, nproc=args.nproc,
                    executor=args.executor, cluster=args.cluster, slurm_partition=args.slurm_partition,
@@ -302,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", default=None, help="e.g. 2GiB (emulated on CPU)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps")
+    p.add_argument("--max-seconds", type=float, default=5.0,
+                   help="timing budget per (batch, seq, dtype, accum): its policies are timed together")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--out", required=True, help="run folder, e.g. results/my-sweep")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
