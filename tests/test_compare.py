@@ -150,3 +150,12 @@ def test_compare_plot_draws_error_bars():
     ax = compare_plot(df).axes[0]
     segments = [seg for coll in ax.collections for seg in coll.get_segments()]
     assert any(abs(seg[0][0] - 1.2) < 1e-9 and abs(seg[1][0] - 1.4) < 1e-9 for seg in segments)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_configurations_timed_together_with_events():
+    df = compare("gpt-tiny", 2, 64, ["none", "full"], device="cuda", max_seconds=2).set_index("policy")
+    assert (df["status"] == "ok").all() and (df["rounds"] >= 5).all()
+    assert df.loc["full", "peak_bytes"] < df.loc["none", "peak_bytes"]
+    # Each configuration's allocator peak excludes the other configuration's resident weights.
+    assert df.loc["full", "cuda_max_allocated_bytes"] < df.loc["none", "cuda_max_allocated_bytes"]
