@@ -107,6 +107,8 @@ def test_summary_best_config_per_limit():
     assert s.loc["24 GiB", "policy"] == "full" and s.loc["24 GiB", "batch_size"] == 8
     text = format_summary(df)
     assert "4 cells: 3 ok, 1 oom (0 inferred), 0 error" in text and "24 GiB" in text
+    timed = df.assign(step_ms_low=df["step_ms"] - 1, step_ms_high=df["step_ms"] + 2)
+    assert "12.0 [11.0, 14.0]" in format_summary(timed)  # the 24 GiB row: full at batch 8
 
 
 def test_config_label_names_dtype_and_accumulation_only_when_not_default():

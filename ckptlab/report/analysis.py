@@ -221,8 +221,9 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
             out.append({"limit": label, "policy": None})
             continue
         best = fit.loc[fit["tokens_per_s"].idxmax()]
-        out.append({"limit": label, **{k: best[k] for k in
-                    ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms", "tokens_per_s")}})
+        out.append({"limit": label, **{k: best.get(k) for k in
+                    ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms",
+                     "step_ms_low", "step_ms_high", "tokens_per_s")}})
     return pd.DataFrame(out)
 
 
@@ -238,9 +239,12 @@ def format_summary(df: pd.DataFrame) -> str:
     columns = [("limit", "limit", str), ("policy", "policy", lambda v: v or "nothing fits"),
                ("batch", "batch_size", num("d")), ("seq", "seq_len", num("d")), ("dtype", "dtype", lambda v: v or "-"),
                ("accum", "accum_steps", num("d")), ("peak", "peak_bytes", lambda v: format_bytes(v) if v == v else "-"),
-               ("step ms", "step_ms", num(".1f")), ("tokens/s", "tokens_per_s", num(",.0f"))]
+               ("step ms [95% CI]", "step_text", str), ("tokens/s", "tokens_per_s", num(",.0f"))]
     rows = [{k: (None if isinstance(v, float) and np.isnan(v) else _py(v)) for k, v in r.items()}
             for r in summary(df).to_dict("records")]
+    for r in rows:
+        r["step_text"] = "-" if r.get("step_ms") is None else format(r["step_ms"], ".1f") + (
+            "" if r.get("step_ms_low") is None else f" [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]")
     errors = df[df["status"] == "error"]
     lines = [head, "best configuration (highest tokens/s) per memory limit:", format_table(rows, columns)]
     for _, r in errors.head(5).iterrows():
