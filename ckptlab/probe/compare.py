@@ -38,11 +38,12 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from ..checkpoint.blocks import find_blocks
 from ..core.policy import parse_policy
+from ..core.records import new_record
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .measure import MAX_ROUNDS, failures_recorded, new_record, policy_applier, prepare_step, resolve_policy
+from .measure import MAX_ROUNDS, failures_recorded, policy_applier, prepare_step, resolve_policy
 from .plan import plan_budget
-from .step import DTYPES, resolve_device
+from .step import DTYPES, device_name, resolve_device
 from .timing import bootstrap_median, check_timing_options, time_interleaved
 from .verify import gradient_difference, step_gradients
 
@@ -272,10 +273,10 @@ def _budget(config: Config):
 
 
 def _new_record(shape: Shape, policy: str, source: str) -> dict:
-    record = new_record(shape.workload, shape.batch_size, shape.seq_len, policy, shape.dev, shape.dtype,
-                        shape.optimizer, shape.min_rounds, shape.warmup, shape.limit, shape.accum_steps)
-    record["source"] = source
-    return record
+    return new_record(shape.workload.name, shape.batch_size, shape.seq_len, shape.accum_steps, policy=policy,
+                      device=str(shape.dev), device_name=device_name(shape.dev), dtype=shape.dtype,
+                      optimizer=shape.optimizer, steps=shape.min_rounds, warmup=shape.warmup,
+                      memory_limit_bytes=shape.limit, source=source)
 
 
 def _prepare(config: Config, shape: Shape, rows, steps) -> None:

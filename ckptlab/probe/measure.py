@@ -20,18 +20,16 @@ import torch
 
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import parse_policy
+from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
 from ..core.validate import check_int
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .memory import CATEGORIES, allocator_peak, cuda_allocator_stats, track_memory
+from .memory import allocator_peak, cuda_allocator_stats, track_memory
 from .plan import plan_budget
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
 from .timing import check_timing_options, time_interleaved
 
-TIMING_COLUMNS = ("step_ms_low", "step_ms_high", "step_ms_min", "step_ms_max", "time_ratio", "time_ratio_low",
-                  "time_ratio_high", "significant", "timing_baseline", "rounds", "timing_target_ci",
-                  "timing_ci_half_width", "timing_stopped", "threads", "load_before", "load_after", "busy")
 MAX_ROUNDS = 200   # a step timed alone: at most this many rounds, even if the interval stays wide
 
 
@@ -80,8 +78,9 @@ def measure(
     if dev.type == "cuda" and limit is None:
         limit = torch.cuda.get_device_properties(dev).total_memory
 
-    record = new_record(workload, batch_size, seq_len, str(policy), dev, dtype, optimizer, steps, warmup, limit,
-                        accum_steps)
+    record = new_record(workload.name, batch_size, seq_len, accum_steps, policy=str(policy), device=str(dev),
+                        device_name=device_name(dev), dtype=dtype, optimizer=optimizer, steps=steps, warmup=warmup,
+                        memory_limit_bytes=limit)
     report = None
     with failures_recorded(record, dev), compile_config(policy):
         report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer, target_ci,
@@ -104,49 +103,6 @@ def failures_recorded(record: dict, dev: torch.device):
         if dev.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, dev)
             torch.cuda.empty_cache()
-
-
-def new_record(workload: Workload, batch_size: int, seq_len: int, policy: str, dev: torch.device, dtype: str,
-               optimizer: str, steps: int, warmup: int, limit: Optional[int], accum_steps: int = 1) -> dict:
-    """A measurement record with its inputs filled in and every output column present (None)."""
-    return {
-        "model": workload.name,
-        "n_blocks": None,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "accum_steps": accum_steps,
-        "effective_batch_size": batch_size * accum_steps,
-        "tokens": batch_size * seq_len * accum_steps,   # per optimizer step
-        "policy": policy,
-        "effective_density": None,
-        "checkpointed_blocks": None,
-        "device": str(dev),
-        "device_name": device_name(dev),
-        "dtype": dtype,
-        "optimizer": optimizer,
-        "steps": steps,
-        "warmup": warmup,
-        "memory_limit_bytes": limit,
-        "peak_bytes": None,
-        **{f"peak_{c}_bytes": None for c in CATEGORIES},
-        "peak_phase": None,
-        "saved_activation_bytes": None,
-        "cuda_max_allocated_bytes": None,
-        "cuda_max_reserved_bytes": None,
-        "cuda_alloc_retries": None,
-        "cuda_ooms": None,
-        "recompute_count": None,
-        "plan": None,                     # budget=...: the per-block plan it resolved to (k/s/f)
-        "allocator_peak_bytes": None,     # compile: peak from the profiler's allocator events
-        "note": "",                       # what the policy did not do here (offload on CPU, ...)
-        "loss": None,
-        "step_ms": None,
-        **dict.fromkeys(TIMING_COLUMNS),
-        "tokens_per_s": None,
-        "fits": None,
-        "status": "ok",
-        "message": "",
-    }
 
 
 def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name, target_ci, max_seconds):
@@ -291,5 +247,5 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["allocator_step_memory", "compile_config", "failures_recorded", "measure", "new_record", "policy_applier",
+__all__ = ["allocator_step_memory", "compile_config", "failures_recorded", "measure", "policy_applier",
            "prepare_step", "resolve_policy", "training_step", "make_optimizer", "resolve_device"]

@@ -13,10 +13,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
+from ..core.records import new_record
 from ..probe.compare import measure_together
 from ..probe.distributed import measure_sharded
 from ..probe.measure import measure
@@ -77,47 +78,51 @@ def cell_id(cell: dict) -> str:
 
 
 def run_cells(grid: Grid, writer: RunWriter, done: list[dict], isolate: bool, progress: bool,
-               infer_oom: bool, cell_timeout_s) -> list[dict]:
+              infer_oom: bool, cell_timeout_s) -> list[dict]:
+    """The local runner: every cell of `grid` without a record in `done`, in this process or (isolate)
+    one fresh process each; each record is appended through `writer` as soon as it exists."""
     records = list(done)
     finished = {r.get("cell_id") for r in done}
-    oom_at: dict[tuple, int] = {}   # group -> smallest batch that really ran out of memory
-    for r in done:
-        note_oom(oom_at, r)
     cells = grid.cells()
     todo = [c for c in cells if cell_id(c) not in finished]
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), disable=not progress,
                desc=f"sweep {grid.model}", unit="cell")
-    together = not isolate and grid.nproc == 1
+
+    def measure_one(grid: Grid, cell: dict) -> dict:
+        bar.set_postfix_str(cell_id(cell), refresh=False)
+        return run_isolated(grid, cell, cell_timeout_s) if isolate else run_cell(grid, cell)
+
+    def keep(record: dict, cell: dict) -> None:
+        record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolate and not record.get("inferred"),
+                      inferred=bool(record.get("inferred")), finished_at=now())
+        writer.append(record)
+        records.append(record)
+        bar.update(1)
+
+    oom = OomInference(grid, infer_oom, done)
     try:
-        for batch_cells in timing_groups(todo) if together else ([c] for c in todo):
-            t0 = time.perf_counter()
-            inferred, measured = [], []
-            for cell in batch_cells:
-                oom_batch = oom_at.get(group_key(cell))
-                if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
-                    inferred.append((cell, inferred_oom_record(grid, cell, oom_batch)))
-                else:
-                    measured.append(cell)
-            bar.set_postfix_str(cell_id(batch_cells[0]), refresh=False)
-            if not measured:
-                results = []
-            elif isolate:
-                results = [run_isolated(grid, cell, cell_timeout_s) for cell in measured]
-            elif len(measured) > 1:
-                results = run_together(grid, measured)
-            else:
-                results = [run_cell(grid, measured[0])]
-            wall = round((time.perf_counter() - t0) / max(1, len(measured)), 4)
-            for cell, record in inferred + list(zip(measured, results)):
-                record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolate and not record.get("inferred"),
-                              inferred=bool(record.get("inferred")), cell_wall_s=wall, finished_at=now())
-                writer.append(record)
-                records.append(record)
-                note_oom(oom_at, record)
-                bar.update(1)
+        if not isolate and grid.nproc == 1:  # in this process: the policies of one shape timed together
+            for group in timing_groups(todo):
+                bar.set_postfix_str(cell_id(group[0]), refresh=False)
+                measure_together_cells(grid, group, keep, oom)
+        else:
+            measure_cells(grid, todo, measure_one, keep, oom)
     finally:
         bar.close()
     return records
+
+
+def measure_cells(grid: Grid, cells: list[dict], measure_one: Callable[[Grid, dict], dict],
+                  keep: Callable[[dict, dict], None], oom: "OomInference") -> None:
+    """The one cell loop of every runner (local, isolated, inside a submitit job): each cell in
+    order becomes an inferred out-of-memory record or `measure_one(grid, cell)`, with its wall
+    time, handed to `keep(record, cell)` at once — so a crash later never loses it."""
+    for cell in cells:
+        t0 = time.perf_counter()
+        record = oom.infer(cell) or measure_one(grid, cell)
+        record["cell_wall_s"] = round(time.perf_counter() - t0, 4)
+        keep(record, cell)
+        oom.note(record)
 
 
 def timing_groups(cells: list[dict]) -> list[list[dict]]:
@@ -130,37 +135,68 @@ def timing_groups(cells: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
-def run_together(grid: Grid, cells: list[dict]) -> list[dict]:
-    """Measure cells that differ only in policy in this process, timed together (paired)."""
-    workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
-    first = cells[0]
-    records = measure_together(workload, first["batch_size"], first["seq_len"], [c["policy"] for c in cells],
-                               device=grid.device, dtype=first["dtype"], accum_steps=first["accum_steps"],
-                               memory_limit_bytes=grid.memory_limit_bytes, optimizer=grid.optimizer,
-                               steps=grid.steps, warmup=grid.warmup, target_ci=grid.target_ci,
-                               max_seconds=grid.max_seconds)
-    for cell, record in zip(cells, records):
-        record["policy"] = cell["policy"]  # the grid's spelling of it, as in the cell id
-        record.pop("source", None)
-    return records
+def measure_together_cells(grid: Grid, cells: list[dict], keep: Callable[[dict, dict], None],
+                           oom: "OomInference") -> None:
+    """The cells of one timing group: inferred out-of-memory records as in `measure_cells`, the
+    rest measured in this process and timed together (paired rounds), then each kept."""
+    t0 = time.perf_counter()
+    inferred = [oom.infer(cell) for cell in cells]
+    todo = [cell for cell, record in zip(cells, inferred) if record is None]
+    if len(todo) > 1:
+        workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
+        first = todo[0]
+        measured = measure_together(workload, first["batch_size"], first["seq_len"], [c["policy"] for c in todo],
+                                    device=grid.device, dtype=first["dtype"], accum_steps=first["accum_steps"],
+                                    memory_limit_bytes=grid.memory_limit_bytes, optimizer=grid.optimizer,
+                                    steps=grid.steps, warmup=grid.warmup, target_ci=grid.target_ci,
+                                    max_seconds=grid.max_seconds)
+        for cell, record in zip(todo, measured):
+            record["policy"] = cell["policy"]  # the grid's spelling of it, as in the cell id
+            record.pop("source", None)
+    else:
+        measured = [run_cell(grid, cell) for cell in todo]
+    wall = round((time.perf_counter() - t0) / max(1, len(todo)), 4)
+    results = iter(measured)
+    for cell, record in zip(cells, inferred):
+        record = record or next(results)
+        record["cell_wall_s"] = wall
+        keep(record, cell)
+        oom.note(record)
 
 
-def group_key(cell: dict) -> tuple:
-    return (cell["seq_len"], cell["dtype"], cell["accum_steps"], cell["policy"])
+class OomInference:
+    """Memory only grows with the batch: once batch b of a (seq, dtype, accum, policy) group
+    really ran out of memory, larger batches of that group are recorded as `oom`, inferred,
+    without running (when `enabled`). `records`: what is already known (a resumed run)."""
 
+    def __init__(self, grid: Grid, enabled: bool = True, records: Iterable[dict] = ()):
+        self.grid, self.enabled = grid, enabled
+        self.oom_at: dict[tuple, int] = {}   # group -> smallest batch that really ran out of memory
+        for record in records:
+            self.note(record)
 
-def note_oom(oom_at: dict, record: dict) -> None:
-    if record.get("status") == "oom" and not record.get("inferred"):
-        g = group_key(record)
-        oom_at[g] = min(oom_at.get(g, record["batch_size"]), record["batch_size"])
+    @staticmethod
+    def group(cell: dict) -> tuple:
+        return (cell["seq_len"], cell["dtype"], cell["accum_steps"], cell["policy"])
+
+    def note(self, record: dict) -> None:
+        if record.get("status") == "oom" and not record.get("inferred"):
+            g = self.group(record)
+            self.oom_at[g] = min(self.oom_at.get(g, record["batch_size"]), record["batch_size"])
+
+    def infer(self, cell: dict) -> Optional[dict]:
+        """The inferred record for `cell`, or None when it must be measured."""
+        oom_batch = self.oom_at.get(self.group(cell))
+        if not self.enabled or oom_batch is None or cell["batch_size"] <= oom_batch:
+            return None
+        return inferred_oom_record(self.grid, cell, oom_batch)
 
 
 def inferred_oom_record(grid: Grid, cell: dict, oom_batch: int) -> dict:
-    return dict(model=grid.model, **cell, effective_batch_size=cell["batch_size"] * cell["accum_steps"],
-                tokens=cell["batch_size"] * cell["seq_len"] * cell["accum_steps"], device=grid.device,
-                optimizer=grid.optimizer, steps=grid.steps, warmup=grid.warmup,
-                memory_limit_bytes=grid.memory_limit_bytes, fits=False, status="oom", inferred=True,
-                message=f"inferred, not run: batch {oom_batch} already ran out of memory")
+    return new_record(grid.model, cell["batch_size"], cell["seq_len"], cell["accum_steps"], grid.nproc,
+                      policy=cell["policy"], dtype=cell["dtype"], device=grid.device, optimizer=grid.optimizer,
+                      steps=grid.steps, warmup=grid.warmup, memory_limit_bytes=grid.memory_limit_bytes, fits=False,
+                      status="oom", inferred=True, message=f"inferred, not run: batch {oom_batch} already ran out of memory")
 
 
 def run_cell(grid: Grid, cell: dict) -> dict:
@@ -202,7 +238,7 @@ def failed_record(grid: Grid, cell: dict, message: str) -> dict:
     return record
 
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])   # the folder holding ckptlab/
 
 
 _CHILD = "import sys; from ckptlab.run.cells import child_main; sys.exit(child_main())"
@@ -221,5 +257,5 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-__all__ = ["FIXED", "Grid", "cell_id", "failed_record", "group_key", "inferred_oom_record", "note_oom", "now",
-           "run_cell", "run_cells", "run_isolated", "run_together", "timing_groups"]
+__all__ = ["FIXED", "Grid", "OomInference", "cell_id", "failed_record", "inferred_oom_record", "measure_cells",
+           "measure_together_cells", "now", "run_cell", "run_cells", "run_isolated", "timing_groups"]
