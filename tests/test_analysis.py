@@ -126,6 +126,10 @@ def test_plans_against_the_fastest_uniform_policy_at_no_more_memory():
     assert out.loc["budget=0.8", "best_uniform"] == "every=2"
     assert out.loc["budget=0.8", "vs_best_uniform"] == pytest.approx(11 / 12 - 1)
     assert pd.isna(out.loc["budget=0.4", "best_uniform"])  # nothing uniform reaches 40
+    timed = df.assign(step_ms_low=df["step_ms"] - 0.5, step_ms_high=df["step_ms"] + 0.5)
+    plan = plans_vs_uniform(timed).set_index("policy").loc["budget=0.8"]
+    assert (plan["vs_best_uniform_low"], plan["vs_best_uniform_high"]) == pytest.approx((10.5 / 12.5 - 1, 11.5 / 11.5 - 1))
+    assert not plan["distinguishable"]  # 11 +- 0.5 against 12 +- 0.5: the intervals touch
 
 
 def test_timing_note_warns_on_a_busy_machine():

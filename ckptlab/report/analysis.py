@@ -192,8 +192,13 @@ def compare_note(df: pd.DataFrame) -> str:
 def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
     """Each budget plan against the fastest uniform policy whose peak is no higher: the plan's
     time over that policy's, minus one (negative: the plan is faster); missing where no uniform
-    policy reaches the plan's peak."""
+    policy reaches the plan's peak. `vs_best_uniform_low/high`: its interval from the two step
+    times' 95% intervals (unpaired: low over high, high over low), where the records have them;
+    `distinguishable` is False while that interval contains 0."""
     rows = ok(df)
+    for column in ("step_ms_low", "step_ms_high"):
+        if column not in rows:
+            rows[column] = np.nan
     uniform, plans = rows[~rows["policy"].str.startswith("budget")], rows[rows["policy"].str.startswith("budget")]
     out = []
     for r in plans.itertuples():
@@ -202,8 +207,14 @@ def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
         out.append({"policy": r.policy, "plan": r.plan, "peak_bytes": r.peak_bytes, "step_ms": r.step_ms,
                     "best_uniform": None if best is None else best["policy"],
                     "best_uniform_step_ms": None if best is None else best["step_ms"],
-                    "vs_best_uniform": None if best is None else r.step_ms / best["step_ms"] - 1})
-    return pd.DataFrame(out)
+                    "vs_best_uniform": None if best is None else r.step_ms / best["step_ms"] - 1,
+                    "vs_best_uniform_low": None if best is None else r.step_ms_low / best["step_ms_high"] - 1,
+                    "vs_best_uniform_high": None if best is None else r.step_ms_high / best["step_ms_low"] - 1})
+    table = pd.DataFrame(out)
+    if len(table):
+        low, high = (pd.to_numeric(table[c], errors="coerce") for c in ("vs_best_uniform_low", "vs_best_uniform_high"))
+        table["distinguishable"] = (low > 0) | (high < 0)
+    return table
 
 
 def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
