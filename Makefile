@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export MPLBACKEND := agg
 export PYTHONHASHSEED := 0
 
-.PHONY: setup run test test-browser bench gpu-check clean
+.PHONY: setup run test docs test-browser bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+# The documentation site, offline, into site/: the pages in docs/, the executed notebooks of
+# results/ with their figures, and the API reference from the docstrings (mkdocs.yml).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # Opt-in: the explorer (notebook 06) in JupyterLab in headless Chromium, installed from Debian if
 # missing; a slider and a dropdown change re-measure. Screenshots + report.json in results/browser-check/.
