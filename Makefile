@@ -33,6 +33,7 @@ docs: $(STAMP)
 
 # Opt-in: the explorer (notebook 06) in JupyterLab in headless Chromium, installed from Debian if
 # missing; a slider and a dropdown change re-measure. Screenshots + report.json in results/browser-check/.
+# Also the built documentation site: notebook 02's page shows its figure (tests/browser/test_docs_browser.py).
 test-browser: $(STAMP)
 	timeout -s INT 900 $(BIN)/python -m pytest -q -p no:xdist -m browser tests/browser
 
