@@ -107,3 +107,11 @@ def test_strict_build_fails_on_a_broken_link_and_a_missing_page(tmp_path):
     done = mkdocs_build(config, tmp_path / "site")
     assert done.returncode != 0
     assert "no-such-page.md" in done.stderr and "missing.md" in done.stderr, done.stderr[-3000:]
+
+
+def test_readme_links_point_to_files_in_the_repository():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    relative = [link for link in links if not re.match(r"[a-z]+:", link)]
+    assert len(relative) >= 20
+    missing = [link for link in relative if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
