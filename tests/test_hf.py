@@ -235,7 +235,7 @@ def test_installed_transformers_capabilities():
 
 
 def test_an_unsupported_hf_option_says_so(monkeypatch):
-    import ckptlab.hf as hf
+    import ckptlab.checkpoint.hf as hf
     monkeypatch.setattr(hf, "hf_capabilities", lambda model: {"hf": True, "every_n_layers": False, "offload": False})
     model = get_workload("hf-llama-tiny").build()
     with pytest.raises(ValueError, match=r"hf:every_n_layers=2.* not supported by transformers .* no every_n_layers"):

@@ -41,6 +41,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .units import parse_bytes
+
 KINDS = ("none", "full", "density", "every", "layers", "segments", "selective", "plan", "budget", "compile")
 SELECTIVE_VARIANTS = ("mm", "alt", "attn")
 PLAN_LETTERS = {"k": "keep", "s": "selective", "f": "full"}
@@ -251,7 +253,6 @@ def _parse_budget(arg: str) -> int | float:
         return number
     if number is not None and number <= 0:
         raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] or a size such as 6GiB")
-    from .memory import parse_bytes  # memory imports torch; policy parsing alone does not need it
     try:
         return parse_bytes(arg, "budget")
     except ValueError:

@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -215,7 +216,6 @@ def profiler_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak CPU bytes allocated by `fn` above what was allocated when it started, from the
     profiler's allocator events: an independent check of the live-tensor tracker (it sees the
     allocator, not tensors), and the one that also sees inside compiled graphs."""
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -260,36 +260,3 @@ def cuda_memory_snapshot(path: str, max_entries: int = 100_000):
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def parse_bytes(value: str | int | float | None, name: str = "memory_limit") -> int | None:
-    """'24GiB', '512MB', '1.5e9' or a number of bytes -> int bytes (None passes through)."""
-    if value is None:
-        return None
-    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number, unit = float(value), "b"
-    else:
-        text = str(value).strip().lower().replace(" ", "")
-        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(digits):] or "b"
-        try:
-            number = float(digits)
-        except ValueError:
-            number = -1.0
-        if unit not in units:
-            number = -1.0
-    if not number > 0:
-        raise ValueError(
-            f"{name}={value!r} is invalid: allowed is a positive size such as 24GiB, 512MiB, 2GB or bytes"
-        )
-    return int(number * units[unit])
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
