@@ -3,6 +3,9 @@
 The package is layered in the order of the flow (docs/design.md); this module only re-exports.
 """
 
+import sys
+
+from .apps import notebooks
 from .checkpoint.blocks import CheckpointHandle, find_blocks
 from .checkpoint.wrap import apply_checkpointing
 from .core.meta import __version__
@@ -14,11 +17,19 @@ from .probe.memory import MemoryReport, track_memory
 from .probe.plan import Plan, plan_budget, profile_blocks
 from .probe.timing import time_steps
 from .probe.verify import compare_gradients
+from .report import analysis, plots
 from .report.sweeps import equal_batch_sweep, sweep
+from .run import store
 from .run.store import RunLockedError, load_run
 from .run.sweep import make_grid
 from .workloads.base import Workload
 from .workloads.registry import get_workload
+
+# The short public paths users and notebooks import (`ckptlab.analysis`, `ckptlab.plots`,
+# `ckptlab.store`, `ckptlab.notebooks`) name the layered modules themselves: one module object
+# under two names, so attributes and monkeypatches are shared.
+for _alias, _module in {"analysis": analysis, "plots": plots, "store": store, "notebooks": notebooks}.items():
+    sys.modules[f"{__name__}.{_alias}"] = _module
 
 __all__ = [
     "CheckpointHandle", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "Workload", "__version__",

@@ -10,7 +10,7 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload, measure  # noqa: E402
-from ckptlab.hf import hf_capabilities, hf_layers  # noqa: E402
+from ckptlab.checkpoint.hf import hf_capabilities, hf_layers  # noqa: E402
 
 TINY = ["hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny"]
 CKPTLAB_POLICIES = ["none", "full", "density=0.5", "every=2", "layers=0,3", "segments=2", "segments=sqrt"]

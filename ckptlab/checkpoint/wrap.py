@@ -52,7 +52,7 @@ def apply_checkpointing(
         options.update(determinism_check=determinism_check, debug=debug)
         if context_fn is not None:
             options["context_fn"] = context_fn
-    if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.hf applies it
+    if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.checkpoint.hf applies it
         # In-function: transformers is an optional, heavy dependency (extra ckptlab[hf]).
         from .hf import apply_hf_checkpointing  # noqa: PLC0415 - needs transformers, the hf extra
         return apply_hf_checkpointing(model, policy, blocks, options, early_stop)
