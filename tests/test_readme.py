@@ -7,7 +7,7 @@ Conventions (also in docs/development.md):
 - a ```text block directly after a ```python block is its printed output: the lines must match one
   for one, with the same words in the same order, numbers aside (timings differ between runs);
 - `<!-- not-run: REASON -->` on the line just before a block's fence keeps it out of the run (a
-  GPU, a cluster, minutes of work); the reason must be given.
+  GPU, a cluster, minutes of work); the reason must be given, and the block must still compile.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def test_the_documents_have_python_blocks():
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.name)
 def test_python_block_runs(block: Block, tmp_path, monkeypatch):
     if block.not_run:
+        compile(block.code, block.name, "exec")  # still valid Python
         pytest.skip(f"not-run: {block.not_run}")
     matplotlib.use("Agg")
     monkeypatch.chdir(tmp_path)
