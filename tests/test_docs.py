@@ -53,15 +53,17 @@ def page_html(site: Path, src: str) -> str:
 
 def test_every_page_of_the_navigation_is_built(site):
     config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
-    pages = nav_pages(config["nav"])
+    pages = nav_pages(config["nav"]) + [f"{p}.ipynb" for p in NOTEBOOK_PAGES]
     assert len(pages) >= 20
     for src in pages:
         assert "<h1" in page_html(site, src), src
-    assert {str(p) + ".ipynb" for p in NOTEBOOK_PAGES} <= set(pages), "every executed notebook is in the navigation"
+    home = page_html(site, "index.md")
+    for page in NOTEBOOK_PAGES:  # the hook adds every executed notebook to the navigation
+        assert f'href="{page.as_posix()}/"' in home, f"{page} is not in the navigation"
 
 
 def test_every_notebook_page_shows_its_run_and_a_figure(site):
-    assert len(NOTEBOOK_PAGES) == 8
+    assert len(NOTEBOOK_PAGES) >= 8
     for page in NOTEBOOK_PAGES:
         html = page_html(site, str(page))
         images = re.findall(r'<img [^>]*src="([^"]+)"', html)

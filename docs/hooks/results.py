@@ -1,7 +1,9 @@
 """mkdocs hook: the executed notebooks under results/ and their figures become pages of the site.
 
-They are added at their repository paths (results/<notebook>/<param-set>/...), so a page links to a
-notebook or a figure the way the README does. Two things make the pages read well offline:
+They are added at their repository paths (results/<notebook>/default/...), so a page links to a
+notebook or a figure the way the README does. Only the `default` parameter set is published (the
+committed `make run`); its notebooks fill the "Notebooks" section of the navigation, in order, so
+a notebook added to `make run` gets its page without editing mkdocs.yml. Two things make the pages read well offline:
 
 - progress-bar widgets are dropped from the rendered copy (their state says nothing about the
   results, and rendering it would load the widget manager from a CDN);
@@ -20,8 +22,8 @@ from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
-NOTEBOOKS = "0*/*/*.ipynb"
-FIGURES = ("0*/*/*.png", "browser-check/*.png")
+NOTEBOOKS = "0*/default/*.ipynb"
+FIGURES = ("0*/default/*.png", "browser-check/*.png")
 RENDERED = ROOT / ".cache" / "docs-notebooks"  # the copies mkdocs-jupyter renders (git-ignored)
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -39,6 +41,21 @@ def rendered_copy(notebook: Path) -> Path:
     if not copy.exists() or copy.read_text() != text:  # unchanged copies keep mkdocs-jupyter's cache
         copy.write_text(text)
     return copy
+
+
+def notebook_title(notebook: Path) -> str:
+    """"02 Density sweep" for results/02_density_sweep/default/02_density_sweep.ipynb."""
+    number, _, name = notebook.stem.partition("_")
+    return f"{number} {name.replace('_', ' ').capitalize()}"
+
+
+def on_config(config):
+    for entry in config["nav"] or []:
+        if isinstance(entry, dict) and "Notebooks" in entry:
+            pages = [p for p in entry["Notebooks"] if not str(p).startswith("results/")]
+            entry["Notebooks"] = pages + [{notebook_title(nb): nb.relative_to(ROOT).as_posix()}
+                                          for nb in sorted(RESULTS.glob(NOTEBOOKS))]
+    return config
 
 
 def _add(files, src_dir: Path, src_uri: str, config) -> None:
