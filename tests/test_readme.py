@@ -1,5 +1,5 @@
 """Every ```python block in README.md and docs/**/*.md runs as written, and printed output shown
-under a block has the shape of what the block prints now.
+under a block has the shape of what the block prints when run.
 
 Conventions (also in docs/development.md):
 - each ```python block runs on its own, in a fresh module namespace, in a temporary working
