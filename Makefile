@@ -5,7 +5,6 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-export MPLBACKEND := agg
 export PYTHONHASHSEED := 0
 
 .PHONY: setup run test lint docs test-browser bench gpu-check clean
