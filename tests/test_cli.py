@@ -16,11 +16,11 @@ TINY = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2"]
 
 def test_measure_prints_a_table_with_overhead(capsys):
     assert main(["measure", *TINY, "--batch", "2", "--seq", "16", "--policy", "none,layers=0,1",
-                 "--steps", "1", "--warmup", "0"]) == 0
+                 "--steps", "1", "--warmup", "0", "--max-seconds", "1"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].startswith("gpt-tiny on ") and "policy" in lines[1] and "overhead" in lines[1]
-    assert lines[3].split()[:2] == ["none", "0.00"] and "+0%" in lines[3]
+    assert lines[0].startswith("gpt-tiny on ") and "policy" in lines[1] and "overhead [95% CI]" in lines[1]
+    assert lines[3].split()[:2] == ["none", "0.00"] and "+0% [+0%, +0%]" in lines[3]
     assert lines[4].split()[:2] == ["layers=0,1", "1.00"]
 
 
@@ -85,7 +85,7 @@ def test_measure_help_says_dtype_takes_one_value(capsys):
 
 def test_measure_accum_and_optimizer_reach_the_record(capsys):
     assert main(["measure", *TINY, "--batch", "2", "--seq", "16", "--policy", "none", "--steps", "1",
-                 "--warmup", "0", "--accum", "2", "--optimizer", "sgd", "--format", "json"]) == 0
+                 "--warmup", "0", "--max-seconds", "1", "--accum", "2", "--optimizer", "sgd", "--format", "json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["accum_steps"] == 2 and row["effective_batch_size"] == 4 and row["optimizer"] == "sgd"
     assert row["status"] == "ok" and row["peak_bytes"] > 0
@@ -93,10 +93,11 @@ def test_measure_accum_and_optimizer_reach_the_record(capsys):
 
 def test_measure_csv_has_a_header_and_one_line_per_record(capsys):
     assert main(["measure", *TINY, "--batch", "2", "--seq", "16", "--policy", "none,full", "--steps", "1",
-                 "--warmup", "0", "--format", "csv"]) == 0
+                 "--warmup", "0", "--max-seconds", "1", "--format", "csv"]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [r["policy"] for r in rows] == ["none", "full"]
-    assert float(rows[1]["overhead"]) == float(rows[1]["step_ms"]) / float(rows[0]["step_ms"]) - 1
+    assert float(rows[0]["time_ratio"]) == 1 and float(rows[1]["time_ratio_low"]) <= float(rows[1]["time_ratio"])
+    assert int(rows[1]["peak_bytes"]) < int(rows[0]["peak_bytes"])
 
 
 def test_predict_and_plan_as_json(capsys):

@@ -20,7 +20,7 @@ from ckptlab.workloads import registry
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 TINY = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2", "--batch", "2", "--seq", "16",
-        "--steps", "1", "--warmup", "0"]
+        "--steps", "1", "--warmup", "0", "--max-seconds", "1"]
 
 
 def test_license_changelog_and_typing_marker():
