@@ -56,7 +56,8 @@ from .measure import DTYPES, OPTIMIZERS, device_name, make_optimizer, training_s
 from .memory import parse_bytes
 from .models import Workload, get_workload
 from .policy import parse_policy
-from .wrap import apply_checkpointing, find_blocks
+from .blocks import find_blocks
+from .wrap import apply_checkpointing
 
 
 def measure_sharded(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none",

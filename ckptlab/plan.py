@@ -259,7 +259,7 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
 
 def _blocks_of(workload: Workload):
     from .estimate import _fake_modes
-    from .wrap import find_blocks
+    from .blocks import find_blocks
 
     with _fake_modes():
         torch.manual_seed(workload.seed)
@@ -304,7 +304,8 @@ def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str,
 
     from .estimate import _fake_modes
     from .measure import DTYPES
-    from .wrap import find_blocks, selective_policy_fn
+    from .blocks import find_blocks
+    from .wrap import selective_policy_fn
 
     fake = cost == "roofline"
     mode = _fake_modes() if fake else contextlib.nullcontext()

@@ -33,7 +33,7 @@ from .memory import format_bytes, parse_bytes
 from .models import get_workload
 from .policy import parse_policy
 from .store import RunWriter, read_meta, read_records
-from .wrap import find_blocks
+from .blocks import find_blocks
 
 RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (isolated cells)
 AXES = ("seq_len", "dtype", "accum_steps", "policy", "batch_size")   # loop order, outermost first

@@ -16,25 +16,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from .blocks import BlockStack, describe_stacks, find_stacks
 from .policy import Policy, parse_policy
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: the largest ModuleList/Sequential whose children all have one
-    type (`blocks`, Hugging Face `model.layers`, `transformer.h`, `encoder.layer`, ...)."""
-    best: list[nn.Module] = []
-    for container in model.modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(container.children())
-        if len(children) >= 2 and len({type(c) for c in children}) == 1 and len(children) > len(best):
-            best = children
-    if not best:
-        raise ValueError(
-            f"model of type {type(model).__name__} has no repeated blocks: expected an "
-            "nn.ModuleList or nn.Sequential of >= 2 modules of one type; pass blocks=[...] explicitly"
-        )
-    return best
 
 
 class CheckpointHandle:
@@ -43,10 +26,12 @@ class CheckpointHandle:
     Usable as a context manager: checkpointing is removed when the `with` block ends.
     """
 
-    def __init__(self, policy: Policy, blocks: Sequence[nn.Module], regions: list[tuple[int, int]]):
+    def __init__(self, policy: Policy, blocks: Sequence[nn.Module], regions: list[tuple[int, int]],
+                 stacks: Sequence[BlockStack] = ()):
         self.policy = policy
         self.blocks = list(blocks)
         self.regions = regions
+        self.stacks = list(stacks)   # the stacks the blocks were found in (empty: blocks given)
         self._forward_block_runs = 0  # block forwards that ran inside checkpoint during forward
         self._region_block_runs = 0   # block forwards run by checkpointed regions, recomputes too
         self._removed = False
@@ -62,6 +47,11 @@ class CheckpointHandle:
     @property
     def effective_density(self) -> float:
         return len(self.checkpointed_blocks) / self.n_blocks
+
+    @property
+    def stacks_found(self) -> str:
+        """'encoder.block[6] + decoder.block[6]', or 'given[N]' for blocks passed explicitly."""
+        return describe_stacks(self.stacks) if self.stacks else f"given[{self.n_blocks}]"
 
     @property
     def recompute_count(self) -> int:
@@ -121,8 +111,9 @@ def apply_checkpointing(
     if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.hf applies it
         from .hf import apply_hf_checkpointing
         return apply_hf_checkpointing(model, policy, blocks, options, early_stop)
-    blocks = list(blocks) if blocks is not None else find_blocks(model)
-    regions = policy.regions(len(blocks))  # raises before the model is touched
+    stacks = find_stacks(model) if blocks is None else []
+    blocks = list(blocks) if blocks is not None else [b for s in stacks for b in s.blocks]
+    regions = split_at_stacks(policy.regions(len(blocks)), stacks)  # raises before the model is touched
     remove_earlier_policies(blocks)
     modes = policy.modes(len(blocks)) if policy.kind in ("selective", "plan") else None
     if modes and any(m.startswith("selective") for m in modes):
@@ -131,7 +122,7 @@ def apply_checkpointing(
                              "checkpointing needs non-reentrant checkpoint")
         if context_fn is not None:
             raise ValueError(f"context_fn is invalid with policy={policy}: the policy sets its own")
-    handle = CheckpointHandle(policy, blocks, regions)
+    handle = CheckpointHandle(policy, blocks, regions, stacks)
     for start, stop in regions:
         mode = modes[start] if modes else "full"
         region_options = options
@@ -142,6 +133,20 @@ def apply_checkpointing(
     if policy.offload:
         _patch_offload(handle, blocks)
     return handle
+
+
+def split_at_stacks(regions: list[tuple[int, int]], stacks: Sequence[BlockStack]) -> list[tuple[int, int]]:
+    """Regions cut where one stack ends and the next begins: a segment runs its blocks one into
+    the next, which the last encoder block and the first decoder block do not."""
+    starts, n = set(), 0
+    for stack in stacks:
+        starts.add(n)
+        n += len(stack.blocks)
+    out = []
+    for start, stop in regions:
+        cuts = [start] + [i for i in range(start + 1, stop) if i in starts] + [stop]
+        out.extend(zip(cuts[:-1], cuts[1:]))
+    return out
 
 
 def remove_earlier_policies(blocks: Sequence[nn.Module]) -> None:
