@@ -40,7 +40,6 @@ the same per-rank code, rank 0 prints the record.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import socket
@@ -119,11 +118,14 @@ def sharded_gradients(workload: Workload | str, batch_size: int, seq_len: int, p
 def _spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, warmup, memory_limit,
           optimizer, accum_steps, seed, model_overrides) -> dict:
     """Validate everything before any process starts; the JSON spec every rank reads."""
-    name = workload if isinstance(workload, str) else workload.name
     overrides = dict(model_overrides or {})
     if not isinstance(workload, str):
-        seed, overrides = workload.seed, {**dataclass_fields(workload.config), **overrides}
-    get_workload(name, seed=seed, **overrides)   # validates name and overrides
+        if workload.spec is None:
+            raise ValueError(f"workload {workload.name!r} is invalid for ranks: each rank process re-creates the "
+                             "workload from its spec; define it in a file and pass 'path/to/file.py:factory'")
+        seed, overrides = workload.seed, {**workload.overrides, **overrides}
+    name = workload if isinstance(workload, str) else workload.spec
+    model_hash = get_workload(name, seed=seed, **overrides).spec_hash   # validates name and overrides
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} is invalid: allowed is an integer >= 1")
     if dtype not in DTYPES:
@@ -139,13 +141,9 @@ def _spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, 
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label}={value!r} is invalid: allowed is an integer >= 1")
     policies = [str(parse_policy(p)) for p in ([policies] if isinstance(policies, str) else policies)]
-    return dict(model=name, seed=seed, overrides=overrides, batch_size=batch_size, seq_len=seq_len,
+    return dict(model=name, model_hash=model_hash, seed=seed, overrides=overrides, batch_size=batch_size, seq_len=seq_len,
                 policies=policies, device_type=dev_type, dtype=dtype, steps=steps, warmup=warmup,
                 memory_limit_bytes=parse_bytes(memory_limit), optimizer=optimizer, accum_steps=accum_steps)
-
-
-def dataclass_fields(config) -> dict:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> str:
@@ -379,7 +377,7 @@ class _CudaMarks:
 def _base_record(spec: dict, world: int) -> dict:
     b, s, a = spec["batch_size"], spec["seq_len"], spec["accum_steps"]
     return {
-        "model": spec["model"], "n_blocks": None, "batch_size": b, "seq_len": s, "accum_steps": a,
+        "model": spec["model"], "model_hash": spec.get("model_hash"), "n_blocks": None, "batch_size": b, "seq_len": s, "accum_steps": a,
         "effective_batch_size": b * a * world, "tokens": b * s * a * world, "policy": spec["policy"],
         "effective_density": None, "checkpointed_blocks": None,
         "device": spec["device_type"], "device_name": None, "dtype": spec["dtype"],

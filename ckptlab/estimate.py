@@ -27,12 +27,15 @@ predictions.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
+import torch.nn as nn
 
 from .memory import CATEGORIES, format_bytes, parse_bytes, track_memory
 from .models import GPTConfig, Workload, get_workload
@@ -86,6 +89,35 @@ def _fake_modes():
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
+def fake_model(workload: Workload, fake_mode) -> nn.Module:
+    """The workload's model with fake tensors in `fake_mode`, seeded as `Workload.build` seeds it.
+
+    Built under the fake mode (nothing allocated). A model whose construction reads tensor data
+    (`.item()` on a schedule, a data-dependent shape) cannot be built so: it is then built for
+    real on the CPU (its parameters' host memory, once) and converted to fake tensors, with a
+    warning saying so."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeCopyMode)
+
+    try:
+        with fake_mode:
+            torch.manual_seed(workload.seed)
+            return workload.new_model()
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        warnings.warn(f"model={workload.label!r} reads tensor data while it is built ({type(exc).__name__}: "
+                      f"{exc}), so it cannot be built under fake tensors: building it for real on the CPU and "
+                      "converting it to fake tensors (uses its parameters' host memory once)",
+                      RuntimeWarning, stacklevel=3)
+    torch.manual_seed(workload.seed)
+    try:
+        real = workload.new_model()
+    except Exception as exc:
+        raise ValueError(f"model={workload.label!r} cannot be predicted: it cannot be built under fake tensors, "
+                         f"and building it for real failed with {type(exc).__name__}: {exc}") from exc
+    with FakeCopyMode(fake_mode):
+        return copy.deepcopy(real)
+
+
 @contextlib.contextmanager
 def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
                        dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1):
@@ -94,9 +126,9 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
     from .measure import make_optimizer, training_step
     from .wrap import apply_checkpointing
 
-    with _fake_modes():
-        torch.manual_seed(workload.seed)
-        model = workload.make_model(workload.config)  # as Workload.build, minus the device move
+    fake_mode = _fake_modes()
+    model = fake_model(workload, fake_mode)  # as Workload.build, minus the device move
+    with fake_mode:
         model.train()
         handle = apply_checkpointing(model, policy)
         gen = torch.Generator().manual_seed(workload.seed + 1)
@@ -134,7 +166,7 @@ def predict(
     _check_int("seq_len", seq_len, 1)
     _check_int("accum_steps", accum_steps, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
+        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
     if optimizer not in OPTIMIZERS:
@@ -158,7 +190,7 @@ def predict(
             step(tracker)
         report = tracker.report()
     return Prediction(
-        model=workload.name, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
+        model=workload.label, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
         optimizer=optimizer, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
         peak_bytes=report.peak_bytes, peak_by_category=dict(report.peak_by_category),
         peak_phase=report.peak_phase, saved_activation_bytes=report.saved_activation_bytes or 0,
@@ -293,7 +325,7 @@ def what_fits(
             return cache[(b, s)]
 
         for cap_name, cap in caps:
-            rows.append({"model": workload.name, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
+            rows.append({"model": workload.label, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
                          "dtype": dtype, "seq_len": seq_len, "max_batch_size": _largest(lambda b: peak(b, seq_len) <= cap, max_batch),
                          "batch_size": batch_size,
                          "max_seq_len": max((s for s in seq_lens if peak(batch_size, s) <= cap), default=0)})

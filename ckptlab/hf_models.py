@@ -271,7 +271,7 @@ def masked_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
 def _seq2seq_batch(config, batch_size: int, seq_len: int, gen: torch.Generator) -> tuple:
     inputs = torch.randint(2, config.vocab_size, (batch_size, seq_len), generator=gen)
     target = torch.randint(2, config.vocab_size, (batch_size, seq_len + 1), generator=gen)
-    target[:, 0] = config.decoder_start_token_id or 0
+    target[:, 0] = getattr(config, "decoder_start_token_id", None) or getattr(config, "pad_token_id", None) or 0
     return inputs, target[:, :-1].contiguous(), target[:, 1:].contiguous()
 
 

@@ -56,7 +56,7 @@ def measure(
     _check_int("batch_size", batch_size, 1)
     _check_int("seq_len", seq_len, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
+        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
     _check_int("steps", steps, 1)
     _check_int("warmup", warmup, 0)
     _check_int("accum_steps", accum_steps, 1)
@@ -70,8 +70,11 @@ def measure(
         limit = torch.cuda.get_device_properties(dev).total_memory
 
     record = {
-        "model": workload.name,
+        "model": workload.label,
+        "model_hash": workload.spec_hash,   # content hash of the file that defines a spec's model
+        "loss_fn": workload.loss_name,
         "n_blocks": None,
+        "block_stacks": None,             # the stacks of repeated blocks found: "encoder.block[6] + ..."
         "batch_size": batch_size,
         "seq_len": seq_len,
         "accum_steps": accum_steps,
@@ -134,6 +137,7 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
     handle = apply_checkpointing(model, policy)
     record.update(
         n_blocks=handle.n_blocks,
+        block_stacks=handle.stacks_found,
         effective_density=handle.effective_density,
         checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
     )

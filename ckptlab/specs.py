@@ -97,9 +97,8 @@ def _import_file(spec: str, path: Path):
     if not path.is_file():
         raise ValueError(f"model={spec!r} is invalid: file {str(path)!r} does not exist "
                          f"(relative paths start at {Path.cwd().name!r}, the working directory)")
-    # One module per path and content, so an edited file is re-imported, and two files with one
-    # name do not collide.
-    name = f"ckptlab_spec_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}_{file_hash(path)}"
+    # One module per file name and content: an edited file is imported again.
+    name = f"ckptlab_spec_{path.stem}_{file_hash(path)}"
     if name in sys.modules:
         return sys.modules[name], path
     loader_spec = importlib.util.spec_from_file_location(name, path)

@@ -39,9 +39,9 @@ RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (i
 AXES = ("seq_len", "dtype", "accum_steps", "policy", "batch_size")   # loop order, outermost first
 # Run-level settings that must match when resuming into an existing folder: mixing cells measured
 # under different settings in one table would make every comparison in it wrong.
-FIXED = ("model", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit_bytes", "optimizer",
+FIXED = ("model", "model_hash", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit_bytes", "optimizer",
          "nproc")
-FIXED_DEFAULTS = {"nproc": 1}   # what a run.json written before the field existed meant
+FIXED_DEFAULTS = {"nproc": 1, "model_hash": None}   # what a run.json written before the field existed meant
 
 
 @dataclass
@@ -62,6 +62,7 @@ class Grid:
     optimizer: str
     model_overrides: dict = field(default_factory=dict)
     nproc: int = 1   # ranks per cell: > 1 measures under FSDP2 (ckptlab.distributed)
+    model_hash: Optional[str] = None   # content hash of the file a spec's model is defined in
 
     def cells(self) -> list[dict]:
         """Every cell, in run order (batch innermost, ascending)."""
@@ -121,7 +122,8 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
     return Grid(model=model, batch_sizes=batch_sizes, seq_lens=seq_lens, policies=parsed, dtypes=dtypes,
                 accum_steps=accum_steps, device=str(dev), memory_limit_bytes=parse_bytes(memory_limit),
                 steps=_int("steps", steps, 1), warmup=_int("warmup", warmup, 0), seed=seed,
-                optimizer=optimizer, model_overrides=overrides, nproc=_int("nproc", nproc, 1))
+                optimizer=optimizer, model_overrides=overrides, nproc=_int("nproc", nproc, 1),
+                model_hash=workload.spec_hash)
 
 
 def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (64,),
@@ -293,6 +295,9 @@ def run_cell(grid: Grid, cell: dict) -> dict:
                                memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
                                accum_steps=cell["accum_steps"], seed=grid.seed, model_overrides=grid.model_overrides)
     workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
+    if workload.spec_hash != grid.model_hash:
+        raise ValueError(f"model={grid.model!r} changed during the sweep: its file's hash is {workload.spec_hash}, "
+                         f"the sweep started with {grid.model_hash}; start a new run for the changed model")
     return measure(workload, cell["batch_size"], cell["seq_len"], cell["policy"], device=grid.device,
                    dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
                    memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
@@ -413,6 +418,10 @@ def _check_resumable(out: Path, meta: dict, grid: Grid, resume: bool) -> None:
     diff = [k for k in FIXED if old[k] != new[k]]
     if diff and resume:
         k = diff[0]
+        if k == "model_hash":
+            raise ValueError(f"model={grid.model!r} is invalid for resuming run {out.name!r}: its file changed "
+                             f"(content hash {new[k]}, the run was measured with {old[k]}); measure the changed "
+                             "model into another out= folder")
         raise ValueError(f"{k}={new[k]!r} is invalid for resuming run {out.name!r}, which was measured "
                          f"with {k}={old[k]!r}; use the same settings or another out= folder")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import Workload
+from .models import Workload, get_workload
 from .policy import Policy
 from .wrap import apply_checkpointing
 
@@ -35,7 +35,7 @@ class GradientComparison:
 
 
 def compare_gradients(
-    workload: Workload,
+    workload: Workload | str,
     policy: str | Policy,
     batch_size: int = 2,
     seq_len: int = 16,
@@ -45,7 +45,9 @@ def compare_gradients(
 ) -> GradientComparison:
     """One forward + backward with and without `policy`, in train mode (dropout on), from the
     same RNG seed; returns the largest absolute difference. `apply_options` go to
-    `apply_checkpointing` (e.g. use_reentrant=True)."""
+    `apply_checkpointing` (e.g. use_reentrant=True). `workload` is a Workload or any spec
+    `get_workload` takes."""
+    workload = get_workload(workload) if isinstance(workload, str) else workload
     batch = workload.batch(batch_size, seq_len, device)
 
     def run(checkpoint_policy):

@@ -263,7 +263,7 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
             with _paused(handle):
                 out = run_region(*args, **kwargs)
         if len(region) > 1:
-            stash[:] = [out, 1]
+            stash[:] = [out, 1, args[1:], kwargs]
         return out
 
     def follower_forward(hidden, *args, **kwargs):
@@ -271,6 +271,16 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
             raise RuntimeError(
                 "segments policy: blocks were not called in order with each block's output fed to "
                 "the next; use a per-block policy (full, density, every, layers) for this model"
+            )
+        if not _same_arguments((args, kwargs), (stash[2], stash[3])):
+            # The segment ran this block with the first block's other arguments (T5 hands layer
+            # 0's position bias to the later layers): its output would be wrong.
+            stash.clear()
+            raise RuntimeError(
+                "segments policy: a later block of a segment was called with other arguments than the "
+                "first (besides the hidden state), so running the segment from the first block's "
+                "arguments would change the result; use a per-block policy (full, density, every, "
+                "layers) for this model"
             )
         out = stash[0]
         stash[1] += 1
@@ -290,6 +300,18 @@ def _tag(fn: Callable, handle: CheckpointHandle) -> Callable:
         return fn(*args, **kwargs)
     tagged._ckptlab_handle = handle
     return tagged
+
+
+def _same_arguments(a, b) -> bool:
+    """Same structure, the same objects (tensors by identity, plain values by equality)."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    return all(x is y or (isinstance(x, (int, float, str, bool)) and type(x) is type(y) and x == y)
+               for x, y in zip(leaves_a, leaves_b))
 
 
 def _hidden(out):
