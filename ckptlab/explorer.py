@@ -12,27 +12,30 @@ browser.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import pandas as pd
 
 from .measure import measure
 from .memory import format_bytes, parse_bytes
-from .models import PRESETS
+from .models import PRESETS, Workload, get_workload
 from .policy import parse_policy
 
+# Offered in the model box; any other spec can be typed there (hf:qwen2, path/to/file.py:factory).
+MODEL_CHOICES = (*PRESETS, "hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny", "hf:qwen2", "hf:t5", "hf:vit")
 POLICY_CHOICES = ("none", "density", "every=2", "segments=sqrt", "full")  # "density" uses the slider
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SEQS = [16, 32, 64, 128, 256, 512, 1024]
 
 
 class Explorer:
-    def __init__(self, model: str = "gpt-tiny", batch_size: int = 4, seq_len: int = 64,
+    def __init__(self, model: Union[str, Workload] = "gpt-tiny", batch_size: int = 4, seq_len: int = 64,
                  policy: str = "density=0.5", memory_limit: Optional[str] = None,
                  device: str = "cpu", steps: int = 2, warmup: int = 1):
         parse_policy(policy)
         parse_bytes(memory_limit)
-        self.config = dict(model=model, batch_size=batch_size, seq_len=seq_len, policy=policy,
+        self.workload = _workload(model)
+        self.config = dict(model=model if isinstance(model, str) else self.workload.label, batch_size=batch_size, seq_len=seq_len, policy=policy,
                            memory_limit=memory_limit, device=device, steps=steps, warmup=warmup)
         self.records: Optional[pd.DataFrame] = None
         self._widgets = None
@@ -43,14 +46,16 @@ class Explorer:
         new = {**self.config, **changes}
         parse_policy(new["policy"])
         parse_bytes(new["memory_limit"])
-        if new["model"] not in PRESETS:
-            raise ValueError(f"model={new['model']!r} is invalid: allowed presets are {', '.join(PRESETS)}")
-        self.config = new
+        workload = self.workload
+        if "model" in changes:
+            workload = _workload(new["model"])
+            new["model"] = workload.label if isinstance(new["model"], Workload) else new["model"]
+        self.workload, self.config = workload, new
 
     def run(self) -> pd.DataFrame:
         """Measure the chosen policy and the no-checkpointing baseline; returns both rows."""
         c = self.config
-        rows = [measure(c["model"], c["batch_size"], c["seq_len"], p, device=c["device"], steps=c["steps"],
+        rows = [measure(self.workload, c["batch_size"], c["seq_len"], p, device=c["device"], steps=c["steps"],
                         warmup=c["warmup"], memory_limit=c["memory_limit"])
                 for p in dict.fromkeys(["none", c["policy"]])]
         self.records = pd.DataFrame(rows)
@@ -84,14 +89,25 @@ class Explorer:
 
     # ------------------------------------------------------------------ widgets
     def on_change(self, name: str, value) -> None:
-        """A control changed: update the configuration, then measure and redraw."""
-        if name in ("policy_choice", "density"):
-            choice = self._widgets["policy_choice"].value
-            self.set(policy=f"density={self._widgets['density'].value:g}" if choice == "density" else choice)
-        elif name == "memory_limit":
-            self.set(memory_limit=value.strip() or None)
-        else:
-            self.set(**{name: value})
+        """A control changed: update the configuration, then measure and redraw. A bad value
+        (a model spec that does not load, a limit that does not parse) is shown in the output
+        area and changes nothing."""
+        try:
+            if name in ("policy_choice", "density"):
+                choice = self._widgets["policy_choice"].value
+                self.set(policy=f"density={self._widgets['density'].value:g}" if choice == "density" else choice)
+            elif name == "memory_limit":
+                self.set(memory_limit=value.strip() or None)
+            elif name == "model":
+                self.set(model=value.strip())
+            else:
+                self.set(**{name: value})
+        except ValueError as exc:
+            out = self._widgets["output"]
+            out.clear_output(wait=True)
+            with out:
+                print(f"error: {exc}")
+            return
         self.refresh()
 
     def refresh(self) -> None:
@@ -118,7 +134,9 @@ class Explorer:
         kind, _, value = c["policy"].partition("=")
         choices = list(dict.fromkeys(POLICY_CHOICES + (c["policy"] if kind != "density" else "density",)))
         controls = dict(
-            model=w.Dropdown(options=[n for n in PRESETS], value=c["model"], description="model"),
+            model=w.Combobox(options=list(dict.fromkeys((*MODEL_CHOICES, c["model"]))), value=c["model"],
+                             description="model", placeholder="preset, hf:<type> or file.py:factory",
+                             ensure_option=False, continuous_update=False),
             batch_size=w.SelectionSlider(options=BATCHES, value=c["batch_size"], description="batch",
                                          continuous_update=False),
             seq_len=w.SelectionSlider(options=SEQS, value=c["seq_len"], description="seq",
@@ -155,3 +173,9 @@ class Explorer:
         fig = self.figure()
         display(fig)
         plt.close(fig)
+
+
+def _workload(model: Union[str, Workload]) -> Workload:
+    if isinstance(model, Workload):
+        return model
+    return get_workload(model)

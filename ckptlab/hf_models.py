@@ -49,7 +49,7 @@ TINY_DROPOUT = dict(attention_dropout=0.1, hidden_dropout_prob=0.1, attention_pr
 # Fields a model type needs beyond the standard names to be tiny (its defaults are full size);
 # multi-stage vision models take only these (their num_hidden_layers means stages).
 TINY_BY_TYPE = {
-    "t5": dict(d_ff=64, d_kv=8, num_decoder_layers=2),
+    "t5": dict(d_ff=64, d_kv=8),   # the decoder gets num_layers blocks too
     "vit": dict(image_size=32, patch_size=8, num_labels=10),
     "swin": dict(image_size=32, patch_size=2, embed_dim=8, depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2],
                  window_size=2, num_labels=10),
@@ -138,7 +138,7 @@ def get_hf_workload(spec: str, seed: int = 0, **overrides) -> HFWorkload:
         if target in CONFIG_MAPPING:
             model_type, fields = target, _tiny_fields(target)
         elif target.endswith(".json") or Path(target).exists():
-            path = Path(target) if Path(target).is_file() else Path(target) / "config.json"
+            path = Path(target) if target.endswith(".json") else Path(target) / "config.json"
             if not path.is_file():
                 raise ValueError(f"model={spec!r} is invalid: config file {str(path)!r} does not exist")
             model_type, fields = _read_config(spec, path)

@@ -243,7 +243,11 @@ class Workload:
     def loss_name(self) -> str:
         """Which loss a training step computes (plans and records say what they were made for)."""
         fn = self.loss_fn
-        return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+        module = getattr(fn, "__module__", None) or "?"
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        if module.startswith(SPEC_MODULE_PREFIX) and self.spec:   # defined in a spec's file
+            return f"{self.spec.rpartition(':')[0]}:{name}"
+        return f"{module}.{name}"
 
     @property
     def label(self) -> str:
@@ -267,6 +271,8 @@ class Workload:
     def n_params(self) -> int:
         return sum(p.numel() for p in self.build("meta").parameters())
 
+
+SPEC_MODULE_PREFIX = "ckptlab_spec_"   # module names of the files that file specs import
 
 # The model attribute (set in its __dict__, so nn.Module sees a plain attribute) through which a
 # workload's `blocks=` reaches `find_blocks` wherever the model goes.

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .models import Workload
+from .models import SPEC_MODULE_PREFIX, Workload
 
 HASH_CHARS = 16
 
@@ -98,7 +98,7 @@ def _import_file(spec: str, path: Path):
         raise ValueError(f"model={spec!r} is invalid: file {str(path)!r} does not exist "
                          f"(relative paths start at {Path.cwd().name!r}, the working directory)")
     # One module per file name and content: an edited file is imported again.
-    name = f"ckptlab_spec_{path.stem}_{file_hash(path)}"
+    name = f"{SPEC_MODULE_PREFIX}{path.stem}_{file_hash(path)}"
     if name in sys.modules:
         return sys.modules[name], path
     loader_spec = importlib.util.spec_from_file_location(name, path)
