@@ -153,7 +153,7 @@ def get_hf_workload(spec: str, seed: int = 0, **overrides) -> HFWorkload:
                              f"{transformers.__version__} (similar: {', '.join(close) or 'none'}); allowed are "
                              "hf:<model_type>, hf:path/config.json, hf:org/name (local cache)")
     else:
-        raise ValueError(f"model={spec!r} is invalid: allowed Hugging Face names are {', '.join(HF_PRESETS)}, "
+        raise ValueError(f"model={spec!r} is invalid: allowed presets are {', '.join(HF_PRESETS)}, or the specs "
                          "hf:<model_type>, hf:path/config.json and hf:org/name")
     config = _config(spec, model_type, fields, overrides)
     task, model_cls = _task(spec, model_type)

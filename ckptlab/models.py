@@ -358,8 +358,8 @@ def get_workload(name: str, seed: int = 0, **overrides) -> Workload:
         from .specs import load_code_workload
         return load_code_workload(name, seed=seed, **overrides)
     if name not in PRESETS:
-        raise ValueError(f"model={name!r} is invalid: allowed are the presets {', '.join(PRESETS)}, "
-                         f"hf-* presets, or a spec: {', '.join(SPEC_FORMS)}")
+        raise ValueError(f"model={name!r} is invalid: allowed presets are {', '.join(PRESETS)} and the hf-* "
+                         f"presets; or a spec: {', '.join(SPEC_FORMS)}")
     config_cls, defaults = PRESETS[name]
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(overrides) - fields)

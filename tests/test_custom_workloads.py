@@ -205,7 +205,7 @@ def test_hf_presets_are_short_names_for_configs():
     ("hf:no_such_type", {}, r"'no_such_type' is not a model type of transformers"),
     ("hf:qwen2", {"no_such_field": 1}, r"override no_such_field=1 is invalid for model='hf:qwen2'"),
     ("hf:missing/config.json", {}, r"config file 'missing/config.json' does not exist"),
-    ("gpt-9", {}, r"model='gpt-9' is invalid: allowed are the presets gpt-tiny"),
+    ("gpt-9", {}, r"model='gpt-9' is invalid: allowed presets are gpt-tiny.*; or a spec: hf:<model_type>"),
 ])
 def test_bad_specs_are_refused_before_any_work(spec, overrides, message):
     with pytest.raises(ValueError, match=message):
