@@ -100,6 +100,25 @@ def test_isolated_cells_recreate_the_spec_and_a_changed_file_is_refused_on_resum
         ckptlab.sweep(isolate=False, **options)
 
 
+@pytest.mark.slow   # two rank processes (gloo)
+def test_fsdp_ranks_recreate_the_spec():
+    from ckptlab.distributed import measure_sharded
+
+    record = measure_sharded(SPEC, 2, 8, "full", nproc=2, steps=1, warmup=0, model_overrides={"depth": 2})
+    assert record["status"] == "ok", record["message"]
+    assert (record["model"], record["model_hash"], record["effective_density"]) == \
+        (SPEC, file_hash(ROOT / "tests/custom_model.py"), 1.0)
+
+
+@pytest.mark.slow   # one submitit job (a local process)
+def test_a_submitit_job_recreates_the_spec(tmp_path):
+    pytest.importorskip("submitit")
+    df = ckptlab.sweep(model=SPEC, batch_sizes=[2], seq_lens=[8], policies=["full"], steps=1, warmup=0,
+                       progress=False, plots=False, out=tmp_path / "run", executor="submitit", cluster="local")
+    assert df.status.tolist() == ["ok"], df.message.tolist()
+    assert (df.executor.tolist(), df.block_stacks.tolist()) == (["submitit"], ["layers[4]"])
+
+
 @pytest.mark.slow   # one papermill run of notebook 01
 def test_a_notebook_takes_a_spec_as_its_model_parameter(tmp_path):
     from ckptlab.notebooks import run_notebooks
