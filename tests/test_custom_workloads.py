@@ -40,6 +40,13 @@ def test_a_file_spec_through_the_api():
     assert predict(workload, 2, 8, "full").peak_bytes == full["peak_bytes"]
 
 
+def test_the_documented_example_runs():
+    workload = get_workload("docs/examples/my_model.py:factory", width=16, depth=2)
+    none, full = (measure(workload, 2, 8, p, steps=1, warmup=0) for p in ("none", "full"))
+    assert (full["status"], full["block_stacks"]) == ("ok", "layers[2]")
+    assert full["saved_activation_bytes"] < none["saved_activation_bytes"]
+
+
 def test_the_module_form_names_the_same_file():
     workload = get_workload("tests.custom_model:factory", width=8)
     assert workload.spec_hash == file_hash(ROOT / "tests/custom_model.py")
@@ -132,10 +139,10 @@ def test_a_notebook_takes_a_spec_as_its_model_parameter(tmp_path):
         [(SPEC, "none", "layers[4]"), (SPEC, "full", "layers[4]")]
 
 
-def test_the_explorer_takes_a_spec_a_workload_and_shows_a_bad_one():
+def test_the_explorer_takes_a_spec_a_workload_and_shows_a_bad_one(capsys):
     from ckptlab.explorer import Explorer
 
-    explorer = Explorer(model=get_workload(SPEC, depth=2), batch_size=2, seq_len=8, policy="full", steps=1, warmup=0)
+    explorer = Explorer(model=get_workload(SPEC, depth=2), batch_size=2, seq_len=16, policy="full", steps=1, warmup=0)
     assert explorer.config["model"] == SPEC
     assert explorer.run().block_stacks.tolist() == ["layers[2]", "layers[2]"]
     explorer.set(model="hf-llama-tiny")
@@ -143,6 +150,10 @@ def test_the_explorer_takes_a_spec_a_workload_and_shows_a_bad_one():
     with pytest.raises(ValueError, match="model='nope.py:f' is invalid: file 'nope.py' does not exist"):
         explorer.set(model="nope.py:f")
     assert explorer.workload.name == "hf-llama-tiny"
+    explorer.widgets()
+    explorer._widgets["model"].value = "nope.py:f"      # typed into the box: shown, nothing changes
+    assert "error: model='nope.py:f' is invalid" in capsys.readouterr().out
+    assert explorer.config["model"] == "hf-llama-tiny"
 
 
 # ----------------------------------------------------------------------------- Hugging Face, offline
