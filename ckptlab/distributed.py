@@ -295,7 +295,7 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     model = workload.build(dev)
     model.train()
     handle = shard_model(model, parse_policy(spec["policy"]), world, dev.type)
-    out.update(n_blocks=handle.n_blocks, effective_density=handle.effective_density,
+    out.update(n_blocks=handle.n_blocks, block_stacks=handle.stacks_found, effective_density=handle.effective_density,
                checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)))
     batch = rank_batch(workload, spec["batch_size"], spec["seq_len"], rank, world, dev)
     optimizer = make_optimizer(spec["optimizer"], model)
@@ -377,7 +377,8 @@ class _CudaMarks:
 def _base_record(spec: dict, world: int) -> dict:
     b, s, a = spec["batch_size"], spec["seq_len"], spec["accum_steps"]
     return {
-        "model": spec["model"], "model_hash": spec.get("model_hash"), "n_blocks": None, "batch_size": b, "seq_len": s, "accum_steps": a,
+        "model": spec["model"], "model_hash": spec.get("model_hash"), "n_blocks": None,
+        "block_stacks": None, "batch_size": b, "seq_len": s, "accum_steps": a,
         "effective_batch_size": b * a * world, "tokens": b * s * a * world, "policy": spec["policy"],
         "effective_density": None, "checkpointed_blocks": None,
         "device": spec["device_type"], "device_name": None, "dtype": spec["dtype"],
@@ -396,7 +397,7 @@ def combine(ranks: list[dict]) -> dict:
     record = _base_record(r0["spec"], r0["world_size"])
     bad = next((r for r in ranks if r.get("fits") is False), None) or next(
         (r for r in ranks if r.get("status") != "ok"), None)
-    record.update({k: r0.get(k) for k in ("n_blocks", "effective_density", "checkpointed_blocks",
+    record.update({k: r0.get(k) for k in ("n_blocks", "block_stacks", "effective_density", "checkpointed_blocks",
                                           "device_name", "saved_activation_bytes", "recompute_count",
                                           "loss", "step_ms", "step_ms_min", "step_ms_max")})
     peaks = [r.get("peak_bytes") for r in ranks]

@@ -74,10 +74,31 @@ def test_a_model_that_reads_tensor_data_while_built_is_predicted_with_a_warning(
     assert predicted.peak_bytes == measure("tests/custom_model.py:scheduled", 2, 8, "full", steps=1, warmup=0)["peak_bytes"]
 
 
-def test_a_plan_states_the_loss_it_was_made_for():
-    plan = ckptlab.plan_budget(SPEC, 4, 64, 0.8, cost="roofline")
+def test_a_plan_for_a_custom_loss_holds_under_pytorchs_own_tracker():
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    workload = get_workload(SPEC)
+    plan = ckptlab.plan_budget(workload, 4, 64, 0.8, cost="roofline")
     assert plan.loss_fn == "tests/custom_model.py:classification_loss"
-    assert "made for the training step with loss" in str(plan)
+    assert "made for the training step with loss tests/custom_model.py:classification_loss" in str(plan)
+    # The user's own training step, measured by an independent tracker (PyTorch's MemTracker).
+    model = workload.build().train()
+    ckptlab.apply_checkpointing(model, plan.policy)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = workload.batch(4, 64)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss(model, batch).backward()
+        optimizer.step()
+
+    step()   # optimizer state exists, as in the step the plan predicts
+    tracker = mem_tracker.MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert peak <= plan.budget_bytes
+    assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
 
 
 def test_the_cli_takes_a_spec_and_its_keyword_arguments(capsys):
@@ -113,8 +134,8 @@ def test_fsdp_ranks_recreate_the_spec():
 
     record = measure_sharded(SPEC, 2, 8, "full", nproc=2, steps=1, warmup=0, model_overrides={"depth": 2})
     assert record["status"] == "ok", record["message"]
-    assert (record["model"], record["model_hash"], record["effective_density"]) == \
-        (SPEC, file_hash(ROOT / "tests/custom_model.py"), 1.0)
+    assert (record["model"], record["model_hash"], record["effective_density"], record["block_stacks"]) == \
+        (SPEC, file_hash(ROOT / "tests/custom_model.py"), 1.0, "layers[2]")
 
 
 @pytest.mark.slow   # one submitit job (a local process)
