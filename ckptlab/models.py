@@ -1,4 +1,8 @@
-"""Built-in workloads: a model, a way to make a batch, and a loss — everything a training step needs.
+"""Workloads: a model, a way to make a batch, and a loss — everything a training step needs.
+
+`get_workload(spec)` is the one place a model name becomes a workload (presets here, Hugging Face
+architectures in `hf_models`, your own `file.py:factory` in `specs`); `Workload.custom` wraps a
+model of your own. The built-in presets:
 
     gpt-tiny     4 blocks, d=128, a training step well under a second on a laptop CPU
     gpt2-small   the GPT-2 124M shape: 12 blocks, d=768, 12 heads, vocab 50257, 1024 positions
@@ -9,6 +13,7 @@ Every workload is seeded: the same name and overrides give the same weights and 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -227,10 +232,23 @@ class Workload:
         """A fresh model. Weights are drawn on the CPU from the seed, so every device gets the
         same model; on "meta" nothing is allocated (and `.to` would untie shared weights)."""
         if torch.device(device).type == "meta":
-            with torch.device("meta"):
-                return self.new_model()
+            try:
+                with torch.device("meta"):
+                    return self.new_model()
+            except RuntimeError:   # its __init__ reads tensor data (.item()): meta tensors have none
+                return self._meta_copy_of_real_model()
         torch.manual_seed(self.seed)
         return self.new_model().to(device)
+
+    def _meta_copy_of_real_model(self) -> nn.Module:
+        """Built for real on the CPU, then copied with every parameter and buffer on the meta
+        device; shared (tied) weights stay shared."""
+        torch.manual_seed(self.seed)
+        real = self.new_model()
+        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                for p in real.parameters()}
+        memo.update({id(b): torch.empty_like(b, device="meta") for b in real.buffers()})
+        return copy.deepcopy(real, memo)
 
     def batch(self, batch_size: int, seq_len: int, device: str | torch.device = "cpu") -> tuple:
         gen = torch.Generator().manual_seed(self.seed + 1)

@@ -22,8 +22,7 @@ import inspect
 import sys
 from pathlib import Path
 
-import torch
-
+from .blocks import find_stacks
 from .models import SPEC_MODULE_PREFIX, Workload
 
 HASH_CHARS = 16
@@ -78,15 +77,13 @@ def load_code_workload(spec: str, seed: int = 0, **overrides) -> Workload:
 def check_blocks(workload: Workload) -> None:
     """Refuse a workload whose model has no repeated blocks (or whose blocks= paths are wrong),
     building it on the meta device: nothing is allocated."""
-    from .blocks import find_stacks
-
     try:
-        with torch.device("meta"):
-            model = workload.new_model()
+        model = workload.build("meta")
     except ValueError:
         raise
-    except Exception:  # noqa: BLE001 - e.g. .item() in __init__: its blocks are found when it is built
-        return
+    except Exception as exc:
+        raise ValueError(f"model={workload.label!r} is invalid: building it failed with "
+                         f"{type(exc).__name__}: {exc}") from exc
     try:
         find_stacks(model)
     except ValueError as exc:

@@ -71,6 +71,9 @@ def test_workload_custom_in_process_and_blocks_by_path():
 def test_a_model_that_reads_tensor_data_while_built_is_predicted_with_a_warning():
     with pytest.warns(RuntimeWarning, match=r"reads tensor data while it is built .*converting it to fake tensors"):
         predicted = predict("tests/custom_model.py:scheduled", 2, 8, "full")
+    workload = get_workload("tests/custom_model.py:scheduled")
+    assert workload.n_params == sum(p.numel() for p in workload.build().parameters())
+    assert ckptlab.make_grid("tests/custom_model.py:scheduled", policies=["layers=2"]).model_hash == workload.spec_hash
     assert predicted.peak_bytes == measure("tests/custom_model.py:scheduled", 2, 8, "full", steps=1, warmup=0)["peak_bytes"]
 
 
