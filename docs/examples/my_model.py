@@ -11,7 +11,9 @@ class Net(nn.Module):  # any model with a stack of repeated blocks (nn.ModuleLis
             x = x + layer(x)
         return x
 
+def energy(model, batch):  # your training step's loss
+    return model(batch[0]).pow(2).mean()
+
 def factory(width: int = 128, depth: int = 8):  # keyword arguments: --set width=512
-    return ckptlab.Workload.custom("my-net", build_model=lambda: Net(width, depth),
-        make_batch=lambda batch_size, seq_len, gen: (torch.randn(batch_size, seq_len, width, generator=gen),),
-        loss=lambda model, batch: model(batch[0]).pow(2).mean())
+    return ckptlab.Workload.custom("my-net", build_model=lambda: Net(width, depth), loss=energy,
+        make_batch=lambda batch_size, seq_len, gen: (torch.randn(batch_size, seq_len, width, generator=gen),))
