@@ -11,8 +11,8 @@ import torch
 
 import ckptlab
 from ckptlab import Workload, compare_gradients, find_stacks, get_workload, measure, predict
-from ckptlab.cli import main as cli_main
-from ckptlab.specs import file_hash
+from ckptlab.apps.cli import main as cli_main
+from ckptlab.workloads.specs import file_hash
 
 pytest.importorskip("transformers")
 
@@ -133,7 +133,7 @@ def test_isolated_cells_recreate_the_spec_and_a_changed_file_is_refused_on_resum
 
 @pytest.mark.slow   # two rank processes (gloo)
 def test_fsdp_ranks_recreate_the_spec():
-    from ckptlab.distributed import measure_sharded
+    from ckptlab.probe.distributed import measure_sharded
 
     record = measure_sharded(SPEC, 2, 8, "full", nproc=2, steps=1, warmup=0, model_overrides={"depth": 2})
     assert record["status"] == "ok", record["message"]
@@ -152,7 +152,7 @@ def test_a_submitit_job_recreates_the_spec(tmp_path):
 
 @pytest.mark.slow   # one papermill run of notebook 01
 def test_a_notebook_takes_a_spec_as_its_model_parameter(tmp_path):
-    from ckptlab.notebooks import run_notebooks
+    from ckptlab.apps.notebooks import run_notebooks
 
     runs = run_notebooks(["01"], overrides={"model": SPEC, "batch_size": 2, "seq_len": 8, "steps": 1, "warmup": 0},
                          out=tmp_path, run_name="own-model")
@@ -164,7 +164,7 @@ def test_a_notebook_takes_a_spec_as_its_model_parameter(tmp_path):
 
 
 def test_the_explorer_takes_a_spec_a_workload_and_shows_a_bad_one(capsys):
-    from ckptlab.explorer import Explorer
+    from ckptlab.apps.explorer import Explorer
 
     explorer = Explorer(model=get_workload(SPEC, depth=2), batch_size=2, seq_len=16, policy="full", steps=1, warmup=0)
     assert explorer.config["model"] == SPEC
@@ -267,7 +267,7 @@ def test_bad_specs_are_refused_before_any_work(spec, overrides, message):
 
 
 def test_a_workload_without_a_spec_cannot_go_to_rank_processes():
-    from ckptlab.distributed import measure_sharded
+    from ckptlab.probe.distributed import measure_sharded
     from tests.custom_model import Net, _batch, classification_loss
 
     in_process = Workload.custom("net", lambda: Net(8, 2), _batch, classification_loss)

@@ -1,0 +1,307 @@
+"""`ckptlab` command line. Each subcommand is a thin layer over a library function.
+
+    ckptlab measure --model gpt-tiny --batch 4 --seq 64 --policy none,density=0.5,full
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from ..core.parsing import split_list
+from ..core.policy import parse_policy
+from ..core.units import format_bytes
+from ..probe.estimate import closed_form, predict
+from ..probe.measure import measure
+from ..probe.plan import plan_budget
+from ..report.analysis import format_summary
+from ..report.plots import redraw_all
+from ..report.sweeps import sweep
+from ..report.tables import format_table
+from ..run.store import RunLockedError
+from ..workloads.registry import get_workload
+from .notebooks import find_notebook, notebook_parameters, run_notebooks
+
+
+def int_list(name: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in split_list(text)]
+    except ValueError:
+        raise SystemExit(f"error: --{name} {text!r} is invalid: allowed is a comma-separated list of integers") from None
+
+
+def _num(fmt: str):
+    return lambda v: "-" if v is None else format(v, fmt)
+
+
+MEASURE_COLUMNS = [
+    ("policy", "policy", str),
+    ("density", "effective_density", _num(".2f")),
+    ("batch", "batch_size", str),
+    ("seq", "seq_len", str),
+    ("peak", "peak_bytes", format_bytes),
+    ("activations@peak", "peak_activations_bytes", format_bytes),
+    ("saved by forward", "saved_activation_bytes", format_bytes),
+    ("recomputed blocks", "recompute_count", str),
+    ("step ms", "step_ms", _num(".1f")),
+    ("overhead", "overhead", lambda v: "-" if v is None else f"{v:+.0%}"),
+    ("tokens/s", "tokens_per_s", _num(",.0f")),
+    ("status", "status", str),
+]
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+
+    policies = [parse_policy(p) for p in split_list(args.policy)]
+    batches, seqs = int_list("batch", args.batch), int_list("seq", args.seq)
+    workload = get_workload(args.model, **_model_overrides(args.set))
+    rows = []
+    for batch in batches:
+        for seq in seqs:
+            group = []
+            for policy in policies:
+                record = measure(workload, batch, seq, policy, device=args.device, dtype=args.dtype,
+                                 steps=args.steps, warmup=args.warmup, memory_limit=args.memory_limit)
+                group.append(record)
+            baseline = next((r for r in group if r["effective_density"] == 0 and r["step_ms"]), None)
+            for r in group:
+                r["overhead"] = (r["step_ms"] / baseline["step_ms"] - 1) if baseline and r["step_ms"] else None
+            rows += group
+    print(f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}), "
+          f"median of {args.steps} steps after {args.warmup} warm-up")
+    print(format_table(rows, MEASURE_COLUMNS))
+    failed = [r for r in rows if r["status"] == "error"]
+    for r in failed:
+        print(f"error in {r['policy']} b={r['batch_size']} s={r['seq_len']}: {r['message']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+
+    overrides = _model_overrides(args.set)
+    try:
+        df = sweep(model=args.model, batch_sizes=int_list("batch", args.batch), seq_lens=int_list("seq", args.seq),
+                   policies=split_list(args.policy), dtypes=split_list(args.dtype),
+                   accum_steps=int_list("accum", args.accum), device=args.device,
+                   memory_limit=args.memory_limit, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                   model_overrides=overrides, out=args.out, isolate=args.isolate, resume=args.resume,
+                   progress=not args.quiet, plots=not args.no_plots, nproc=args.nproc,
+                   executor=args.executor, cluster=args.cluster, slurm_partition=args.slurm_partition,
+                   slurm_gpus_per_job=args.slurm_gpus, slurm_time_min=args.slurm_time,
+                   slurm_account=args.slurm_account, cells_per_job=args.cells_per_job)
+    except RunLockedError as exc:  # another sweep is writing there: refuse, do not interleave
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    if args.quiet:  # sweep() prints the summary itself when it shows progress
+        print(format_summary(df))
+    print(f"run folder: {args.out}")
+    return 1 if (df["status"] == "error").any() else 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+
+    for path in redraw_all(args.run_dir):
+        print(path)
+    return 0
+
+
+def _literal(text: str):
+    """A YAML scalar (or flow list: depths=[1,1,2,1]); 1e-5, which YAML 1.1 reads as text, as a float."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def cmd_notebooks_run(args: argparse.Namespace) -> int:
+
+
+    overrides = {key: yaml.safe_load(value) for key, value in args.param}
+    runs = run_notebooks(args.names or None, param_set=args.file, overrides=overrides, out=args.out,
+                         run_name=args.name, timeout_s=args.timeout, executor=args.executor,
+                         job_options=dict(cluster=args.cluster, slurm_partition=args.slurm_partition,
+                                          slurm_gpus_per_job=args.slurm_gpus, slurm_time_min=args.slurm_time,
+                                          slurm_account=args.slurm_account))
+    failed = [r for r in runs if r.status != "ok"]
+    print(f"{len(runs) - len(failed)} of {len(runs)} notebooks ran; results index: {args.out}/README.md")
+    for r in failed:
+        print(f"FAILED {r.notebook} ({r.status}): {r.error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_notebooks_params(args: argparse.Namespace) -> int:
+
+    path = find_notebook(args.name)
+    params = list(notebook_parameters(path).values())
+    print(f"{path.stem} parameters:")
+    print(format_table([vars(p) for p in params],
+                       [("name", "name", str), ("type", "type", str), ("default", "default", str), ("help", "help", str)]))
+    return 0
+
+
+def add_executor_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """--executor local|submitit and the job options (ckptlab.run.cluster)."""
+    p.add_argument("--executor", choices=("local", "submitit"), default="local",
+                   help="local: run here; submitit: one job per cell/chunk/notebook (SLURM, or --cluster local)")
+    p.add_argument("--cluster", choices=("slurm", "local", "debug"), default=None,
+                   help="submitit cluster (default: SLURM when srun is on PATH, else local processes)")
+    p.add_argument("--slurm-partition", default=None, help="SLURM partition")
+    p.add_argument("--slurm-gpus", type=int, default=None, help="GPUs per job (sweep default: --nproc on CUDA, else 0)")
+    p.add_argument("--slurm-time", type=int, default=60, help="time limit per job, minutes (default 60)")
+    p.add_argument("--slurm-account", default=None, help="SLURM account")
+    if sweep:
+        p.add_argument("--cells-per-job", type=int, default=1, help="cells measured by one job (default 1)")
+
+
+def _model_overrides(pairs) -> dict:
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--set {pair!r} is invalid: allowed is KEY=VALUE, e.g. n_layer=8")
+        out[key.strip()] = _literal(value.strip())
+    return out
+
+
+PREDICT_COLUMNS = [
+    ("policy", "policy", str),
+    ("batch", "batch_size", str),
+    ("seq", "seq_len", str),
+    ("predicted peak", "predicted_peak_bytes", format_bytes),
+    ("activations@peak", "predicted_peak_activations_bytes", format_bytes),
+    ("saved by forward", "predicted_saved_activation_bytes", format_bytes),
+    ("peak in", "peak_phase", str),
+    ("plan", "plan", lambda v: v or ""),
+    ("closed form", "closed_form_peak_bytes", format_bytes),
+    ("seconds", "predict_s", _num(".1f")),
+]
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Predicted memory per policy without allocating (fake tensors); closed form beside."""
+
+    workload = get_workload(args.model, **_model_overrides(args.set))
+    rows = []
+    for batch in int_list("batch", args.batch):
+        for seq in int_list("seq", args.seq):
+            for policy in split_list(args.policy):
+                row = predict(workload, batch, seq, policy, dtype=args.dtype).record()
+                try:
+                    row.update(closed_form(workload, batch, seq, row["plan"] and f"plan={row['plan']}" or policy,
+                                           dtype=args.dtype))
+                except ValueError:
+                    pass
+                rows.append(row)
+    print(f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, AdamW: predicted, nothing allocated")
+    print(format_table(rows, PREDICT_COLUMNS))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Choose keep/selective/full per block for a memory budget; print the plan."""
+
+    workload = get_workload(args.model, **_model_overrides(args.set))
+    plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost)
+    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype}, budget {args.budget}")
+    print(plan)
+    print(f"apply it with: --policy plan={plan.letters}")
+    return 0
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, policy: str, lists: bool = True) -> None:
+    """--model, --set, --batch, --seq, --policy, --dtype: what every measuring subcommand takes."""
+    many = ", comma-separated" if lists else ""
+    p.add_argument("--model", default="gpt-tiny",
+                   help="preset (gpt-tiny, hf-llama-tiny, ...), hf:<model_type>, hf:path/config.json, hf:org/name "
+                        "(local cache), path/to/file.py:factory or package.module:factory (default: gpt-tiny)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="model override (a config field, or a keyword of your factory), e.g. --set n_layer=8")
+    p.add_argument("--batch", default=batch, type=str if lists else int, help=f"batch size{'s' if lists else ''}{many}")
+    p.add_argument("--seq", default=seq, type=str if lists else int, help=f"sequence length{'s' if lists else ''}{many}")
+    if policy:
+        p.add_argument("--policy", default=policy, help="policies, comma-separated, e.g. none,density=0.5,full")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16" + (" (comma-separated for sweeps)" if lists else ""))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptlab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("measure", help="measure one training step per policy and print a table")
+    add_workload_arguments(p, batch="4", seq="64", policy="none,full")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
+    p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
+    p.set_defaults(func=cmd_measure)
+
+    p = sub.add_parser("sweep", help="measure a grid into a run folder (OOM-safe, resumable); print a summary")
+    add_workload_arguments(p, batch="1,2,4", seq="64", policy="none,density=0.5,full")
+    p.add_argument("--accum", default="1", help="gradient-accumulation steps, comma-separated")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--memory-limit", default=None, help="e.g. 2GiB (emulated on CPU)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--out", required=True, help="run folder, e.g. results/my-sweep")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="one subprocess per cell (default: on for CUDA, off for CPU)")
+    p.add_argument("--resume", action="store_true", help="add the missing cells to an existing run folder")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per cell: >1 measures under FSDP2 (gloo on CPU, NCCL on CUDA)")
+    add_executor_arguments(p, sweep=True)
+    p.add_argument("--no-plots", action="store_true", help="skip drawing figures")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors)")
+    add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("plan", help="choose keep/selective/full per block to fit a memory budget")
+    add_workload_arguments(p, batch="4", seq="64", policy="", lists=False)
+    p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of the no-checkpointing peak (0.5)")
+    p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("plot", help="redraw every figure of a run folder from its data")
+    p.add_argument("run_dir", help="run folder, e.g. results/my-sweep")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("notebooks", help="run the notebooks headless with papermill, or list their parameters")
+    nb = p.add_subparsers(dest="notebooks_command", required=True)
+    q = nb.add_parser("run", help="execute notebooks into <out>/<notebook>/<name>/ and regenerate <out>/README.md")
+    q.add_argument("names", nargs="*", help="notebooks by number or name (default: all)")
+    q.add_argument("-f", "--file", default="default",
+                   help="parameter set: a name in notebooks/params/ (default, gpu) or a YAML file")
+    q.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                   help="override a parameter in every selected notebook (VALUE is YAML: 8, [1,2], none)")
+    q.add_argument("--out", default="results", help="results folder (default: results)")
+    q.add_argument("--name", default=None, help="run folder name (default: the parameter set's)")
+    q.add_argument("--timeout", type=float, default=900, help="seconds per notebook (default 900)")
+    add_executor_arguments(q)
+    q.set_defaults(func=cmd_notebooks_run)
+    q = nb.add_parser("params", help="list a notebook's parameters: types, defaults, help")
+    q.add_argument("name", help="notebook by number or name, e.g. 02 or 02_density_sweep")
+    q.set_defaults(func=cmd_notebooks_params)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # invalid input: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The handle a checkpoint policy leaves on a model's repeated blocks (found by
+`workloads.stacks`: every stack of them, in run order)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from ..core.policy import Policy
+from ..workloads.stacks import BlockStack, describe_stacks, find_blocks, find_stacks
+
+
+class CheckpointHandle:
+    """What `apply_checkpointing` returns: the applied plan, recompute counters, and `remove()`.
+
+    Usable as a context manager: checkpointing is removed when the `with` block ends.
+    """
+
+    def __init__(self, policy: Policy, blocks: Sequence[nn.Module], regions: list[tuple[int, int]],
+                 stacks: Sequence[BlockStack] = ()):
+        self.policy = policy
+        self.blocks = list(blocks)
+        self.regions = regions
+        self.stacks = list(stacks)   # the stacks the blocks were found in (empty: blocks given)
+        self._forward_block_runs = 0  # block forwards that ran inside checkpoint during forward
+        self._region_block_runs = 0   # block forwards run by checkpointed regions, recomputes too
+        self._removed = False
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def checkpointed_blocks(self) -> list[int]:
+        return [i for start, stop in self.regions for i in range(start, stop)]
+
+    @property
+    def effective_density(self) -> float:
+        return len(self.checkpointed_blocks) / self.n_blocks
+
+    @property
+    def stacks_found(self) -> str:
+        """'encoder.block[6] + decoder.block[6]', or 'given[N]' for blocks passed explicitly."""
+        return describe_stacks(self.stacks) if self.stacks else f"given[{self.n_blocks}]"
+
+    @property
+    def recompute_count(self) -> int:
+        """Block forwards that ran during backward (recomputation) since the last reset."""
+        return self._region_block_runs - self._forward_block_runs
+
+    def reset_counts(self) -> None:
+        self._forward_block_runs = self._region_block_runs = 0
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        for block in self.blocks:
+            if getattr(block.__dict__.get("forward"), "_ckptlab_handle", None) is self:
+                del block.forward
+        self._removed = True
+
+    def __enter__(self) -> "CheckpointHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active"
+        return (f"CheckpointHandle(policy={str(self.policy)!r}, checkpointed={self.checkpointed_blocks}, "
+                f"n_blocks={self.n_blocks}, {state})")
+
+
+def remove_earlier_policies(blocks: Sequence[nn.Module]) -> None:
+    """Checkpoints never nest: remove whatever ckptlab (or hf) policy these blocks carry."""
+    for block in blocks:
+        previous = getattr(block.__dict__.get("forward"), "_ckptlab_handle", None)
+        if previous is not None:
+            previous.remove()
+
+
+def split_at_stacks(regions: list[tuple[int, int]], stacks: Sequence[BlockStack]) -> list[tuple[int, int]]:
+    """Regions cut where one stack ends and the next begins: a segment runs its blocks one into
+    the next, which the last encoder block and the first decoder block do not."""
+    starts, n = set(), 0
+    for stack in stacks:
+        starts.add(n)
+        n += len(stack.blocks)
+    out = []
+    for start, stop in regions:
+        cuts = [start] + [i for i in range(start + 1, stop) if i in starts] + [stop]
+        out.extend(zip(cuts[:-1], cuts[1:]))
+    return out
+
+
+def hidden_state(out):
+    """The hidden-state tensor of a block's output: the tensor itself, or the first element of
+    the tuple that older Hugging Face layers return."""
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+
+__all__ = ["BlockStack", "CheckpointHandle", "find_blocks", "find_stacks", "hidden_state", "remove_earlier_policies",
+           "split_at_stacks"]

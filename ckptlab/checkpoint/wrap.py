@@ -1,0 +1,243 @@
+"""Finding a model's repeated blocks and applying a checkpoint policy to them, reversibly.
+
+Checkpointing is applied by giving each chosen block an instance-level `forward` that runs the
+original forward under `torch.utils.checkpoint.checkpoint`. Nothing is re-parented, so
+`state_dict` keys, hooks and `named_modules` stay exactly as they were, and `remove()` (or leaving
+the `with` block) deletes the instance attribute to restore the class's forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
+
+from ..core.policy import Policy, parse_policy
+from .blocks import CheckpointHandle, find_stacks, hidden_state, remove_earlier_policies, split_at_stacks
+
+
+def apply_checkpointing(
+    model: nn.Module,
+    policy: str | Policy,
+    blocks: Sequence[nn.Module] | None = None,
+    *,
+    use_reentrant: bool = False,
+    preserve_rng_state: bool = True,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    context_fn: Callable | None = None,
+) -> CheckpointHandle:
+    """Checkpoint the blocks that `policy` selects, in place. Returns a handle that removes it.
+
+    Applying again to the same blocks first removes the earlier policy: checkpoints never nest.
+    Non-reentrant by default: it supports keyword arguments, inputs that do not require grad
+    (frozen bases) and early stop. RNG state is preserved so dropout masks match on recompute.
+    `determinism_check`, `debug`, `early_stop` and `context_fn` pass through to PyTorch.
+    """
+    policy = parse_policy(policy)
+    if use_reentrant and context_fn is not None:
+        raise ValueError("context_fn is invalid with use_reentrant=True: PyTorch supports it only non-reentrant")
+    options = dict(use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
+    if not use_reentrant:
+        options.update(determinism_check=determinism_check, debug=debug)
+        if context_fn is not None:
+            options["context_fn"] = context_fn
+    if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.checkpoint.hf applies it
+        # In-function: transformers is an optional, heavy dependency (extra ckptlab[hf]).
+        from .hf import apply_hf_checkpointing  # noqa: PLC0415 - needs transformers, the hf extra
+        return apply_hf_checkpointing(model, policy, blocks, options, early_stop)
+    stacks = find_stacks(model) if blocks is None else []
+    blocks = list(blocks) if blocks is not None else [b for s in stacks for b in s.blocks]
+    regions = split_at_stacks(policy.regions(len(blocks)), stacks)  # raises before the model is touched
+    remove_earlier_policies(blocks)
+    modes = policy.modes(len(blocks)) if policy.kind in ("selective", "plan") else None
+    if modes and any(m.startswith("selective") for m in modes):
+        if use_reentrant:
+            raise ValueError(f"policy={policy} is invalid with use_reentrant=True: selective "
+                             "checkpointing needs non-reentrant checkpoint")
+        if context_fn is not None:
+            raise ValueError(f"context_fn is invalid with policy={policy}: the policy sets its own")
+    handle = CheckpointHandle(policy, blocks, regions, stacks)
+    for start, stop in regions:
+        mode = modes[start] if modes else "full"
+        region_options = options
+        if mode.startswith("selective"):
+            variant = mode.partition("=")[2] or "mm"
+            region_options = {**options, "context_fn": selective_context_fn(variant)}
+        _patch_region(handle, blocks[start:stop], region_options, early_stop)
+    if policy.offload:
+        _patch_offload(handle, blocks)
+    return handle
+
+
+# --------------------------------------------------------------------------- selective (op-level)
+
+def _sdpa_ops() -> set:
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_flash_attention_forward", "_efficient_attention_forward")
+    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+
+
+def _matmul_ops() -> set:
+    aten = torch.ops.aten
+    return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def selective_policy_fn(variant: str = "mm") -> Callable:
+    """A `create_selective_checkpoint_contexts` policy for one checkpoint call.
+
+    mm:   keep every matmul output and every fused-attention output, recompute the rest
+          (pointwise ops, norms, dropout: cheap to recompute, as large as the matmul outputs);
+    alt:  keep attention and every other matmul (the 2nd, 4th, ... of the block), as torchtitan's
+          op-level selective AC does, trading recompute of half the matmuls for memory;
+    attn: keep only attention outputs.
+    Random ops (dropout) are recomputed under checkpoint's preserved RNG state, so masks match.
+    """
+
+    if variant not in ("mm", "alt", "attn"):
+        raise ValueError(f"selective variant {variant!r} is invalid: allowed are mm, alt, attn")
+    sdpa, matmuls = _sdpa_ops(), _matmul_ops()
+    counter = [0]
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        if op in sdpa:
+            return CheckpointPolicy.MUST_SAVE
+        if op in matmuls and variant != "attn":
+            counter[0] += 1
+            if variant == "mm" or counter[0] % 2 == 0:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn
+
+
+def selective_context_fn(variant: str = "mm") -> Callable:
+    """`context_fn` for `torch.utils.checkpoint.checkpoint`: a fresh policy (and matmul counter)
+    per checkpoint call."""
+
+    def context_fn():
+        return create_selective_checkpoint_contexts(selective_policy_fn(variant))
+
+    return context_fn
+
+
+# --------------------------------------------------------------------------- offload
+
+def _patch_offload(handle: CheckpointHandle, blocks: list[nn.Module]) -> None:
+    """Run every block's forward (checkpointed or not) under `save_on_cpu`: tensors autograd
+    saves inside a block go to host memory (pinned when the block's parameters are on CUDA) and
+    come back in backward. On CPU `save_on_cpu` hands the same tensor back (`tensor.cpu()` of a
+    CPU tensor is itself), so memory and results are unchanged; `measure` says so in the record."""
+    for block in blocks:
+        inner = block.forward  # the checkpointing patch or the class's bound forward
+        first = next(block.parameters(), None)
+        pin = first is not None and first.device.type == "cuda"
+
+        def offload_forward(*args, _inner=inner, _pin=pin, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=_pin):
+                return _inner(*args, **kwargs)
+
+        offload_forward._ckptlab_handle = handle
+        block.forward = offload_forward
+
+
+def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: dict, early_stop: bool) -> None:
+    """One checkpoint region. A single block recomputes itself. A segment (several consecutive
+    blocks) is one region: its first block runs the whole segment under one checkpoint and returns
+    the segment's output; the following blocks hand that output back unchanged. This needs the
+    model to call the blocks in order, feeding each one's output to the next, as every
+    transformer layer loop does; anything else is detected and refused."""
+    originals = [block.forward for block in region]  # bound class methods
+    stash: list = []
+
+    def run_region(*args, **kwargs):
+        out = None
+        for i, forward in enumerate(originals):
+            # Counted before running: early stop ends a recompute inside the block.
+            handle._region_block_runs += 1
+            out = forward(*args, **kwargs) if i == 0 else forward(hidden_state(out), *args[1:], **kwargs)
+        return out
+
+    def region_forward(*args, **kwargs):
+        if torch.is_grad_enabled():
+            handle._forward_block_runs += len(region)
+            with set_checkpoint_early_stop(early_stop):
+                if kwargs and options["use_reentrant"]:
+                    # Reentrant checkpoint takes no keyword arguments (Hugging Face layers get
+                    # masks and RoPE tables so): bind them, as transformers does. No gradient
+                    # flows back through a keyword-argument tensor then.
+                    out = checkpoint(functools.partial(run_region, **kwargs), *args, **options)
+                else:
+                    out = checkpoint(run_region, *args, **options, **kwargs)
+        else:  # inference: nothing is saved, so there is nothing to recompute
+            with _paused(handle):
+                out = run_region(*args, **kwargs)
+        if len(region) > 1:
+            stash[:] = [out, 1, args[1:], kwargs]
+        return out
+
+    def follower_forward(hidden, *args, **kwargs):
+        if not stash or hidden_state(stash[0]) is not hidden:
+            raise RuntimeError(
+                "segments policy: blocks were not called in order with each block's output fed to "
+                "the next; use a per-block policy (full, density, every, layers) for this model"
+            )
+        if not _same_arguments((args, kwargs), (stash[2], stash[3])):
+            # The segment ran this block with the first block's other arguments (T5 hands layer
+            # 0's position bias to the later layers): its output would be wrong.
+            stash.clear()
+            raise RuntimeError(
+                "segments policy: a later block of a segment was called with other arguments than the "
+                "first (besides the hidden state), so running the segment from the first block's "
+                "arguments would change the result; use a per-block policy (full, density, every, "
+                "layers) for this model"
+            )
+        out = stash[0]
+        stash[1] += 1
+        if stash[1] == len(region):
+            stash.clear()
+        return out
+
+    region_forward._ckptlab_handle = handle
+    region[0].forward = region_forward
+    for block in region[1:]:
+        follower_forward_for_block = _tag(follower_forward, handle)
+        block.forward = follower_forward_for_block
+
+
+def _tag(fn: Callable, handle: CheckpointHandle) -> Callable:
+    def tagged(*args, **kwargs):
+        return fn(*args, **kwargs)
+    tagged._ckptlab_handle = handle
+    return tagged
+
+
+@contextlib.contextmanager
+def _paused(handle: CheckpointHandle):
+    runs = handle._region_block_runs
+    try:
+        yield
+    finally:
+        handle._region_block_runs = runs
+
+
+def _same_arguments(a, b) -> bool:
+    """Same structure, the same objects (tensors by identity, plain values by equality)."""
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    return all(x is y or (isinstance(x, (int, float, str, bool)) and type(x) is type(y) and x == y)
+               for x, y in zip(leaves_a, leaves_b))

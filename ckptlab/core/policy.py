@@ -1,0 +1,300 @@
+"""The checkpoint-policy vocabulary: which of a model's N blocks recompute their activations.
+
+Policies are written as strings because notebook parameters and CLI flags are strings:
+
+    none            keep every activation (the baseline)
+    full            recompute every block (Hugging Face `gradient_checkpointing=True`)
+    density=D       round(D * N) blocks, spread evenly (see `spread_evenly`), D in [0, 1]
+    every=K         blocks K-1, 2K-1, ... (every K-th block; HF `every_n_layers`,
+                    torchtitan `selective_ac_option=K`), K >= 1
+    layers=0,3,5    exactly these block indices
+    segments=S      `torch.utils.checkpoint.checkpoint_sequential(blocks, S)`: the blocks are cut
+    segments=sqrt   into S contiguous segments; every segment but the last is ONE checkpoint
+                    region that keeps only its input; the last runs normally, as in PyTorch,
+                    because its backward starts right after forward. `sqrt` means round(sqrt(N)).
+    selective       op-level selective checkpointing in every block
+    selective=V     (`torch.utils.checkpoint.create_selective_checkpoint_contexts`): keep the
+                    outputs of some ops, recompute the rest. V picks what is kept: `mm` (default:
+                    every matmul and attention output), `alt` (every other matmul + attention, as
+                    torchtitan does), `attn` (attention outputs only).
+    plan=kfsk...    one letter per block: k keep, s selective, f full recompute (what the budget
+                    planner chooses; printable and re-appliable)
+    budget=B        let `ckptlab.plan` choose keep/selective/full per block to fit B: a size
+                    (6GiB, 512MiB) or a fraction in (0, 1] of the no-checkpointing peak (0.5).
+                    Needs the workload's shapes, so `measure`/`plan_budget` resolve it to a plan.
+    compile         `torch.compile` the model; `compile:budget=B` (0 <= B <= 1) also sets
+    compile:budget=B  `torch._functorch.config.activation_memory_budget`, PyTorch's own planner.
+    P+offload       any policy above with saved activations moved to host memory
+                    (`torch.autograd.graph.save_on_cpu`, pinned on CUDA); `offload` alone is
+                    none+offload. A no-op on CPU, where activations already live in host memory.
+    hf              transformers models only (`ckptlab.checkpoint.hf`): Hugging Face's own checkpointing,
+    hf:every_n_layers=K  `activation_checkpointing_enable()` (non-reentrant) on every layer, on
+    hf:offload      layers 0, K, 2K, ..., or with offload=True, where the installed version has it.
+
+`parse_policy` only checks the syntax; anything that depends on N (layers out of range, more
+segments than blocks) is checked by `Policy.regions(n_blocks)`, which `apply_checkpointing`
+calls before touching the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .units import parse_bytes
+
+KINDS = ("none", "full", "density", "every", "layers", "segments", "selective", "plan", "budget", "compile")
+SELECTIVE_VARIANTS = ("mm", "alt", "attn")
+PLAN_LETTERS = {"k": "keep", "s": "selective", "f": "full"}
+
+POLICY_HELP = (
+    "one of: none | full | density=D (0<=D<=1) | every=K (K>=1) | "
+    "layers=i,j,... (block indices) | segments=S (S>=1) | segments=sqrt | selective[=mm|alt|attn] | "
+    "plan=<k|s|f per block> | budget=<size like 6GiB, or fraction like 0.5> | compile | "
+    "compile:budget=B (0<=B<=1); any of them +offload"
+    "; transformers models also: hf | hf:every_n_layers=K (K>=1) | hf:offload"
+)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A parsed policy. `value` is None for none/full, a float for density, an int for every,
+    a tuple of ints for layers, an int or "sqrt" for segments, a variant name for selective, a
+    string of k/s/f letters for plan, bytes (int) or a fraction (float) for budget, and the
+    activation memory budget (float, None for the default) for compile. `offload` composes."""
+
+    kind: str
+    value: object = None
+    offload: bool = False
+
+    def __str__(self) -> str:
+        if self.value is None or (self.kind == "selective" and self.value == "mm"):
+            text = self.kind
+        elif self.kind == "layers":
+            text = "layers=" + ",".join(str(i) for i in self.value)
+        elif self.kind == "compile":
+            text = f"compile:budget={self.value}"
+        elif self.kind == "budget" and isinstance(self.value, int):
+            text = f"budget={self.value}B"
+        else:
+            text = f"{self.kind}={self.value}"
+        if self.offload:
+            return "offload" if self.kind == "none" else text + "+offload"
+        return text
+
+    def modes(self, n_blocks: int) -> list[str]:
+        """Per block: "keep", "full" or "selective[=V]" (what wrap applies to each block)."""
+        if self.kind == "plan":
+            self.regions(n_blocks)  # validates the length
+            return [PLAN_LETTERS[c] for c in self.value]
+        chosen = set(self.checkpointed_blocks(n_blocks))
+        mode = "selective" if self.kind == "selective" and self.value == "mm" else (
+            f"selective={self.value}" if self.kind == "selective" else "full")
+        return [mode if i in chosen else "keep" for i in range(n_blocks)]
+
+    def regions(self, n_blocks: int) -> list[tuple[int, int]]:
+        """Checkpoint regions as half-open block ranges [start, stop), in block order.
+
+        A region of one block recomputes that block; a longer region (segments) recomputes the
+        whole segment from its input. Raises ValueError if the policy cannot apply to n_blocks.
+        """
+        if n_blocks < 1:
+            raise ValueError(f"n_blocks={n_blocks!r} is invalid: a model needs at least 1 block")
+        if self.kind == "none":
+            return []
+        if self.kind in ("full", "selective"):
+            return [(i, i + 1) for i in range(n_blocks)]
+        if self.kind == "compile":
+            return []  # the compiler decides what to recompute, inside the compiled graph
+        if self.kind == "plan":
+            if len(self.value) != n_blocks:
+                raise ValueError(
+                    f"plan={self.value} is invalid for a model with {n_blocks} blocks: allowed is "
+                    f"exactly {n_blocks} letters (k keep, s selective, f full), one per block"
+                )
+            return [(i, i + 1) for i, c in enumerate(self.value) if c != "k"]
+        if self.kind == "budget":
+            raise ValueError(
+                f"policy={self} needs the workload's shapes to become a per-block plan: use "
+                "ckptlab.measure(...) or ckptlab.plan_budget(...) and apply the plan it returns"
+            )
+        if self.kind == "density":
+            return [(i, i + 1) for i in spread_evenly(round(self.value * n_blocks), n_blocks)]
+        if self.kind == "every":
+            return [(i, i + 1) for i in range(self.value - 1, n_blocks, self.value)]
+        if self.kind == "layers":
+            bad = [i for i in self.value if i >= n_blocks]
+            if bad:
+                raise ValueError(
+                    f"layers={','.join(map(str, self.value))} is invalid for a model with "
+                    f"{n_blocks} blocks: index {bad[0]} out of range; allowed indices are "
+                    f"0..{n_blocks - 1}"
+                )
+            return [(i, i + 1) for i in self.value]
+        if self.kind == "segments":
+            n_segments = max(1, round(math.sqrt(n_blocks))) if self.value == "sqrt" else self.value
+            if n_segments > n_blocks:
+                raise ValueError(
+                    f"segments={self.value} is invalid for a model with {n_blocks} blocks: "
+                    f"allowed is 1..{n_blocks} segments"
+                )
+            # Same cut as torch.utils.checkpoint.checkpoint_sequential: equal segments of
+            # N // S blocks, the remainder going to the last (uncheckpointed) one.
+            size = n_blocks // n_segments
+            return [(s * size, (s + 1) * size) for s in range(n_segments - 1)]
+        if self.kind in HF_KINDS:  # nominal; ckptlab.checkpoint.hf reports the layers transformers marks
+            step = self.value if self.kind == "hf:every_n_layers" else 1
+            return [(i, i + 1) for i in range(0, n_blocks, step)]
+        raise AssertionError(f"unhandled policy kind {self.kind!r}")
+
+    def checkpointed_blocks(self, n_blocks: int) -> list[int]:
+        """Indices of the blocks whose activations are recomputed."""
+        return [i for start, stop in self.regions(n_blocks) for i in range(start, stop)]
+
+    def effective_density(self, n_blocks: int) -> float:
+        """Fraction of the n_blocks blocks that recompute: the common axis for every policy."""
+        return len(self.checkpointed_blocks(n_blocks)) / n_blocks
+
+
+def spread_evenly(k: int, n: int) -> list[int]:
+    """k of n indices spread evenly: the midpoints of k equal slices of range(n).
+
+    k=1 of 8 -> [4]; k=2 of 8 -> [2, 6]; k=4 of 8 -> [1, 3, 5, 7]; k=n -> all. Spreading keeps
+    the recomputed blocks apart, so the backward pass never recomputes two neighbours at once.
+    """
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k!r} is invalid: allowed is 0..{n}")
+    return [(2 * j + 1) * n // (2 * k) for j in range(k)]  # integer arithmetic: no float rounding
+
+
+def parse_policy(text: str | Policy) -> Policy:
+    """Parse a policy string such as `density=0.5`; a Policy passes through unchanged.
+
+    Raises ValueError naming the parameter, the value and what is allowed.
+    """
+    if isinstance(text, Policy):
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"policy={text!r} is invalid: expected a string, {POLICY_HELP}")
+    if "+" in text:
+        parts = [p.strip().lower() for p in text.split("+")]
+        if "offload" not in parts or parts.count("offload") > 1 or len(parts) > 2 or "" in parts:
+            raise ValueError(
+                f"policy={text!r} is invalid: '+' composes one policy with offload only, "
+                "e.g. density=0.5+offload"
+            )
+        base = parse_policy(next((p for p in parts if p != "offload"), "none"))
+        if base.offload:
+            raise ValueError(f"policy={text!r} is invalid: offload is given twice")
+        return Policy(base.kind, base.value, offload=True)
+    spec = text.strip().lower()
+    if spec == "offload":
+        return Policy("none", offload=True)
+    if spec.startswith("compile"):
+        return _parse_compile(text, spec)
+    name, sep, arg = spec.partition("=")
+    name, arg = name.strip(), arg.strip()
+    if name == "hf" or name.startswith("hf:"):  # transformers' own mechanism, applied by ckptlab.checkpoint.hf
+        return _parse_hf(text, name, sep, arg)
+    if name not in KINDS:
+        raise ValueError(f"policy={text!r} is invalid: unknown policy {name!r}; allowed is {POLICY_HELP}")
+    if name == "selective":
+        variant = arg if sep else "mm"
+        if variant not in SELECTIVE_VARIANTS:
+            raise ValueError(f"selective={arg} is invalid: allowed variants are {', '.join(SELECTIVE_VARIANTS)}")
+        return Policy("selective", variant)
+    if name in ("none", "full"):
+        if sep:
+            raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; allowed is {POLICY_HELP}")
+        return Policy(name)
+    if not sep or not arg:
+        raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; allowed is {POLICY_HELP}")
+    if name == "plan":
+        bad = sorted(set(arg) - set(PLAN_LETTERS))
+        if bad:
+            raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed; allowed are "
+                             "k (keep), s (selective), f (full), one per block")
+        return Policy("plan", arg)
+    if name == "budget":
+        return Policy("budget", _parse_budget(arg))
+    if name == "density":
+        density = _number(text, name, arg, float)
+        if not (0.0 <= density <= 1.0) or math.isnan(density):
+            raise ValueError(f"density={arg} is invalid: allowed is a number in [0, 1]")
+        return Policy("density", density)
+    if name == "every":
+        k = _number(text, name, arg, int)
+        if k < 1:
+            raise ValueError(f"every={arg} is invalid: allowed is an integer >= 1")
+        return Policy("every", k)
+    if name == "layers":
+        indices = tuple(_number(text, name, part.strip(), int) for part in arg.split(","))
+        if any(i < 0 for i in indices):
+            raise ValueError(f"layers={arg} is invalid: allowed are block indices >= 0")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"layers={arg} is invalid: an index is repeated; allowed are distinct indices")
+        return Policy("layers", tuple(sorted(indices)))
+    # segments
+    if arg == "sqrt":
+        return Policy("segments", "sqrt")
+    n_segments = _number(text, name, arg, int)
+    if n_segments < 1:
+        raise ValueError(f"segments={arg} is invalid: allowed is an integer >= 1 or 'sqrt'")
+    return Policy("segments", n_segments)
+
+
+def _parse_budget(arg: str) -> int | float:
+    """'0.5' -> 0.5 (a fraction of the no-checkpointing peak); '6GiB', '512MB', '1e9' -> bytes."""
+    try:
+        number = float(arg)
+    except ValueError:
+        number = None
+    if number is not None and 0 < number <= 1:
+        return number
+    if number is not None and number <= 0:
+        raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] or a size such as 6GiB")
+    try:
+        return parse_bytes(arg, "budget")
+    except ValueError:
+        raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] of the "
+                         "no-checkpointing peak, or a size such as 6GiB, 512MiB, 2GB") from None
+
+
+def _parse_compile(text: str, spec: str) -> Policy:
+    rest = spec[len("compile"):].strip()
+    if not rest:
+        return Policy("compile")
+    name, sep, arg = rest.lstrip(":").partition("=")
+    if not rest.startswith(":") or name.strip() != "budget" or not sep:
+        raise ValueError(f"policy={text!r} is invalid: allowed is compile or compile:budget=B with 0<=B<=1")
+    budget = _number(text, "compile:budget", arg.strip(), float)
+    if not (0.0 <= budget <= 1.0) or math.isnan(budget):
+        raise ValueError(f"compile:budget={arg.strip()} is invalid: allowed is a number in [0, 1]")
+    return Policy("compile", budget)
+
+
+HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")
+
+
+def _parse_hf(text: str, name: str, sep: str, arg: str) -> Policy:
+    allowed = "allowed is hf | hf:every_n_layers=K (K>=1) | hf:offload"
+    if name not in HF_KINDS:
+        raise ValueError(f"policy={text!r} is invalid: unknown Hugging Face policy {name!r}; {allowed}")
+    if name != "hf:every_n_layers":
+        if sep:
+            raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; {allowed}")
+        return Policy(name)
+    if not sep or not arg:
+        raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; {allowed}")
+    k = _number(text, "every_n_layers", arg, int)
+    if k < 1:
+        raise ValueError(f"hf:every_n_layers={arg} is invalid: allowed is an integer >= 1")
+    return Policy(name, k)
+
+
+def _number(text: str, name: str, arg: str, kind: type):
+    try:
+        return kind(arg)
+    except ValueError:
+        expected = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name}={arg} is invalid in policy={text!r}: expected {expected}") from None

@@ -1,0 +1,448 @@
+"""Checkpointing measured under FSDP2 sharded data-parallel training (`fully_shard`), N ranks.
+
+    rec = measure_sharded("gpt-tiny", batch_size=2, seq_len=64, policy="density=0.5", nproc=2)
+    rec["world_size"], rec["peak_bytes_per_rank"], rec["peak_bytes"]   # peak = max over ranks
+
+Each rank builds the same seeded model, applies the checkpoint policy to its blocks, then shards
+it, and trains on its own slice of a global batch of `batch_size * nproc` rows (`batch_size` is
+per rank, as in every data-parallel setup). Backend: gloo on CPU, NCCL on CUDA (rank r uses
+cuda:r on one node).
+
+Order — checkpointing first, then `fully_shard(block)` for every block, then `fully_shard(root)`:
+  * one FSDP unit per block puts each checkpointed region *inside* a unit: FSDP's pre-forward
+    all-gather and post-forward reshard hooks run around the block's `__call__`, outside the
+    checkpoint, and in backward FSDP's pre-backward all-gather runs before the block's gradient
+    functions, so the recompute finds the parameters already unsharded (no second all-gather);
+  * `find_blocks` and the policy see the plain model (fully_shard swaps each module's class to an
+    FSDP subclass), and parameter names are unchanged. torchtitan applies AC before FSDP too;
+  * the root call shards what is left (embeddings, final norm, the tied head) as one unit.
+
+Memory: each process measures itself. The live-tensor tracker (`ckptlab.track_memory`) works per
+process, but FSDP2 frees an unsharded parameter by resizing its storage to 0 bytes — invisible to
+a tracker that learns of frees from storages dying — so per-rank peaks come from the allocator:
+the profiler's allocation/free events on CPU (as for torch.compile in `measure`), the caching
+allocator's `max_memory_allocated` on CUDA. Both count what the rank holds at the start of the
+step (its parameter, gradient and optimizer-state shards and its batch) plus the high-water mark
+of allocations during one forward + backward + optimizer step.
+
+Launch: one fresh `python -c` process per rank, started by the caller with the environment
+torchrun gives a rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on a free local port).
+Chosen over `torch.multiprocessing.spawn`, which re-imports the caller's `__main__` in every
+rank (a script without an `if __name__ == "__main__"` guard starts ranks recursively) and pickles
+its arguments, and over a `torchrun` subprocess, whose elastic agent adds start-up seconds on a
+small CPU: plain processes work from scripts, notebooks and pytest alike, the first rank that
+dies ends the group at once with its last stderr line as the reason, and a hung group is killed
+at `timeout_s`. Under `torchrun` (one
+process per rank already started, RANK/WORLD_SIZE set) run `python -m ckptlab.probe.distributed ...`:
+the same per-rank code, rank 0 prints the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..checkpoint.blocks import find_blocks
+from ..checkpoint.wrap import apply_checkpointing
+from ..core.parsing import split_list
+from ..core.policy import parse_policy
+from ..core.units import parse_bytes
+from ..workloads.base import Workload
+from ..workloads.registry import get_workload
+from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, training_step
+from .timing import time_steps
+
+
+def measure_sharded(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none",
+                    nproc: int = 2, **kwargs) -> dict:
+    """Measure one training step of `workload` sharded over `nproc` ranks; one tidy record.
+
+    Record: the `measure` columns that apply, plus `world_size`, `peak_bytes_per_rank` (list, by
+    rank), `peak_bytes` (max over ranks), `saved_activation_bytes` (rank 0: allocated in forward
+    and alive when backward starts), `step_ms` (rank 0's median; ranks step in lockstep).
+    Failures come back as status "error"/"oom" with a message, never an exception. Keyword
+    arguments: see `measure_sharded_many`.
+    """
+    return measure_sharded_many(workload, batch_size, seq_len, [policy], nproc, **kwargs)[0]
+
+
+def measure_sharded_many(workload: Workload | str, batch_size: int, seq_len: int,
+                         policies=("none",), nproc: int = 2, device: str = "cpu", dtype: str = "fp32",
+                         steps: int = 3, warmup: int = 1, memory_limit=None, optimizer: str = "adamw",
+                         accum_steps: int = 1, seed: int = 0, model_overrides: Optional[dict] = None,
+                         timeout_s: Optional[float] = 600) -> list[dict]:
+    """One record per policy, all measured by one group of `nproc` ranks (one start-up, one
+    process group; each policy on a freshly built and sharded model)."""
+    spec = _spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, warmup,
+                 memory_limit, optimizer, accum_steps, seed, model_overrides)
+    with tempfile.TemporaryDirectory(prefix="ckptlab-ranks-") as tmp:
+        error = _spawn(spec, nproc, tmp, timeout_s)
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+    ranks.sort(key=lambda r: r[0]["rank"])
+    records = []
+    for i, policy in enumerate(spec["policies"]):
+        if error or len(ranks) != nproc:
+            record = _base_record({**spec, "policy": policy}, nproc)
+            oom = "OutOfMemoryError" in error
+            record.update(status="oom" if oom else "error", fits=False if oom else None,
+                          message=error or f"only {len(ranks)} of {nproc} ranks reported")
+        else:
+            record = combine([r[i] for r in ranks])
+        records.append(record)
+    return records
+
+
+def sharded_gradients(workload: Workload | str, batch_size: int, seq_len: int, policies=("none",),
+                      nproc: int = 2, seed: int = 0, model_overrides: Optional[dict] = None,
+                      device: str = "cpu", timeout_s: Optional[float] = 600) -> list[dict]:
+    """Per policy: {parameter name: full gradient (CPU tensor)} after one forward + backward of
+    the checkpointed, sharded model on every rank's slice of the global batch of
+    `batch_size * nproc` rows (FSDP averages over ranks: equal to the unsharded gradient of the
+    whole global batch). For checking that sharding + checkpointing changes no gradient."""
+    spec = _spec(workload, batch_size, seq_len, policies, nproc, device, "fp32", 1, 0, None, "none",
+                 1, seed, model_overrides)
+    spec["mode"] = "gradients"
+    with tempfile.TemporaryDirectory(prefix="ckptlab-ranks-") as tmp:
+        error = _spawn(spec, nproc, tmp, timeout_s)
+        if error:
+            raise RuntimeError(f"sharded_gradients: {error}")
+        return torch.load(Path(tmp, "gradients.pt"))
+
+
+def _spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, warmup, memory_limit,
+          optimizer, accum_steps, seed, model_overrides) -> dict:
+    """Validate everything before any process starts; the JSON spec every rank reads."""
+    overrides = dict(model_overrides or {})
+    if not isinstance(workload, str):
+        if workload.spec is None:
+            raise ValueError(f"workload {workload.name!r} is invalid for ranks: each rank process re-creates the "
+                             "workload from its spec; define it in a file and pass 'path/to/file.py:factory'")
+        seed, overrides = workload.seed, {**workload.overrides, **overrides}
+    name = workload if isinstance(workload, str) else workload.spec
+    model_hash = get_workload(name, seed=seed, **overrides).spec_hash   # validates name and overrides
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r} is invalid: allowed is an integer >= 1")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    dev_type = torch.device(device).type
+    if dev_type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda")
+    if dev_type == "cuda" and torch.cuda.device_count() < nproc:
+        raise ValueError(f"nproc={nproc} is invalid here: only {torch.cuda.device_count()} CUDA devices")
+    for label, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps), ("accum_steps", accum_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label}={value!r} is invalid: allowed is an integer >= 1")
+    policies = [str(parse_policy(p)) for p in ([policies] if isinstance(policies, str) else policies)]
+    return dict(model=name, model_hash=model_hash, seed=seed, overrides=overrides, batch_size=batch_size, seq_len=seq_len,
+                policies=policies, device_type=dev_type, dtype=dtype, steps=steps, warmup=warmup,
+                memory_limit_bytes=parse_bytes(memory_limit), optimizer=optimizer, accum_steps=accum_steps)
+
+
+def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> str:
+    """Start nproc rank processes and wait; '' on success, else why not. Each rank is a fresh
+    `python -c` process with the environment torchrun would give it (RANK, WORLD_SIZE, ...)."""
+
+    Path(out_dir, "spec.json").write_text(json.dumps(spec))
+    port = _free_port()
+    pythonpath = os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), PYTHONPATH=pythonpath)
+        err = open(Path(out_dir, f"rank{rank}.err"), "w")
+        procs.append((subprocess.Popen([sys.executable, "-c", _RANK_MAIN, out_dir], env=env,
+                                       stdout=subprocess.DEVNULL, stderr=err), err))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failed = ""
+    try:
+        while any(p.poll() is None for p, _ in procs):
+            dead = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.returncode not in (None, 0)]
+            if dead and not failed:   # one rank died: the others would wait for it forever
+                failed = _rank_failure(out_dir, *dead[0])
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                failed = f"{nproc} ranks timed out after {timeout_s} s"
+                break
+            time.sleep(0.05)
+    finally:
+        for p, err in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            err.close()
+    if not failed:
+        dead = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.returncode != 0]
+        failed = _rank_failure(out_dir, *dead[0]) if dead else ""
+    return failed
+
+
+def _rank_failure(out_dir: str, rank: int, code: int) -> str:
+    lines = [l for l in Path(out_dir, f"rank{rank}.err").read_text(errors="replace").splitlines() if l.strip()]
+    return f"rank {rank} exited with code {code}: {lines[-1].strip() if lines else 'no output'}"[:500]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+# os._exit once the results are on disk: gloo's C++ threads can abort the interpreter's normal
+# shutdown ("terminate called without an active exception", seen here in the test suite).
+_RANK_MAIN = ("import os, sys; from ckptlab.probe.distributed import _rank_main; _rank_main(sys.argv[1]); "
+              "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
+
+
+def _rank_main(out_dir: str) -> None:
+    spec = json.loads(Path(out_dir, "spec.json").read_text())
+    result = run_rank(spec)
+    if spec.get("mode") == "gradients":
+        if int(os.environ["RANK"]) == 0:
+            torch.save(result, Path(out_dir, "gradients.pt"))
+        return
+    Path(out_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps(result, default=str))
+
+
+def run_rank(spec: dict, gather: bool = False):
+    """This rank's part, for every policy of the spec, in a process group initialised from the
+    environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT: as torchrun or `_spawn` set them). Returns
+    this rank's partial records (or, in gradients mode, rank 0's full gradients per policy);
+    with `gather`, every rank's partial records, collected over the process group."""
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if spec["device_type"] == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        # ranks share the machine's cores: split them instead of oversubscribing
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("gloo")
+    try:
+        if spec.get("mode") == "gradients":
+            result = [_gradients_rank(spec, p, rank, world, dev) for p in spec["policies"]]
+        else:
+            result = [_measure_rank({**spec, "policy": p}, rank, world, dev) for p in spec["policies"]]
+            if gather:
+                everyone = [None] * world
+                dist.all_gather_object(everyone, result)
+                result = everyone
+        # No rank tears down its group while a peer is still in a collective with it (only on
+        # success: after a failure the launcher ends the group instead of a barrier hanging).
+        dist.barrier()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _gradients_rank(spec: dict, policy: str, rank: int, world: int, dev: torch.device) -> dict:
+    workload = get_workload(spec["model"], seed=spec["seed"], **spec["overrides"])
+    model = workload.build(dev)
+    model.train()
+    shard_model(model, parse_policy(policy), world, dev.type)
+    batch = rank_batch(workload, spec["batch_size"], spec["seq_len"], rank, world, dev)
+    torch.manual_seed(workload.seed + rank)
+    workload.loss(model, batch).backward()
+    # full_tensor() is a collective: every rank calls it, rank 0 keeps the result
+    return {n: p.grad.full_tensor().detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def shard_model(model: torch.nn.Module, policy, world: int, device_type: str):
+    """Checkpoint, then fully_shard each block, then the root (see the module docstring)."""
+
+    handle = apply_checkpointing(model, policy)
+    mesh = init_device_mesh(device_type, (world,))
+    for block in find_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return handle
+
+
+def rank_batch(workload: Workload, batch_size: int, seq_len: int, rank: int, world: int, dev) -> tuple:
+    """Rank r's slice (rows r*b..(r+1)*b) of the global batch of batch_size * world rows."""
+    full = workload.batch(batch_size * world, seq_len, "cpu")
+    return tuple(t[rank * batch_size:(rank + 1) * batch_size].contiguous().to(dev) for t in full)
+
+
+def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
+    """This rank's partial record. An exception is not caught: it ends this rank's process, and
+    the launcher ends the group (a rank that stopped early would leave the others waiting in a
+    collective) and reports the error — an out-of-memory error as status "oom"."""
+
+
+    out = {"rank": rank, "world_size": world, "spec": spec, "device_name": device_name(dev)}
+    limit = spec["memory_limit_bytes"]
+    if dev.type == "cuda" and limit is not None:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / torch.cuda.get_device_properties(dev).total_memory), dev)
+    workload = get_workload(spec["model"], seed=spec["seed"], **spec["overrides"])
+    model = workload.build(dev)
+    model.train()
+    handle = shard_model(model, parse_policy(spec["policy"]), world, dev.type)
+    out.update(n_blocks=handle.n_blocks, block_stacks=handle.stacks_found, effective_density=handle.effective_density,
+               checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)))
+    batch = rank_batch(workload, spec["batch_size"], spec["seq_len"], rank, world, dev)
+    optimizer = make_optimizer(spec["optimizer"], model)
+    step = training_step(model, workload, batch, optimizer, spec["dtype"], spec["accum_steps"])
+    torch.manual_seed(workload.seed + rank)
+    step()   # warm-up: optimizer state exists
+    handle.reset_counts()
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    held = list(model.parameters()) + list(batch)
+    if optimizer is not None:
+        held += [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    start = {}
+    for t in map(local, held):
+        if t.device == dev:
+            start[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    peak, saved, loss = _step_peak(step, dev, sum(start.values()))
+    out.update(peak_bytes=peak, start_bytes=sum(start.values()), saved_activation_bytes=saved,
+               recompute_count=handle.recompute_count, loss=float(loss), status="ok", message="")
+    out["fits"] = None if limit is None else peak <= limit
+    # Every rank must take the same branch: time the steps only if every rank fits.
+    all_fit = torch.tensor([0 if out["fits"] is False else 1], device=dev)
+    dist.all_reduce(all_fit, op=dist.ReduceOp.MIN)
+    if not all_fit.item():
+        out.update(status="oom", message=f"rank {rank}: peak {peak} B exceeds the memory limit {limit} B"
+                   if out["fits"] is False else f"another rank exceeds the memory limit {limit} B")
+        return out
+    timing = time_steps(step, steps=spec["steps"], warmup=spec["warmup"], device=dev)
+    out.update(step_ms=timing.median_ms, step_ms_min=timing.min_ms, step_ms_max=timing.max_ms)
+    return out
+
+
+class _Marks:
+    def phase(self, name):
+        with record_function(f"ckptlab::{name}"):
+            pass
+
+
+def _step_peak(step, dev: torch.device, start_bytes: int):
+    """(peak bytes, bytes allocated in forward and alive when backward starts, loss) of one step."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        marks = _CudaMarks(dev, base)
+        loss = step(marks)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base + start_bytes, marks.at_backward, loss
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = step(_Marks())
+    events = list(prof.profiler.kineto_results.events())
+    allocs = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    bwd = next((e.start_ns() for e in events if e.name() == "ckptlab::backward"), None)
+    current = peak = 0
+    at_backward = None
+    for t, nbytes in allocs:
+        if at_backward is None and bwd is not None and t >= bwd:
+            at_backward = current
+        current += nbytes
+        peak = max(peak, current)
+    return start_bytes + peak, at_backward, loss
+
+
+class _CudaMarks:
+    def __init__(self, dev, base):
+        self.dev, self.base, self.at_backward = dev, base, None
+
+    def phase(self, name):
+        if name == "backward" and self.at_backward is None:
+            self.at_backward = torch.cuda.memory_allocated(self.dev) - self.base
+
+
+def _base_record(spec: dict, world: int) -> dict:
+    b, s, a = spec["batch_size"], spec["seq_len"], spec["accum_steps"]
+    return {
+        "model": spec["model"], "model_hash": spec.get("model_hash"), "n_blocks": None,
+        "block_stacks": None, "batch_size": b, "seq_len": s, "accum_steps": a,
+        "effective_batch_size": b * a * world, "tokens": b * s * a * world, "policy": spec["policy"],
+        "effective_density": None, "checkpointed_blocks": None,
+        "device": spec["device_type"], "device_name": None, "dtype": spec["dtype"],
+        "optimizer": spec["optimizer"], "steps": spec["steps"], "warmup": spec["warmup"],
+        "memory_limit_bytes": spec["memory_limit_bytes"], "world_size": world, "sharding": "fsdp2",
+        "peak_bytes": None, "peak_bytes_per_rank": None, "start_bytes_per_rank": None,
+        "saved_activation_bytes": None, "recompute_count": None, "loss": None, "step_ms": None,
+        "step_ms_min": None, "step_ms_max": None, "tokens_per_s": None, "fits": None,
+        "status": "ok", "message": "",
+    }
+
+
+def combine(ranks: list[dict]) -> dict:
+    """Per-rank partial records -> one record: peak = max over ranks, the rest from rank 0."""
+    r0 = ranks[0]
+    record = _base_record(r0["spec"], r0["world_size"])
+    bad = next((r for r in ranks if r.get("fits") is False), None) or next(
+        (r for r in ranks if r.get("status") != "ok"), None)
+    record.update({k: r0.get(k) for k in ("n_blocks", "block_stacks", "effective_density", "checkpointed_blocks",
+                                          "device_name", "saved_activation_bytes", "recompute_count",
+                                          "loss", "step_ms", "step_ms_min", "step_ms_max")})
+    peaks = [r.get("peak_bytes") for r in ranks]
+    record.update(peak_bytes_per_rank=peaks, start_bytes_per_rank=[r.get("start_bytes") for r in ranks],
+                  peak_bytes=max(peaks) if all(p is not None for p in peaks) else None,
+                  fits=None if any(r.get("fits") is None for r in ranks) else all(r["fits"] for r in ranks))
+    if record["step_ms"]:
+        record["tokens_per_s"] = record["tokens"] / (record["step_ms"] / 1e3)
+    if bad is not None:
+        record.update(status=bad["status"], message=bad.get("message", ""))
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure policies sharded over N ranks and print one JSON record per policy. Under torchrun
+    (`torchrun --nproc-per-node 2 -m ckptlab.probe.distributed ...`) this process is one rank and
+    rank 0 prints; otherwise it starts --nproc ranks itself."""
+    p = argparse.ArgumentParser(prog="python -m ckptlab.probe.distributed", description=main.__doc__)
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--batch", type=int, default=2, help="per-rank batch size")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--policy", default="none", help="policies, comma-separated")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+
+    policies = split_list(args.policy)
+    if "RANK" not in os.environ:
+        records = measure_sharded_many(args.model, args.batch, args.seq, policies, nproc=args.nproc,
+                                       device=args.device, dtype=args.dtype, steps=args.steps, warmup=args.warmup)
+    else:
+        world = int(os.environ["WORLD_SIZE"])
+        spec = _spec(args.model, args.batch, args.seq, policies, world, args.device, args.dtype, args.steps,
+                     args.warmup, None, "adamw", 1, 0, None)
+        ranks = run_rank(spec, gather=True)
+        if int(os.environ["RANK"]) != 0:
+            return 0
+        records = [combine([r[i] for r in ranks]) for i in range(len(policies))]
+    for record in records:
+        print(json.dumps(record, default=str))
+    return 0 if all(r["status"] != "error" for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""One configuration -> one tidy record: peak memory (by category), saved-activation bytes,
+step time, tokens/s, recompute count, and whether it fits a memory limit.
+
+A measurement is two passes over the same model and batch:
+  1. memory: one warm-up step (so optimizer state and lazy buffers exist), then one step under
+     the live-tensor tracker (and, on CUDA, the allocator's peak counters);
+  2. time: `warmup` untracked steps, then `steps` timed steps — never under the tracker, whose
+     Python hooks would distort the time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..checkpoint.wrap import apply_checkpointing
+from ..core.policy import parse_policy
+from ..core.units import parse_bytes
+from ..core.validate import check_int
+from ..workloads.base import Workload
+from ..workloads.registry import get_workload
+from .memory import CATEGORIES, MemoryReport, cuda_allocator_stats, track_memory
+from .plan import plan_budget
+from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
+from .timing import time_steps
+
+
+def measure(
+    workload: Workload | str,
+    batch_size: int,
+    seq_len: int,
+    policy: str = "none",
+    device: str = "cpu",
+    dtype: str = "fp32",
+    steps: int = 5,
+    warmup: int = 2,
+    memory_limit: Optional[str | int] = None,
+    optimizer: str = "adamw",
+    accum_steps: int = 1,
+    with_report: bool = False,
+) -> dict:
+    """Measure one training step of `workload` at (batch_size, seq_len) under `policy`.
+
+    Returns a flat dict (one row of a results table), or with `with_report=True` the pair
+    (record, MemoryReport of the tracked step, timeline included; None if it failed). Inputs are validated before any work and
+    raise ValueError; failures during the measurement come back as status "oom" or "error" with a
+    message, so a sweep never loses a row. On CPU `memory_limit` is emulated: a peak above it is
+    reported as status "oom". On CUDA it caps the process (real OOMs), defaulting to the device's
+    capacity. `accum_steps` > 1 runs that many forward+backward micro-batches of `batch_size`
+    before one optimizer step (gradient accumulation): effective batch = batch_size * accum_steps.
+    """
+    workload = get_workload(workload) if isinstance(workload, str) else workload
+    policy = parse_policy(policy)
+    check_int("batch_size", batch_size, 1)
+    check_int("seq_len", seq_len, 1)
+    if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
+    check_int("steps", steps, 1)
+    check_int("warmup", warmup, 0)
+    check_int("accum_steps", accum_steps, 1)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    dev = resolve_device(device)
+    limit = parse_bytes(memory_limit)
+    if dev.type == "cuda" and limit is None:
+        limit = torch.cuda.get_device_properties(dev).total_memory
+
+    record = {
+        "model": workload.label,
+        "model_hash": workload.spec_hash,   # content hash of the file that defines a spec's model
+        "loss_fn": workload.loss_name,
+        "n_blocks": None,
+        "block_stacks": None,             # the stacks of repeated blocks found: "encoder.block[6] + ..."
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "accum_steps": accum_steps,
+        "effective_batch_size": batch_size * accum_steps,
+        "tokens": batch_size * seq_len * accum_steps,   # per optimizer step
+        "policy": str(policy),
+        "effective_density": None,
+        "checkpointed_blocks": None,
+        "device": str(dev),
+        "device_name": device_name(dev),
+        "dtype": dtype,
+        "optimizer": optimizer,
+        "steps": steps,
+        "warmup": warmup,
+        "memory_limit_bytes": limit,
+        "peak_bytes": None,
+        **{f"peak_{c}_bytes": None for c in CATEGORIES},
+        "peak_phase": None,
+        "saved_activation_bytes": None,
+        "cuda_max_allocated_bytes": None,
+        "cuda_max_reserved_bytes": None,
+        "cuda_alloc_retries": None,
+        "cuda_ooms": None,
+        "recompute_count": None,
+        "plan": None,                     # budget=...: the per-block plan it resolved to (k/s/f)
+        "allocator_peak_bytes": None,     # compile: peak from the profiler's allocator events
+        "note": "",                       # what the policy did not do here (offload on CPU, ...)
+        "loss": None,
+        "step_ms": None,
+        "step_ms_min": None,
+        "step_ms_max": None,
+        "tokens_per_s": None,
+        "fits": None,
+        "status": "ok",
+        "message": "",
+    }
+    report = None
+    try:
+        with compile_config(policy):
+            report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer)
+    except torch.OutOfMemoryError as exc:
+        record.update(status="oom", fits=False, message=_first_line(exc))
+    except Exception as exc:  # noqa: BLE001 - a record with the reason beats a lost sweep
+        record.update(status="error", message=f"{type(exc).__name__}: {_first_line(exc)}")
+    finally:
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, dev)
+            torch.cuda.empty_cache()
+    return (record, report) if with_report else record
+
+
+def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name) -> None:
+    if dev.type == "cuda":
+        capacity = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / capacity), dev)
+    model = workload.build(dev)
+    model.train()
+    policy = _resolve_policy(record, workload, policy, dev, dtype, optimizer_name)
+    handle = apply_checkpointing(model, policy)
+    record.update(
+        n_blocks=handle.n_blocks,
+        block_stacks=handle.stacks_found,
+        effective_density=handle.effective_density,
+        checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
+    )
+    batch = workload.batch(record["batch_size"], record["seq_len"], dev)
+    optimizer = make_optimizer(optimizer_name, model)
+    compiled = torch.compile(model) if policy.kind == "compile" else model
+    step = training_step(compiled, workload, batch, optimizer, dtype, record["accum_steps"])
+
+    torch.manual_seed(workload.seed)
+    step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    handle.reset_counts()
+    if policy.kind == "compile":  # a dispatch-mode tracker cannot see inside compiled graphs
+        report, loss = allocator_step_memory(step, model, optimizer, batch, dev)
+        record["allocator_peak_bytes"] = report.peak_bytes
+    else:
+        with track_memory(model, optimizer, inputs=batch, device=dev) as tracker:
+            loss = step(tracker)
+        report = tracker.report()
+    record.update(
+        peak_bytes=report.peak_bytes,
+        **{f"peak_{c}_bytes": report.peak_by_category.get(c) for c in CATEGORIES},
+        peak_phase=report.peak_phase,
+        saved_activation_bytes=report.saved_activation_bytes,
+        recompute_count=handle.recompute_count,
+        loss=float(loss),
+    )
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        record.update(cuda_allocator_stats(dev))
+    peak = max(report.peak_bytes, record["cuda_max_allocated_bytes"] or 0)
+    if limit is not None:
+        record["fits"] = peak <= limit
+    if dev.type == "cpu" and limit is not None and not record["fits"]:
+        record.update(status="oom", message=f"peak {peak} B exceeds the emulated memory limit {limit} B")
+        return report
+
+    timing = time_steps(step, steps=steps, warmup=warmup, device=dev)
+    record.update(
+        step_ms=timing.median_ms,
+        step_ms_min=timing.min_ms,
+        step_ms_max=timing.max_ms,
+        tokens_per_s=record["tokens"] / (timing.median_ms / 1e3),
+    )
+    return report
+
+
+def _resolve_policy(record, workload, policy, dev, dtype, optimizer_name):
+    """budget=... becomes the per-block plan `ckptlab.probe.plan.plan_budget` chooses (recorded);
+    offload on CPU is noted as a no-op; compile is noted as measured by allocator events."""
+    notes = []
+    if policy.kind == "budget":
+        plan = plan_budget(workload, record["batch_size"], record["seq_len"], policy, dtype=dtype,
+                           optimizer=optimizer_name)
+        record["plan"] = plan.letters
+        notes.append(f"plan {plan.letters} (predicted peak {plan.predicted_peak_bytes} B <= budget {plan.budget_bytes} B)")
+        policy = type(policy)("plan", plan.letters, offload=policy.offload)
+    if policy.offload and dev.type == "cpu":
+        notes.append("offload is a no-op on CPU: activations already live in host memory")
+    if policy.kind == "compile":
+        notes.append("torch.compile: peak from the profiler's allocator events (categories and "
+                     "recompute count not visible inside compiled graphs)")
+    record["note"] = "; ".join(notes)
+    return policy
+
+
+@contextlib.contextmanager
+def compile_config(policy):
+    """For compile policies: a fresh dynamo cache and, for compile:budget=B,
+    `torch._functorch.config.activation_memory_budget = B` for the whole measurement."""
+    if getattr(policy, "kind", None) != "compile":
+        yield
+        return
+    import torch._dynamo  # noqa: PLC0415 - the compiler stack is heavy; only compile policies load it
+    import torch._functorch.config as functorch_config  # noqa: PLC0415 - as above
+
+    torch._dynamo.reset()
+    budget = 1.0 if policy.value is None else policy.value
+    try:
+        with functorch_config.patch(activation_memory_budget=budget):
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
+def allocator_step_memory(step, model, optimizer, batch, dev):
+    """One step's memory from the allocator rather than from tensors: CUDA's peak counters, or on
+    CPU the profiler's `[memory]` events (each allocation and free, with its size and time) —
+    which see allocations inside compiled graphs that a dispatch-mode tracker cannot. Returns a
+    MemoryReport (peak = bytes held when the step began + the allocator's high-water mark above
+    it; saved activations = bytes the forward left allocated) and the loss."""
+
+    start = {}
+    for t in list(model.parameters()) + list(batch) + [
+            t for st in (optimizer.state.values() if optimizer else []) for t in st.values()
+            if isinstance(t, torch.Tensor)]:
+        if t.device == dev:
+            start[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    start_bytes = sum(start.values())
+
+    class _Marks:
+        def phase(self, name):
+            with record_function(f"ckptlab::{name}"):
+                pass
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        loss = step()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base + start_bytes
+        return MemoryReport(peak, {}, "unknown", start_bytes, None), loss
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = step(_Marks())
+    events = list(prof.profiler.kineto_results.events())
+    records = sorted((e.start_ns(), e.nbytes()) for e in events
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    marks = {e.name(): e.start_ns() for e in events if e.name().startswith("ckptlab::")}
+    bwd_mark = marks.get("ckptlab::backward")
+    current = peak = 0
+    at_backward, peak_phase, timeline = None, "forward", []
+    for t, nbytes in records:
+        if at_backward is None and bwd_mark is not None and t >= bwd_mark:
+            at_backward = current
+        current += nbytes
+        timeline.append(("forward" if at_backward is None else "backward", start_bytes + current))
+        if current > peak:
+            peak, peak_phase = current, ("forward" if at_backward is None else "backward")
+    return MemoryReport(start_bytes + peak, {}, peak_phase, start_bytes, at_backward, timeline), loss
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+__all__ = ["measure", "training_step", "make_optimizer", "resolve_device"]

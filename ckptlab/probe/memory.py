@@ -1,0 +1,262 @@
+"""Memory probes.
+
+The ground truth is `track_memory()`: a live-tensor tracker that works on any device, CPU
+included. It sees every tensor an ATen op creates (a TorchDispatchMode), keys it by its storage,
+and learns when the storage is freed from a weak reference to it — so views are counted once and
+the peak is the true high-water mark of bytes held in live tensor storages. Saved-tensor hooks
+alone are not enough (under checkpointing or op-level caching they miss what is held elsewhere);
+here they only *label* storages as activations.
+
+Categories at the peak:
+    parameters        the model's parameters
+    gradients         tensors that became a parameter's .grad
+    optimizer_state   tensors in optimizer.state
+    activations       tensors held for backward: packed by autograd, or allocated in forward and
+                      still alive when forward ends (checkpoint inputs, logits)
+    temporaries       everything else: transient forward/backward buffers, recomputed activations
+
+The CUDA allocator view (`cuda_allocator_stats`, `cuda_memory_snapshot`) and an independent
+allocator-level count from the profiler (`profiler_peak_bytes`) sit beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+PHASES = ("setup", "forward", "backward", "optimizer")
+
+
+@dataclass
+class MemoryReport:
+    """What one tracked region held. Bytes are storage bytes (a view is not counted twice)."""
+
+    peak_bytes: int                           # high-water mark of live storage bytes
+    peak_by_category: dict[str, int]          # breakdown at that moment
+    peak_phase: str                           # phase in which the peak happened
+    start_bytes: int                          # live bytes when tracking began
+    saved_activation_bytes: int | None        # bytes allocated in forward, alive when it ended
+    timeline: list[tuple[str, int]] = field(repr=False, default_factory=list)  # (phase, live bytes)
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self, device: torch.device | None):
+        super().__init__()
+        self.device = device
+        self.live: dict[int, list] = {}       # storage key -> [nbytes, category, phase, weakref]
+        self.by_category = dict.fromkeys(CATEGORIES, 0)
+        self.total = 0
+        self.peak = 0
+        self.peak_by_category = dict(self.by_category)
+        self.peak_phase = "setup"
+        self.phase = "setup"
+        self.start_bytes = 0
+        self.saved_activation_bytes: int | None = None
+        self.timeline: list[tuple[str, int]] = []
+        self.active = True
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def track(self, tensor: torch.Tensor, category: str) -> None:
+        if not isinstance(tensor, torch.Tensor) or (self.device is not None and tensor.device != self.device):
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse / nested tensors have no storage
+            return
+        key = storage._cdata
+        entry = self.live.get(key)
+        if entry is not None:
+            if CATEGORIES.index(category) < CATEGORIES.index(entry[1]):
+                self.by_category[entry[1]] -= entry[0]
+                self.by_category[category] += entry[0]
+                entry[1] = category
+            return
+        nbytes = storage.nbytes()
+        ref = weakref.ref(storage, lambda _ref, key=key: self._free(key))
+        self.live[key] = [nbytes, category, self.phase, ref]
+        self.by_category[category] += nbytes
+        self.total += nbytes
+        if self.phase != "setup":  # what existed before the step is the timeline's starting level
+            self.timeline.append((self.phase, self.total))
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_by_category = dict(self.by_category)
+            self.peak_phase = self.phase
+
+    def _free(self, key: int) -> None:
+        if not self.active:
+            return
+        entry = self.live.pop(key, None)
+        if entry is None:
+            return
+        self.by_category[entry[1]] -= entry[0]
+        self.total -= entry[0]
+        self.timeline.append((self.phase, self.total))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.active:
+            for t in tree_flatten(out)[0]:
+                self.track(t, "temporaries")
+        return out
+
+    # -- phases -------------------------------------------------------------------------------
+    def set_phase(self, phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r} is invalid: allowed are {', '.join(PHASES)}")
+        if self.phase == "setup":
+            self.timeline.append((phase, self.total))
+        if self.phase == "forward" and phase != "forward":
+            # Whatever forward allocated and is still alive is held for backward.
+            held = 0
+            for entry in self.live.values():
+                if entry[2] == "forward":
+                    held += entry[0]
+                    if entry[1] == "temporaries":
+                        self.by_category["temporaries"] -= entry[0]
+                        self.by_category["activations"] += entry[0]
+                        entry[1] = "activations"
+            self.saved_activation_bytes = held
+        self.phase = phase
+
+    def report(self) -> MemoryReport:
+        return MemoryReport(
+            peak_bytes=self.peak,
+            peak_by_category=dict(self.peak_by_category),
+            peak_phase=self.peak_phase,
+            start_bytes=self.start_bytes,
+            saved_activation_bytes=self.saved_activation_bytes,
+            timeline=list(self.timeline),
+        )
+
+
+class MemoryTracker:
+    """Handle yielded by `track_memory`: call `phase("backward")` etc. between the parts of a step;
+    `report()` after the `with` block."""
+
+    def __init__(self, tracker: _Tracker):
+        self._tracker = tracker
+        self._report: MemoryReport | None = None
+
+    def phase(self, name: str) -> None:
+        self._tracker.set_phase(name)
+
+    def report(self) -> MemoryReport:
+        return self._report if self._report is not None else self._tracker.report()
+
+
+@contextlib.contextmanager
+def track_memory(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    inputs: Iterable[torch.Tensor] = (),
+    device: str | torch.device | None = None,
+):
+    """Track live tensor memory over a region (typically one training step).
+
+    Tensors that exist before the region starts (parameters, gradients, optimizer state, the
+    batch) are counted only if passed here; everything created inside is seen. `device` limits
+    the count to one device (default: the model's parameters' device). The region starts in phase
+    "forward"; call `tracker.phase("backward")` and `tracker.phase("optimizer")` as the step
+    proceeds.
+    """
+    if device is None and model is not None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else None
+    tracker = _Tracker(torch.device(device) if device is not None else None)
+    params = list(model.parameters()) if model is not None else []
+    for p in params:
+        tracker.track(p, "parameters")
+        if p.grad is not None:
+            tracker.track(p.grad, "gradients")
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for t in tree_flatten(state)[0]:
+                tracker.track(t, "optimizer_state")
+    for t in inputs:
+        tracker.track(t, "activations")
+    tracker.start_bytes = tracker.total
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.track(p.grad, "gradients"))
+             for p in params if p.requires_grad]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if tracker.active:
+            tracker.track(t, "activations")
+        return t
+
+    handle = MemoryTracker(tracker)
+    tracker.set_phase("forward")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+            yield handle
+        if optimizer is not None:  # state created during this step is optimizer state from now on
+            for state in optimizer.state.values():
+                for t in tree_flatten(state)[0]:
+                    tracker.track(t, "optimizer_state")
+    finally:
+        tracker.active = False
+        for h in hooks:
+            h.remove()
+        handle._report = tracker.report()
+        tracker.live.clear()
+
+
+# --------------------------------------------------------------------------- independent counts
+
+def profiler_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak CPU bytes allocated by `fn` above what was allocated when it started, from the
+    profiler's allocator events: an independent check of the live-tensor tracker (it sees the
+    allocator, not tensors), and the one that also sees inside compiled graphs."""
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # The raw allocator records (signed bytes, timestamps): the aggregated FunctionEvents net
+    # out allocations freed inside one op, which would hide transient peaks.
+    records = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    current = peak = 0
+    for _, nbytes in records:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+# --------------------------------------------------------------------------- CUDA allocator
+
+def cuda_allocator_stats(device: torch.device | str) -> dict[str, int]:
+    """The caching allocator's view since the last `torch.cuda.reset_peak_memory_stats`."""
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        "cuda_alloc_retries": stats.get("num_alloc_retries", 0),
+        "cuda_ooms": stats.get("num_ooms", 0),
+    }
+
+
+@contextlib.contextmanager
+def cuda_memory_snapshot(path: str, max_entries: int = 100_000):
+    """Record allocator history inside the block and write a snapshot pickle to `path`, for
+    https://pytorch.org/memory_viz."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_memory_snapshot needs a CUDA device; none is available")
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    try:
+        yield path
+    finally:
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+

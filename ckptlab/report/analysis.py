@@ -1,0 +1,204 @@
+"""Analysis of a sweep's records (a DataFrame from `sweep()` or `load_run()`); every function
+returns a new DataFrame and leaves its input alone.
+
+    overhead(df)    step time and memory against the no-checkpointing baseline (density 0)
+    pareto(df)      which configurations are on the (peak memory, step time) frontier
+    what_fits(df)   the largest batch (or seq) per policy that fits a memory limit: measured for
+                    the run's limit, extrapolated for 24/40/80/141 GiB cards from a linear fit
+    summary(df)     status counts and the best configuration per memory limit
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from ..core.units import CARD_LIMITS, format_bytes
+from .tables import format_table
+
+SHAPE = ["model", "batch_size", "seq_len", "dtype", "accum_steps"]   # what a baseline must share
+
+
+def ok(df: pd.DataFrame) -> pd.DataFrame:
+    """Only the cells that were measured successfully."""
+    return df[df["status"] == "ok"].copy() if len(df) else df.copy()
+
+
+def overhead(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows with baseline columns added, per (model, batch, seq, dtype, accum):
+
+    overhead            step_ms / baseline step_ms - 1 (baseline: effective_density == 0)
+    memory_saved_bytes  baseline peak - peak;  memory_saved_frac: that / baseline peak
+    Rows without a measured baseline get NaN.
+    """
+    rows = ok(df)
+    base = rows[rows["effective_density"] == 0].groupby(SHAPE, as_index=False).agg(
+        baseline_step_ms=("step_ms", "median"), baseline_peak_bytes=("peak_bytes", "median"),
+        baseline_tokens_per_s=("tokens_per_s", "median"))
+    rows = rows.merge(base, on=SHAPE, how="left")
+    rows["overhead"] = rows["step_ms"] / rows["baseline_step_ms"] - 1
+    rows["memory_saved_bytes"] = rows["baseline_peak_bytes"] - rows["peak_bytes"]
+    rows["memory_saved_frac"] = rows["memory_saved_bytes"] / rows["baseline_peak_bytes"]
+    return rows
+
+
+def pareto(df: pd.DataFrame, x: str = "peak_bytes", y: str = "step_ms",
+           group: Sequence[str] = ("model", "seq_len", "effective_batch_size")) -> pd.DataFrame:
+    """The ok rows with `pareto_optimal` (True on the frontier, False = dominated).
+
+    Points compete within a group of equal work per optimizer step (same seq and effective
+    batch), so checkpointing, accumulation and bf16 are compared fairly. A point is dominated
+    when another in its group is no worse in both x and y and better in one (lower is better).
+    """
+    rows = ok(df)
+    rows["pareto_optimal"] = False
+    for _, g in rows.groupby(list(group)):
+        xs, ys = g[x].to_numpy(float), g[y].to_numpy(float)
+        for idx, xi, yi in zip(g.index, xs, ys):
+            dominated = np.any((xs <= xi) & (ys <= yi) & ((xs < xi) | (ys < yi)))
+            rows.loc[idx, "pareto_optimal"] = not dominated
+    return rows
+
+
+def what_fits(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batch_size") -> pd.DataFrame:
+    """Largest `axis` value ("batch_size" or "seq_len") that fits, per policy and the other axes.
+
+    kind="measured": the largest measured value with status ok and fits, for the run's own
+    memory limit (one row per group; only if the run had a limit).
+    kind="extrapolated": for each of `limits` (default 24/40/80/141 GiB), from a least-squares
+    line peak_bytes = intercept + slope * axis through the ok cells (needs 2+ distinct values);
+    `fit_rms_residual_bytes` and `fit_max_rel_residual` say how straight the line was. It
+    assumes the rest of the card behaves like the device measured (same dtype, same kernels).
+    """
+    if axis not in ("batch_size", "seq_len"):
+        raise ValueError(f"axis={axis!r} is invalid: allowed are batch_size, seq_len")
+    other = "seq_len" if axis == "batch_size" else "batch_size"
+    keys = ["model", "policy", other, "dtype", "accum_steps"]
+    limits = CARD_LIMITS if limits is None else limits
+    out = []
+    measured = df[df["status"].isin(["ok", "oom"])]
+    for key, g in measured.groupby(keys, dropna=False):
+        base = dict(zip(keys, key))
+        run_limit = g["memory_limit_bytes"].dropna()
+        if len(run_limit):
+            fit_rows = g[(g["status"] == "ok") & (g["fits"] == True)]  # noqa: E712 - column of bools/None
+            best = int(fit_rows[axis].max()) if len(fit_rows) else None
+            out.append({**base, "limit": format_bytes(run_limit.iloc[0]), "limit_bytes": int(run_limit.iloc[0]),
+                        "kind": "measured", f"max_{axis}": best})
+        good = g[g["status"] == "ok"]
+        xs, ys = good[axis].to_numpy(float), good["peak_bytes"].to_numpy(float)
+        if len(np.unique(xs)) < 2:
+            continue
+        slope, intercept = np.polyfit(xs, ys, 1)
+        resid = ys - (intercept + slope * xs)
+        fit = dict(fit_intercept_bytes=float(intercept), fit_slope_bytes=float(slope),
+                   fit_rms_residual_bytes=float(np.sqrt(np.mean(resid ** 2))),
+                   fit_max_rel_residual=float(np.max(np.abs(resid) / ys)), fit_points=len(xs))
+        for label, limit in limits.items():
+            out.append({**base, "limit": label, "limit_bytes": int(limit), "kind": "extrapolated",
+                        f"max_{axis}": largest_fitting(intercept, slope, limit), **fit})
+    return pd.DataFrame(out)
+
+
+def largest_fitting(intercept: float, slope: float, limit: float) -> Optional[int]:
+    """Largest integer x >= 1 whose fitted peak, rounded to the byte, is <= limit (None if none).
+
+    A least-squares line through exactly linear peaks lands a hair off the integers, so
+    `floor((limit - intercept) / slope)` alone can drop the value that fits exactly; comparing
+    whole bytes around that estimate cannot."""
+    if not slope > 0:
+        return None
+    x = max(0, math.floor((limit - intercept) / slope))
+    while round(intercept + slope * (x + 1)) <= limit:
+        x += 1
+    while x >= 1 and round(intercept + slope * x) > limit:
+        x -= 1
+    return x if x >= 1 else None
+
+
+def config_label(df: pd.DataFrame) -> pd.Series:
+    """A row's configuration in words: the policy, plus the dtype unless fp32, plus the
+    accumulation unless 1 — e.g. "full bf16", "none accum=4"."""
+    return (df["policy"] + df["dtype"].map(lambda d: "" if d == "fp32" else f" {d}")
+            + df["accum_steps"].map(lambda k: "" if k == 1 else f" accum={k}"))
+
+
+BUSY_SPREAD = 1.5  # max/min step time within one cell above which timings are not to be trusted
+
+
+def timing_note(df: pd.DataFrame) -> str:
+    """How noisy the run's timings were: the largest max/min step-time spread within one cell,
+    and a warning to rerun above BUSY_SPREAD (a busy machine)."""
+    spread = (df["step_ms_max"] / df["step_ms_min"]).max()
+    return (f"Largest max/min step-time spread in one cell: {spread:.2f}x"
+            + (" — a busy machine: rerun before trusting the times." if spread > BUSY_SPREAD else "."))
+
+
+def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
+    """Each budget plan against the fastest uniform policy whose peak is no higher: the plan's
+    time over that policy's, minus one (negative: the plan is faster); missing where no uniform
+    policy reaches the plan's peak."""
+    rows = ok(df)
+    uniform, plans = rows[~rows["policy"].str.startswith("budget")], rows[rows["policy"].str.startswith("budget")]
+    out = []
+    for r in plans.itertuples():
+        rivals = uniform[uniform["peak_bytes"] <= r.peak_bytes]
+        best = rivals.loc[rivals["step_ms"].idxmin()] if len(rivals) else None
+        out.append({"policy": r.policy, "plan": r.plan, "peak_bytes": r.peak_bytes, "step_ms": r.step_ms,
+                    "best_uniform": None if best is None else best["policy"],
+                    "best_uniform_step_ms": None if best is None else best["step_ms"],
+                    "vs_best_uniform": None if best is None else r.step_ms / best["step_ms"] - 1})
+    return pd.DataFrame(out)
+
+
+def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
+    """Best configuration (highest tokens/s among ok cells whose measured peak fits) per limit:
+    the run's own limit (or "none"), then the card sizes. Status counts are in `df.status`."""
+    rows = ok(df)
+    run_limit = df["memory_limit_bytes"].dropna() if "memory_limit_bytes" in df else pd.Series(dtype=float)
+    table = {("run limit " + format_bytes(run_limit.iloc[0])) if len(run_limit) else "no limit":
+             run_limit.iloc[0] if len(run_limit) else np.inf}
+    table.update(CARD_LIMITS if limits is None else limits)
+    out = []
+    for label, limit in table.items():
+        fit = rows[rows["peak_bytes"] <= limit]
+        if not len(fit):
+            out.append({"limit": label, "policy": None})
+            continue
+        best = fit.loc[fit["tokens_per_s"].idxmax()]
+        out.append({"limit": label, **{k: best[k] for k in
+                    ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms", "tokens_per_s")}})
+    return pd.DataFrame(out)
+
+
+def format_summary(df: pd.DataFrame) -> str:
+    """The text printed at the end of a sweep: counts, then the best config per limit."""
+    counts = df["status"].value_counts().to_dict() if len(df) else {}
+    inferred = int(df["inferred"].fillna(False).astype(bool).sum()) if "inferred" in df else 0
+    head = (f"{len(df)} cells: {counts.get('ok', 0)} ok, {counts.get('oom', 0)} oom "
+            f"({inferred} inferred), {counts.get('error', 0)} error")
+    if not len(df):
+        return head
+    num = lambda f: (lambda v: "-" if v is None or v != v else format(v, f))  # noqa: E731
+    columns = [("limit", "limit", str), ("policy", "policy", lambda v: v or "nothing fits"),
+               ("batch", "batch_size", num("d")), ("seq", "seq_len", num("d")), ("dtype", "dtype", lambda v: v or "-"),
+               ("accum", "accum_steps", num("d")), ("peak", "peak_bytes", lambda v: format_bytes(v) if v == v else "-"),
+               ("step ms", "step_ms", num(".1f")), ("tokens/s", "tokens_per_s", num(",.0f"))]
+    rows = [{k: (None if isinstance(v, float) and np.isnan(v) else _py(v)) for k, v in r.items()}
+            for r in summary(df).to_dict("records")]
+    errors = df[df["status"] == "error"]
+    lines = [head, "best configuration (highest tokens/s) per memory limit:", format_table(rows, columns)]
+    for _, r in errors.head(5).iterrows():
+        lines.append(f"error in {r.get('cell_id')}: {r.get('message')}")
+    return "\n".join(lines)
+
+
+def _py(v):
+    return v.item() if hasattr(v, "item") else v
+
+
+__all__ = ["BUSY_SPREAD", "SHAPE", "config_label", "format_summary", "largest_fitting", "ok", "overhead",
+           "pareto", "plans_vs_uniform", "summary", "timing_note", "what_fits"]

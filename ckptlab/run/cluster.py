@@ -1,0 +1,308 @@
+"""Sweeps dispatched as cluster jobs with submitit: SLURM on a cluster, local processes elsewhere.
+
+    ckptlab.sweep(model="gpt2-small", batch_sizes=[1, 2, 4, 8], seq_lens=[512, 1024],
+                  device="cuda", out="results/big", executor="submitit",
+                  slurm_partition="gpu", slurm_gpus_per_job=1, slurm_time_min=30)
+
+Each chunk of `cells_per_job` cells becomes one job (`submitit.AutoExecutor`; all of a wave's
+jobs go in as one job array). The job measures its cells in its own process and appends each
+finished record to its own file `<submitit folder>/records/<chunk>.jsonl` (flushed + fsynced)
+before returning them all; the sweep process gathers records as jobs end and appends them to the
+run folder's records.jsonl through the same `RunWriter` (one writer, one lock: jobs on other
+nodes never touch the run folder's lock, which may sit on NFS).
+
+Nothing is lost silently:
+  * a job that died, was killed or ran out of time: the cells it finished are recorded from its
+    file; the cell in flight becomes `status=error` with the job's state and reason; the cells it
+    never reached are submitted again in a new job (they are innocent), so every cell ends with
+    exactly one record;
+  * resume: running the same sweep into the same folder submits only cells without a record —
+    and first gathers records that jobs of an interrupted earlier sweep left in their files.
+
+Out-of-memory inference (larger batches of a group recorded as `oom` without running) uses the
+records already in the folder and, inside a job, the job's own earlier cells: with one cell per
+job the batches of a group run in parallel, so a larger batch is measured rather than inferred.
+
+Job time limit: `slurm_time_min` (minutes, per job); with `cell_timeout_s` the limit is
+`cell_timeout_s * cells_per_job` seconds instead (on SLURM rounded up to whole minutes).
+Requires the optional extra `ckptlab[cluster]` (submitit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from tqdm.auto import tqdm
+
+from .cells import Grid, cell_id, failed_record, group_key, inferred_oom_record, note_oom, now, run_cell
+
+CLUSTERS = ("slurm", "local", "debug")
+
+
+@dataclass
+class JobOptions:
+    """How cells become jobs. `cluster`: "slurm", "local" (each job a local subprocess: tests,
+    laptops), "debug" (in this process), or None: SLURM when `srun` is on PATH, else local."""
+
+    folder: Path
+    cluster: Optional[str] = None
+    slurm_partition: Optional[str] = None
+    slurm_gpus_per_job: int = 0
+    slurm_time_min: int = 60
+    slurm_account: Optional[str] = None
+    cells_per_job: int = 1
+    max_jobs: Optional[int] = None   # jobs at once: SLURM array parallelism; local default = cores
+    poll_s: float = 0.5
+
+
+def job_options(out: Path, folder=None, cluster=None, slurm_partition=None, slurm_gpus_per_job=None,
+                slurm_time_min=60, slurm_account=None, cells_per_job=1, device="cpu", nproc=1) -> JobOptions:
+    """Validate the submitit options (ValueError naming the parameter) before anything runs."""
+    if cluster is not None and cluster not in CLUSTERS:
+        raise ValueError(f"cluster={cluster!r} is invalid: allowed are {', '.join(CLUSTERS)} or None (auto)")
+    for name, value, minimum in (("cells_per_job", cells_per_job, 1), ("slurm_time_min", slurm_time_min, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {minimum}")
+    if slurm_gpus_per_job is None:   # one GPU per rank on CUDA, none on CPU
+        slurm_gpus_per_job = nproc if str(device).startswith("cuda") else 0
+    if isinstance(slurm_gpus_per_job, bool) or not isinstance(slurm_gpus_per_job, int) or slurm_gpus_per_job < 0:
+        raise ValueError(f"slurm_gpus_per_job={slurm_gpus_per_job!r} is invalid: allowed is an integer >= 0")
+    try:
+        import submitit  # noqa: F401, PLC0415 - submitit is the cluster extra
+    except ImportError:
+        raise ValueError("executor='submitit' needs submitit: pip install 'ckptlab[cluster]'") from None
+    return JobOptions(Path(folder) if folder is not None else Path(out) / "submitit", cluster, slurm_partition,
+                      slurm_gpus_per_job, slurm_time_min, slurm_account, cells_per_job)
+
+
+def make_executor(options: JobOptions, timeout_s: Optional[float] = None):
+    """A configured `submitit.AutoExecutor`."""
+    import submitit  # noqa: PLC0415 - submitit is the cluster extra
+
+    try:
+        executor = submitit.AutoExecutor(folder=options.folder / "jobs" / "%j", cluster=options.cluster)
+    except RuntimeError as exc:   # cluster="slurm" without srun on PATH: not a SLURM machine
+        raise ValueError(f"cluster={options.cluster!r} is invalid here: no SLURM found ({exc}); pass cluster='local' "
+                         f"to run the jobs as local processes") from None
+    params = dict(name="ckptlab-sweep", tasks_per_node=1, nodes=1)
+    if executor.cluster == "slurm":
+        if options.max_jobs:
+            params["slurm_array_parallelism"] = options.max_jobs
+        params["timeout_min"] = math.ceil(timeout_s / 60) if timeout_s else options.slurm_time_min
+        if options.slurm_gpus_per_job:
+            params["gpus_per_node"] = options.slurm_gpus_per_job
+        if options.slurm_partition:
+            params["slurm_partition"] = options.slurm_partition
+        if options.slurm_account:
+            params["slurm_account"] = options.slurm_account
+    elif executor.cluster == "local":
+        # LocalExecutor takes fractional minutes: a limit in seconds works
+        params["local_timeout_min"] = timeout_s / 60 if timeout_s else float(options.slurm_time_min)
+    executor.update_parameters(**params)
+    return executor
+
+
+# ----------------------------------------------------------------------------- inside a job
+
+def run_job(grid: dict, cells: list[dict], partial: str, infer_oom: bool = True, measure=None) -> list[dict]:
+    """A job's body: measure `cells` in this process, in order; each record goes to `partial`
+    (one JSON line, durable) as soon as it exists. Returns the records."""
+    grid = Grid(**grid)
+    measure = measure or run_cell
+    try:
+        import submitit  # noqa: PLC0415 - submitit is the cluster extra
+        job_id = submitit.JobEnvironment().job_id
+    except (ImportError, RuntimeError):
+        job_id = None
+    records, oom_at = [], {}
+    Path(partial).parent.mkdir(parents=True, exist_ok=True)
+    with open(partial, "a", encoding="utf-8") as f:
+        for cell in cells:
+            t0 = time.perf_counter()
+            oom_batch = oom_at.get(group_key(cell))
+            if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
+                record = inferred_oom_record(grid, cell, oom_batch)
+            else:
+                record = measure(grid, cell)
+            record["cell_wall_s"] = round(time.perf_counter() - t0, 4)
+            record.update(_cell=cell, job_id=job_id)
+            f.write(json.dumps(record, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            records.append(record)
+            note_oom(oom_at, record)
+    return records
+
+
+JOB_FUNCTION = run_job   # what each job runs (tests swap in a job that hangs)
+
+
+# ----------------------------------------------------------------------------- the dispatcher
+
+def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: bool = True,
+                infer_oom: bool = True, cell_timeout_s: Optional[float] = None) -> list[dict]:
+    """Measure every cell of `grid` without a record in `done` as submitit jobs; append each
+    record through `writer` as its job ends. Returns all of the run's records."""
+    records = list(done)
+    finished = {r.get("cell_id") for r in done}
+    oom_at: dict = {}
+    for r in done:
+        note_oom(oom_at, r)
+    cells = grid.cells()
+    bar = tqdm(total=len(cells), initial=len(finished & {cell_id(c) for c in cells}), disable=not progress,
+               desc=f"sweep {grid.model} (submitit)", unit="cell")
+
+    def keep(record: dict, cell: dict, job_id=None, isolated=False) -> None:
+        record.pop("_cell", None)
+        record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolated and not record.get("inferred"),
+                      inferred=bool(record.get("inferred")), executor="submitit",
+                      job_id=record.get("job_id") or job_id,
+                      finished_at=now())
+        record.setdefault("cell_wall_s", None)
+        writer.append(record)
+        records.append(record)
+        finished.add(record["cell_id"])
+        note_oom(oom_at, record)
+        bar.update(1)
+
+    try:
+        # Records that jobs of an interrupted earlier sweep finished after it stopped listening.
+        in_grid = {cell_id(c) for c in cells}
+        for record in _leftovers(options.folder):
+            cell = record.get("_cell")
+            if cell and cell_id(cell) in in_grid - finished and record.get("status") in ("ok", "oom"):
+                keep(record, cell, record.get("job_id"), isolated=options.cells_per_job == 1)
+        pending = []
+        for cell in cells:
+            if cell_id(cell) in finished:
+                continue
+            oom_batch = oom_at.get(group_key(cell))
+            if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
+                keep(inferred_oom_record(grid, cell, oom_batch), cell)
+            else:
+                pending.append(cell)
+        executor = make_executor(options, cell_timeout_s * options.cells_per_job if cell_timeout_s else None) if pending else None
+        while pending:
+            pending = _wave(grid, executor, pending, options, infer_oom, keep)
+    finally:
+        bar.close()
+    return records
+
+
+def _wave(grid, executor, cells: list[dict], options: JobOptions, infer_oom: bool, keep) -> list[dict]:
+    """Submit `cells` in chunks, gather every job; return the cells to submit again (those a dead
+    job never reached). On SLURM all chunks go in as one job array; local jobs are started as
+    earlier ones end, at most `max_jobs` at a time (default: one per CPU core)."""
+    size = options.cells_per_job
+    chunks = [cells[i:i + size] for i in range(0, len(cells), size)]
+    grid_dict = dataclasses.asdict(grid)
+    queue = [(chunk, options.folder / "records" / f"{uuid.uuid4().hex}.jsonl") for chunk in chunks]
+    limit = options.max_jobs or (len(queue) if executor.cluster == "slurm" else (os.cpu_count() or 1))
+
+    def submit(batch):
+        with executor.batch():
+            jobs = [executor.submit(JOB_FUNCTION, grid_dict, chunk, str(path), infer_oom) for chunk, path in batch]
+        return [(job, chunk, path, time.monotonic()) for job, (chunk, path) in zip(jobs, batch)]
+
+    again: list[dict] = []
+    waiting = submit(queue[:limit])
+    queue = queue[limit:]
+    try:
+        while waiting:
+            still = []
+            for job, chunk, path, started in waiting:
+                if job_done(job):
+                    again += _gather(grid, job, chunk, path, time.monotonic() - started, keep, size == 1)
+                else:
+                    still.append((job, chunk, path, started))
+            free = limit - len(still)
+            if free > 0 and queue:
+                still += submit(queue[:free])
+                queue = queue[free:]
+            waiting = still
+            if waiting:
+                time.sleep(options.poll_s)
+    finally:
+        for job, *_ in waiting:   # interrupted (Ctrl-C): do not leave jobs running unattended
+            job.cancel(check=False)
+    return again
+
+
+def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, isolated: bool) -> list[dict]:
+    reason = ""
+    wait_for_local_results(job)
+    try:
+        by_cell = {json.dumps(r["_cell"], sort_keys=True): r for r in job.result()}
+    except Exception as exc:  # noqa: BLE001 - the job died: keep what it wrote, say why
+        by_cell = {json.dumps(r["_cell"], sort_keys=True): r for r in _read_partial(path)}
+        lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
+        state = job_state(job)
+        reason = (f"job {job.job_id} ended without finishing this cell (state {state}, {elapsed_s:.0f} s "
+                  f"after submission): {lines[0][:300] if lines else type(exc).__name__}")
+    again, blamed = [], False
+    for cell in chunk:
+        record = by_cell.get(json.dumps(cell, sort_keys=True))
+        if record is not None:
+            keep(record, cell, job.job_id, isolated)
+        elif not blamed:   # the cell in flight when the job died
+            keep(failed_record(grid, cell, reason), cell, job.job_id, isolated)
+            blamed = True
+        else:
+            again.append(cell)
+    return again
+
+
+def wait_for_local_results(job) -> None:
+    """submitit waits 15 s for a dead job's result file to appear (NFS caching on clusters); a
+    local job writes to a local disk, so 1 s is plenty."""
+    import submitit  # noqa: PLC0415 - submitit is the cluster extra
+
+    if isinstance(job, submitit.LocalJob):
+        job._results_timeout_s = 1
+
+
+def job_done(job) -> bool:
+    try:
+        return job.done()
+    except Exception:  # noqa: BLE001 - DebugExecutor runs the job inside done(): a failure is an end
+        return True
+
+
+def job_state(job) -> str:
+    try:
+        return str(job.state)
+    except Exception:  # noqa: BLE001
+        return "UNKNOWN"
+
+
+def _read_partial(path: Path):
+    if not Path(path).exists():
+        return []
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:   # a torn last line from a killed job
+            continue
+    return out
+
+
+def _leftovers(folder: Path):
+    for path in sorted((Path(folder) / "records").glob("*.jsonl")):
+        for record in _read_partial(path):
+            yield record
+
+
+__all__ = ["JobOptions", "job_done", "job_options", "job_state", "make_executor", "run_as_jobs", "run_job",
+           "wait_for_local_results"]
+
+
+

@@ -1,0 +1,144 @@
+"""The results store: one folder per run.
+
+    results/<run-name>/
+        records.jsonl   one JSON line per finished cell, appended, flushed and fsynced
+        run.json        the grid, versions, device, start/end times (rewritten atomically)
+        figures/        PNG + SVG, redrawable from the two files above (`plots.redraw_all`)
+        .lock           held (flock) while a sweep writes here
+
+Crash safety: a record is on disk before the next cell starts, so a SIGKILL at any moment loses
+at most the cell in flight. A kill in the middle of a write leaves a torn last line; readers skip
+it with a warning, and the next writer cuts it off before appending.
+
+Concurrency: a second sweep on a folder that is in use is *refused* (`RunLockedError`), never
+interleaved. The lock is `fcntl.flock` on `.lock`, which the kernel releases when the holder
+dies, so a killed sweep never leaves a stale lock behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pandas as pd
+
+RECORDS = "records.jsonl"
+META = "run.json"
+LOCK = ".lock"
+
+
+class RunLockedError(RuntimeError):
+    """Another process is writing to this run folder."""
+
+
+def read_records(run_dir: str | Path) -> list[dict]:
+    """Every complete record in `run_dir/records.jsonl`, in the order written.
+
+    A line that is not valid JSON (a torn write from a killed sweep) is skipped with a warning;
+    it never stops the rest from loading.
+    """
+    path = Path(run_dir) / RECORDS
+    if not path.exists():
+        return []
+    records = []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            where = "last line (torn write)" if number >= len(lines) - 1 else f"line {number}"
+            warnings.warn(f"{path.name}: ignoring unreadable {where} in run {Path(run_dir).name!r}",
+                          RuntimeWarning, stacklevel=2)
+    return records
+
+
+def read_meta(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / META
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load_run(run_dir: str | Path):
+    """A run folder -> pandas.DataFrame, one row per cell; the run's metadata in `df.attrs["run"]`."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run_dir={str(run_dir)!r} is invalid: no such run folder")
+    df = pd.DataFrame(read_records(run_dir))
+    df.attrs["run"] = read_meta(run_dir)
+    return df
+
+
+class RunWriter:
+    """Exclusive writer for one run folder. Use as a context manager:
+
+        with RunWriter("results/x") as w:
+            w.append(record)
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        self._lock_file = None
+        self._records = None
+
+    def __enter__(self) -> "RunWriter":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.dir / LOCK, "a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            self._lock_file = None
+            raise RunLockedError(
+                f"run folder {self.dir.name!r} is in use by another sweep; wait for it to finish "
+                f"or choose another out= folder") from None
+        self._repair_torn_tail()
+        self._records = open(self.dir / RECORDS, "a", encoding="utf-8")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._records is not None:
+            self._records.close()
+        if self._lock_file is not None:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+
+    def _repair_torn_tail(self) -> None:
+        # A killed writer may leave a partial last line; appending after it would glue the next
+        # record onto it, so cut the file back to its last complete line.
+        path = self.dir / RECORDS
+        if not path.exists() or path.stat().st_size == 0:
+            return
+        data = path.read_bytes()
+        if data.endswith(b"\n"):
+            return
+        keep = data.rfind(b"\n") + 1
+        warnings.warn(f"{RECORDS}: dropping a torn last line ({len(data) - keep} bytes) in run "
+                      f"{self.dir.name!r}", RuntimeWarning, stacklevel=3)
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def append(self, record: dict) -> None:
+        """Write one record as one line and make it durable before returning."""
+        self._records.write(json.dumps(record, default=str) + "\n")
+        self._records.flush()
+        os.fsync(self._records.fileno())
+
+    def write_meta(self, meta: dict) -> None:
+        """Replace run.json atomically (write a temp file, fsync, rename)."""
+        tmp = self.dir / (META + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / META)
+
+
+__all__ = ["LOCK", "META", "RECORDS", "RunLockedError", "RunWriter", "load_run", "read_meta", "read_records"]
