@@ -15,7 +15,6 @@ import ckptlab
 from ckptlab.apps import notebooks
 from ckptlab.apps.cli import main
 from ckptlab.core.extras import EXTRA_OF, MissingExtraError, require
-from ckptlab.workloads import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -57,7 +56,6 @@ def test_missing_transformers_is_one_line_naming_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.delitem(sys.modules, "ckptlab.workloads.hf", raising=False)
     monkeypatch.delattr(ckptlab.workloads, "hf", raising=False)  # as if never imported
-    monkeypatch.setattr(registry, "WORKLOAD_FACTORIES", {})
     assert main(["measure", "--model", "hf-gpt2-tiny", *TINY[6:]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'ckptlab[hf]'" in err

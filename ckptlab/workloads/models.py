@@ -208,8 +208,8 @@ def build_preset(name: str, seed: int = 0, **overrides) -> Workload:
     if config.n_layer < 1:
         raise ValueError(f"n_layer={config.n_layer} is invalid: allowed is an integer >= 1")
     if isinstance(config, GPTConfig):
-        return Workload(name, config, GPT, _gpt_batch, _gpt_loss, seed)
-    return Workload(name, config, MLPChain, _mlp_batch, _mlp_loss, seed)
+        return Workload(name, config, GPT, _gpt_batch, _gpt_loss, seed, spec=name, overrides=dict(overrides))
+    return Workload(name, config, MLPChain, _mlp_batch, _mlp_loss, seed, spec=name, overrides=dict(overrides))
 
 
 __all__ = [
