@@ -28,6 +28,15 @@ def ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["status"] == "ok"].copy() if len(df) else df.copy()
 
 
+def require_records(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` when it holds records; ValueError for an empty run (no cell finished yet)."""
+    if not len(df) or "status" not in df:
+        run = (df.attrs.get("run") or {}).get("run")
+        raise ValueError(f"df is invalid: the run{f' {run!r}' if run else ''} holds no records yet; allowed is "
+                         "a DataFrame from sweep() or load_run() of a run with at least one finished cell")
+    return df
+
+
 def overhead(df: pd.DataFrame) -> pd.DataFrame:
     """The ok rows with baseline columns added, per (model, batch, seq, dtype, accum):
 
@@ -158,7 +167,7 @@ def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
 def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
     """Best configuration (highest tokens/s among ok cells whose measured peak fits) per limit:
     the run's own limit (or "none"), then the card sizes. Status counts are in `df.status`."""
-    rows = ok(df)
+    rows = ok(require_records(df))
     run_limit = df["memory_limit_bytes"].dropna() if "memory_limit_bytes" in df else pd.Series(dtype=float)
     table = {("run limit " + format_bytes(run_limit.iloc[0])) if len(run_limit) else "no limit":
              run_limit.iloc[0] if len(run_limit) else np.inf}

@@ -9,6 +9,8 @@ import argparse
 import sys
 
 from .memory import format_bytes
+from .policy import parse_policy
+from .validate import integer_list, non_empty, number, output_folder, run_name
 
 
 def split_list(text: str) -> list[str]:
@@ -25,10 +27,16 @@ def split_list(text: str) -> list[str]:
 
 
 def int_list(name: str, text: str) -> list[int]:
-    try:
-        return [int(x) for x in split_list(text)]
-    except ValueError:
-        raise SystemExit(f"error: --{name} {text!r} is invalid: allowed is a comma-separated list of integers")
+    """'1,2,4' -> [1, 2, 4]: a non-empty list of integers >= 1 (ValueError naming --name otherwise)."""
+    return integer_list(f"--{name}", split_list(text), 1)
+
+
+def policy_list(text: str) -> list[str]:
+    """--policy 'none,density=0.5' -> each policy checked; empty is refused."""
+    policies = non_empty("--policy", split_list(text))
+    for p in policies:
+        parse_policy(p)
+    return policies
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, callable]]) -> str:
@@ -63,13 +71,14 @@ MEASURE_COLUMNS = [
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    from .measure import measure
+    from .measure import check_policy_applies, measure
     from .models import get_workload
-    from .policy import parse_policy
 
-    policies = [parse_policy(p) for p in split_list(args.policy)]
+    policies = [parse_policy(p) for p in policy_list(args.policy)]
     batches, seqs = int_list("batch", args.batch), int_list("seq", args.seq)
     workload = get_workload(args.model, **_model_overrides(args.set))
+    for policy in policies:  # every policy before the first measurement
+        check_policy_applies(workload, policy)
     rows = []
     for batch in batches:
         for seq in seqs:
@@ -95,10 +104,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .store import RunLockedError
     from .sweep import sweep
 
+    output_folder("--out", args.out)
     overrides = _model_overrides(args.set)
     try:
         df = sweep(model=args.model, batch_sizes=int_list("batch", args.batch), seq_lens=int_list("seq", args.seq),
-                   policies=split_list(args.policy), dtypes=split_list(args.dtype),
+                   policies=policy_list(args.policy), dtypes=split_list(args.dtype),
                    accum_steps=int_list("accum", args.accum), device=args.device,
                    memory_limit=args.memory_limit, steps=args.steps, warmup=args.warmup, seed=args.seed,
                    model_overrides=overrides, out=args.out, isolate=args.isolate, resume=args.resume,
@@ -138,7 +148,18 @@ def cmd_notebooks_run(args: argparse.Namespace) -> int:
 
     from .notebooks import run_notebooks
 
-    overrides = {key: yaml.safe_load(value) for key, value in args.param}
+    output_folder("--out", args.out)
+    if args.name is not None:
+        run_name("--name", args.name)
+    number("--timeout", args.timeout, 0.0, low_open=True)
+    overrides = {}
+    for key, value in args.param:
+        try:
+            overrides[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:  # malformed, or a tag such as !!python/object that safe_load refuses
+            reason = " ".join(str(getattr(exc, "problem", None) or exc).split())
+            raise ValueError(f"-p {key} {value!r} is invalid: {reason}; allowed is a YAML literal "
+                             "such as 8, 0.5, full, [1, 2] or null") from None
     runs = run_notebooks(args.names or None, param_set=args.file, overrides=overrides, out=args.out,
                          run_name=args.name, timeout_s=args.timeout, executor=args.executor,
                          job_options=dict(cluster=args.cluster, slurm_partition=args.slurm_partition,
@@ -209,7 +230,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     rows = []
     for batch in int_list("batch", args.batch):
         for seq in int_list("seq", args.seq):
-            for policy in split_list(args.policy):
+            for policy in policy_list(args.policy):
                 row = predict(workload, batch, seq, policy, dtype=args.dtype).record()
                 try:
                     row.update(closed_form(workload, batch, seq, row["plan"] and f"plan={row['plan']}" or policy,

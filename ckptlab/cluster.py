@@ -321,9 +321,7 @@ def run_notebooks_as_jobs(plan, out: Path, run_name: str, param_set: str, timeou
     is one job running the same papermill execution; a job that dies is a failed run with the
     reason. `options`: cluster, slurm_partition, slurm_gpus_per_job, slurm_time_min,
     slurm_account, folder (default <out>/submitit)."""
-    import shutil
-
-    from .notebooks import NotebookRun, _relative, _write_json
+    from .notebooks import NotebookRun, _relative, _write_json, fresh_run_folder
 
     if executor != "submitit":
         raise ValueError(f"executor={executor!r} is invalid: allowed are local, submitit")
@@ -331,10 +329,7 @@ def run_notebooks_as_jobs(plan, out: Path, run_name: str, param_set: str, timeou
     runs: dict[int, NotebookRun] = {}
     queue = []
     for i, (path, values) in enumerate(plan):
-        run_dir = Path(out) / path.stem / run_name
-        if run_dir.exists():  # a new execution of the same notebook and parameters replaces the old
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
+        run_dir = fresh_run_folder(Path(out) / path.stem / run_name)
         queue.append((i, path, run_dir, values))
     # papermill stops a notebook at timeout_s itself; the job limit only catches a stuck job
     executor_ = make_executor(opts, timeout_s + 120)

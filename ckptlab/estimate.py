@@ -37,6 +37,7 @@ import torch
 from .memory import CATEGORIES, format_bytes, parse_bytes, track_memory
 from .models import GPTConfig, Workload, get_workload
 from .policy import Policy, parse_policy
+from .validate import choice, integer
 
 GiB = 2**30
 CAPACITIES_GIB = (24, 40, 80, 141)
@@ -126,19 +127,17 @@ def predict(
     `compile` policies cannot be predicted (the compiler's partitioner decides inside the graph):
     ValueError. Offload is predicted as its base policy (CPU: a no-op), and says so in `note`.
     """
-    from .measure import DTYPES, OPTIMIZERS, _check_int
+    from .measure import DTYPES, OPTIMIZERS
 
     workload = get_workload(workload) if isinstance(workload, str) else workload
     policy = parse_policy(policy)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("seq_len", seq_len, 1)
-    _check_int("accum_steps", accum_steps, 1)
+    integer("batch_size", batch_size, 1)
+    integer("seq_len", seq_len, 1)
+    integer("accum_steps", accum_steps, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
         raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    choice("dtype", dtype, list(DTYPES))
+    choice("optimizer", optimizer, OPTIMIZERS)
     if policy.kind == "compile":
         raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
                          "what to save inside the compiled graph; measure it instead")

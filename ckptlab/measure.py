@@ -21,6 +21,7 @@ from .memory import CATEGORIES, cuda_allocator_stats, parse_bytes, track_memory
 from .models import Workload, get_workload
 from .policy import parse_policy
 from .timing import time_steps
+from .validate import choice, integer
 from .wrap import apply_checkpointing
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}   # name -> autocast dtype (None: no autocast)
@@ -53,19 +54,18 @@ def measure(
     """
     workload = get_workload(workload) if isinstance(workload, str) else workload
     policy = parse_policy(policy)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("seq_len", seq_len, 1)
+    integer("batch_size", batch_size, 1)
+    integer("seq_len", seq_len, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
         raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
-    _check_int("steps", steps, 1)
-    _check_int("warmup", warmup, 0)
-    _check_int("accum_steps", accum_steps, 1)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    integer("steps", steps, 1)
+    integer("warmup", warmup, 0)
+    integer("accum_steps", accum_steps, 1)
+    choice("dtype", dtype, list(DTYPES))
+    choice("optimizer", optimizer, OPTIMIZERS)
     dev = resolve_device(device)
     limit = parse_bytes(memory_limit)
+    check_policy_applies(workload, policy)
     if dev.type == "cuda" and limit is None:
         limit = torch.cuda.get_device_properties(dev).total_memory
 
@@ -339,9 +339,22 @@ def device_name(dev: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {minimum}")
+def check_policy_applies(workload: Workload, policy) -> None:
+    """Raise ValueError when `policy` cannot apply to `workload` (layers=9 or a plan of the wrong
+    length on a 4-block model, an hf policy on a model that is not a transformers model), using
+    the model built on the meta device: no memory, no time."""
+    from .policy import HF_KINDS
+    from .wrap import find_blocks
+
+    policy = parse_policy(policy)
+    model = workload.build("meta")
+    transformers_model = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+                             for c in type(model).__mro__)
+    if policy.kind in HF_KINDS and not transformers_model:
+        raise ValueError(f"policy={str(policy)!r} is invalid for model={workload.name!r}: the hf policies apply "
+                         "to transformers models (the hf-* presets) only")
+    if policy.kind != "budget":  # a budget becomes a plan per cell, from that cell's shapes
+        policy.regions(len(find_blocks(model)))
 
 
 def _first_line(exc: BaseException) -> str:

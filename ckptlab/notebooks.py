@@ -28,10 +28,15 @@ from typing import Optional, Sequence
 
 import yaml
 
+from . import validate
+from .children import die_with_parent
+from .validate import choice, integer, no_credential, non_empty, number, size_bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 PARAMS = NOTEBOOKS / "params"
 RESULTS = ROOT / "results"
+RUN_MARKER = ".ckptlab-run"   # in every run folder the runner made; only those are ever replaced
 
 
 # ----------------------------------------------------------------------------- inside notebooks
@@ -99,7 +104,10 @@ def notebook_parameters(path: Path) -> dict[str, Parameter]:
 
 
 def check_parameters(path: Path, values: dict) -> None:
-    """Unknown names and wrong types are errors that list what is valid."""
+    """Unknown names, wrong types, invalid values (the checks `measure`, `sweep` and `predict` apply,
+    by parameter name: batch_size=0, an unknown model or policy, a policy that does not fit the
+    model) and values that look like credentials (`validate.no_credential`) are errors that say
+    what is allowed — all before a kernel starts."""
     params = notebook_parameters(path)
     for name, value in values.items():
         if name not in params:
@@ -108,6 +116,51 @@ def check_parameters(path: Path, values: dict) -> None:
         if not _matches(params[name].type, value):
             raise ValueError(f"parameter {name}={value!r} is invalid for notebook {path.stem}: "
                              f"allowed is a value of type {params[name].type}")
+    checks = _value_checks()
+    try:
+        for name, value in values.items():
+            no_credential(f"parameter {name}", value)
+            if name in checks and value is not None:
+                checks[name](name, value)
+        given = {**{n: ast.literal_eval(p.default) for n, p in params.items()}, **values}
+        if "model" in given and ({"model", "policy", "policies"} & set(values)):
+            from .measure import check_policy_applies
+            from .models import get_workload
+
+            workload = get_workload(given["model"])
+            for policy in ([given["policy"]] if "policy" in given else []) + list(given.get("policies") or []):
+                check_policy_applies(workload, policy)
+    except ValueError as exc:
+        raise ValueError(f"notebook {path.stem}: {exc}") from None
+
+
+def _value_checks() -> dict:
+    """Parameter name -> the check the library applies to that value (raises ValueError)."""
+    from .measure import DTYPES, resolve_device
+    from .models import get_workload
+    from .policy import parse_policy
+
+    def at_least(minimum):
+        return lambda name, v: integer(name, v, minimum)
+
+    def each(check, empty_ok=True):
+        def run(name, values):
+            for v in (values if empty_ok else non_empty(name, values)):
+                check(name, v)
+        return run
+
+    dtype = lambda name, v: choice(name, v, list(DTYPES))  # noqa: E731
+    policy = lambda name, v: parse_policy(v)  # noqa: E731
+    model = lambda name, v: get_workload(v)  # noqa: E731
+    return {
+        "model": model, "fits_model": model, "device": lambda name, v: resolve_device(v),
+        "steps": at_least(1), "warmup": at_least(0), "batch_size": at_least(1), "seq_len": at_least(1),
+        "fits_seq_len": at_least(1), "batch_sizes": each(at_least(1), False), "seq_lens": each(at_least(1), False),
+        "accum_steps": each(at_least(1)), "policy": policy, "policies": each(policy, False),
+        "densities": each(lambda name, v: number(name, v, 0.0, 1.0), False), "dtype": dtype, "dtypes": each(dtype),
+        "memory_limit": size_bytes, "fits_capacities": each(size_bytes, False),
+        "budget_fractions": each(lambda name, v: number(name, v, 0.0, 1.0, low_open=True), False),
+    }
 
 
 def _matches(type_name: str, value) -> bool:
@@ -130,7 +183,15 @@ def load_param_set(name: str) -> dict[str, dict]:
     if not path.exists():
         allowed = ", ".join(sorted(p.stem for p in PARAMS.glob("*.yaml")))
         raise ValueError(f"param_set={name!r} is invalid: allowed are {allowed}, or a path to a .yaml file")
-    sets = yaml.safe_load(path.read_text()) or {}
+    try:
+        sets = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:  # malformed, or a tag such as !!python/object that safe_load refuses
+        reason = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ValueError(f"param_set={name!r} is invalid: {path.name} is not plain YAML ({reason}); allowed is "
+                         "a mapping {notebook: {parameter: value}} of literals") from None
+    if not isinstance(sets, dict) or not all(isinstance(v, dict) or v is None for v in sets.values()):
+        raise ValueError(f"param_set={name!r} is invalid: {path.name} must hold a mapping "
+                         "{notebook: {parameter: value}}")
     known = {p.stem for p in list_notebooks()}
     unknown = sorted(set(sets) - known)
     if unknown:
@@ -166,6 +227,10 @@ def run_notebooks(
     `<out>/<notebook>/<run_name or param_set>/`. executor="submitit" runs each notebook as a
     job (`ckptlab.cluster`; `job_options`: cluster, slurm_partition, slurm_gpus_per_job, ...).
     """
+    out = validate.output_folder("out", out)
+    if run_name is not None:
+        validate.run_name("run_name", run_name)
+    timeout_s = number("timeout_s", timeout_s, 0.0, low_open=True)
     paths = [find_notebook(n) for n in names] if names else list_notebooks()
     sets = load_param_set(param_set)
     overrides = dict(overrides or {})
@@ -174,8 +239,9 @@ def run_notebooks(
         values = {**(sets.get(path.stem) or {}), **overrides}
         check_parameters(path, values)
         plan.append((path, values))
-    out = Path(out)
     run_name = run_name or (Path(param_set).stem if not overrides else f"{Path(param_set).stem}-custom")
+    for path, _ in plan:  # every folder checked before the first is replaced
+        check_replaceable(out / path.stem / run_name)
 
     if executor != "local":   # each notebook a submitit job, same run folders (ckptlab.cluster)
         from .cluster import run_notebooks_as_jobs
@@ -184,10 +250,7 @@ def run_notebooks(
         return runs
     runs = []
     for i, (path, values) in enumerate(plan, 1):
-        run_dir = out / path.stem / run_name
-        if run_dir.exists():  # a new execution of the same notebook and parameters replaces the old
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
+        run_dir = fresh_run_folder(out / path.stem / run_name)
         print(f"[{i}/{len(plan)}] {path.stem} -> {_relative(run_dir)}", flush=True)
         run = _execute(path, run_dir, values, param_set, timeout_s)
         runs.append(run)
@@ -197,20 +260,45 @@ def run_notebooks(
     return runs
 
 
+def check_replaceable(run_dir: Path) -> None:
+    """A run folder may be created, or replaced when the runner made it (it holds RUN_MARKER);
+    any other folder at that place is the user's and is never touched."""
+    validate.output_folder("run folder", run_dir)
+    if run_dir.is_symlink() or (run_dir.exists() and not (run_dir / RUN_MARKER).is_file()):
+        raise ValueError(f"run folder {str(run_dir)!r} is invalid: it exists and was not made by ckptlab "
+                         f"(no {RUN_MARKER} file in it), so it is never replaced; allowed is another "
+                         "--name or --out, or move that folder away yourself")
+
+
+def fresh_run_folder(run_dir: Path) -> Path:
+    """An empty run folder marked as the runner's: a new execution of the same notebook and run
+    name replaces the old one."""
+    check_replaceable(run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / RUN_MARKER).write_text("Made by `ckptlab notebooks run`, which replaces this folder when the same "
+                                      "notebook runs again under the same name.\n")
+    return run_dir
+
+
 def _execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s: float) -> NotebookRun:
     parameters = {**values, "run_dir": _relative(run_dir)}
+    # What is recorded names the folder relative to the output folder (out/<notebook>/<run name>).
+    recorded = f"{run_dir.parent.name}/{run_dir.name}"
     started = time.time()
-    meta = {"notebook": path.stem, "param_set": param_set, "parameters": parameters,
+    meta = {"notebook": path.stem, "param_set": param_set, "parameters": {**values, "run_dir": recorded},
             "started_at": _now(), "finished_at": None, "status": "running", "error": ""}
     _write_json(run_dir / "run.json", meta)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(parameters, f)
         params_file = f.name
-    # Paths relative to the repository (papermill records them in the executed notebook).
-    command = [sys.executable, "-m", "papermill", _relative(path), _relative(run_dir / path.name), "-f", params_file,
+    executed = run_dir / path.name
+    command = [sys.executable, "-m", "papermill", _relative(path), _relative(executed), "-f", params_file,
                "--cwd", ".", "-k", "python3", "--log-level", "ERROR", "--no-progress-bar"]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+                              preexec_fn=die_with_parent())
         status, error = ("ok", "") if proc.returncode == 0 else ("failed", _papermill_error(proc.stderr))
     except subprocess.TimeoutExpired:
         status, error = "timeout", f"did not finish within {timeout_s:.0f} s"
@@ -218,11 +306,55 @@ def _execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s:
         Path(params_file).unlink(missing_ok=True)
     from .sweep import environment
 
+    replacements = {_relative(run_dir): recorded, str(run_dir.resolve()): recorded}
+    if executed.exists():
+        _rewrite_paths(executed, replacements)
     device = parameters.get("device", "cpu")
+    error = shorten_paths(error, replacements)
     meta.update(finished_at=_now(), status=status, error=error,
                 seconds=round(time.time() - started, 1), environment=environment(device if status == "ok" else "cpu"))
     _write_json(run_dir / "run.json", meta)
     return NotebookRun(path.stem, run_dir, status, time.time() - started, error)
+
+
+def shorten_paths(text: str, replacements: dict[str, str] | None = None) -> str:
+    """`text` without this machine's paths: each key of `replacements` becomes its value, then the
+    repository, the Python installation (site-packages, the standard library) and the home folder
+    become `<repo>`-relative, `<site-packages>`, `<python>` and `~` — so a stored traceback says
+    `<site-packages>/torch/nn/modules/module.py`, not where this machine keeps it."""
+    import sysconfig
+
+    prefixes = dict(replacements or {})
+    paths = sysconfig.get_paths()
+    for key in ("purelib", "platlib"):
+        prefixes.setdefault(paths[key], "<site-packages>")
+    prefixes.setdefault(paths["stdlib"], "<python>/lib")
+    prefixes.setdefault(str(ROOT) + "/", "")
+    prefixes.setdefault(sys.prefix, "<python>")
+    prefixes.setdefault(sys.base_prefix, "<python>")
+    prefixes.setdefault(str(Path.home()), "~")
+    for old in sorted(prefixes, key=len, reverse=True):  # the most specific path first
+        if old and old not in ("/", "~"):
+            text = text.replace(old, prefixes[old])
+    return text
+
+
+def _rewrite_paths(notebook: Path, replacements: dict[str, str]) -> None:
+    """Shorten the paths in every string of an executed notebook (papermill's metadata, the
+    injected parameters, outputs, tracebacks); see `shorten_paths`."""
+    def walk(node):
+        if isinstance(node, str):
+            return shorten_paths(node, replacements)
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    book = json.loads(notebook.read_text(encoding="utf-8"))
+    tmp = notebook.with_suffix(".tmp")
+    tmp.write_text(json.dumps(walk(book), indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(notebook)
 
 
 def _papermill_error(stderr: str) -> str:
@@ -240,8 +372,10 @@ def write_results_index(out: str | Path = RESULTS) -> Path:
     """One row per run folder holding a run.json from this runner."""
     out = Path(out)
     rows = []
+    from .store import read_meta
+
     for meta_path in sorted(out.glob("*/*/run.json")):
-        meta = json.loads(meta_path.read_text())
+        meta = read_meta(meta_path.parent)
         if "notebook" not in meta:
             continue
         run_dir = meta_path.parent
@@ -270,8 +404,8 @@ def write_results_index(out: str | Path = RESULTS) -> Path:
 def _relative(path: Path) -> str:
     try:
         return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
+    except ValueError:  # outside the repository: absolute, since papermill runs from the repository
+        return str(Path(path).resolve())
 
 
 def _write_json(path: Path, data: dict) -> None:

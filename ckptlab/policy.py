@@ -41,6 +41,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .validate import size_bytes, size_label
+
 KINDS = ("none", "full", "density", "every", "layers", "segments", "selective", "plan", "budget", "compile")
 SELECTIVE_VARIANTS = ("mm", "alt", "attn")
 PLAN_LETTERS = {"k": "keep", "s": "selective", "f": "full"}
@@ -73,7 +75,7 @@ class Policy:
         elif self.kind == "compile":
             text = f"compile:budget={self.value}"
         elif self.kind == "budget" and isinstance(self.value, int):
-            text = f"budget={self.value}B"
+            text = f"budget={size_label(self.value)}"
         else:
             text = f"{self.kind}={self.value}"
         if self.offload:
@@ -219,7 +221,7 @@ def parse_policy(text: str | Policy) -> Policy:
         density = _number(text, name, arg, float)
         if not (0.0 <= density <= 1.0) or math.isnan(density):
             raise ValueError(f"density={arg} is invalid: allowed is a number in [0, 1]")
-        return Policy("density", density)
+        return Policy("density", density + 0.0)  # -0.0 becomes 0.0: one policy, one cell
     if name == "every":
         k = _number(text, name, arg, int)
         if k < 1:
@@ -251,9 +253,8 @@ def _parse_budget(arg: str) -> int | float:
         return number
     if number is not None and number <= 0:
         raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] or a size such as 6GiB")
-    from .memory import parse_bytes  # memory imports torch; policy parsing alone does not need it
     try:
-        return parse_bytes(arg, "budget")
+        return size_bytes("budget", arg)
     except ValueError:
         raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] of the "
                          "no-checkpointing peak, or a size such as 6GiB, 512MiB, 2GB") from None
@@ -269,7 +270,7 @@ def _parse_compile(text: str, spec: str) -> Policy:
     budget = _number(text, "compile:budget", arg.strip(), float)
     if not (0.0 <= budget <= 1.0) or math.isnan(budget):
         raise ValueError(f"compile:budget={arg.strip()} is invalid: allowed is a number in [0, 1]")
-    return Policy("compile", budget)
+    return Policy("compile", budget + 0.0)
 
 
 HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")

@@ -28,14 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .measure import DTYPES, OPTIMIZERS, device_name, measure, resolve_device
+from .children import die_with_parent, exit_when_orphaned
+from .measure import DTYPES, OPTIMIZERS, check_policy_applies, device_name, measure, resolve_device
 from .memory import format_bytes, parse_bytes
 from .models import get_workload
 from .policy import parse_policy
 from .store import RunWriter, read_meta, read_records
-from .wrap import find_blocks
+from .validate import choice, integer, integer_list, no_credential, non_empty, output_folder
 
 RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (isolated cells)
+CELL_TIMEOUT_S = 3600.0             # an isolated cell running longer is stopped and recorded as an error
 AXES = ("seq_len", "dtype", "accum_steps", "policy", "batch_size")   # loop order, outermost first
 # Run-level settings that must match when resuming into an existing folder: mixing cells measured
 # under different settings in one table would make every comparison in it wrong.
@@ -93,35 +95,28 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
     """Validate every grid value; raise ValueError naming the parameter, the value and what is
     allowed. Nothing is built on a real device and nothing is written."""
     overrides = dict(model_overrides or {})
-    workload = get_workload(model, seed=_int("seed", seed, 0), **overrides)
-    batch_sizes = _int_list("batch_sizes", batch_sizes, 1)
-    seq_lens = _int_list("seq_lens", seq_lens, 1)
-    accum_steps = _int_list("accum_steps", accum_steps, 1)
+    no_credential("model_overrides", overrides)
+    workload = get_workload(model, seed=integer("seed", seed, 0), **overrides)
+    batch_sizes = sorted(set(integer_list("batch_sizes", batch_sizes, 1)))
+    seq_lens = sorted(set(integer_list("seq_lens", seq_lens, 1)))
+    accum_steps = sorted(set(integer_list("accum_steps", accum_steps, 1)))
     limit = workload.max_seq_len
     for s in seq_lens:
         if limit is not None and s > limit:
             raise ValueError(f"seq_lens: seq_len={s} is invalid for model={model!r}: allowed is 1..{limit}")
-    # Policies are checked against the model's block count too (layers=9 on a 4-block model),
-    # using a model on the meta device: no memory, no time.
-    n_blocks = len(find_blocks(workload.build("meta")))
     parsed = []
-    for p in _list("policies", policies):
+    for p in non_empty("policies", policies):
         policy = parse_policy(p)
-        if policy.kind != "budget":  # a budget becomes a plan per cell, from that cell's shapes
-            policy.regions(n_blocks)
+        check_policy_applies(workload, policy)
         if str(policy) not in parsed:
             parsed.append(str(policy))
-    dtypes = list(dict.fromkeys(_list("dtypes", dtypes)))
-    for d in dtypes:
-        if d not in DTYPES:
-            raise ValueError(f"dtypes: dtype={d!r} is invalid: allowed are {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    dtypes = [choice("dtypes", d, list(DTYPES)) for d in dict.fromkeys(non_empty("dtypes", dtypes))]
+    choice("optimizer", optimizer, OPTIMIZERS)
     dev = resolve_device(device)
     return Grid(model=model, batch_sizes=batch_sizes, seq_lens=seq_lens, policies=parsed, dtypes=dtypes,
                 accum_steps=accum_steps, device=str(dev), memory_limit_bytes=parse_bytes(memory_limit),
-                steps=_int("steps", steps, 1), warmup=_int("warmup", warmup, 0), seed=seed,
-                optimizer=optimizer, model_overrides=overrides, nproc=_int("nproc", nproc, 1))
+                steps=integer("steps", steps, 1), warmup=integer("warmup", warmup, 0), seed=seed,
+                optimizer=optimizer, model_overrides=overrides, nproc=integer("nproc", nproc, 1))
 
 
 def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (64,),
@@ -147,6 +142,8 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
     resume   True: skip cells already in `out`. False: refuse a folder that holds records.
     progress tqdm progress bar, and print the summary table at the end.
     infer_oom  record larger batches of an out-of-memory group as oom (inferred) without running.
+    cell_timeout_s  stop an isolated cell after this many seconds (default CELL_TIMEOUT_S) and
+             record it as an error.
     plots    redraw the figures into `out/figures` at the end.
     nproc    ranks per cell: > 1 measures each cell sharded with FSDP2 over that many processes
              (gloo on CPU, NCCL on CUDA; see `ckptlab.distributed`); records gain world_size,
@@ -164,7 +161,8 @@ def sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_l
     grid = make_grid(model, batch_sizes, seq_lens, policies, dtypes, accum_steps, device, memory_limit,
                      steps, warmup, seed, optimizer, model_overrides, nproc)
     isolate = grid.device.startswith("cuda") if isolate is None else bool(isolate)
-    out = Path(out) if out is not None else Path("results") / dt.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
+    out = output_folder("out", Path("results") / dt.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
+                        if out is None else out)
     if executor not in ("local", "submitit"):
         raise ValueError(f"executor={executor!r} is invalid: allowed are local, submitit")
     if executor == "submitit":
@@ -301,14 +299,16 @@ def run_cell(grid: Grid, cell: dict) -> dict:
 
 def run_isolated(grid: Grid, cell: dict, timeout_s: Optional[float] = None) -> dict:
     """Measure one cell in a fresh Python process, so no allocator
-    state, cache or leak carries from one cell to the next. A crash or timeout becomes an
-    error record; it never stops the sweep."""
-    spec = json.dumps({"grid": dataclasses.asdict(grid), "cell": cell})
+    state, cache or leak carries from one cell to the next. A crash or timeout (default
+    CELL_TIMEOUT_S) becomes an error record; it never stops the sweep. The child dies with this
+    process (`ckptlab.children`), so a killed sweep leaves nothing computing behind its lock."""
+    timeout_s = CELL_TIMEOUT_S if timeout_s is None else timeout_s
+    spec = json.dumps({"grid": dataclasses.asdict(grid), "cell": cell, "parent_pid": os.getpid()})
     # The child must import this same ckptlab, installed or not.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
     try:
         proc = subprocess.run([sys.executable, "-c", _CHILD], input=spec, text=True, env=env,
-                              capture_output=True, timeout=timeout_s)
+                              capture_output=True, timeout=timeout_s, preexec_fn=die_with_parent())
     except subprocess.TimeoutExpired:
         return _failed(grid, cell, f"isolated cell timed out after {timeout_s} s")
     for line in reversed(proc.stdout.splitlines()):
@@ -330,6 +330,7 @@ _CHILD = "import sys; from ckptlab.sweep import _child_main; sys.exit(_child_mai
 
 def _child_main() -> int:
     spec = json.loads(sys.stdin.read())
+    exit_when_orphaned(spec["parent_pid"])
     record = run_cell(Grid(**spec["grid"]), spec["cell"])
     sys.stdout.write(RECORD_PREFIX + json.dumps(record, default=str) + "\n")
     sys.stdout.flush()
@@ -426,23 +427,3 @@ def _counts(records: list[dict]) -> dict:
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _list(name: str, values) -> list:
-    if isinstance(values, (str, int)):
-        values = [values]
-    values = list(values)
-    if not values:
-        raise ValueError(f"{name}=[] is invalid: allowed is a non-empty list")
-    return values
-
-
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: {value!r} is invalid: allowed is an integer >= {minimum}")
-    return value
-
-
-def _int_list(name: str, values, minimum: int) -> list[int]:
-    return sorted({_int(name, v, minimum) for v in _list(name, values)})
-
