@@ -10,7 +10,7 @@ import sys
 
 from .memory import format_bytes
 from .policy import parse_policy
-from .validate import integer_list, non_empty, number, output_folder, run_name
+from .validate import integer_list, number, output_folder, run_name
 
 
 def split_list(text: str) -> list[str]:
@@ -28,12 +28,19 @@ def split_list(text: str) -> list[str]:
 
 def int_list(name: str, text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4]: a non-empty list of integers >= 1 (ValueError naming --name otherwise)."""
-    return integer_list(f"--{name}", split_list(text), 1)
+    try:
+        return integer_list(f"--{name}", split_list(text), 1)
+    except ValueError:
+        raise ValueError(f"--{name}={text!r} is invalid: allowed is a comma-separated list of integers >= 1, "
+                         "e.g. 1,2,4") from None
 
 
 def policy_list(text: str) -> list[str]:
     """--policy 'none,density=0.5' -> each policy checked; empty is refused."""
-    policies = non_empty("--policy", split_list(text))
+    policies = split_list(text)
+    if not policies:
+        raise ValueError(f"--policy={text!r} is invalid: allowed is a comma-separated list of policies, "
+                         "e.g. none,density=0.5,full")
     for p in policies:
         parse_policy(p)
     return policies

@@ -103,6 +103,10 @@ def output_folder(name: str, path) -> Path:
     if path is None or (isinstance(path, str) and not path.strip()):
         raise ValueError(f"{name}={path!r} is invalid: allowed is a folder path, e.g. results/my-run")
     folder = Path(path)
+    too_long = [part for part in folder.parts if len(os.fsencode(part)) > _NAME_MAX]
+    if too_long:
+        raise ValueError(f"{name}={_short(str(path))!r} is invalid: the name {_short(too_long[0])!r} is longer than "
+                         f"{_NAME_MAX} bytes; allowed is a folder path whose names are shorter")
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{name}={str(path)!r} is invalid: it is an existing file; allowed is a folder path")
     parent = folder
@@ -165,6 +169,13 @@ def _strings(value) -> Iterable[str]:
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _strings(v)
+
+
+_NAME_MAX = 255   # bytes in one file name on Linux, macOS and Windows file systems
+
+
+def _short(text: str, keep: int = 40) -> str:
+    return text if len(text) <= keep else text[:keep] + "..."
 
 
 def _show(values) -> str:
