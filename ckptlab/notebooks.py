@@ -311,6 +311,8 @@ def _execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s:
     from .sweep import environment
 
     replacements = {_relative(run_dir): recorded, str(run_dir.resolve()): recorded}
+    if Path(_relative(path)).is_absolute():  # a notebook from outside the repository: its name only
+        replacements[_relative(path)] = path.name
     if executed.exists():
         _rewrite_paths(executed, replacements)
     device = parameters.get("device", "cpu")
