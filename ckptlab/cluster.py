@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .validate import integer
+
 CLUSTERS = ("slurm", "local", "debug")
 
 
@@ -64,13 +66,11 @@ def job_options(out: Path, folder=None, cluster=None, slurm_partition=None, slur
     """Validate the submitit options (ValueError naming the parameter) before anything runs."""
     if cluster is not None and cluster not in CLUSTERS:
         raise ValueError(f"cluster={cluster!r} is invalid: allowed are {', '.join(CLUSTERS)} or None (auto)")
-    for name, value, minimum in (("cells_per_job", cells_per_job, 1), ("slurm_time_min", slurm_time_min, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {minimum}")
+    integer("cells_per_job", cells_per_job, 1)
+    integer("slurm_time_min", slurm_time_min, 1)
     if slurm_gpus_per_job is None:   # one GPU per rank on CUDA, none on CPU
         slurm_gpus_per_job = nproc if str(device).startswith("cuda") else 0
-    if isinstance(slurm_gpus_per_job, bool) or not isinstance(slurm_gpus_per_job, int) or slurm_gpus_per_job < 0:
-        raise ValueError(f"slurm_gpus_per_job={slurm_gpus_per_job!r} is invalid: allowed is an integer >= 0")
+    integer("slurm_gpus_per_job", slurm_gpus_per_job, 0)
     try:
         import submitit  # noqa: F401
     except ImportError:

@@ -56,6 +56,7 @@ from .measure import DTYPES, OPTIMIZERS, device_name, make_optimizer, training_s
 from .memory import parse_bytes
 from .models import Workload, get_workload
 from .policy import parse_policy
+from .validate import choice, integer
 from .wrap import apply_checkpointing, find_blocks
 
 
@@ -123,20 +124,16 @@ def _spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, 
     if not isinstance(workload, str):
         seed, overrides = workload.seed, {**dataclass_fields(workload.config), **overrides}
     get_workload(name, seed=seed, **overrides)   # validates name and overrides
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r} is invalid: allowed is an integer >= 1")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    integer("nproc", nproc, 1)
+    choice("dtype", dtype, list(DTYPES))
+    choice("optimizer", optimizer, OPTIMIZERS)
     dev_type = torch.device(device).type
     if dev_type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda")
     if dev_type == "cuda" and torch.cuda.device_count() < nproc:
         raise ValueError(f"nproc={nproc} is invalid here: only {torch.cuda.device_count()} CUDA devices")
     for label, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps), ("accum_steps", accum_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label}={value!r} is invalid: allowed is an integer >= 1")
+        integer(label, value, 1)
     policies = [str(parse_policy(p)) for p in ([policies] if isinstance(policies, str) else policies)]
     return dict(model=name, seed=seed, overrides=overrides, batch_size=batch_size, seq_len=seq_len,
                 policies=policies, device_type=dev_type, dtype=dtype, steps=steps, warmup=warmup,

@@ -232,8 +232,6 @@ def run_notebooks(
     job (`ckptlab.cluster`; `job_options`: cluster, slurm_partition, slurm_gpus_per_job, ...).
     """
     out = validate.output_folder("out", out)
-    if run_name is not None:
-        validate.run_name("run_name", run_name)
     timeout_s = number("timeout_s", timeout_s, 0.0, low_open=True)
     paths = [find_notebook(n) for n in names] if names else list_notebooks()
     sets = load_param_set(param_set)
@@ -243,7 +241,9 @@ def run_notebooks(
         values = {**(sets.get(path.stem) or {}), **overrides}
         check_parameters(path, values)
         plan.append((path, values))
-    run_name = run_name or (Path(param_set).stem if not overrides else f"{Path(param_set).stem}-custom")
+    if run_name is None:
+        run_name = Path(param_set).stem if not overrides else f"{Path(param_set).stem}-custom"
+    validate.run_name("run_name", run_name)
     for path, _ in plan:  # every folder checked before the first is replaced
         check_replaceable(out / path.stem / run_name)
 

@@ -131,13 +131,6 @@ def run_name(name: str, value) -> str:
     return value
 
 
-# Parameter values that are recorded in run folders and executed notebooks, so a credential in one
-# would be written to disk and perhaps committed. Refused (never silently redacted), by these rules:
-#   - the shape of a well-known token: Hugging Face (hf_...), OpenAI/Anthropic (sk-...), GitHub
-#     (ghp_, gho_, ghs_, ghu_, github_pat_), Slack (xox?-), AWS access key ids (AKIA...), Google
-#     API keys (AIza...), a PEM private key block, or a JSON Web Token (three base64url parts);
-#   - any other run of 32+ letters, digits, '_' or '-' mixing upper case, lower case and digits
-#     (a random secret; policy strings, paths and sizes never look like that).
 _CREDENTIAL_PATTERNS = [re.compile(p) for p in (
     r"\bhf_[A-Za-z0-9]{20,}", r"\bsk-[A-Za-z0-9_-]{20,}", r"\bgh[pousr]_[A-Za-z0-9]{20,}",
     r"\bgithub_pat_[A-Za-z0-9_]{20,}", r"\bxox[abposr]-[A-Za-z0-9-]{10,}", r"\bAKIA[0-9A-Z]{16}\b",
@@ -148,8 +141,19 @@ _RANDOM_RUN = re.compile(r"[A-Za-z0-9_-]{32,}")
 
 
 def no_credential(name: str, value) -> None:
-    """Refuse a value (or any string inside a list/dict value) that looks like a credential, by
-    the rules above. The message does not repeat the value."""
+    """Refuse a value (or any string inside a list or dict value) that looks like a credential.
+
+    Parameter values are recorded in run folders and executed notebooks, so a credential in one
+    would be written to disk and perhaps committed. Such values are refused, never silently
+    redacted, and the message does not repeat the value. A value looks like a credential when it
+    holds
+      - the shape of a well-known token: Hugging Face (hf_...), OpenAI/Anthropic (sk-...), GitHub
+        (ghp_, gho_, ghu_, ghs_, ghr_, github_pat_), Slack (xoxb-, ...), an AWS access key id
+        (AKIA...), a Google API key (AIza...), a PEM private key block, a JSON Web Token; or
+      - any other run of 32 or more letters, digits, '_' or '-' that mixes upper case, lower case
+        and digits (a random secret; policies, model names, sizes and hex hashes never do).
+    Credentials belong in the environment (HF_TOKEN, ...), which ckptlab never records.
+    """
     for text in _strings(value):
         if any(p.search(text) for p in _CREDENTIAL_PATTERNS) or any(
                 re.search(r"[A-Z]", run) and re.search(r"[a-z]", run) and re.search(r"\d", run)
