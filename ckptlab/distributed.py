@@ -52,6 +52,7 @@ from typing import Optional
 
 import torch
 
+from .children import die_with_parent
 from .measure import DTYPES, OPTIMIZERS, device_name, make_optimizer, training_step
 from .memory import parse_bytes
 from .models import Workload, get_workload
@@ -158,7 +159,7 @@ def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> 
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), PYTHONPATH=pythonpath)
         err = open(Path(out_dir, f"rank{rank}.err"), "w")
         procs.append((subprocess.Popen([sys.executable, "-c", _RANK_MAIN, out_dir], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=err), err))
+                                       stdout=subprocess.DEVNULL, stderr=err, preexec_fn=die_with_parent()), err))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failed = ""
     try:
