@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export MPLBACKEND := agg
 export PYTHONHASHSEED := 0
 
-.PHONY: setup run test test-browser bench gpu-check clean
+.PHONY: setup run test lint test-browser bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -23,8 +23,13 @@ $(STAMP): requirements.txt pyproject.toml
 run: $(STAMP)
 	$(BIN)/ckptlab notebooks run --file default --out results
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+# The layers of docs/design.md (import-linter contracts in pyproject.toml) and ruff's small rule set.
+lint: $(STAMP)
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check ckptlab tests benchmarks
 
 # Opt-in: the explorer (notebook 06) in JupyterLab in headless Chromium, installed from Debian if
 # missing; a slider and a dropdown change re-measure. Screenshots + report.json in results/browser-check/.
@@ -34,10 +39,10 @@ test-browser: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 
-# GPU validation of sweeps (ckptlab/gpu_check.py): a CUDA sweep at gpt2-small shape, tracker vs
+# GPU validation of sweeps (ckptlab/apps/gpu_check.py): a CUDA sweep at gpt2-small shape, tracker vs
 # allocator peaks, one memory snapshot, into results/gpu-check-<device>/. Fails clearly without a GPU.
 gpu-check: $(STAMP)
-	$(BIN)/python -m ckptlab.gpu_check
+	$(BIN)/python -m ckptlab.apps.gpu_check
 
 clean:
 	rm -rf $(VENV)

@@ -3,7 +3,7 @@
     python benchmarks/job_overhead.py
 
 Times submit -> result for jobs that do no measuring, one at a time: `time.sleep(0)` (submitit's
-own cost: a controller process, a job process, pickles on disk) and an empty `ckptlab.cluster.run_job`
+own cost: a controller process, a job process, pickles on disk) and an empty `ckptlab.run.cluster.run_job`
 (that plus importing torch and ckptlab in the job, which every real job pays).
 """
 
@@ -13,8 +13,8 @@ import time
 
 import submitit
 
-from ckptlab.cluster import run_job
-from ckptlab.sweep import make_grid
+from ckptlab.run.cluster import run_job
+from ckptlab.run.sweep import make_grid
 
 
 def main(repeats: int = 3) -> None:

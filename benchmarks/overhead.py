@@ -20,8 +20,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload
-from ckptlab.measure import make_optimizer, resolve_device, training_step
-from ckptlab.timing import time_steps
+from ckptlab.probe.step import make_optimizer, resolve_device, training_step
+from ckptlab.probe.timing import time_steps
 
 
 def manual_full(model: torch.nn.Module) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -27,10 +26,10 @@ import time
 import torch
 
 from ckptlab import closed_form, get_workload, measure, predict, what_fits
-from ckptlab.cli import format_table
-from ckptlab.estimate import llama7b_shape, prediction_error
-from ckptlab.memory import format_bytes
-from ckptlab.plan import plan_budget
+from ckptlab.core.units import format_bytes
+from ckptlab.probe.estimate import prediction_error
+from ckptlab.probe.plan import plan_budget
+from ckptlab.report.tables import format_table
 
 GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
                  "selective", "selective=alt", "selective=attn", "plan=kfsk", "density=0.5+offload",
@@ -160,7 +159,7 @@ def frontier_summary(rows: list[dict]) -> dict:
 LLAMA = """
 import json, resource, time
 t = time.perf_counter()
-from ckptlab.estimate import llama7b_shape, predict
+from ckptlab.probe.estimate import llama7b_shape, predict
 out = {}
 for policy in ("none", "full", "selective"):
     p = predict(llama7b_shape(), 8, 4096, policy, dtype="bf16")
@@ -191,9 +190,10 @@ def fits_table(quick: bool) -> list[dict]:
 def compile_investigation(quick: bool) -> list[dict]:
     """mlp-chain with activations >> parameters. Known answers first: eager none / full, where
     the live-tensor tracker is ground truth, measured with the same allocator accounting."""
-    from ckptlab.measure import allocator_step_memory, compile_config, make_optimizer, training_step
-    from ckptlab.policy import parse_policy
     from ckptlab import apply_checkpointing, track_memory
+    from ckptlab.core.policy import parse_policy
+    from ckptlab.probe.measure import allocator_step_memory, compile_config
+    from ckptlab.probe.step import make_optimizer, training_step
 
     workload = get_workload("mlp-chain", n_layer=4, n_embd=64)
     b, s = 32, 256
@@ -240,9 +240,9 @@ def backward_graph_order() -> dict:
     mlp-chain and list the positions of the forward ops (addmm, relu) it re-runs."""
     import torch._dynamo
     import torch._functorch.config as fc
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from functorch.compile import make_boxed_func
 
     workload = get_workload("mlp-chain", n_layer=4, n_embd=16)
     out = {}
@@ -380,7 +380,7 @@ def section_fits(args, result) -> None:
                               ("max seq @ batch 1", "max_seq_len", str)]))
     llama = llama_cost()
     result["llama7b"] = llama
-    print(f"Llama-7B-shaped GPT (6.7B) at batch 8, seq 4096, bf16, fresh process: "
+    print("Llama-7B-shaped GPT (6.7B) at batch 8, seq 4096, bf16, fresh process: "
           + ", ".join(f"{p} peak {mib(llama[p]['peak'])} ({llama[p]['s']:.1f} s)" for p in ("none", "full", "selective"))
           + f"; whole process {llama['total_s']:.1f} s incl. import, max RSS {mib(llama['max_rss'])}")
 

@@ -26,7 +26,7 @@ def main() -> None:
         inproc_s, n = timed(False, Path(tmp) / "inproc")
         iso_s, _ = timed(True, Path(tmp) / "iso")
         t0 = time.perf_counter()
-        from ckptlab.plots import redraw_all
+        from ckptlab.report.plots import redraw_all
         redraw_all(Path(tmp) / "inproc")
         plots_s = time.perf_counter() - t0
     print(f"grid: gpt-tiny, batch 1,2,4 x seq 64 x none,density=0.5,full = {n} cells, steps=3 warmup=1, CPU")

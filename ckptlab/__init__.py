@@ -1,23 +1,39 @@
-"""ckptlab: measure what activation checkpointing saves and costs, and choose what to recompute."""
+"""ckptlab: measure what activation checkpointing saves and costs, and choose what to recompute.
 
-from .estimate import Prediction, closed_form, predict, what_fits
-from .measure import measure
-from .memory import MemoryReport, format_bytes, parse_bytes, track_memory
-from .models import Workload, get_workload
-from .plan import Plan, plan_budget, profile_blocks
-from .policy import Policy, parse_policy
-from .store import RunLockedError, load_run
-from .sweep import equal_batch_sweep, make_grid, sweep
-from .timing import time_steps
-from .verify import compare_gradients
-from .wrap import CheckpointHandle, apply_checkpointing, find_blocks
+The package is layered in the order of the flow (docs/design.md); this module only re-exports.
+"""
 
-__version__ = "0.1.0"
+import sys
+
+from .apps import notebooks
+from .checkpoint.blocks import CheckpointHandle, find_blocks
+from .checkpoint.wrap import apply_checkpointing
+from .core.meta import __version__
+from .core.policy import Policy, parse_policy
+from .core.units import format_bytes, parse_bytes
+from .probe.estimate import Prediction, closed_form, llama7b_shape, predict, what_fits
+from .probe.measure import measure
+from .probe.memory import MemoryReport, track_memory
+from .probe.plan import Plan, plan_budget, profile_blocks
+from .probe.timing import time_steps
+from .probe.verify import compare_gradients
+from .report import analysis, plots
+from .report.sweeps import equal_batch_sweep, sweep
+from .run import store
+from .run.store import RunLockedError, load_run
+from .run.sweep import make_grid
+from .workloads.base import Workload
+from .workloads.registry import get_workload
+
+# The short public paths users and notebooks import (`ckptlab.analysis`, `ckptlab.plots`,
+# `ckptlab.store`, `ckptlab.notebooks`) name the layered modules themselves: one module object
+# under two names, so attributes and monkeypatches are shared.
+for _alias, _module in {"analysis": analysis, "plots": plots, "store": store, "notebooks": notebooks}.items():
+    sys.modules[f"{__name__}.{_alias}"] = _module
 
 __all__ = [
-    "CheckpointHandle", "MemoryReport", "Policy", "Workload", "apply_checkpointing", "compare_gradients",
-    "find_blocks",
-    "format_bytes", "get_workload", "measure", "parse_bytes", "parse_policy", "time_steps",
-    "track_memory", "sweep", "equal_batch_sweep", "make_grid", "load_run", "RunLockedError",
-    "Prediction", "predict", "closed_form", "what_fits", "Plan", "plan_budget", "profile_blocks",
+    "CheckpointHandle", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "Workload", "__version__",
+    "apply_checkpointing", "closed_form", "compare_gradients", "equal_batch_sweep", "find_blocks", "format_bytes",
+    "get_workload", "llama7b_shape", "load_run", "make_grid", "measure", "parse_bytes", "parse_policy", "plan_budget",
+    "predict", "profile_blocks", "sweep", "time_steps", "track_memory", "what_fits",
 ]

@@ -4,8 +4,18 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ckptlab.analysis import (GiB, config_label, format_summary, largest_fitting, overhead, pareto, plans_vs_uniform, summary,
-                              timing_note, what_fits)
+from ckptlab.core.units import GiB
+from ckptlab.report.analysis import (
+    config_label,
+    format_summary,
+    largest_fitting,
+    overhead,
+    pareto,
+    plans_vs_uniform,
+    summary,
+    timing_note,
+    what_fits,
+)
 
 
 def rec(policy, density, batch, peak, ms, status="ok", seq=64, accum=1, dtype="fp32", limit=None, **kw):

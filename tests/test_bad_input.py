@@ -10,11 +10,12 @@ import pytest
 
 import ckptlab
 from ckptlab import analysis, plots
-from ckptlab.cli import main
-from ckptlab.models import Workload
-from ckptlab.notebooks import RUN_MARKER, fresh_run_folder, run_notebooks
-from ckptlab.store import load_run, read_meta
-from ckptlab.validate import no_credential, output_folder, run_name, size_bytes, size_label
+from ckptlab.apps.cli import main
+from ckptlab.apps.notebook_exec import RUN_MARKER, fresh_run_folder
+from ckptlab.apps.notebooks import run_notebooks
+from ckptlab.core.validate import no_credential, output_folder, run_name, size_bytes, size_label
+from ckptlab.run.store import load_run, read_meta
+from ckptlab.workloads.base import Workload
 
 FAKE_TOKEN = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123"
 

@@ -1,6 +1,7 @@
 """The command line: real output for good input, exit 2 and one clear line for bad input."""
 
-from ckptlab.cli import main, split_list
+from ckptlab.apps.cli import main
+from ckptlab.core.parsing import split_list
 
 TINY = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2"]
 

@@ -9,10 +9,11 @@ import pytest
 
 submitit = pytest.importorskip("submitit")
 
-from ckptlab import cluster  # noqa: E402
-from ckptlab.cli import main as cli_main  # noqa: E402
-from ckptlab.store import read_records  # noqa: E402
-from ckptlab.sweep import sweep  # noqa: E402
+from ckptlab import sweep  # noqa: E402
+from ckptlab.apps.cli import main as cli_main  # noqa: E402
+from ckptlab.apps.notebook_jobs import run_notebooks_as_jobs  # noqa: E402
+from ckptlab.run import cluster  # noqa: E402
+from ckptlab.run.store import read_records  # noqa: E402
 
 TINY = dict(model="gpt-tiny", model_overrides=dict(n_layer=4, n_embd=32, n_head=2, vocab_size=64),
             batch_sizes=[2], seq_lens=[16], steps=1, warmup=0, progress=False, plots=False)
@@ -45,8 +46,8 @@ def test_jobs_give_the_same_records_as_a_local_run(tmp_path):
 def test_killed_or_timed_out_job_is_an_error_the_rest_of_its_chunk_runs_resume_adds_only_new_cells(tmp_path, monkeypatch):
     def killing_job(grid, cells, partial, infer_oom=True):
         # defined inside the test, so cloudpickle ships it by value to the job process
-        from ckptlab.cluster import run_job
-        from ckptlab.sweep import run_cell
+        from ckptlab.run.cells import run_cell
+        from ckptlab.run.cluster import run_job
 
         def measure(grid, cell):
             if cell["policy"] == "density=0.5":
@@ -84,7 +85,8 @@ def test_killed_or_timed_out_job_is_an_error_the_rest_of_its_chunk_runs_resume_a
 def test_leftover_records_of_an_interrupted_sweep_are_gathered_not_rerun(tmp_path, monkeypatch):
     # A job of an earlier sweep finished after that sweep's process was gone: its record file is
     # all that is left. Resuming takes the record from it and submits nothing.
-    from ckptlab.sweep import make_grid, run_cell
+    from ckptlab.run.cells import run_cell
+    from ckptlab.run.sweep import make_grid
 
     out = tmp_path / "run"
     grid = make_grid(**{k: TINY[k] for k in ("model", "model_overrides", "batch_sizes", "seq_lens", "steps", "warmup")},
@@ -131,7 +133,7 @@ def test_cli_executor_flags_reach_the_job_options(monkeypatch, tmp_path):
         seen.update(kwargs)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(sys.modules["ckptlab.sweep"], "sweep", fake_sweep)   # the module, not the function
+    monkeypatch.setattr(sys.modules["ckptlab.apps.cli"], "sweep", fake_sweep)   # the name the CLI calls
     code = cli_main(["sweep", "--out", str(tmp_path / "x"), "--executor", "submitit", "--slurm-partition", "gpu",
                      "--slurm-gpus", "1", "--slurm-time", "30", "--slurm-account", "lab", "--cells-per-job", "4",
                      "--cluster", "slurm", "--nproc", "2"])
@@ -171,7 +173,7 @@ def test_notebook_runs_as_a_job(tmp_path):
     book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     path = tmp_path / "99_tiny.ipynb"
     nbformat.write(book, str(path))
-    [run] = cluster.run_notebooks_as_jobs([(path, {"x": 21})], tmp_path / "results", "tiny", "default", 120,
+    [run] = run_notebooks_as_jobs([(path, {"x": 21})], tmp_path / "results", "tiny", "default", 120,
                                           cluster="local")
     assert run.status == "ok", run.error
     assert json.loads((run.run_dir / "headline.json").read_text()) == {"x2": 42}

@@ -9,10 +9,10 @@ import torch.distributed as dist
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
-from ckptlab.cli import main as cli_main  # noqa: E402
-from ckptlab.distributed import measure_sharded_many, sharded_gradients  # noqa: E402
-from ckptlab.models import get_workload  # noqa: E402
-from ckptlab.store import read_records  # noqa: E402
+from ckptlab import get_workload  # noqa: E402
+from ckptlab.apps.cli import main as cli_main  # noqa: E402
+from ckptlab.probe.distributed import measure_sharded_many, sharded_gradients  # noqa: E402
+from ckptlab.run.store import read_records  # noqa: E402
 
 # dropout off: the sharded run draws its masks per rank on half the batch, the reference on the
 # whole batch, so the same seed would give different masks (recompute itself replays masks

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ckptlab.explorer import Explorer
+from ckptlab.apps.explorer import Explorer
 
 SMALL = dict(batch_size=2, seq_len=16, steps=1, warmup=0)
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload, measure  # noqa: E402
-from ckptlab.hf import hf_capabilities, hf_layers  # noqa: E402
+from ckptlab.checkpoint.hf import hf_capabilities, hf_layers  # noqa: E402
 
 TINY = ["hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny"]
 CKPTLAB_POLICIES = ["none", "full", "density=0.5", "every=2", "layers=0,3", "segments=2", "segments=sqrt"]
@@ -235,7 +235,7 @@ def test_installed_transformers_capabilities():
 
 
 def test_an_unsupported_hf_option_says_so(monkeypatch):
-    import ckptlab.hf as hf
+    import ckptlab.checkpoint.hf as hf
     monkeypatch.setattr(hf, "hf_capabilities", lambda model: {"hf": True, "every_n_layers": False, "offload": False})
     model = get_workload("hf-llama-tiny").build()
     with pytest.raises(ValueError, match=r"hf:every_n_layers=2.* not supported by transformers .* no every_n_layers"):

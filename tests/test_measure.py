@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ckptlab import get_workload, measure
-from ckptlab.memory import CATEGORIES
+from ckptlab.probe.memory import CATEGORIES
 
 from .conftest import requires_cuda
 
@@ -117,7 +117,7 @@ def test_cuda_real_oom_is_recorded_and_memory_released():
 
 @requires_cuda
 def test_cuda_memory_snapshot(tmp_path):
-    from ckptlab.memory import cuda_memory_snapshot
+    from ckptlab.probe.memory import cuda_memory_snapshot
 
     path = tmp_path / "snapshot.pickle"
     with cuda_memory_snapshot(str(path)):
@@ -127,7 +127,7 @@ def test_cuda_memory_snapshot(tmp_path):
 
 @requires_cuda
 def test_cuda_event_timing():
-    from ckptlab.timing import time_steps
+    from ckptlab.probe.timing import time_steps
 
     x = torch.randn(2048, 2048, device="cuda")
     timing = time_steps(lambda: x @ x, steps=3, warmup=1, device="cuda")

@@ -2,9 +2,10 @@ import pytest
 import torch
 
 from ckptlab import apply_checkpointing, get_workload, measure, track_memory
-from ckptlab.measure import make_optimizer, training_step
-from ckptlab.memory import format_bytes, parse_bytes, profiler_peak_bytes
-from ckptlab.models import mlp_chain_activation_bytes
+from ckptlab.core.units import format_bytes, parse_bytes
+from ckptlab.probe.memory import profiler_peak_bytes
+from ckptlab.probe.step import make_optimizer, training_step
+from ckptlab.workloads.models import mlp_chain_activation_bytes
 
 MLP = dict(n_layer=8, n_embd=32)
 

@@ -10,9 +10,16 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ckptlab.cli import main as cli_main
-from ckptlab.notebooks import (ROOT, check_parameters, find_notebook, list_notebooks, notebook_parameters,
-                               run_notebooks, write_results_index)
+from ckptlab.apps.cli import main as cli_main
+from ckptlab.apps.notebooks import (
+    ROOT,
+    check_parameters,
+    find_notebook,
+    list_notebooks,
+    notebook_parameters,
+    run_notebooks,
+    write_results_index,
+)
 
 NOTEBOOKS = list_notebooks()
 

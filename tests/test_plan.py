@@ -7,7 +7,7 @@ import random
 import pytest
 
 from ckptlab import get_workload, plan_budget, predict, profile_blocks
-from ckptlab.plan import OPTIONS, Profile, brute_force, min_peak, model_peak, plan_cost, solve
+from ckptlab.probe.plan import OPTIONS, Profile, brute_force, min_peak, model_peak, plan_cost, solve
 
 
 def _random_profile(n: int, rng: random.Random) -> Profile:

@@ -5,8 +5,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckptlab import apply_checkpointing, get_workload, measure, parse_policy
-from ckptlab.policy import Policy
-from ckptlab.verify import compare_gradients
+from ckptlab.core.policy import Policy
+from ckptlab.probe.verify import compare_gradients
 
 NEW_POLICIES = ["selective", "selective=alt", "selective=attn", "density=0.5+offload", "offload",
                 "segments=2+offload", "selective+offload"]
@@ -154,8 +154,9 @@ def test_compiled_budget_gradients_and_allocator_accounting():
 def test_allocator_accounting_agrees_with_the_tracker_where_the_answer_is_known(policy):
     # Eager runs, where the live-tensor tracker is ground truth: the profiler's allocator events
     # (what compiled runs are measured with) must give the same peak and saved bytes.
-    from ckptlab.measure import allocator_step_memory, make_optimizer, training_step
     from ckptlab import track_memory
+    from ckptlab.probe.measure import allocator_step_memory
+    from ckptlab.probe.step import make_optimizer, training_step
 
     workload = get_workload("mlp-chain", n_layer=4, n_embd=32)
     model = workload.build()

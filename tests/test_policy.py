@@ -1,7 +1,7 @@
 import pytest
 
 from ckptlab import parse_policy
-from ckptlab.policy import spread_evenly
+from ckptlab.core.policy import spread_evenly
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import ckptlab.children
-from ckptlab.sweep import CELL_TIMEOUT_S, run_isolated
+from ckptlab.core import children
+from ckptlab.run.cells import CELL_TIMEOUT_S, run_isolated
+from ckptlab.run.sweep import make_grid
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -63,12 +64,12 @@ def kill(pid: int) -> None:
 
 def test_isolated_cell_dies_when_its_sweep_is_killed(tmp_path):
     # A cell long enough to be still running when its sweep is killed.
-    code = ("from ckptlab import sweep; sweep(model='mlp-chain', batch_sizes=[1], seq_lens=[8], policies=['none'], "
-            f"steps=10**7, warmup=0, isolate=True, progress=False, plots=False, out={str(tmp_path / 'run')!r})")
+    code = ("from ckptlab.run.sweep import run_sweep; run_sweep(model='mlp-chain', batch_sizes=[1], seq_lens=[8], policies=['none'], "
+            f"steps=10**7, warmup=0, isolate=True, progress=False, out={str(tmp_path / 'run')!r})")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     child = None
     try:
-        child = wait_for_child(parent, "_child_main")
+        child = wait_for_child(parent, "child_main")
         parent.kill()
         parent.wait()
         assert gone_within(child, 2.0), "the isolated cell outlived its sweep"
@@ -80,7 +81,7 @@ def test_isolated_cell_dies_when_its_sweep_is_killed(tmp_path):
 
 def test_child_notices_a_dead_parent_without_the_kernels_help(tmp_path):
     """The fallback for systems without PR_SET_PDEATHSIG: the child watches its parent's pid."""
-    children_py = Path(ckptlab.children.__file__)
+    children_py = Path(children.__file__)
     child_code = ("import importlib.util, os, time; "
                   f"spec = importlib.util.spec_from_file_location('children', {str(children_py)!r}); "
                   "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
@@ -112,8 +113,6 @@ def test_isolated_cells_have_a_default_timeout(monkeypatch):
         raise subprocess.TimeoutExpired(args[0], kwargs["timeout"])
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    from ckptlab.sweep import make_grid
-
     grid = make_grid(model="mlp-chain", batch_sizes=[1], seq_lens=[8], policies=["none"])
     record = run_isolated(grid, grid.cells()[0])
     assert seen["timeout"] == CELL_TIMEOUT_S and seen["preexec_fn"] is not None

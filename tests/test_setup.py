@@ -1,9 +1,9 @@
 """The two commands and the environment files stay consistent with each other."""
 
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]

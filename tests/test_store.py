@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ckptlab.store import RunLockedError, RunWriter, load_run, read_meta, read_records
+from ckptlab.run.store import RunLockedError, RunWriter, load_run, read_meta, read_records
 
 
 def test_append_and_load(tmp_path):

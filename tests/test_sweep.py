@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ckptlab import RunLockedError, load_run, measure, sweep
-from ckptlab.cli import main as cli_main
-from ckptlab.store import RunWriter
+from ckptlab.apps.cli import main as cli_main
+from ckptlab.run.store import RunWriter
 
 FAST = dict(steps=1, warmup=0, progress=False, plots=False)
 EXPECTED_COLUMNS = {

@@ -12,7 +12,7 @@ from ckptlab import gpu_check
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_without_a_gpu_it_fails_with_a_clear_message(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ckptlab.gpu_check"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "ckptlab.apps.gpu_check"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     assert "no CUDA device is available" in proc.stderr
     assert not (tmp_path / "results").exists()
@@ -32,7 +32,7 @@ def test_allocator_ratio_and_band():
 
 
 def test_grid_is_valid_for_cuda_shape():
-    from ckptlab.sweep import make_grid
+    from ckptlab.run.sweep import make_grid
     kw = {k: v for k, v in gpu_check.GRID.items() if k not in ("isolate", "cell_timeout_s")}
     grid = make_grid(device="cpu", **kw)  # validates every value except the device
     assert len(grid.cells()) == 40 and grid.seq_lens == [1024]

@@ -4,7 +4,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload
-from ckptlab.verify import compare_gradients
+from ckptlab.probe.verify import compare_gradients
 
 POLICIES = ["none", "full", "density=0.5", "density=0.25", "every=2", "every=3", "layers=0,2",
             "segments=2", "segments=sqrt"]

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import Workload
-from .policy import Policy
-from .wrap import apply_checkpointing
+from ..checkpoint.wrap import apply_checkpointing
+from ..core.policy import Policy
+from ..workloads.base import Workload
 
 
 @dataclass

@@ -12,20 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import platform
 from typing import Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from .memory import CATEGORIES, cuda_allocator_stats, parse_bytes, track_memory
-from .models import Workload, get_workload
-from .policy import parse_policy
+from ..checkpoint.blocks import find_blocks
+from ..checkpoint.wrap import apply_checkpointing
+from ..core.policy import HF_KINDS, parse_policy
+from ..core.units import parse_bytes
+from ..core.validate import choice, integer
+from ..workloads.base import Workload
+from ..workloads.registry import get_workload
+from .memory import CATEGORIES, MemoryReport, cuda_allocator_stats, track_memory
+from .plan import plan_budget
+from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
 from .timing import time_steps
-from .validate import choice, integer
-from .wrap import apply_checkpointing
-
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}   # name -> autocast dtype (None: no autocast)
-OPTIMIZERS = ("adamw", "sgd", "none")
 
 
 def measure(
@@ -184,12 +186,10 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
 
 
 def _resolve_policy(record, workload, policy, dev, dtype, optimizer_name):
-    """budget=... becomes the per-block plan `ckptlab.plan.plan_budget` chooses (recorded);
+    """budget=... becomes the per-block plan `ckptlab.probe.plan.plan_budget` chooses (recorded);
     offload on CPU is noted as a no-op; compile is noted as measured by allocator events."""
     notes = []
     if policy.kind == "budget":
-        from .plan import plan_budget
-
         plan = plan_budget(workload, record["batch_size"], record["seq_len"], policy, dtype=dtype,
                            optimizer=optimizer_name)
         record["plan"] = plan.letters
@@ -211,8 +211,8 @@ def compile_config(policy):
     if getattr(policy, "kind", None) != "compile":
         yield
         return
-    import torch._dynamo
-    import torch._functorch.config as functorch_config
+    import torch._dynamo  # noqa: PLC0415 - the compiler stack is heavy; only compile policies load it
+    import torch._functorch.config as functorch_config  # noqa: PLC0415 - as above
 
     torch._dynamo.reset()
     budget = 1.0 if policy.value is None else policy.value
@@ -229,9 +229,6 @@ def allocator_step_memory(step, model, optimizer, batch, dev):
     which see allocations inside compiled graphs that a dispatch-mode tracker cannot. Returns a
     MemoryReport (peak = bytes held when the step began + the allocator's high-water mark above
     it; saved activations = bytes the forward left allocated) and the loss."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from .memory import MemoryReport
 
     start = {}
     for t in list(model.parameters()) + list(batch) + [
@@ -273,79 +270,10 @@ def allocator_step_memory(step, model, optimizer, batch, dev):
     return MemoryReport(start_bytes + peak, {}, peak_phase, start_bytes, at_backward, timeline), loss
 
 
-def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", accum_steps: int = 1):
-    """A closure running one forward + backward [+ optimizer step]; pass it a tracker to mark
-    phases. Gradients are set to None at the end, as a training loop does between steps.
-    With accum_steps > 1 the forward + backward runs that many times on the micro-batch
-    (gradients accumulate, loss scaled by 1/accum_steps) before the one optimizer step."""
-    autocast_dtype = DTYPES[dtype]
-    device_type = batch[0].device.type
-
-    def step(tracker=None):
-        for micro in range(accum_steps):
-            if tracker is not None and micro:
-                tracker.phase("forward")
-            ctx = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-            with ctx:
-                loss = workload.loss(model, batch)
-            if tracker is not None:
-                tracker.phase("backward")
-            (loss / accum_steps if accum_steps > 1 else loss).backward()
-        if tracker is not None:
-            tracker.phase("optimizer")
-        if optimizer is not None:
-            optimizer.step()
-        model.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
-def make_optimizer(name: str, model: torch.nn.Module):
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-3)
-    return None
-
-
-def resolve_device(device: str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda, cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda, cuda:N")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} is invalid here: no CUDA device is available; allowed is cpu")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r} is invalid: allowed are cuda:0..cuda:{torch.cuda.device_count() - 1}")
-    return dev
-
-
-def device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def check_policy_applies(workload: Workload, policy) -> None:
     """Raise ValueError when `policy` cannot apply to `workload` (layers=9 or a plan of the wrong
     length on a 4-block model, an hf policy on a model that is not a transformers model), using
     the model built on the meta device: no memory, no time."""
-    from .policy import HF_KINDS
-    from .wrap import find_blocks
-
     policy = parse_policy(policy)
     model = workload.build("meta")
     transformers_model = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
@@ -362,4 +290,4 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["measure", "training_step", "make_optimizer", "resolve_device"]
+__all__ = ["check_policy_applies", "measure", "training_step", "make_optimizer", "resolve_device"]

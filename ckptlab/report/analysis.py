@@ -16,10 +16,9 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from .memory import format_bytes
+from ..core.units import CARD_LIMITS, format_bytes
+from .tables import format_table
 
-GiB = 2**30
-CARD_LIMITS = {"24 GiB": 24 * GiB, "40 GiB": 40 * GiB, "80 GiB": 80 * GiB, "141 GiB": 141 * GiB}
 SHAPE = ["model", "batch_size", "seq_len", "dtype", "accum_steps"]   # what a baseline must share
 
 
@@ -186,8 +185,6 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
 
 def format_summary(df: pd.DataFrame) -> str:
     """The text printed at the end of a sweep: counts, then the best config per limit."""
-    from .cli import format_table
-
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     inferred = int(df["inferred"].fillna(False).astype(bool).sum()) if "inferred" in df else 0
     head = (f"{len(df)} cells: {counts.get('ok', 0)} ok, {counts.get('oom', 0)} oom "
@@ -212,4 +209,5 @@ def _py(v):
     return v.item() if hasattr(v, "item") else v
 
 
-__all__ = ["CARD_LIMITS", "format_summary", "ok", "overhead", "pareto", "summary", "what_fits"]
+__all__ = ["BUSY_SPREAD", "SHAPE", "config_label", "format_summary", "largest_fitting", "ok", "overhead",
+           "pareto", "plans_vs_uniform", "summary", "timing_note", "what_fits"]

@@ -27,7 +27,7 @@ Policies are written as strings because notebook parameters and CLI flags are st
     P+offload       any policy above with saved activations moved to host memory
                     (`torch.autograd.graph.save_on_cpu`, pinned on CUDA); `offload` alone is
                     none+offload. A no-op on CPU, where activations already live in host memory.
-    hf              transformers models only (`ckptlab.hf`): Hugging Face's own checkpointing,
+    hf              transformers models only (`ckptlab.checkpoint.hf`): Hugging Face's own checkpointing,
     hf:every_n_layers=K  `activation_checkpointing_enable()` (non-reentrant) on every layer, on
     hf:offload      layers 0, K, 2K, ..., or with offload=True, where the installed version has it.
 
@@ -142,7 +142,7 @@ class Policy:
             # N // S blocks, the remainder going to the last (uncheckpointed) one.
             size = n_blocks // n_segments
             return [(s * size, (s + 1) * size) for s in range(n_segments - 1)]
-        if self.kind in HF_KINDS:  # nominal; ckptlab.hf reports the layers transformers marks
+        if self.kind in HF_KINDS:  # nominal; ckptlab.checkpoint.hf reports the layers transformers marks
             step = self.value if self.kind == "hf:every_n_layers" else 1
             return [(i, i + 1) for i in range(0, n_blocks, step)]
         raise AssertionError(f"unhandled policy kind {self.kind!r}")
@@ -194,7 +194,7 @@ def parse_policy(text: str | Policy) -> Policy:
         return _parse_compile(text, spec)
     name, sep, arg = spec.partition("=")
     name, arg = name.strip(), arg.strip()
-    if name == "hf" or name.startswith("hf:"):  # transformers' own mechanism, applied by ckptlab.hf
+    if name == "hf" or name.startswith("hf:"):  # transformers' own mechanism, applied by ckptlab.checkpoint.hf
         return _parse_hf(text, name, sep, arg)
     if name not in KINDS:
         raise ValueError(f"policy={text!r} is invalid: unknown policy {name!r}; allowed is {POLICY_HELP}")

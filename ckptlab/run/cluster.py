@@ -40,7 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .validate import integer
+from tqdm.auto import tqdm
+
+from ..core.validate import integer
+from .cells import Grid, cell_id, failed_record, group_key, inferred_oom_record, note_oom, now, run_cell
 
 CLUSTERS = ("slurm", "local", "debug")
 
@@ -72,7 +75,7 @@ def job_options(out: Path, folder=None, cluster=None, slurm_partition=None, slur
         slurm_gpus_per_job = nproc if str(device).startswith("cuda") else 0
     integer("slurm_gpus_per_job", slurm_gpus_per_job, 0)
     try:
-        import submitit  # noqa: F401
+        import submitit  # noqa: F401, PLC0415 - submitit is the cluster extra
     except ImportError:
         raise ValueError("executor='submitit' needs submitit: pip install 'ckptlab[cluster]'") from None
     return JobOptions(Path(folder) if folder is not None else Path(out) / "submitit", cluster, slurm_partition,
@@ -81,7 +84,7 @@ def job_options(out: Path, folder=None, cluster=None, slurm_partition=None, slur
 
 def make_executor(options: JobOptions, timeout_s: Optional[float] = None):
     """A configured `submitit.AutoExecutor`."""
-    import submitit
+    import submitit  # noqa: PLC0415 - submitit is the cluster extra
 
     try:
         executor = submitit.AutoExecutor(folder=options.folder / "jobs" / "%j", cluster=options.cluster)
@@ -111,12 +114,10 @@ def make_executor(options: JobOptions, timeout_s: Optional[float] = None):
 def run_job(grid: dict, cells: list[dict], partial: str, infer_oom: bool = True, measure=None) -> list[dict]:
     """A job's body: measure `cells` in this process, in order; each record goes to `partial`
     (one JSON line, durable) as soon as it exists. Returns the records."""
-    from .sweep import Grid, _group, _inferred_oom, _note_oom, run_cell
-
     grid = Grid(**grid)
     measure = measure or run_cell
     try:
-        import submitit
+        import submitit  # noqa: PLC0415 - submitit is the cluster extra
         job_id = submitit.JobEnvironment().job_id
     except (ImportError, RuntimeError):
         job_id = None
@@ -125,9 +126,9 @@ def run_job(grid: dict, cells: list[dict], partial: str, infer_oom: bool = True,
     with open(partial, "a", encoding="utf-8") as f:
         for cell in cells:
             t0 = time.perf_counter()
-            oom_batch = oom_at.get(_group(cell))
+            oom_batch = oom_at.get(group_key(cell))
             if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
-                record = _inferred_oom(grid, cell, oom_batch)
+                record = inferred_oom_record(grid, cell, oom_batch)
             else:
                 record = measure(grid, cell)
             record["cell_wall_s"] = round(time.perf_counter() - t0, 4)
@@ -136,7 +137,7 @@ def run_job(grid: dict, cells: list[dict], partial: str, infer_oom: bool = True,
             f.flush()
             os.fsync(f.fileno())
             records.append(record)
-            _note_oom(oom_at, record)
+            note_oom(oom_at, record)
     return records
 
 
@@ -149,15 +150,11 @@ def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: b
                 infer_oom: bool = True, cell_timeout_s: Optional[float] = None) -> list[dict]:
     """Measure every cell of `grid` without a record in `done` as submitit jobs; append each
     record through `writer` as its job ends. Returns all of the run's records."""
-    from tqdm.auto import tqdm
-
-    from .sweep import _group, _inferred_oom, _note_oom, cell_id
-
     records = list(done)
     finished = {r.get("cell_id") for r in done}
     oom_at: dict = {}
     for r in done:
-        _note_oom(oom_at, r)
+        note_oom(oom_at, r)
     cells = grid.cells()
     bar = tqdm(total=len(cells), initial=len(finished & {cell_id(c) for c in cells}), disable=not progress,
                desc=f"sweep {grid.model} (submitit)", unit="cell")
@@ -167,12 +164,12 @@ def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: b
         record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolated and not record.get("inferred"),
                       inferred=bool(record.get("inferred")), executor="submitit",
                       job_id=record.get("job_id") or job_id,
-                      finished_at=_now())
+                      finished_at=now())
         record.setdefault("cell_wall_s", None)
         writer.append(record)
         records.append(record)
         finished.add(record["cell_id"])
-        _note_oom(oom_at, record)
+        note_oom(oom_at, record)
         bar.update(1)
 
     try:
@@ -186,9 +183,9 @@ def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: b
         for cell in cells:
             if cell_id(cell) in finished:
                 continue
-            oom_batch = oom_at.get(_group(cell))
+            oom_batch = oom_at.get(group_key(cell))
             if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
-                keep(_inferred_oom(grid, cell, oom_batch), cell)
+                keep(inferred_oom_record(grid, cell, oom_batch), cell)
             else:
                 pending.append(cell)
         executor = make_executor(options, cell_timeout_s * options.cells_per_job if cell_timeout_s else None) if pending else None
@@ -221,7 +218,7 @@ def _wave(grid, executor, cells: list[dict], options: JobOptions, infer_oom: boo
         while waiting:
             still = []
             for job, chunk, path, started in waiting:
-                if _is_done(job):
+                if job_done(job):
                     again += _gather(grid, job, chunk, path, time.monotonic() - started, keep, size == 1)
                 else:
                     still.append((job, chunk, path, started))
@@ -239,16 +236,14 @@ def _wave(grid, executor, cells: list[dict], options: JobOptions, infer_oom: boo
 
 
 def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, isolated: bool) -> list[dict]:
-    from .sweep import _failed
-
     reason = ""
-    _local_results_wait(job)
+    wait_for_local_results(job)
     try:
         by_cell = {json.dumps(r["_cell"], sort_keys=True): r for r in job.result()}
     except Exception as exc:  # noqa: BLE001 - the job died: keep what it wrote, say why
         by_cell = {json.dumps(r["_cell"], sort_keys=True): r for r in _read_partial(path)}
         lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
-        state = _state(job)
+        state = job_state(job)
         reason = (f"job {job.job_id} ended without finishing this cell (state {state}, {elapsed_s:.0f} s "
                   f"after submission): {lines[0][:300] if lines else type(exc).__name__}")
     again, blamed = [], False
@@ -257,30 +252,30 @@ def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, is
         if record is not None:
             keep(record, cell, job.job_id, isolated)
         elif not blamed:   # the cell in flight when the job died
-            keep(_failed(grid, cell, reason), cell, job.job_id, isolated)
+            keep(failed_record(grid, cell, reason), cell, job.job_id, isolated)
             blamed = True
         else:
             again.append(cell)
     return again
 
 
-def _local_results_wait(job) -> None:
+def wait_for_local_results(job) -> None:
     """submitit waits 15 s for a dead job's result file to appear (NFS caching on clusters); a
     local job writes to a local disk, so 1 s is plenty."""
-    import submitit
+    import submitit  # noqa: PLC0415 - submitit is the cluster extra
 
     if isinstance(job, submitit.LocalJob):
         job._results_timeout_s = 1
 
 
-def _is_done(job) -> bool:
+def job_done(job) -> bool:
     try:
         return job.done()
     except Exception:  # noqa: BLE001 - DebugExecutor runs the job inside done(): a failure is an end
         return True
 
 
-def _state(job) -> str:
+def job_state(job) -> str:
     try:
         return str(job.state)
     except Exception:  # noqa: BLE001
@@ -305,73 +300,8 @@ def _leftovers(folder: Path):
             yield record
 
 
-def _now() -> str:
-    import datetime as dt
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+__all__ = ["JobOptions", "job_done", "job_options", "job_state", "make_executor", "run_as_jobs", "run_job",
+           "wait_for_local_results"]
 
 
-__all__ = ["JobOptions", "job_options", "make_executor", "run_as_jobs", "run_job"]
 
-
-# ----------------------------------------------------------------------------- notebooks as jobs
-
-def run_notebooks_as_jobs(plan, out: Path, run_name: str, param_set: str, timeout_s: float,
-                          executor: str = "submitit", **options) -> list:
-    """`notebooks.run_notebooks` with executor="submitit": each (notebook, parameters) of `plan`
-    is one job running the same papermill execution; a job that dies is a failed run with the
-    reason. `options`: cluster, slurm_partition, slurm_gpus_per_job, slurm_time_min,
-    slurm_account, folder (default <out>/submitit)."""
-    from .notebooks import NotebookRun, _relative, _write_json, fresh_run_folder
-
-    if executor != "submitit":
-        raise ValueError(f"executor={executor!r} is invalid: allowed are local, submitit")
-    opts = job_options(Path(out), options.pop("folder", None), **options)
-    runs: dict[int, NotebookRun] = {}
-    queue = []
-    for i, (path, values) in enumerate(plan):
-        run_dir = fresh_run_folder(Path(out) / path.stem / run_name)
-        queue.append((i, path, run_dir, values))
-    # papermill stops a notebook at timeout_s itself; the job limit only catches a stuck job
-    executor_ = make_executor(opts, timeout_s + 120)
-    limit = opts.max_jobs or (len(queue) if executor_.cluster == "slurm" else (os.cpu_count() or 1))
-    waiting = []
-    try:
-        while queue or waiting:
-            while queue and len(waiting) < limit:
-                i, path, run_dir, values = queue.pop(0)
-                job = executor_.submit(_notebook_job, str(path), str(run_dir), values, param_set, timeout_s)
-                print(f"[{i + 1}/{len(plan)}] {path.stem} -> {_relative(run_dir)} (job {job.job_id})", flush=True)
-                waiting.append((job, i, path, run_dir, time.monotonic()))
-            still = []
-            for job, i, path, run_dir, started in waiting:
-                if not _is_done(job):
-                    still.append((job, i, path, run_dir, started))
-                    continue
-                _local_results_wait(job)
-                try:
-                    run = job.result()
-                except Exception as exc:  # noqa: BLE001 - the job died: a failed run with the reason
-                    lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
-                    error = (f"job {job.job_id} ended without a result (state {_state(job)}): "
-                             f"{lines[0][:300] if lines else type(exc).__name__}")
-                    run = NotebookRun(path.stem, run_dir, "failed", time.monotonic() - started, error)
-                    meta_path = run_dir / "run.json"
-                    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"notebook": path.stem}
-                    meta.update(status="failed", error=error, finished_at=_now())
-                    _write_json(meta_path, meta)
-                runs[i] = run
-                print(f"[{i + 1}/{len(plan)}] {path.stem}: {run.status} in {run.seconds:.0f} s"
-                      + (f" — {run.error}" if run.error else ""), flush=True)
-            waiting = still
-            if waiting:
-                time.sleep(opts.poll_s)
-    finally:
-        for job, *_ in waiting:
-            job.cancel(check=False)
-    return [runs[i] for i in sorted(runs)]
-
-
-def _notebook_job(path: str, run_dir: str, values: dict, param_set: str, timeout_s: float):
-    from .notebooks import _execute
-
-    return _execute(Path(path), Path(run_dir), values, param_set, timeout_s)

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .validate import integer, number
-
+from ..core.validate import integer, number
+from .base import Workload
 
 # ----------------------------------------------------------------------------- GPT (nanoGPT-style)
 
@@ -158,41 +158,6 @@ def mlp_chain_activation_bytes(cfg: MLPChainConfig, batch_size: int, seq_len: in
 
 # ----------------------------------------------------------------------------- workloads
 
-@dataclass
-class Workload:
-    """A named model config plus how to feed it. `build()` gives a fresh, seeded model."""
-
-    name: str
-    config: object
-    make_model: Callable[[object], nn.Module]
-    make_batch: Callable[[object, int, int, torch.Generator], tuple]
-    loss_fn: Callable[[nn.Module, tuple], torch.Tensor]
-    seed: int = 0
-
-    def build(self, device: str | torch.device = "cpu") -> nn.Module:
-        """A fresh model. Weights are drawn on the CPU from the seed, so every device gets the
-        same model; on "meta" nothing is allocated (and `.to` would untie shared weights)."""
-        if torch.device(device).type == "meta":
-            with torch.device("meta"):
-                return self.make_model(self.config)
-        torch.manual_seed(self.seed)
-        return self.make_model(self.config).to(device)
-
-    def batch(self, batch_size: int, seq_len: int, device: str | torch.device = "cpu") -> tuple:
-        gen = torch.Generator().manual_seed(self.seed + 1)
-        return tuple(t.to(device) for t in self.make_batch(self.config, batch_size, seq_len, gen))
-
-    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
-        return self.loss_fn(model, batch)
-
-    @property
-    def max_seq_len(self) -> int | None:
-        return getattr(self.config, "block_size", None)
-
-    @property
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.build("meta").parameters())
-
 
 def _gpt_batch(cfg: GPTConfig, batch_size: int, seq_len: int, gen: torch.Generator) -> tuple:
     tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), generator=gen)
@@ -221,19 +186,11 @@ PRESETS: dict[str, tuple[Callable[..., object], dict]] = {
 }
 
 
-# Workloads from optional modules: name -> factory(name, seed=..., **overrides). ckptlab.hf adds
-# the hf-* names when first asked for one, so ckptlab itself works without transformers.
-WORKLOAD_FACTORIES: dict[str, Callable[..., Workload]] = {}
 
 
-def get_workload(name: str, seed: int = 0, **overrides) -> Workload:
-    """A built-in workload by preset name, with config fields overridden (e.g. n_layer=8)."""
-    if name.startswith("hf-") and name not in WORKLOAD_FACTORIES:
-        from . import hf  # noqa: F401  registers the hf-* workloads; needs the extra ckptlab[hf]
-    if name in WORKLOAD_FACTORIES:
-        return WORKLOAD_FACTORIES[name](name, seed=seed, **overrides)
-    if name not in PRESETS:
-        raise ValueError(f"model={name!r} is invalid: allowed presets are {', '.join([*PRESETS, *WORKLOAD_FACTORIES])}")
+
+def build_preset(name: str, seed: int = 0, **overrides) -> Workload:
+    """A built-in preset (one of PRESETS) with config fields overridden."""
     config_cls, defaults = PRESETS[name]
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(overrides) - fields)
@@ -265,6 +222,5 @@ def _check_override(key: str, value, default) -> None:
 
 
 __all__ = [
-    "GPT", "GPTConfig", "MLPChain", "MLPChainConfig", "Workload", "get_workload", "PRESETS", "WORKLOAD_FACTORIES",
-    "mlp_chain_activation_bytes",
+    "GPT", "GPTConfig", "MLPChain", "MLPChainConfig", "PRESETS", "build_preset", "mlp_chain_activation_bytes",
 ]

@@ -23,6 +23,8 @@ import os
 import warnings
 from pathlib import Path
 
+import pandas as pd
+
 RECORDS = "records.jsonl"
 META = "run.json"
 LOCK = ".lock"
@@ -81,8 +83,6 @@ def read_meta(run_dir: str | Path) -> dict:
 
 def load_run(run_dir: str | Path):
     """A run folder -> pandas.DataFrame, one row per cell; the run's metadata in `df.attrs["run"]`."""
-    import pandas as pd
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run_dir={str(run_dir)!r} is invalid: no such run folder")
@@ -162,4 +162,4 @@ class RunWriter:
         os.replace(tmp, self.dir / META)
 
 
-__all__ = ["RunLockedError", "RunWriter", "load_run", "read_meta", "read_records"]
+__all__ = ["LOCK", "META", "RECORDS", "RunLockedError", "RunWriter", "load_run", "read_meta", "read_records"]

@@ -15,28 +15,25 @@ failing notebook (an exception, a dead kernel, a timeout) is reported while the 
 from __future__ import annotations
 
 import ast
-import datetime as dt
 import json
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import yaml
 
-from . import validate
-from .children import die_with_parent
-from .validate import choice, integer, no_credential, non_empty, number, size_bytes
+from ..core import validate
+from ..core.policy import parse_policy
+from ..core.validate import choice, integer, no_credential, non_empty, number, size_bytes
+from ..probe.measure import check_policy_applies
+from ..probe.step import DTYPES, resolve_device
+from ..run.store import read_meta
+from ..workloads.registry import get_workload
+from .notebook_exec import ROOT, NotebookRun, check_replaceable, execute, fresh_run_folder, relative
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 PARAMS = NOTEBOOKS / "params"
 RESULTS = ROOT / "results"
-RUN_MARKER = ".ckptlab-run"   # in every run folder the runner made; only those are ever replaced
 
 
 # ----------------------------------------------------------------------------- inside notebooks
@@ -84,7 +81,7 @@ def notebook_parameters(path: Path) -> dict[str, Parameter]:
     """The cell tagged `parameters`, read as `name: type = value  # help` lines. Parsed with `ast`
     rather than papermill's inspector, whose regex drops any line holding two '=' (such as
     `policy: str = "density=0.5"`)."""
-    import nbformat
+    import nbformat  # noqa: PLC0415 - nbformat comes with the notebooks extra
 
     book = nbformat.read(str(path), as_version=4)
     cells = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
@@ -124,9 +121,6 @@ def check_parameters(path: Path, values: dict) -> None:
                 checks[name](name, value)
         given = {**{n: ast.literal_eval(p.default) for n, p in params.items()}, **values}
         if "model" in given and ({"model", "policy", "policies", "seq_len", "seq_lens"} & set(values)):
-            from .measure import check_policy_applies
-            from .models import get_workload
-
             workload = get_workload(given["model"])
             for seq_len in ([given["seq_len"]] if "seq_len" in given else []) + list(given.get("seq_lens") or []):
                 if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
@@ -140,10 +134,6 @@ def check_parameters(path: Path, values: dict) -> None:
 
 def _value_checks() -> dict:
     """Parameter name -> the check the library applies to that value (raises ValueError)."""
-    from .measure import DTYPES, resolve_device
-    from .models import get_workload
-    from .policy import parse_policy
-
     def at_least(minimum):
         return lambda name, v: integer(name, v, minimum)
 
@@ -205,14 +195,6 @@ def load_param_set(name: str) -> dict[str, dict]:
 
 # ----------------------------------------------------------------------------- the batch runner
 
-@dataclass
-class NotebookRun:
-    notebook: str
-    run_dir: Path
-    status: str          # ok | failed | timeout
-    seconds: float
-    error: str = ""
-
 
 def run_notebooks(
     names: Optional[Sequence[str]] = None,
@@ -229,7 +211,7 @@ def run_notebooks(
     Parameters come from `notebooks/params/<param_set>.yaml`, then `overrides` (applied to every
     selected notebook). All are checked before the first notebook starts. Output goes to
     `<out>/<notebook>/<run_name or param_set>/`. executor="submitit" runs each notebook as a
-    job (`ckptlab.cluster`; `job_options`: cluster, slurm_partition, slurm_gpus_per_job, ...).
+    job (`ckptlab.run.cluster`; `job_options`: cluster, slurm_partition, slurm_gpus_per_job, ...).
     """
     out = validate.output_folder("out", out)
     timeout_s = number("timeout_s", timeout_s, 0.0, low_open=True)
@@ -247,129 +229,22 @@ def run_notebooks(
     for path, _ in plan:  # every folder checked before the first is replaced
         check_replaceable(out / path.stem / run_name)
 
-    if executor != "local":   # each notebook a submitit job, same run folders (ckptlab.cluster)
-        from .cluster import run_notebooks_as_jobs
+    if executor != "local":   # each notebook a submitit job, same run folders (ckptlab.run.cluster)
+        # In-function: submitit is an optional dependency (extra ckptlab[cluster]).
+        from .notebook_jobs import run_notebooks_as_jobs  # noqa: PLC0415 - needs submitit, the cluster extra
         runs = run_notebooks_as_jobs(plan, out, run_name, param_set, timeout_s, executor, **(job_options or {}))
         write_results_index(out)
         return runs
     runs = []
     for i, (path, values) in enumerate(plan, 1):
         run_dir = fresh_run_folder(out / path.stem / run_name)
-        print(f"[{i}/{len(plan)}] {path.stem} -> {_relative(run_dir)}", flush=True)
-        run = _execute(path, run_dir, values, param_set, timeout_s)
+        print(f"[{i}/{len(plan)}] {path.stem} -> {relative(run_dir)}", flush=True)
+        run = execute(path, run_dir, values, param_set, timeout_s)
         runs.append(run)
         print(f"[{i}/{len(plan)}] {path.stem}: {run.status} in {run.seconds:.0f} s"
               + (f" — {run.error}" if run.error else ""), flush=True)
     write_results_index(out)
     return runs
-
-
-def check_replaceable(run_dir: Path) -> None:
-    """A run folder may be created, or replaced when the runner made it (it holds RUN_MARKER);
-    any other folder at that place is the user's and is never touched."""
-    validate.output_folder("run folder", run_dir)
-    if run_dir.is_symlink() or (run_dir.exists() and not (run_dir / RUN_MARKER).is_file()):
-        raise ValueError(f"run folder {str(run_dir)!r} is invalid: it exists and was not made by ckptlab "
-                         f"(no {RUN_MARKER} file in it), so it is never replaced; allowed is another "
-                         "--name or --out, or move that folder away yourself")
-
-
-def fresh_run_folder(run_dir: Path) -> Path:
-    """An empty run folder marked as the runner's: a new execution of the same notebook and run
-    name replaces the old one."""
-    check_replaceable(run_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / RUN_MARKER).write_text("Made by `ckptlab notebooks run`, which replaces this folder when the same "
-                                      "notebook runs again under the same name.\n")
-    return run_dir
-
-
-def _execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s: float) -> NotebookRun:
-    parameters = {**values, "run_dir": _relative(run_dir)}
-    # What is recorded names the folder relative to the output folder (out/<notebook>/<run name>).
-    recorded = f"{run_dir.parent.name}/{run_dir.name}"
-    started = time.time()
-    meta = {"notebook": path.stem, "param_set": param_set, "parameters": {**values, "run_dir": recorded},
-            "started_at": _now(), "finished_at": None, "status": "running", "error": ""}
-    _write_json(run_dir / "run.json", meta)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(parameters, f)
-        params_file = f.name
-    executed = run_dir / path.name
-    command = [sys.executable, "-m", "papermill", _relative(path), _relative(executed), "-f", params_file,
-               "--cwd", ".", "-k", "python3", "--log-level", "ERROR", "--no-progress-bar"]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
-                              preexec_fn=die_with_parent())
-        status, error = ("ok", "") if proc.returncode == 0 else ("failed", _papermill_error(proc.stderr))
-    except subprocess.TimeoutExpired:
-        status, error = "timeout", f"did not finish within {timeout_s:.0f} s"
-    finally:
-        Path(params_file).unlink(missing_ok=True)
-    from .sweep import environment
-
-    replacements = {_relative(run_dir): recorded, str(run_dir.resolve()): recorded}
-    if Path(_relative(path)).is_absolute():  # a notebook from outside the repository: its name only
-        replacements[_relative(path)] = path.name
-    if executed.exists():
-        _rewrite_paths(executed, replacements)
-    device = parameters.get("device", "cpu")
-    error = shorten_paths(error, replacements)
-    meta.update(finished_at=_now(), status=status, error=error,
-                seconds=round(time.time() - started, 1), environment=environment(device if status == "ok" else "cpu"))
-    _write_json(run_dir / "run.json", meta)
-    return NotebookRun(path.stem, run_dir, status, time.time() - started, error)
-
-
-def shorten_paths(text: str, replacements: dict[str, str] | None = None) -> str:
-    """`text` without this machine's paths: each key of `replacements` becomes its value, then the
-    repository, the Python installation (site-packages, the standard library) and the home folder
-    become `<repo>`-relative, `<site-packages>`, `<python>` and `~` — so a stored traceback says
-    `<site-packages>/torch/nn/modules/module.py`, not where this machine keeps it."""
-    import sysconfig
-
-    prefixes = dict(replacements or {})
-    paths = sysconfig.get_paths()
-    for key in ("purelib", "platlib"):
-        prefixes.setdefault(paths[key], "<site-packages>")
-    prefixes.setdefault(paths["stdlib"], "<python>/lib")
-    prefixes.setdefault(str(ROOT) + "/", "")
-    prefixes.setdefault(sys.prefix, "<python>")
-    prefixes.setdefault(sys.base_prefix, "<python>")
-    prefixes.setdefault(str(Path.home()), "~")
-    for old in sorted(prefixes, key=len, reverse=True):  # the most specific path first
-        if old and old not in ("/", "~"):
-            text = text.replace(old, prefixes[old])
-    return text
-
-
-def _rewrite_paths(notebook: Path, replacements: dict[str, str]) -> None:
-    """Shorten the paths in every string of an executed notebook (papermill's metadata, the
-    injected parameters, outputs, tracebacks); see `shorten_paths`."""
-    def walk(node):
-        if isinstance(node, str):
-            return shorten_paths(node, replacements)
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        return node
-
-    book = json.loads(notebook.read_text(encoding="utf-8"))
-    tmp = notebook.with_suffix(".tmp")
-    tmp.write_text(json.dumps(walk(book), indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(notebook)
-
-
-def _papermill_error(stderr: str) -> str:
-    """The exception line papermill prints, or the last line (a dead kernel says so there)."""
-    lines = [l.strip() for l in stderr.splitlines() if l.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "error" in line or "Dead" in line:
-            return line[:500]
-    return lines[-1][:500] if lines else "papermill failed without a message"
 
 
 # ----------------------------------------------------------------------------- results/README.md
@@ -378,8 +253,6 @@ def write_results_index(out: str | Path = RESULTS) -> Path:
     """One row per run folder holding a run.json from this runner."""
     out = Path(out)
     rows = []
-    from .store import read_meta
-
     for meta_path in sorted(out.glob("*/*/run.json")):
         meta = read_meta(meta_path.parent)
         if "notebook" not in meta:
@@ -407,18 +280,6 @@ def write_results_index(out: str | Path = RESULTS) -> Path:
     return path
 
 
-def _relative(path: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:  # outside the repository: absolute, since papermill runs from the repository
-        return str(Path(path).resolve())
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    tmp.replace(path)
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+__all__ = ["NOTEBOOKS", "PARAMS", "Parameter", "RESULTS", "check_parameters", "find_notebook",
+           "list_notebooks", "load_param_set", "notebook_parameters", "run_folder", "run_notebooks",
+           "save_headline", "write_results_index"]

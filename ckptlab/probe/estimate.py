@@ -26,89 +26,26 @@ predictions.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence
 
-import torch
+import pandas as pd
 
-from .memory import CATEGORIES, format_bytes, parse_bytes, track_memory
-from .models import GPTConfig, Workload, get_workload
-from .policy import Policy, parse_policy
-from .validate import choice, integer
+from ..core.policy import Policy, parse_policy
+from ..core.units import CARD_LIMITS, GiB, parse_bytes
+from ..core.validate import choice, integer
+from ..workloads.base import Workload
+from ..workloads.models import GPTConfig
+from ..workloads.registry import get_workload
+from .fake_step import Prediction, fake_memory, fake_training_step
+from .plan import plan_budget
+from .step import DTYPES, OPTIMIZERS
 
-GiB = 2**30
-CAPACITIES_GIB = (24, 40, 80, 141)
-
-
-@dataclass
-class Prediction:
-    """A predicted training step. Bytes are storage bytes, as `measure` reports them."""
-
-    model: str
-    batch_size: int
-    seq_len: int
-    policy: str
-    dtype: str
-    optimizer: str
-    n_blocks: int
-    effective_density: float
-    peak_bytes: int
-    peak_by_category: dict
-    peak_phase: str
-    saved_activation_bytes: int
-    predict_s: float                     # wall time of the prediction
-    plan: Optional[str] = None           # the per-block plan a budget policy resolved to
-    note: str = ""
-
-    def record(self) -> dict:
-        """A flat row, columns named like `measure`'s with a `predicted_` prefix."""
-        row = {k: v for k, v in asdict(self).items() if k != "peak_by_category"}
-        for key in ("peak_bytes", "saved_activation_bytes"):
-            row[f"predicted_{key}"] = row.pop(key)
-        for c in CATEGORIES:
-            row[f"predicted_peak_{c}_bytes"] = self.peak_by_category.get(c, 0)
-        return row
-
-    def __str__(self) -> str:
-        return (f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}): "
-                f"peak {format_bytes(self.peak_bytes)} in {self.peak_phase}, saved activations "
-                f"{format_bytes(self.saved_activation_bytes)} [{self.predict_s:.1f} s]")
+CAPACITIES_GIB = tuple(limit // GiB for limit in CARD_LIMITS.values())
 
 
 # --------------------------------------------------------------------------- fake training step
-
-def _fake_modes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    # Real tensors (none are expected) would be refused rather than silently allocated.
-    return FakeTensorMode(allow_non_fake_inputs=False)
-
-
-@contextlib.contextmanager
-def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
-                       dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1):
-    """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
-    optimizer, step) after one untracked warm-up step — the state `measure` tracks from."""
-    from .measure import make_optimizer, training_step
-    from .wrap import apply_checkpointing
-
-    with _fake_modes():
-        torch.manual_seed(workload.seed)
-        model = workload.make_model(workload.config)  # as Workload.build, minus the device move
-        model.train()
-        handle = apply_checkpointing(model, policy)
-        gen = torch.Generator().manual_seed(workload.seed + 1)
-        batch = tuple(workload.make_batch(workload.config, batch_size, seq_len, gen))
-        opt = make_optimizer(optimizer, model)
-        kwargs = {"accum_steps": accum_steps} if accum_steps != 1 else {}
-        step = training_step(model, workload, batch, opt, dtype, **kwargs)
-        torch.manual_seed(workload.seed)
-        step()
-        handle.reset_counts()
-        yield model, handle, batch, opt, step
 
 
 def predict(
@@ -123,12 +60,10 @@ def predict(
     """Predict `measure(workload, batch_size, seq_len, policy, dtype=dtype)`'s memory columns
     without allocating: peak bytes (total, by category, phase) and saved-activation bytes.
 
-    A `budget=` policy is first resolved to a per-block plan by `ckptlab.plan.plan_budget`.
+    A `budget=` policy is first resolved to a per-block plan by `ckptlab.probe.plan.plan_budget`.
     `compile` policies cannot be predicted (the compiler's partitioner decides inside the graph):
     ValueError. Offload is predicted as its base policy (CPU: a no-op), and says so in `note`.
     """
-    from .measure import DTYPES, OPTIMIZERS
-
     workload = get_workload(workload) if isinstance(workload, str) else workload
     policy = parse_policy(policy)
     integer("batch_size", batch_size, 1)
@@ -145,17 +80,11 @@ def predict(
     plan_text = None
     applied = policy
     if policy.kind == "budget":
-        from .plan import plan_budget
-
         plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer)
         applied = Policy("plan", plan.letters, offload=policy.offload)
         plan_text = plan.letters
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload else ""
-    with fake_training_step(workload, batch_size, seq_len, applied, dtype, optimizer, accum_steps) as (
-            model, handle, batch, opt, step):
-        with track_memory(model, opt, inputs=batch, device="cpu") as tracker:
-            step(tracker)
-        report = tracker.report()
+    report, handle = fake_memory(workload, batch_size, seq_len, applied, dtype, optimizer, accum_steps)
     return Prediction(
         model=workload.name, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
         optimizer=optimizer, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
@@ -325,7 +254,6 @@ def add_predictions(df, closed_form_too: bool = True):
     `closed_form_peak_bytes` and `closed_form_peak_error`. A budget policy is predicted from the
     plan it resolved to in that run (its `plan` column), so both sides describe the same model.
     Rows that did not measure ok, and compile policies, get no prediction."""
-    import pandas as pd
 
     rows = []
     for r in df.to_dict("records"):

@@ -14,81 +14,15 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
 
-from .policy import Policy, parse_policy
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: the largest ModuleList/Sequential whose children all have one
-    type (`blocks`, Hugging Face `model.layers`, `transformer.h`, `encoder.layer`, ...)."""
-    best: list[nn.Module] = []
-    for container in model.modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(container.children())
-        if len(children) >= 2 and len({type(c) for c in children}) == 1 and len(children) > len(best):
-            best = children
-    if not best:
-        raise ValueError(
-            f"model of type {type(model).__name__} has no repeated blocks: expected an "
-            "nn.ModuleList or nn.Sequential of >= 2 modules of one type; pass blocks=[...] explicitly"
-        )
-    return best
-
-
-class CheckpointHandle:
-    """What `apply_checkpointing` returns: the applied plan, recompute counters, and `remove()`.
-
-    Usable as a context manager: checkpointing is removed when the `with` block ends.
-    """
-
-    def __init__(self, policy: Policy, blocks: Sequence[nn.Module], regions: list[tuple[int, int]]):
-        self.policy = policy
-        self.blocks = list(blocks)
-        self.regions = regions
-        self._forward_block_runs = 0  # block forwards that ran inside checkpoint during forward
-        self._region_block_runs = 0   # block forwards run by checkpointed regions, recomputes too
-        self._removed = False
-
-    @property
-    def n_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def checkpointed_blocks(self) -> list[int]:
-        return [i for start, stop in self.regions for i in range(start, stop)]
-
-    @property
-    def effective_density(self) -> float:
-        return len(self.checkpointed_blocks) / self.n_blocks
-
-    @property
-    def recompute_count(self) -> int:
-        """Block forwards that ran during backward (recomputation) since the last reset."""
-        return self._region_block_runs - self._forward_block_runs
-
-    def reset_counts(self) -> None:
-        self._forward_block_runs = self._region_block_runs = 0
-
-    def remove(self) -> None:
-        if self._removed:
-            return
-        for block in self.blocks:
-            if getattr(block.__dict__.get("forward"), "_ckptlab_handle", None) is self:
-                del block.forward
-        self._removed = True
-
-    def __enter__(self) -> "CheckpointHandle":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        state = "removed" if self._removed else "active"
-        return (f"CheckpointHandle(policy={str(self.policy)!r}, checkpointed={self.checkpointed_blocks}, "
-                f"n_blocks={self.n_blocks}, {state})")
+from ..core.policy import Policy, parse_policy
+from .blocks import CheckpointHandle, find_blocks, hidden_state, remove_earlier_policies
 
 
 def apply_checkpointing(
@@ -118,8 +52,9 @@ def apply_checkpointing(
         options.update(determinism_check=determinism_check, debug=debug)
         if context_fn is not None:
             options["context_fn"] = context_fn
-    if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.hf applies it
-        from .hf import apply_hf_checkpointing
+    if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.checkpoint.hf applies it
+        # In-function: transformers is an optional, heavy dependency (extra ckptlab[hf]).
+        from .hf import apply_hf_checkpointing  # noqa: PLC0415 - needs transformers, the hf extra
         return apply_hf_checkpointing(model, policy, blocks, options, early_stop)
     blocks = list(blocks) if blocks is not None else find_blocks(model)
     regions = policy.regions(len(blocks))  # raises before the model is touched
@@ -142,14 +77,6 @@ def apply_checkpointing(
     if policy.offload:
         _patch_offload(handle, blocks)
     return handle
-
-
-def remove_earlier_policies(blocks: Sequence[nn.Module]) -> None:
-    """Checkpoints never nest: remove whatever ckptlab (or hf) policy these blocks carry."""
-    for block in blocks:
-        previous = getattr(block.__dict__.get("forward"), "_ckptlab_handle", None)
-        if previous is not None:
-            previous.remove()
 
 
 # --------------------------------------------------------------------------- selective (op-level)
@@ -176,7 +103,6 @@ def selective_policy_fn(variant: str = "mm") -> Callable:
     attn: keep only attention outputs.
     Random ops (dropout) are recomputed under checkpoint's preserved RNG state, so masks match.
     """
-    from torch.utils.checkpoint import CheckpointPolicy
 
     if variant not in ("mm", "alt", "attn"):
         raise ValueError(f"selective variant {variant!r} is invalid: allowed are mm, alt, attn")
@@ -198,7 +124,6 @@ def selective_policy_fn(variant: str = "mm") -> Callable:
 def selective_context_fn(variant: str = "mm") -> Callable:
     """`context_fn` for `torch.utils.checkpoint.checkpoint`: a fresh policy (and matmul counter)
     per checkpoint call."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     def context_fn():
         return create_selective_checkpoint_contexts(selective_policy_fn(variant))
@@ -240,7 +165,7 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
         for i, forward in enumerate(originals):
             # Counted before running: early stop ends a recompute inside the block.
             handle._region_block_runs += 1
-            out = forward(*args, **kwargs) if i == 0 else forward(_hidden(out), *args[1:], **kwargs)
+            out = forward(*args, **kwargs) if i == 0 else forward(hidden_state(out), *args[1:], **kwargs)
         return out
 
     def region_forward(*args, **kwargs):
@@ -262,7 +187,7 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
         return out
 
     def follower_forward(hidden, *args, **kwargs):
-        if not stash or _hidden(stash[0]) is not hidden:
+        if not stash or hidden_state(stash[0]) is not hidden:
             raise RuntimeError(
                 "segments policy: blocks were not called in order with each block's output fed to "
                 "the next; use a per-block policy (full, density, every, layers) for this model"
@@ -285,12 +210,6 @@ def _tag(fn: Callable, handle: CheckpointHandle) -> Callable:
         return fn(*args, **kwargs)
     tagged._ckptlab_handle = handle
     return tagged
-
-
-def _hidden(out):
-    """The hidden-state tensor of a block's output: the tensor itself, or the first element of
-    the tuple that older Hugging Face layers return."""
-    return out if isinstance(out, torch.Tensor) else out[0]
 
 
 @contextlib.contextmanager

@@ -16,6 +16,12 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import torch
+
+from ..probe.measure import measure
+from ..probe.memory import cuda_memory_snapshot
+from ..report.analysis import format_summary
+from ..report.sweeps import sweep
 
 GRID = dict(model="gpt2-small", batch_sizes=[1, 2, 4, 8, 16], seq_lens=[1024],
             policies=["none", "density=0.25", "density=0.5", "full"], dtypes=["fp32", "bf16"],
@@ -39,16 +45,11 @@ def run_dir_name(device_name: str) -> str:
 
 
 def main(argv: list[str] | None = None, results: str = "results") -> int:
-    import torch
 
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device is available on this machine (torch.cuda.is_available() is "
               "False); this check needs one NVIDIA GPU. Run `make gpu-check` on a GPU machine.", file=sys.stderr)
         return 2
-    from .analysis import format_summary
-    from .measure import measure
-    from .memory import cuda_memory_snapshot
-    from .sweep import sweep
 
     out = Path(results) / run_dir_name(torch.cuda.get_device_name(0))
     df = sweep(device="cuda", out=out, resume=True, progress=True, **GRID)

@@ -5,7 +5,7 @@ keep matmul and attention outputs, recompute the rest), full (keep only the bloc
 minimise the recompute time subject to the predicted peak <= budget.
 
 1. Profile (`profile_blocks`, once per workload/shape/dtype):
-   - memory, from three fake-tensor training steps (`ckptlab.estimate`), all blocks keep, all
+   - memory, from three fake-tensor training steps (`ckptlab.probe.fake_step`), all blocks keep, all
      selective, all full, instrumented at block boundaries: for every block j and option o, the
      bytes its forward leaves alive for backward (kept[j][o]) and the peak of live bytes while its
      backward runs (bwd_peak[j][o]); the peak before the first block's backward (forward + loss
@@ -34,18 +34,28 @@ An infeasible budget raises ValueError stating the minimum achievable peak (`min
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint
+from torch.utils.flop_counter import flop_registry
 
-from .memory import format_bytes, parse_bytes, track_memory
-from .models import Workload, get_workload
-from .policy import Policy, parse_policy
+from ..checkpoint.blocks import find_blocks, hidden_state
+from ..checkpoint.wrap import selective_context_fn, selective_policy_fn
+from ..core.policy import Policy, parse_policy
+from ..core.units import format_bytes, parse_bytes
+from ..workloads.base import Workload
+from ..workloads.registry import get_workload
+from .fake_step import fake_memory, fake_modes, fake_training_step
+from .memory import track_memory
+from .step import DTYPES
 
 OPTIONS = ("keep", "selective", "full")
 LETTERS = {"keep": "k", "selective": "s", "full": "f"}
@@ -185,9 +195,6 @@ class _Marker(torch.autograd.Function):
 def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, option: str, dtype: str,
                         optimizer: str) -> dict:
     """One instrumented fake training step with every block at `option`."""
-    from .estimate import fake_training_step
-    from .wrap import _hidden
-
     letters = LETTERS[option]
     n = len(_blocks_of(workload))
     policy = Policy("plan", letters * n)
@@ -211,7 +218,7 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
             def hook(module, args, out):
                 if "t" in state:
                     marks["fwd_post"][j] = set(tracker_live().live)
-                h = _hidden(out)
+                h = hidden_state(out)
                 if torch.is_grad_enabled() and h.requires_grad:
                     start = lambda: marks["bwd_start"].__setitem__(j, len(tracker_live().timeline))
                     marked = _Marker.apply(h, start)
@@ -258,10 +265,7 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
 
 
 def _blocks_of(workload: Workload):
-    from .estimate import _fake_modes
-    from .wrap import find_blocks
-
-    with _fake_modes():
+    with fake_modes():
         torch.manual_seed(workload.seed)
         return find_blocks(workload.make_model(workload.config))
 
@@ -282,8 +286,6 @@ class _OpTimer(TorchDispatchMode):
 
 
 def _roofline_ms(func, args, kwargs, out) -> float:
-    from torch.utils._pytree import tree_flatten
-    from torch.utils.flop_counter import flop_registry
 
     flops = 0
     formula = flop_registry.get(getattr(func, "_overloadpacket", None))
@@ -300,14 +302,10 @@ def _roofline_ms(func, args, kwargs, out) -> float:
 def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str, cost: str,
                   reps: int = 5) -> list[dict[str, float]]:
     """Recompute time per block and option, from a per-op pass over each block's forward."""
-    import contextlib
 
-    from .estimate import _fake_modes
-    from .measure import DTYPES
-    from .wrap import find_blocks, selective_policy_fn
 
     fake = cost == "roofline"
-    mode = _fake_modes() if fake else contextlib.nullcontext()
+    mode = fake_modes() if fake else contextlib.nullcontext()
     with mode:
         torch.manual_seed(workload.seed)
         model = workload.make_model(workload.config).train()
@@ -339,7 +337,6 @@ def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str,
                 times = [_roofline_ms(f, a, k, o) if fake else ms for f, ms, a, k, o in timer.ops]
                 per_op = times if per_op is None else [min(x, y) for x, y in zip(per_op, times)]
             policy_fn = selective_policy_fn("mm")
-            from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
             saved = []
             for func, *_ in timer.ops:
                 if func in SAC_IGNORED_OPS:
@@ -370,9 +367,6 @@ def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str,
 
 def _block_option_ms(block, args, kwargs, amp, reps: int) -> dict[str, float]:
     """Fastest forward + backward of one block per option, minus keep's (>= 0)."""
-    from torch.utils.checkpoint import checkpoint
-
-    from .wrap import selective_context_fn
 
     def run(option):
         if option == "keep":
@@ -494,8 +488,6 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
     `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
     achievable peak, if no plan fits."""
-    from .estimate import predict
-
     workload = get_workload(workload) if isinstance(workload, str) else workload
     profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost)
     budget_bytes = resolve_budget(budget, profile.peak["keep"])
@@ -504,16 +496,16 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
         options = solve(profile, target)
         if options is None:
             lowest, lowest_plan = min_peak(profile)
-            verified = predict(workload, batch_size, seq_len, _plan_policy(lowest_plan), dtype=dtype,
-                               optimizer=optimizer).peak_bytes
+            verified = fake_memory(workload, batch_size, seq_len, _plan_policy(lowest_plan), dtype,
+                               optimizer)[0].peak_bytes
             raise ValueError(
                 f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
                 f"{workload.name} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
                 f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
                 f"{''.join(LETTERS[o] for o in lowest_plan)}); allowed is a budget >= that"
             )
-        predicted = predict(workload, batch_size, seq_len, _plan_policy(options), dtype=dtype,
-                            optimizer=optimizer).peak_bytes
+        predicted = fake_memory(workload, batch_size, seq_len, _plan_policy(options), dtype,
+                            optimizer)[0].peak_bytes
         if predicted <= budget_bytes:
             break
         target -= predicted - budget_bytes  # the model was optimistic: tighten and re-solve

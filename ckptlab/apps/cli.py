@@ -8,22 +8,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .memory import format_bytes
-from .policy import parse_policy
-from .validate import integer_list, number, output_folder, run_name
+import yaml
 
-
-def split_list(text: str) -> list[str]:
-    """'none,density=0.5,layers=0,2' -> ['none', 'density=0.5', 'layers=0,2']: a comma starts a
-    new item only when what follows it starts a new policy or value (not a bare layer index)."""
-    items: list[str] = []
-    for part in text.split(","):
-        part = part.strip()
-        if items and part.isdigit() and items[-1].startswith("layers="):
-            items[-1] += "," + part
-        elif part:
-            items.append(part)
-    return items
+from ..core.parsing import split_list
+from ..core.policy import parse_policy
+from ..core.units import format_bytes
+from ..core.validate import integer_list, number, output_folder, run_name
+from ..probe.estimate import closed_form, predict
+from ..probe.measure import check_policy_applies, measure
+from ..probe.plan import plan_budget
+from ..report.analysis import format_summary
+from ..report.plots import redraw_all
+from ..report.sweeps import sweep
+from ..report.tables import format_table
+from ..run.store import RunLockedError
+from ..workloads.registry import get_workload
+from .notebooks import find_notebook, notebook_parameters, run_notebooks
 
 
 def int_list(name: str, text: str) -> list[int]:
@@ -44,17 +44,6 @@ def policy_list(text: str) -> list[str]:
     for p in policies:
         parse_policy(p)
     return policies
-
-
-def format_table(rows: list[dict], columns: list[tuple[str, str, callable]]) -> str:
-    """Plain-text table: columns are (header, key, formatter)."""
-    cells = [[header for header, _, _ in columns]]
-    for row in rows:
-        cells.append([fmt(row.get(key)) for _, key, fmt in columns])
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _num(fmt: str):
@@ -78,8 +67,6 @@ MEASURE_COLUMNS = [
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    from .measure import check_policy_applies, measure
-    from .models import get_workload
 
     policies = [parse_policy(p) for p in policy_list(args.policy)]
     batches, seqs = int_list("batch", args.batch), int_list("seq", args.seq)
@@ -108,8 +95,6 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .store import RunLockedError
-    from .sweep import sweep
 
     output_folder("--out", args.out)
     overrides = _model_overrides(args.set)
@@ -127,14 +112,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     if args.quiet:  # sweep() prints the summary itself when it shows progress
-        from .analysis import format_summary
         print(format_summary(df))
     print(f"run folder: {args.out}")
     return 1 if (df["status"] == "error").any() else 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .plots import redraw_all
 
     for path in redraw_all(args.run_dir):
         print(path)
@@ -151,9 +134,7 @@ def _literal(text: str):
 
 
 def cmd_notebooks_run(args: argparse.Namespace) -> int:
-    import yaml
 
-    from .notebooks import run_notebooks
 
     output_folder("--out", args.out)
     if args.name is not None:
@@ -180,7 +161,6 @@ def cmd_notebooks_run(args: argparse.Namespace) -> int:
 
 
 def cmd_notebooks_params(args: argparse.Namespace) -> int:
-    from .notebooks import find_notebook, notebook_parameters
 
     path = find_notebook(args.name)
     params = list(notebook_parameters(path).values())
@@ -191,7 +171,7 @@ def cmd_notebooks_params(args: argparse.Namespace) -> int:
 
 
 def add_executor_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
-    """--executor local|submitit and the job options (ckptlab.cluster)."""
+    """--executor local|submitit and the job options (ckptlab.run.cluster)."""
     p.add_argument("--executor", choices=("local", "submitit"), default="local",
                    help="local: run here; submitit: one job per cell/chunk/notebook (SLURM, or --cluster local)")
     p.add_argument("--cluster", choices=("slurm", "local", "debug"), default=None,
@@ -230,8 +210,6 @@ PREDICT_COLUMNS = [
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside."""
-    from .estimate import closed_form, predict
-    from .models import get_workload
 
     workload = get_workload(args.model, **_model_overrides(args.set))
     rows = []
@@ -252,8 +230,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Choose keep/selective/full per block for a memory budget; print the plan."""
-    from .models import get_workload
-    from .plan import plan_budget
 
     workload = get_workload(args.model, **_model_overrides(args.set))
     plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost)

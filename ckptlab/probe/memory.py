@@ -28,10 +28,9 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
-from .validate import size_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("setup", "forward", "backward", "optimizer")
@@ -217,7 +216,6 @@ def profiler_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak CPU bytes allocated by `fn` above what was allocated when it started, from the
     profiler's allocator events: an independent check of the live-tensor tracker (it sees the
     allocator, not tensors), and the one that also sees inside compiled graphs."""
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -262,17 +260,3 @@ def cuda_memory_snapshot(path: str, max_entries: int = 100_000):
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def parse_bytes(value: str | int | float | None, name: str = "memory_limit") -> int | None:
-    """'24GiB', '512MB', '1.5e9' or a number of bytes -> int bytes, at least 1 (None passes
-    through); see `validate.size_bytes`."""
-    return None if value is None else size_bytes(name, value)
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -17,6 +17,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from ..probe.memory import CATEGORIES
+from ..run.store import load_run
 from . import analysis
 
 MiB = 2**20
@@ -187,8 +189,6 @@ FIGURES = {
 def redraw_all(run_dir: str | Path) -> list[Path]:
     """Redraw every figure of a run from its folder alone into run_dir/figures/ (PNG + SVG);
     return the paths written."""
-    from .store import load_run
-
     run_dir = Path(run_dir)
     df = load_run(run_dir)
     if not len(df):
@@ -211,8 +211,6 @@ CATEGORY_COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_s
 def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = None, label: str = "policy"):
     """Stacked bars: peak memory by category, one bar per row of `df` (records from `measure`),
     with step time written above each bar and an optional memory-limit line."""
-    from .memory import CATEGORIES
-
     fig, ax = plt.subplots(figsize=(3.2 + 1.3 * max(len(df), 1), 4.2))
     if not len(df):
         return _save(_empty(fig, ax, "no records"), path)
@@ -255,5 +253,5 @@ def memory_timeline(timelines: dict, path=None):
     return _save(fig, path)
 
 
-__all__ = ["FIGURES", "heatmaps", "memory_time_vs_density", "memory_timeline", "pareto_plot", "peak_breakdown",
-           "redraw_all", "what_fits_plot"]
+__all__ = ["CATEGORY_COLORS", "FIGURES", "MiB", "heatmaps", "memory_time_vs_density", "memory_timeline",
+           "pareto_plot", "peak_breakdown", "redraw_all", "what_fits_plot"]

@@ -33,7 +33,7 @@ its arguments, and over a `torchrun` subprocess, whose elastic agent adds start-
 small CPU: plain processes work from scripts, notebooks and pytest alike, the first rank that
 dies ends the group at once with its last stderr line as the reason, and a hung group is killed
 at `timeout_s`. Under `torchrun` (one
-process per rank already started, RANK/WORLD_SIZE set) run `python -m ckptlab.distributed ...`:
+process per rank already started, RANK/WORLD_SIZE set) run `python -m ckptlab.probe.distributed ...`:
 the same per-rank code, rank 0 prints the record.
 """
 
@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,14 +52,23 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from .children import die_with_parent
-from .measure import DTYPES, OPTIMIZERS, device_name, make_optimizer, training_step
-from .memory import parse_bytes
-from .models import Workload, get_workload
-from .policy import parse_policy
-from .validate import choice, integer
-from .wrap import apply_checkpointing, find_blocks
+from ..checkpoint.blocks import find_blocks
+from ..checkpoint.wrap import apply_checkpointing
+from ..core.children import die_with_parent
+from ..core.parsing import split_list
+from ..core.policy import parse_policy
+from ..core.units import parse_bytes
+from ..core.validate import choice, integer
+from ..workloads.base import Workload
+from ..workloads.registry import get_workload
+from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, training_step
+from .timing import time_steps
 
 
 def measure_sharded(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none",
@@ -148,7 +158,6 @@ def dataclass_fields(config) -> dict:
 def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> str:
     """Start nproc rank processes and wait; '' on success, else why not. Each rank is a fresh
     `python -c` process with the environment torchrun would give it (RANK, WORLD_SIZE, ...)."""
-    import subprocess
 
     Path(out_dir, "spec.json").write_text(json.dumps(spec))
     port = _free_port()
@@ -198,7 +207,7 @@ def _free_port() -> int:
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 # os._exit once the results are on disk: gloo's C++ threads can abort the interpreter's normal
 # shutdown ("terminate called without an active exception", seen here in the test suite).
-_RANK_MAIN = ("import os, sys; from ckptlab.distributed import _rank_main; _rank_main(sys.argv[1]); "
+_RANK_MAIN = ("import os, sys; from ckptlab.probe.distributed import _rank_main; _rank_main(sys.argv[1]); "
               "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
 
 
@@ -217,7 +226,6 @@ def run_rank(spec: dict, gather: bool = False):
     environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT: as torchrun or `_spawn` set them). Returns
     this rank's partial records (or, in gradients mode, rank 0's full gradients per policy);
     with `gather`, every rank's partial records, collected over the process group."""
-    import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if spec["device_type"] == "cuda":
@@ -260,8 +268,6 @@ def _gradients_rank(spec: dict, policy: str, rank: int, world: int, dev: torch.d
 
 def shard_model(model: torch.nn.Module, policy, world: int, device_type: str):
     """Checkpoint, then fully_shard each block, then the root (see the module docstring)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     handle = apply_checkpointing(model, policy)
     mesh = init_device_mesh(device_type, (world,))
@@ -281,10 +287,7 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     """This rank's partial record. An exception is not caught: it ends this rank's process, and
     the launcher ends the group (a rank that stopped early would leave the others waiting in a
     collective) and reports the error — an out-of-memory error as status "oom"."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
-    from .timing import time_steps
 
     out = {"rank": rank, "world_size": world, "spec": spec, "device_name": device_name(dev)}
     limit = spec["memory_limit_bytes"]
@@ -331,7 +334,6 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
 
 class _Marks:
     def phase(self, name):
-        from torch.profiler import record_function
         with record_function(f"ckptlab::{name}"):
             pass
 
@@ -346,7 +348,6 @@ def _step_peak(step, dev: torch.device, start_bytes: int):
         loss = step(marks)
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev) - base + start_bytes, marks.at_backward, loss
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = step(_Marks())
@@ -411,9 +412,9 @@ def combine(ranks: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure policies sharded over N ranks and print one JSON record per policy. Under torchrun
-    (`torchrun --nproc-per-node 2 -m ckptlab.distributed ...`) this process is one rank and
+    (`torchrun --nproc-per-node 2 -m ckptlab.probe.distributed ...`) this process is one rank and
     rank 0 prints; otherwise it starts --nproc ranks itself."""
-    p = argparse.ArgumentParser(prog="python -m ckptlab.distributed", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m ckptlab.probe.distributed", description=main.__doc__)
     p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--batch", type=int, default=2, help="per-rank batch size")
     p.add_argument("--seq", type=int, default=64)
@@ -424,7 +425,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    from .cli import split_list
 
     policies = split_list(args.policy)
     if "RANK" not in os.environ:

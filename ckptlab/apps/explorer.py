@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+import matplotlib.pyplot as plt
 import pandas as pd
 
-from .measure import measure
-from .memory import format_bytes, parse_bytes
-from .models import PRESETS
-from .policy import parse_policy
+from ..core.policy import parse_policy
+from ..core.units import format_bytes, parse_bytes
+from ..probe.measure import measure
+from ..report.plots import peak_breakdown
+from ..workloads.models import PRESETS
 
 POLICY_CHOICES = ("none", "density", "every=2", "segments=sqrt", "full")  # "density" uses the slider
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -77,7 +79,6 @@ class Explorer:
         return "\n".join(lines)
 
     def figure(self):
-        from .plots import peak_breakdown
 
         limit = parse_bytes(self.config["memory_limit"])
         return peak_breakdown(self.records if self.records is not None else pd.DataFrame(), limit_bytes=limit)
@@ -96,8 +97,7 @@ class Explorer:
 
     def refresh(self) -> None:
         """Measure and redraw into the output area (the Run button and every change end here)."""
-        import matplotlib.pyplot as plt
-        from IPython.display import display
+        from IPython.display import display  # noqa: PLC0415 - IPython comes with the notebooks extra
 
         out = self._widgets["output"]
         out.clear_output(wait=True)
@@ -112,7 +112,7 @@ class Explorer:
                 print(f"error: {exc}")
 
     def widgets(self):
-        import ipywidgets as w
+        import ipywidgets as w  # noqa: PLC0415 - ipywidgets comes with the notebooks extra
 
         c = self.config
         kind, _, value = c["policy"].partition("=")
@@ -142,13 +142,12 @@ class Explorer:
     def show(self, interactive: bool = True) -> None:
         """Interactive: the widgets and a first measurement. Static: measure once and render the
         same summary and figure without widgets (papermill, nbval)."""
-        from IPython.display import display
+        from IPython.display import display  # noqa: PLC0415 - IPython comes with the notebooks extra
 
         if interactive:
             display(self.widgets())
             self.refresh()
             return
-        import matplotlib.pyplot as plt
 
         self.run()
         print(self.summary())

@@ -1,0 +1,1 @@
+"""The user-facing top: the command line, the notebook runner, the explorer, the GPU check."""

@@ -1,0 +1,1 @@
+"""Applying and removing checkpoint policies on a model's repeated blocks."""

@@ -1,0 +1,1 @@
+"""Probes of one training step: memory (tracked, predicted), time, gradients, plans, sharded runs."""

@@ -1,0 +1,94 @@
+"""The training step `measure` runs, under FakeTensorMode: shapes, dtypes and storage sizes with
+no data, so a step's memory can be tracked for shapes far beyond this machine."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..checkpoint.wrap import apply_checkpointing
+from ..core.policy import Policy
+from ..core.units import format_bytes
+from ..workloads.base import Workload
+from .memory import CATEGORIES, track_memory
+from .step import make_optimizer, training_step
+
+
+@dataclass
+class Prediction:
+    """A predicted training step. Bytes are storage bytes, as `measure` reports them."""
+
+    model: str
+    batch_size: int
+    seq_len: int
+    policy: str
+    dtype: str
+    optimizer: str
+    n_blocks: int
+    effective_density: float
+    peak_bytes: int
+    peak_by_category: dict
+    peak_phase: str
+    saved_activation_bytes: int
+    predict_s: float                     # wall time of the prediction
+    plan: Optional[str] = None           # the per-block plan a budget policy resolved to
+    note: str = ""
+
+    def record(self) -> dict:
+        """A flat row, columns named like `measure`'s with a `predicted_` prefix."""
+        row = {k: v for k, v in asdict(self).items() if k != "peak_by_category"}
+        for key in ("peak_bytes", "saved_activation_bytes"):
+            row[f"predicted_{key}"] = row.pop(key)
+        for c in CATEGORIES:
+            row[f"predicted_peak_{c}_bytes"] = self.peak_by_category.get(c, 0)
+        return row
+
+    def __str__(self) -> str:
+        return (f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}): "
+                f"peak {format_bytes(self.peak_bytes)} in {self.peak_phase}, saved activations "
+                f"{format_bytes(self.saved_activation_bytes)} [{self.predict_s:.1f} s]")
+
+
+def fake_modes():
+
+    # Real tensors (none are expected) would be refused rather than silently allocated.
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+@contextlib.contextmanager
+def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
+                       dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1):
+    """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
+    optimizer, step) after one untracked warm-up step — the state `measure` tracks from."""
+    with fake_modes():
+        torch.manual_seed(workload.seed)
+        model = workload.make_model(workload.config)  # as Workload.build, minus the device move
+        model.train()
+        handle = apply_checkpointing(model, policy)
+        gen = torch.Generator().manual_seed(workload.seed + 1)
+        batch = tuple(workload.make_batch(workload.config, batch_size, seq_len, gen))
+        opt = make_optimizer(optimizer, model)
+        kwargs = {"accum_steps": accum_steps} if accum_steps != 1 else {}
+        step = training_step(model, workload, batch, opt, dtype, **kwargs)
+        torch.manual_seed(workload.seed)
+        step()
+        handle.reset_counts()
+        yield model, handle, batch, opt, step
+
+
+
+def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
+                optimizer: str = "adamw", accum_steps: int = 1):
+    """One tracked fake training step: (MemoryReport, CheckpointHandle)."""
+    with fake_training_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps) as (
+            model, handle, batch, opt, step):
+        with track_memory(model, opt, inputs=batch, device="cpu") as tracker:
+            step(tracker)
+        return tracker.report(), handle
+
+
+__all__ = ["Prediction", "fake_memory", "fake_modes", "fake_training_step"]

@@ -1,0 +1,85 @@
+"""One training step and what it runs on: the step closure, optimizers, dtypes, devices."""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+
+import torch
+
+from ..workloads.base import Workload
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}   # name -> autocast dtype (None: no autocast)
+
+
+OPTIMIZERS = ("adamw", "sgd", "none")
+
+
+def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", accum_steps: int = 1):
+    """A closure running one forward + backward [+ optimizer step]; pass it a tracker to mark
+    phases. Gradients are set to None at the end, as a training loop does between steps.
+    With accum_steps > 1 the forward + backward runs that many times on the micro-batch
+    (gradients accumulate, loss scaled by 1/accum_steps) before the one optimizer step."""
+    autocast_dtype = DTYPES[dtype]
+    device_type = batch[0].device.type
+
+    def step(tracker=None):
+        for micro in range(accum_steps):
+            if tracker is not None and micro:
+                tracker.phase("forward")
+            ctx = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+            with ctx:
+                loss = workload.loss(model, batch)
+            if tracker is not None:
+                tracker.phase("backward")
+            (loss / accum_steps if accum_steps > 1 else loss).backward()
+        if tracker is not None:
+            tracker.phase("optimizer")
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def make_optimizer(name: str, model: torch.nn.Module):
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-3)
+    return None
+
+
+def resolve_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda, cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda, cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} is invalid here: no CUDA device is available; allowed is cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} is invalid: allowed are cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return dev
+
+
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+
+__all__ = ["DTYPES", "OPTIMIZERS", "device_name", "make_optimizer", "resolve_device", "training_step"]

@@ -1,0 +1,192 @@
+"""Cells of a sweep: one (batch, seq, policy, dtype, accum) configuration each, measured in this
+process or a fresh one, and the one loop that runs them with out-of-memory inference (once
+batch b of a group ran out of memory, larger batches are recorded as `oom`, inferred, unrun)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from tqdm.auto import tqdm
+
+from ..core.children import die_with_parent, exit_when_orphaned
+from ..probe.distributed import measure_sharded
+from ..probe.measure import measure
+from ..workloads.registry import get_workload
+from .store import RunWriter
+
+RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (isolated cells)
+CELL_TIMEOUT_S = 3600.0             # an isolated cell running longer is stopped and recorded as an error
+
+
+FIXED = ("model", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit_bytes", "optimizer",
+         "nproc")
+
+
+FIXED_DEFAULTS = {"nproc": 1}   # what a run.json written before the field existed meant
+
+
+@dataclass
+class Grid:
+    """A validated sweep grid (build it with `make_grid`, which checks every value)."""
+
+    model: str
+    batch_sizes: list[int]
+    seq_lens: list[int]
+    policies: list[str]
+    dtypes: list[str]
+    accum_steps: list[int]
+    device: str
+    memory_limit_bytes: Optional[int]
+    steps: int
+    warmup: int
+    seed: int
+    optimizer: str
+    model_overrides: dict = field(default_factory=dict)
+    nproc: int = 1   # ranks per cell: > 1 measures under FSDP2 (ckptlab.probe.distributed)
+
+    def cells(self) -> list[dict]:
+        """Every cell, in run order (batch innermost, ascending)."""
+        out = []
+        for seq in self.seq_lens:
+            for dtype in self.dtypes:
+                for accum in self.accum_steps:
+                    for policy in self.policies:
+                        for batch in self.batch_sizes:
+                            out.append(dict(seq_len=seq, dtype=dtype, accum_steps=accum,
+                                            policy=policy, batch_size=batch))
+        return out
+
+    def fixed(self) -> dict:
+        return {k: getattr(self, k) for k in FIXED}
+
+
+def cell_id(cell: dict) -> str:
+    """Stable key of a cell within a run: 'b=4 s=64 p=density=0.5 dt=fp32 acc=1'."""
+    return (f"b={cell['batch_size']} s={cell['seq_len']} p={cell['policy']} "
+            f"dt={cell['dtype']} acc={cell['accum_steps']}")
+
+
+def run_cells(grid: Grid, writer: RunWriter, done: list[dict], isolate: bool, progress: bool,
+               infer_oom: bool, cell_timeout_s) -> list[dict]:
+    records = list(done)
+    finished = {r.get("cell_id") for r in done}
+    oom_at: dict[tuple, int] = {}   # group -> smallest batch that really ran out of memory
+    for r in done:
+        note_oom(oom_at, r)
+    cells = grid.cells()
+    todo = [c for c in cells if cell_id(c) not in finished]
+    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), disable=not progress,
+               desc=f"sweep {grid.model}", unit="cell")
+    try:
+        for cell in todo:
+            bar.set_postfix_str(cell_id(cell), refresh=False)
+            oom_batch = oom_at.get(group_key(cell))
+            t0 = time.perf_counter()
+            if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
+                record = inferred_oom_record(grid, cell, oom_batch)
+            elif isolate:
+                record = run_isolated(grid, cell, cell_timeout_s)
+            else:
+                record = run_cell(grid, cell)
+            record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolate and not record.get("inferred"),
+                          inferred=bool(record.get("inferred")), cell_wall_s=round(time.perf_counter() - t0, 4),
+                          finished_at=now())
+            writer.append(record)
+            records.append(record)
+            note_oom(oom_at, record)
+            bar.update(1)
+    finally:
+        bar.close()
+    return records
+
+
+def group_key(cell: dict) -> tuple:
+    return (cell["seq_len"], cell["dtype"], cell["accum_steps"], cell["policy"])
+
+
+def note_oom(oom_at: dict, record: dict) -> None:
+    if record.get("status") == "oom" and not record.get("inferred"):
+        g = group_key(record)
+        oom_at[g] = min(oom_at.get(g, record["batch_size"]), record["batch_size"])
+
+
+def inferred_oom_record(grid: Grid, cell: dict, oom_batch: int) -> dict:
+    return dict(model=grid.model, **cell, effective_batch_size=cell["batch_size"] * cell["accum_steps"],
+                tokens=cell["batch_size"] * cell["seq_len"] * cell["accum_steps"], device=grid.device,
+                optimizer=grid.optimizer, steps=grid.steps, warmup=grid.warmup,
+                memory_limit_bytes=grid.memory_limit_bytes, fits=False, status="oom", inferred=True,
+                message=f"inferred, not run: batch {oom_batch} already ran out of memory")
+
+
+def run_cell(grid: Grid, cell: dict) -> dict:
+    """Measure one cell in this process (with nproc > 1: in nproc rank processes it starts)."""
+    if grid.nproc > 1:
+        return measure_sharded(grid.model, cell["batch_size"], cell["seq_len"], cell["policy"], nproc=grid.nproc,
+                               device=grid.device, dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
+                               memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
+                               accum_steps=cell["accum_steps"], seed=grid.seed, model_overrides=grid.model_overrides)
+    workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
+    return measure(workload, cell["batch_size"], cell["seq_len"], cell["policy"], device=grid.device,
+                   dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
+                   memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
+                   accum_steps=cell["accum_steps"])
+
+
+def run_isolated(grid: Grid, cell: dict, timeout_s: Optional[float] = None) -> dict:
+    """Measure one cell in a fresh Python process, so no allocator
+    state, cache or leak carries from one cell to the next. A crash or timeout (default
+    CELL_TIMEOUT_S) becomes an error record; it never stops the sweep. The child dies with this
+    process (`ckptlab.core.children`), so a killed sweep leaves nothing computing behind its lock."""
+    timeout_s = CELL_TIMEOUT_S if timeout_s is None else timeout_s
+    spec = json.dumps({"grid": dataclasses.asdict(grid), "cell": cell, "parent_pid": os.getpid()})
+    # The child must import this same ckptlab, installed or not.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD], input=spec, text=True, env=env,
+                              capture_output=True, timeout=timeout_s, preexec_fn=die_with_parent())
+    except subprocess.TimeoutExpired:
+        return failed_record(grid, cell, f"isolated cell timed out after {timeout_s} s")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RECORD_PREFIX):
+            return json.loads(line[len(RECORD_PREFIX):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return failed_record(grid, cell, f"isolated cell exited with code {proc.returncode}: {tail}")
+
+
+def failed_record(grid: Grid, cell: dict, message: str) -> dict:
+    record = inferred_oom_record(grid, cell, 0)
+    record.update(fits=None, status="error", inferred=False, message=message)
+    return record
+
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+_CHILD = "import sys; from ckptlab.run.cells import child_main; sys.exit(child_main())"
+
+
+def child_main() -> int:
+    spec = json.loads(sys.stdin.read())
+    exit_when_orphaned(spec["parent_pid"])
+    record = run_cell(Grid(**spec["grid"]), spec["cell"])
+    sys.stdout.write(RECORD_PREFIX + json.dumps(record, default=str) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+__all__ = ["CELL_TIMEOUT_S", "FIXED", "Grid", "cell_id", "failed_record", "group_key", "inferred_oom_record", "note_oom", "now",
+           "run_cell", "run_cells", "run_isolated"]

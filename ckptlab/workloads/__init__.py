@@ -1,0 +1,1 @@
+"""Workloads: the models ckptlab measures (built-in, Hugging Face) and `get_workload`."""
