@@ -204,7 +204,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])   # the folder holding ckptlab/
 # os._exit once the results are on disk: gloo's C++ threads can abort the interpreter's normal
 # shutdown ("terminate called without an active exception", seen here in the test suite).
 _RANK_MAIN = ("import os, sys; from ckptlab.probe.distributed import _rank_main; _rank_main(sys.argv[1]); "

@@ -168,7 +168,7 @@ def failed_record(grid: Grid, cell: dict, message: str) -> dict:
     return record
 
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])   # the folder holding ckptlab/
 
 
 _CHILD = "import sys; from ckptlab.run.cells import child_main; sys.exit(child_main())"
