@@ -56,7 +56,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import apply_checkpointing
@@ -67,6 +66,7 @@ from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
+from .memory import allocator_peak
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, training_step
 from .timing import time_steps
 
@@ -316,7 +316,8 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     for t in map(local, held):
         if t.device == dev:
             start[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    peak, saved, loss = _step_peak(step, dev, sum(start.values()))
+    report, loss = allocator_peak(step, dev, sum(start.values()))
+    peak, saved = report.peak_bytes, report.saved_activation_bytes
     out.update(peak_bytes=peak, start_bytes=sum(start.values()), saved_activation_bytes=saved,
                recompute_count=handle.recompute_count, loss=float(loss), status="ok", message="")
     out["fits"] = None if limit is None else peak <= limit
@@ -330,48 +331,6 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     timing = time_steps(step, steps=spec["steps"], warmup=spec["warmup"], device=dev)
     out.update(step_ms=timing.median_ms, step_ms_min=timing.min_ms, step_ms_max=timing.max_ms)
     return out
-
-
-class _Marks:
-    def phase(self, name):
-        with record_function(f"ckptlab::{name}"):
-            pass
-
-
-def _step_peak(step, dev: torch.device, start_bytes: int):
-    """(peak bytes, bytes allocated in forward and alive when backward starts, loss) of one step."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        marks = _CudaMarks(dev, base)
-        loss = step(marks)
-        torch.cuda.synchronize(dev)
-        return torch.cuda.max_memory_allocated(dev) - base + start_bytes, marks.at_backward, loss
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = step(_Marks())
-    events = list(prof.profiler.kineto_results.events())
-    allocs = sorted((e.start_ns(), e.nbytes()) for e in events
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    bwd = next((e.start_ns() for e in events if e.name() == "ckptlab::backward"), None)
-    current = peak = 0
-    at_backward = None
-    for t, nbytes in allocs:
-        if at_backward is None and bwd is not None and t >= bwd:
-            at_backward = current
-        current += nbytes
-        peak = max(peak, current)
-    return start_bytes + peak, at_backward, loss
-
-
-class _CudaMarks:
-    def __init__(self, dev, base):
-        self.dev, self.base, self.at_backward = dev, base, None
-
-    def phase(self, name):
-        if name == "backward" and self.at_backward is None:
-            self.at_backward = torch.cuda.memory_allocated(self.dev) - self.base
 
 
 def _base_record(spec: dict, world: int) -> dict:

@@ -15,7 +15,6 @@ import gc
 from typing import Optional
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import apply_checkpointing
@@ -24,7 +23,7 @@ from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .memory import CATEGORIES, MemoryReport, cuda_allocator_stats, track_memory
+from .memory import CATEGORIES, allocator_peak, cuda_allocator_stats, track_memory
 from .plan import plan_budget
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
 from .timing import time_steps
@@ -236,38 +235,7 @@ def allocator_step_memory(step, model, optimizer, batch, dev):
             if isinstance(t, torch.Tensor)]:
         if t.device == dev:
             start[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    start_bytes = sum(start.values())
-
-    class _Marks:
-        def phase(self, name):
-            with record_function(f"ckptlab::{name}"):
-                pass
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        loss = step()
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base + start_bytes
-        return MemoryReport(peak, {}, "unknown", start_bytes, None), loss
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = step(_Marks())
-    events = list(prof.profiler.kineto_results.events())
-    records = sorted((e.start_ns(), e.nbytes()) for e in events
-                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    marks = {e.name(): e.start_ns() for e in events if e.name().startswith("ckptlab::")}
-    bwd_mark = marks.get("ckptlab::backward")
-    current = peak = 0
-    at_backward, peak_phase, timeline = None, "forward", []
-    for t, nbytes in records:
-        if at_backward is None and bwd_mark is not None and t >= bwd_mark:
-            at_backward = current
-        current += nbytes
-        timeline.append(("forward" if at_backward is None else "backward", start_bytes + current))
-        if current > peak:
-            peak, peak_phase = current, ("forward" if at_backward is None else "backward")
-    return MemoryReport(start_bytes + peak, {}, peak_phase, start_bytes, at_backward, timeline), loss
+    return allocator_peak(step, dev, sum(start.values()))
 
 
 def check_policy_applies(workload: Workload, policy) -> None:

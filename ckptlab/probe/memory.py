@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -212,25 +212,64 @@ def track_memory(
 
 # --------------------------------------------------------------------------- independent counts
 
-def profiler_peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak CPU bytes allocated by `fn` above what was allocated when it started, from the
-    profiler's allocator events: an independent check of the live-tensor tracker (it sees the
-    allocator, not tensors), and the one that also sees inside compiled graphs."""
-
+def allocator_peak(run: Callable[[object], object], device: torch.device | str = "cpu",
+                   start_bytes: int = 0) -> tuple[MemoryReport, object]:
+    """One call of `run(marks)` measured by the allocator rather than by tensors: CUDA's peak
+    counters, or on CPU the profiler's raw `[memory]` events (each allocation and free, with its
+    size and time) — which also see allocations inside compiled graphs that a dispatch-mode tracker
+    cannot. `run` may call `marks.phase("backward")` where backward starts (a training step's
+    tracker protocol). Returns (MemoryReport, what run returned): peak = `start_bytes` (what was
+    held when it began) + the high-water mark above it; `saved_activation_bytes` = bytes allocated
+    and still held when backward began."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        marks = _CudaMarks(dev, torch.cuda.memory_allocated(dev))
+        torch.cuda.reset_peak_memory_stats(dev)
+        result = run(marks)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - marks.base
+        return MemoryReport(start_bytes + peak, {}, "unknown", start_bytes, marks.at_backward), result
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+        result = run(_ProfilerMarks())
     # The raw allocator records (signed bytes, timestamps): the aggregated FunctionEvents net
     # out allocations freed inside one op, which would hide transient peaks.
-    records = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
+    events = list(prof.profiler.kineto_results.events())
+    allocs = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    backward_at = next((e.start_ns() for e in events if e.name() == "ckptlab::backward"), None)
     current = peak = 0
-    for _, nbytes in records:
+    at_backward, peak_phase, timeline = None, "forward", []
+    for t, nbytes in allocs:
+        if at_backward is None and backward_at is not None and t >= backward_at:
+            at_backward = current
         current += nbytes
-        peak = max(peak, current)
-    return peak
+        phase = "forward" if at_backward is None else "backward"
+        timeline.append((phase, start_bytes + current))
+        if current > peak:
+            peak, peak_phase = current, phase
+    return MemoryReport(start_bytes + peak, {}, peak_phase, start_bytes, at_backward, timeline), result
+
+
+def profiler_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak CPU bytes allocated by `fn` above what was allocated when it started, from the
+    profiler's allocator events: an independent count to hold the live-tensor tracker against."""
+    return allocator_peak(lambda marks: fn(), "cpu")[0].peak_bytes
+
+
+class _ProfilerMarks:
+    def phase(self, name):
+        with record_function(f"ckptlab::{name}"):
+            pass
+
+
+class _CudaMarks:
+    def __init__(self, dev, base):
+        self.dev, self.base, self.at_backward = dev, base, None
+
+    def phase(self, name):
+        if name == "backward" and self.at_backward is None:
+            self.at_backward = torch.cuda.memory_allocated(self.dev) - self.base
 
 
 # --------------------------------------------------------------------------- CUDA allocator
