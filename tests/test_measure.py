@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ckptlab import get_workload, measure
-from ckptlab.probe.memory import CATEGORIES
+from ckptlab.core.records import CATEGORIES
 
 from .conftest import requires_cuda
 

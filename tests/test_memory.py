@@ -115,3 +115,45 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 * 2**30) == "3.0 GiB"
+
+
+def test_detect_backward_finds_the_phase_switch_without_a_call():
+    """The same step with explicit phase calls and with detect_backward: the same peak and the
+    same timeline, in the same phases. The bytes held for backward differ by exactly the gradient seed
+    (a ones tensor like the loss) that `backward()` makes before autograd's engine starts."""
+    workload = get_workload("gpt-tiny", n_layer=2)
+    model = workload.build()
+    batch = workload.batch(2, 32)
+    reports = []
+    for detect in (False, True):
+        with track_memory(model, inputs=batch, detect_backward=detect) as tracker:
+            loss = workload.loss(model, batch)
+            if not detect:
+                tracker.phase("backward")
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        reports.append(tracker.report())
+    manual, detected = reports
+    assert detected.peak_bytes == manual.peak_bytes
+    assert manual.saved_activation_bytes > 0
+    assert detected.saved_activation_bytes - manual.saved_activation_bytes == loss.element_size() * loss.numel()
+    manual_phases, detected_phases = ([p for p, _ in r.timeline] for r in reports)
+    assert [b for _, b in detected.timeline] == [b for _, b in manual.timeline]
+    assert manual_phases.count("backward") - detected_phases.count("backward") == 1  # the seed
+    assert detected_phases.index("backward") == manual_phases.index("backward") + 1
+
+
+def test_optimizer_state_made_inside_the_region_is_optimizer_state_at_the_peak():
+    """AdamW's first step creates its state inside the tracked step (no warm-up step): the state
+    is alive at the optimizer-phase peak and counted as optimizer state there, not as temporaries."""
+    workload = get_workload("mlp-chain", **MLP)
+    model = workload.build()
+    optimizer = make_optimizer("adamw", model)
+    batch = workload.batch(4, 8)
+    with track_memory(model, optimizer, inputs=batch) as tracker:
+        training_step(model, workload, batch, optimizer)(tracker)
+    report = tracker.report()
+    state_bytes = sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in s.values())
+    assert report.peak_phase == "optimizer"
+    assert report.peak_by_category["optimizer_state"] == state_bytes
+    assert sum(report.peak_by_category.values()) == report.peak_bytes

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from ckptlab import gpu_check
+from ckptlab.apps import gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

@@ -62,6 +62,7 @@ from ..checkpoint.wrap import apply_checkpointing
 from ..core.children import die_with_parent
 from ..core.parsing import split_list
 from ..core.policy import parse_policy
+from ..core.records import new_record
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
@@ -334,19 +335,11 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
 
 
 def _base_record(spec: dict, world: int) -> dict:
-    b, s, a = spec["batch_size"], spec["seq_len"], spec["accum_steps"]
-    return {
-        "model": spec["model"], "n_blocks": None, "batch_size": b, "seq_len": s, "accum_steps": a,
-        "effective_batch_size": b * a * world, "tokens": b * s * a * world, "policy": spec["policy"],
-        "effective_density": None, "checkpointed_blocks": None,
-        "device": spec["device_type"], "device_name": None, "dtype": spec["dtype"],
-        "optimizer": spec["optimizer"], "steps": spec["steps"], "warmup": spec["warmup"],
-        "memory_limit_bytes": spec["memory_limit_bytes"], "world_size": world, "sharding": "fsdp2",
-        "peak_bytes": None, "peak_bytes_per_rank": None, "start_bytes_per_rank": None,
-        "saved_activation_bytes": None, "recompute_count": None, "loss": None, "step_ms": None,
-        "step_ms_min": None, "step_ms_max": None, "tokens_per_s": None, "fits": None,
-        "status": "ok", "message": "",
-    }
+    return new_record(spec["model"], spec["batch_size"], spec["seq_len"], spec["accum_steps"], world,
+                      policy=spec["policy"], device=spec["device_type"], dtype=spec["dtype"],
+                      optimizer=spec["optimizer"], steps=spec["steps"], warmup=spec["warmup"],
+                      memory_limit_bytes=spec["memory_limit_bytes"], sharding="fsdp2", peak_bytes_per_rank=None,
+                      start_bytes_per_rank=None)
 
 
 def combine(ranks: list[dict]) -> dict:

@@ -12,9 +12,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import Policy
+from ..core.records import CATEGORIES
 from ..core.units import format_bytes
 from ..workloads.base import Workload
-from .memory import CATEGORIES, track_memory
+from .memory import track_memory
 from .step import make_optimizer, training_step
 
 

@@ -19,11 +19,12 @@ import torch
 from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import HF_KINDS, parse_policy
+from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .memory import CATEGORIES, allocator_peak, cuda_allocator_stats, track_memory
+from .memory import allocator_peak, cuda_allocator_stats, track_memory
 from .plan import plan_budget
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
 from .timing import time_steps
@@ -70,45 +71,9 @@ def measure(
     if dev.type == "cuda" and limit is None:
         limit = torch.cuda.get_device_properties(dev).total_memory
 
-    record = {
-        "model": workload.name,
-        "n_blocks": None,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "accum_steps": accum_steps,
-        "effective_batch_size": batch_size * accum_steps,
-        "tokens": batch_size * seq_len * accum_steps,   # per optimizer step
-        "policy": str(policy),
-        "effective_density": None,
-        "checkpointed_blocks": None,
-        "device": str(dev),
-        "device_name": device_name(dev),
-        "dtype": dtype,
-        "optimizer": optimizer,
-        "steps": steps,
-        "warmup": warmup,
-        "memory_limit_bytes": limit,
-        "peak_bytes": None,
-        **{f"peak_{c}_bytes": None for c in CATEGORIES},
-        "peak_phase": None,
-        "saved_activation_bytes": None,
-        "cuda_max_allocated_bytes": None,
-        "cuda_max_reserved_bytes": None,
-        "cuda_alloc_retries": None,
-        "cuda_ooms": None,
-        "recompute_count": None,
-        "plan": None,                     # budget=...: the per-block plan it resolved to (k/s/f)
-        "allocator_peak_bytes": None,     # compile: peak from the profiler's allocator events
-        "note": "",                       # what the policy did not do here (offload on CPU, ...)
-        "loss": None,
-        "step_ms": None,
-        "step_ms_min": None,
-        "step_ms_max": None,
-        "tokens_per_s": None,
-        "fits": None,
-        "status": "ok",
-        "message": "",
-    }
+    record = new_record(workload.name, batch_size, seq_len, accum_steps, policy=str(policy), device=str(dev),
+                        device_name=device_name(dev), dtype=dtype, optimizer=optimizer, steps=steps, warmup=warmup,
+                        memory_limit_bytes=limit)
     report = None
     try:
         with compile_config(policy):

@@ -32,8 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
-PHASES = ("setup", "forward", "backward", "optimizer")
+from ..core.records import CATEGORIES, PHASES
 
 
 @dataclass
@@ -49,10 +48,14 @@ class MemoryReport:
 
 
 class _Tracker(TorchDispatchMode):
-    def __init__(self, device: torch.device | None):
+    def __init__(self, device: torch.device | None, detect_backward: bool = False):
         super().__init__()
         self.device = device
-        self.live: dict[int, list] = {}       # storage key -> [nbytes, category, phase, weakref]
+        self.detect_backward = detect_backward
+        # storage key -> [nbytes, category, phase, weakref, allocation number]
+        self.live: dict[int, list] = {}
+        self.allocations = 0                  # storages seen so far, numbered in order
+        self.peak_allocation = 0              # the number of the storage that set the peak
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.peak = 0
@@ -82,7 +85,8 @@ class _Tracker(TorchDispatchMode):
             return
         nbytes = storage.nbytes()
         ref = weakref.ref(storage, lambda _ref, key=key: self._free(key))
-        self.live[key] = [nbytes, category, self.phase, ref]
+        self.allocations += 1
+        self.live[key] = [nbytes, category, self.phase, ref, self.allocations]
         self.by_category[category] += nbytes
         self.total += nbytes
         if self.phase != "setup":  # what existed before the step is the timeline's starting level
@@ -91,6 +95,30 @@ class _Tracker(TorchDispatchMode):
             self.peak = self.total
             self.peak_by_category = dict(self.by_category)
             self.peak_phase = self.phase
+            self.peak_allocation = self.allocations
+
+    def claim(self, tensor: torch.Tensor, category: str) -> None:
+        """Label a tensor that may already be counted (as a temporary, say) as `category`, in the
+        breakdown at the peak too when its storage was alive then: optimizer state that the
+        first `optimizer.step()` creates is optimizer state, not a temporary, at that step's peak."""
+        if not isinstance(tensor, torch.Tensor) or (self.device is not None and tensor.device != self.device):
+            return
+        try:
+            entry = self.live.get(tensor.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            return
+        if entry is None:
+            self.track(tensor, category)
+            return
+        if CATEGORIES.index(category) >= CATEGORIES.index(entry[1]):
+            return
+        # Allocated no later than the storage that set the peak and not freed since: alive at the peak.
+        if entry[4] <= self.peak_allocation:
+            self.peak_by_category[entry[1]] -= entry[0]
+            self.peak_by_category[category] += entry[0]
+        self.by_category[entry[1]] -= entry[0]
+        self.by_category[category] += entry[0]
+        entry[1] = category
 
     def _free(self, key: int) -> None:
         if not self.active:
@@ -103,6 +131,10 @@ class _Tracker(TorchDispatchMode):
         self.timeline.append((self.phase, self.total))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Autograd's engine runs every backward op inside a graph task: a loop ckptlab does not
+        # drive (transformers' Trainer) needs no explicit phase("backward") call.
+        if self.detect_backward and self.phase == "forward" and torch._C._current_graph_task_id() != -1:
+            self.set_phase("backward")
         out = func(*args, **(kwargs or {}))
         if self.active:
             for t in tree_flatten(out)[0]:
@@ -150,6 +182,12 @@ class MemoryTracker:
     def phase(self, name: str) -> None:
         self._tracker.set_phase(name)
 
+    def add_inputs(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors made before the region as activations, as `inputs=` does: a batch that a
+        training loop fetched before the step began."""
+        for t in tensors:
+            self._tracker.track(t, "activations")
+
     def report(self) -> MemoryReport:
         return self._report if self._report is not None else self._tracker.report()
 
@@ -160,6 +198,7 @@ def track_memory(
     optimizer: torch.optim.Optimizer | None = None,
     inputs: Iterable[torch.Tensor] = (),
     device: str | torch.device | None = None,
+    detect_backward: bool = False,
 ):
     """Track live tensor memory over a region (typically one training step).
 
@@ -167,12 +206,15 @@ def track_memory(
     batch) are counted only if passed here; everything created inside is seen. `device` limits
     the count to one device (default: the model's parameters' device). The region starts in phase
     "forward"; call `tracker.phase("backward")` and `tracker.phase("optimizer")` as the step
-    proceeds.
+    proceeds. With `detect_backward=True` the switch from forward to backward happens by itself
+    when autograd's engine starts running backward ops (for training loops that cannot call
+    `phase`). Optimizer state is labelled as such at the end, also in the peak's breakdown when
+    the step created it.
     """
     if device is None and model is not None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else None
-    tracker = _Tracker(torch.device(device) if device is not None else None)
+    tracker = _Tracker(torch.device(device) if device is not None else None, detect_backward)
     params = list(model.parameters()) if model is not None else []
     for p in params:
         tracker.track(p, "parameters")
@@ -198,10 +240,10 @@ def track_memory(
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
             yield handle
-        if optimizer is not None:  # state created during this step is optimizer state from now on
+        if optimizer is not None:  # state created during this step is optimizer state
             for state in optimizer.state.values():
                 for t in tree_flatten(state)[0]:
-                    tracker.track(t, "optimizer_state")
+                    tracker.claim(t, "optimizer_state")
     finally:
         tracker.active = False
         for h in hooks:

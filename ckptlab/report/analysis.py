@@ -209,5 +209,58 @@ def _py(v):
     return v.item() if hasattr(v, "item") else v
 
 
+# ----------------------------------------------------------------------------- transformers' Trainer runs
+
+def trainer_summary(df):
+    """One row per run of `compare_trainer_runs`' frame: peak memory (the highest tracked step),
+    step time over the steps timed without the tracker (median, min, max, how many), and against
+    the "none" run: step-time overhead, memory saved, and whether every loss (the one Trainer
+    logged where the frame has it, else the callback's) is bitwise the same."""
+    rows = []
+    for run, g in df.groupby("run", sort=False):
+        timed = g[~g["memory_tracked"]] if (~g["memory_tracked"]).any() else g
+        tracked = g[g["peak_bytes"].notna()]
+        peak = tracked.loc[tracked["peak_bytes"].idxmax()] if len(tracked) else None
+        rows.append({
+            "run": run, "policy": g["policy"].iloc[0], "mechanism": g["mechanism"].iloc[0],
+            "effective_density": g["effective_density"].iloc[0], "steps": len(g),
+            "peak_bytes": None if peak is None else peak["peak_bytes"],
+            "peak_activations_bytes": None if peak is None else peak["peak_activations_bytes"],
+            "saved_activation_bytes": None if peak is None else peak["saved_activation_bytes"],
+            "step_ms": timed["step_ms"].median(), "step_ms_min": timed["step_ms"].min(),
+            "step_ms_max": timed["step_ms"].max(), "timed_steps": len(timed),
+            "timed_with_tracker": bool(timed["memory_tracked"].any()),
+            "losses": g["trainer_loss" if "trainer_loss" in g else "loss"].tolist(),
+        })
+    table = pd.DataFrame(rows)
+    base = table[table["run"] == "none"]
+    if len(base):
+        b = base.iloc[0]
+        table["overhead"] = table["step_ms"] / b["step_ms"] - 1
+        table["memory_saved_frac"] = 1 - table["peak_bytes"] / b["peak_bytes"] if b["peak_bytes"] else None
+        table["same_losses_as_none"] = [losses == b["losses"] for losses in table["losses"]]
+        # Spreads that overlap the baseline's cannot tell the two apart from this many steps.
+        table["overlaps_none"] = (table["step_ms_min"] <= b["step_ms_max"]) & (table["step_ms_max"] >= b["step_ms_min"])
+    return table.drop(columns="losses")
+
+
+def slowdown_answer(summary) -> str:
+    """The guide's "Training will be ~20% slower", answered from `trainer_summary`'s numbers."""
+    if "overhead" not in summary:
+        raise ValueError("summary is invalid: it has no 'none' run to compare against; include 'none' in runs")
+    base = summary[summary["run"] == "none"].iloc[0]
+    parts = []
+    for r in summary[summary["run"] != "none"].itertuples():
+        verdict = ("within the step-to-step spread of no checkpointing: these steps cannot tell them apart"
+                   if r.overlaps_none else ("more" if r.overhead > 0.2 else "less") + " than the guide's ~20%")
+        memory = "" if pd.isna(r.memory_saved_frac) else f", {r.memory_saved_frac:.0%} less peak memory"
+        parts.append(f"{r.run}: {r.overhead:+.0%} step time (median {r.step_ms:.0f} ms, range "
+                     f"{r.step_ms_min:.0f}-{r.step_ms_max:.0f}){memory} — {verdict}")
+    caveat = (" — every step ran under the memory tracker, whose hooks slow it: use track_steps below max_steps"
+              if summary["timed_with_tracker"].any() else "")
+    return (f"Against no checkpointing (median {base.step_ms:.0f} ms, range {base.step_ms_min:.0f}-"
+            f"{base.step_ms_max:.0f} ms over {base.timed_steps} steps){caveat}:\n" + "\n".join(parts))
+
+
 __all__ = ["BUSY_SPREAD", "SHAPE", "config_label", "format_summary", "largest_fitting", "ok", "overhead",
-           "pareto", "plans_vs_uniform", "summary", "timing_note", "what_fits"]
+           "pareto", "plans_vs_uniform", "slowdown_answer", "summary", "timing_note", "trainer_summary", "what_fits"]

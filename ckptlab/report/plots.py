@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from ..probe.memory import CATEGORIES
+from ..core.records import CATEGORIES
 from ..run.store import load_run
 from . import analysis
 
@@ -253,5 +253,44 @@ def memory_timeline(timelines: dict, path=None):
     return _save(fig, path)
 
 
+def trainer_plot(df, path=None):
+    """`compare_trainer_runs`' frame in three panels: the loss of every step, one line per run
+    (identical runs lie on top of each other); peak memory per run by category (the highest
+    tracked step); every step's time per run, steps timed under the tracker hollow."""
+    fig, (ax_loss, ax_mem, ax_time) = plt.subplots(1, 3, figsize=(15, 4.2))
+    runs = list(dict.fromkeys(df["run"]))
+    markers = "os^Dvx+*"
+    for i, run in enumerate(runs):
+        g = df[df["run"] == run]
+        ax_loss.plot(g["step"], g["loss"], marker=markers[i % len(markers)], markersize=max(3, 9 - 1.5 * i),
+                     linewidth=1.5, alpha=0.8, label=run)
+        tracked, timed = g[g["memory_tracked"]], g[~g["memory_tracked"]]
+        color = f"C{i}"
+        ax_time.plot(timed["step"], timed["step_ms"], "o-", color=color, label=run)
+        ax_time.plot(tracked["step"], tracked["step_ms"], "o", color=color, markerfacecolor="none")
+    ax_loss.set(xlabel="optimizer step", ylabel="loss", title="loss per step (the runs overlap)")
+    ax_loss.legend()
+    peak_rows = []
+    for run in runs:
+        g = df[(df["run"] == run) & df["peak_bytes"].notna()]
+        peak_rows.append(g.loc[g["peak_bytes"].idxmax()] if len(g) else None)
+    by_category = all(r is not None and r[[f"peak_{c}_bytes" for c in CATEGORIES]].notna().all() for r in peak_rows)
+    if by_category:
+        bottom = [0.0] * len(runs)
+        for category in CATEGORIES:
+            part = [r[f"peak_{category}_bytes"] / MiB for r in peak_rows]
+            ax_mem.bar(runs, part, bottom=bottom, label=category.replace("_", " "), color=CATEGORY_COLORS[category])
+            bottom = [b + p for b, p in zip(bottom, part)]
+        ax_mem.legend(fontsize=8)
+    else:  # the allocator's peak (CUDA) has no categories
+        ax_mem.bar(runs, [0.0 if r is None else r["peak_bytes"] / MiB for r in peak_rows])
+    ax_mem.set(ylabel="MiB", title="peak memory at the highest tracked step")
+    plt.setp(ax_mem.get_xticklabels(), rotation=25, ha="right")
+    ax_time.set(xlabel="optimizer step", ylabel="ms", title="step time (hollow: under the memory tracker)")
+    ax_time.legend()
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 __all__ = ["CATEGORY_COLORS", "FIGURES", "MiB", "heatmaps", "memory_time_vs_density", "memory_timeline",
-           "pareto_plot", "peak_breakdown", "redraw_all", "what_fits_plot"]
+           "pareto_plot", "peak_breakdown", "redraw_all", "trainer_plot", "what_fits_plot"]

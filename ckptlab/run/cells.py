@@ -13,11 +13,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
 from ..core.children import die_with_parent, exit_when_orphaned
+from ..core.records import new_record
 from ..probe.distributed import measure_sharded
 from ..probe.measure import measure
 from ..workloads.registry import get_workload
@@ -76,55 +77,80 @@ def cell_id(cell: dict) -> str:
 
 
 def run_cells(grid: Grid, writer: RunWriter, done: list[dict], isolate: bool, progress: bool,
-               infer_oom: bool, cell_timeout_s) -> list[dict]:
+              infer_oom: bool, cell_timeout_s) -> list[dict]:
+    """The local runner: every cell of `grid` without a record in `done`, in this process or (isolate)
+    one fresh process each; each record is appended through `writer` as soon as it exists."""
     records = list(done)
     finished = {r.get("cell_id") for r in done}
-    oom_at: dict[tuple, int] = {}   # group -> smallest batch that really ran out of memory
-    for r in done:
-        note_oom(oom_at, r)
     cells = grid.cells()
     todo = [c for c in cells if cell_id(c) not in finished]
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), disable=not progress,
                desc=f"sweep {grid.model}", unit="cell")
+
+    def measure_one(grid: Grid, cell: dict) -> dict:
+        bar.set_postfix_str(cell_id(cell), refresh=False)
+        return run_isolated(grid, cell, cell_timeout_s) if isolate else run_cell(grid, cell)
+
+    def keep(record: dict, cell: dict) -> None:
+        record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolate and not record.get("inferred"),
+                      inferred=bool(record.get("inferred")), finished_at=now())
+        writer.append(record)
+        records.append(record)
+        bar.update(1)
+
     try:
-        for cell in todo:
-            bar.set_postfix_str(cell_id(cell), refresh=False)
-            oom_batch = oom_at.get(group_key(cell))
-            t0 = time.perf_counter()
-            if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
-                record = inferred_oom_record(grid, cell, oom_batch)
-            elif isolate:
-                record = run_isolated(grid, cell, cell_timeout_s)
-            else:
-                record = run_cell(grid, cell)
-            record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolate and not record.get("inferred"),
-                          inferred=bool(record.get("inferred")), cell_wall_s=round(time.perf_counter() - t0, 4),
-                          finished_at=now())
-            writer.append(record)
-            records.append(record)
-            note_oom(oom_at, record)
-            bar.update(1)
+        measure_cells(grid, todo, measure_one, keep, OomInference(grid, infer_oom, done))
     finally:
         bar.close()
     return records
 
 
-def group_key(cell: dict) -> tuple:
-    return (cell["seq_len"], cell["dtype"], cell["accum_steps"], cell["policy"])
+def measure_cells(grid: Grid, cells: list[dict], measure_one: Callable[[Grid, dict], dict],
+                  keep: Callable[[dict, dict], None], oom: "OomInference") -> None:
+    """The one cell loop of every runner (local, isolated, inside a submitit job): each cell in
+    order becomes an inferred out-of-memory record or `measure_one(grid, cell)`, with its wall
+    time, handed to `keep(record, cell)` at once — so a crash later never loses it."""
+    for cell in cells:
+        t0 = time.perf_counter()
+        record = oom.infer(cell) or measure_one(grid, cell)
+        record["cell_wall_s"] = round(time.perf_counter() - t0, 4)
+        keep(record, cell)
+        oom.note(record)
 
 
-def note_oom(oom_at: dict, record: dict) -> None:
-    if record.get("status") == "oom" and not record.get("inferred"):
-        g = group_key(record)
-        oom_at[g] = min(oom_at.get(g, record["batch_size"]), record["batch_size"])
+class OomInference:
+    """Memory only grows with the batch: once batch b of a (seq, dtype, accum, policy) group
+    really ran out of memory, larger batches of that group are recorded as `oom`, inferred,
+    without running (when `enabled`). `records`: what is already known (a resumed run)."""
+
+    def __init__(self, grid: Grid, enabled: bool = True, records: Iterable[dict] = ()):
+        self.grid, self.enabled = grid, enabled
+        self.oom_at: dict[tuple, int] = {}   # group -> smallest batch that really ran out of memory
+        for record in records:
+            self.note(record)
+
+    @staticmethod
+    def group(cell: dict) -> tuple:
+        return (cell["seq_len"], cell["dtype"], cell["accum_steps"], cell["policy"])
+
+    def note(self, record: dict) -> None:
+        if record.get("status") == "oom" and not record.get("inferred"):
+            g = self.group(record)
+            self.oom_at[g] = min(self.oom_at.get(g, record["batch_size"]), record["batch_size"])
+
+    def infer(self, cell: dict) -> Optional[dict]:
+        """The inferred record for `cell`, or None when it must be measured."""
+        oom_batch = self.oom_at.get(self.group(cell))
+        if not self.enabled or oom_batch is None or cell["batch_size"] <= oom_batch:
+            return None
+        return inferred_oom_record(self.grid, cell, oom_batch)
 
 
 def inferred_oom_record(grid: Grid, cell: dict, oom_batch: int) -> dict:
-    return dict(model=grid.model, **cell, effective_batch_size=cell["batch_size"] * cell["accum_steps"],
-                tokens=cell["batch_size"] * cell["seq_len"] * cell["accum_steps"], device=grid.device,
-                optimizer=grid.optimizer, steps=grid.steps, warmup=grid.warmup,
-                memory_limit_bytes=grid.memory_limit_bytes, fits=False, status="oom", inferred=True,
-                message=f"inferred, not run: batch {oom_batch} already ran out of memory")
+    return new_record(grid.model, cell["batch_size"], cell["seq_len"], cell["accum_steps"], grid.nproc,
+                      policy=cell["policy"], dtype=cell["dtype"], device=grid.device, optimizer=grid.optimizer,
+                      steps=grid.steps, warmup=grid.warmup, memory_limit_bytes=grid.memory_limit_bytes, fits=False,
+                      status="oom", inferred=True, message=f"inferred, not run: batch {oom_batch} already ran out of memory")
 
 
 def run_cell(grid: Grid, cell: dict) -> dict:
@@ -188,5 +214,5 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-__all__ = ["CELL_TIMEOUT_S", "FIXED", "Grid", "cell_id", "failed_record", "group_key", "inferred_oom_record", "note_oom", "now",
-           "run_cell", "run_cells", "run_isolated"]
+__all__ = ["CELL_TIMEOUT_S", "FIXED", "Grid", "OomInference", "cell_id", "failed_record", "inferred_oom_record", "measure_cells",
+           "now", "run_cell", "run_cells", "run_isolated"]

@@ -43,7 +43,7 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from ..core.validate import integer
-from .cells import Grid, cell_id, failed_record, group_key, inferred_oom_record, note_oom, now, run_cell
+from .cells import Grid, OomInference, cell_id, failed_record, measure_cells, now, run_cell
 
 CLUSTERS = ("slurm", "local", "debug")
 
@@ -121,23 +121,17 @@ def run_job(grid: dict, cells: list[dict], partial: str, infer_oom: bool = True,
         job_id = submitit.JobEnvironment().job_id
     except (ImportError, RuntimeError):
         job_id = None
-    records, oom_at = [], {}
+    records = []
     Path(partial).parent.mkdir(parents=True, exist_ok=True)
     with open(partial, "a", encoding="utf-8") as f:
-        for cell in cells:
-            t0 = time.perf_counter()
-            oom_batch = oom_at.get(group_key(cell))
-            if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
-                record = inferred_oom_record(grid, cell, oom_batch)
-            else:
-                record = measure(grid, cell)
-            record["cell_wall_s"] = round(time.perf_counter() - t0, 4)
+        def keep(record: dict, cell: dict) -> None:   # durable before the next cell starts
             record.update(_cell=cell, job_id=job_id)
             f.write(json.dumps(record, default=str) + "\n")
             f.flush()
             os.fsync(f.fileno())
             records.append(record)
-            note_oom(oom_at, record)
+
+        measure_cells(grid, cells, measure, keep, OomInference(grid, infer_oom))
     return records
 
 
@@ -152,9 +146,7 @@ def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: b
     record through `writer` as its job ends. Returns all of the run's records."""
     records = list(done)
     finished = {r.get("cell_id") for r in done}
-    oom_at: dict = {}
-    for r in done:
-        note_oom(oom_at, r)
+    oom = OomInference(grid, infer_oom, done)
     cells = grid.cells()
     bar = tqdm(total=len(cells), initial=len(finished & {cell_id(c) for c in cells}), disable=not progress,
                desc=f"sweep {grid.model} (submitit)", unit="cell")
@@ -169,7 +161,7 @@ def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: b
         writer.append(record)
         records.append(record)
         finished.add(record["cell_id"])
-        note_oom(oom_at, record)
+        oom.note(record)
         bar.update(1)
 
     try:
@@ -183,9 +175,9 @@ def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: b
         for cell in cells:
             if cell_id(cell) in finished:
                 continue
-            oom_batch = oom_at.get(group_key(cell))
-            if infer_oom and oom_batch is not None and cell["batch_size"] > oom_batch:
-                keep(inferred_oom_record(grid, cell, oom_batch), cell)
+            inferred = oom.infer(cell)
+            if inferred is not None:
+                keep(inferred, cell)
             else:
                 pending.append(cell)
         executor = make_executor(options, cell_timeout_s * options.cells_per_job if cell_timeout_s else None) if pending else None

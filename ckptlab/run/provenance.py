@@ -72,7 +72,7 @@ def _ram_bytes() -> Optional[int]:
 
 
 def _git_commit() -> Optional[str]:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                 text=True, timeout=5).stdout.strip()

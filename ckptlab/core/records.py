@@ -1,0 +1,67 @@
+"""The record: one tidy row per measured configuration, every input and every output a column,
+units in the column names. Every row ckptlab writes — measured, failed, inferred out-of-memory,
+sharded — is made by `new_record`, so every table has the same columns in the same order."""
+
+from __future__ import annotations
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+PHASES = ("setup", "forward", "backward", "optimizer")
+STATUSES = ("ok", "oom", "error")
+
+FIELDS: dict[str, object] = {
+    "model": None,
+    "n_blocks": None,
+    "batch_size": None,
+    "seq_len": None,
+    "accum_steps": 1,
+    "world_size": 1,                  # ranks the batch is split over (FSDP2 runs)
+    "effective_batch_size": None,     # batch_size * accum_steps * world_size
+    "tokens": None,                   # per optimizer step
+    "policy": None,
+    "effective_density": None,
+    "checkpointed_blocks": None,
+    "device": None,
+    "device_name": None,
+    "dtype": "fp32",
+    "optimizer": None,
+    "steps": None,
+    "warmup": None,
+    "memory_limit_bytes": None,
+    "peak_bytes": None,
+    **{f"peak_{c}_bytes": None for c in CATEGORIES},
+    "peak_phase": None,
+    "saved_activation_bytes": None,
+    "cuda_max_allocated_bytes": None,
+    "cuda_max_reserved_bytes": None,
+    "cuda_alloc_retries": None,
+    "cuda_ooms": None,
+    "recompute_count": None,
+    "plan": None,                     # budget=...: the per-block plan it resolved to (k/s/f)
+    "allocator_peak_bytes": None,     # compile: peak from the profiler's allocator events
+    "note": "",                       # what the policy did not do here (offload on CPU, ...)
+    "loss": None,
+    "step_ms": None,
+    "step_ms_min": None,
+    "step_ms_max": None,
+    "tokens_per_s": None,
+    "fits": None,
+    "status": "ok",
+    "message": "",
+}
+
+
+def new_record(model: str, batch_size: int, seq_len: int, accum_steps: int = 1, world_size: int = 1,
+               **values) -> dict:
+    """A record with every column of FIELDS (defaults where not given), the derived sizes computed
+    here once, and `values` filling or adding columns (a sharded run adds its per-rank peaks)."""
+    record = dict(FIELDS)
+    record.update(model=model, batch_size=batch_size, seq_len=seq_len, accum_steps=accum_steps, world_size=world_size,
+                  effective_batch_size=batch_size * accum_steps * world_size,
+                  tokens=batch_size * seq_len * accum_steps * world_size)
+    record.update(values)
+    if record["status"] not in STATUSES:
+        raise ValueError(f"status={record['status']!r} is invalid: allowed are {', '.join(STATUSES)}")
+    return record
+
+
+__all__ = ["CATEGORIES", "FIELDS", "PHASES", "STATUSES", "new_record"]

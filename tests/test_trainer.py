@@ -1,0 +1,200 @@
+"""transformers' Trainer with CkptlabCallback: one record per optimizer step in a run folder,
+tracker categories and phases under Trainer, training unchanged by either checkpointing
+mechanism, and the two mechanisms never nested."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+from ckptlab import analysis, apply_checkpointing, get_workload, load_run  # noqa: E402
+from ckptlab.hf import CkptlabCallback, compare_trainer_runs  # noqa: E402
+from ckptlab.probe.memory import CATEGORIES  # noqa: E402
+
+from .conftest import requires_cuda  # noqa: E402
+
+MODEL = "hf-llama-tiny"
+SHAPE = dict(batch_size=2, seq_len=16, accum_steps=2, max_steps=2)
+RUNS = ["none", "gradient_checkpointing", "full"]
+# The columns a sweep record has that mean something for a Trainer step.
+SWEEP_COLUMNS = ["model", "n_blocks", "batch_size", "seq_len", "accum_steps", "effective_batch_size", "tokens",
+                 "policy", "effective_density", "checkpointed_blocks", "device", "device_name", "dtype", "optimizer",
+                 "peak_bytes", *[f"peak_{c}_bytes" for c in CATEGORIES], "peak_phase", "saved_activation_bytes",
+                 "recompute_count", "loss", "step_ms", "tokens_per_s", "status"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer")
+    return out, compare_trainer_runs(out, RUNS, MODEL, track_steps=None, **SHAPE)
+
+
+def tiny_trainer(out, callback, max_steps=1, **arguments):
+    workload = get_workload(MODEL)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))]
+    args = transformers.TrainingArguments(output_dir=str(out / "scratch"), per_device_train_batch_size=2,
+                                          max_steps=max_steps, report_to="none", save_strategy="no",
+                                          disable_tqdm=True, use_cpu=True, **arguments)
+    return transformers.Trainer(model=workload.build(), args=args, train_dataset=data, callbacks=[callback])
+
+
+def test_one_row_per_optimizer_step_in_a_run_folder_load_run_reads(runs):
+    out, df = runs
+    for run in RUNS:
+        rows = load_run(out / run)
+        assert len(rows) == SHAPE["max_steps"]
+        assert set(SWEEP_COLUMNS) <= set(rows.columns), set(SWEEP_COLUMNS) - set(rows.columns)
+        assert rows["step"].tolist() == [1, 2]
+        assert (rows["accum_steps"] == 2).all() and (rows["effective_batch_size"] == 4).all()
+        assert (rows["tokens"] == 4 * 16).all() and (rows["seq_len"] == 16).all()
+        assert rows["memory_tracked"].all() and (rows["step_ms"] > 0).all()
+        assert rows.attrs["run"]["kind"] == "trainer"
+        assert rows.attrs["run"]["training_arguments"]["gradient_accumulation_steps"] == 2
+    by_run = df.groupby("run").first()
+    assert by_run.loc["none", ["policy", "mechanism", "effective_density"]].tolist() == ["none", "none", 0.0]
+    assert by_run.loc["gradient_checkpointing", ["policy", "mechanism", "effective_density"]].tolist() == [
+        "hf", "transformers", 1.0]
+    assert by_run.loc["full", ["policy", "mechanism", "effective_density"]].tolist() == ["full", "ckptlab", 1.0]
+    assert (df.loc[df.run == "full", "recompute_count"] == 2 * 4).all()  # 2 micro-batches x 4 layers
+
+
+def test_categories_and_phases_hold_under_trainer(runs):
+    _, df = runs
+    model = get_workload(MODEL).build()
+    params = list(model.parameters())
+    # AdamW: exp_avg and exp_avg_sq (fp32, one per parameter element) and a 0-d fp32 step per tensor.
+    adamw_state = 2 * 4 * sum(p.numel() for p in params) + 4 * len(params)
+    assert (df["peak_parameters_bytes"] == 4 * sum(p.numel() for p in params)).all()
+    parts = df[[f"peak_{c}_bytes" for c in CATEGORIES]].sum(axis=1)
+    assert (parts == df["peak_bytes"]).all()
+    assert (df.loc[df.step > 1, "peak_optimizer_state_bytes"] == adamw_state).all()
+    # The first step creates the state in its optimizer phase; where the peak falls there, it is
+    # counted as optimizer state, not as temporaries.
+    first = df[df.step == 1]
+    assert set(df["peak_phase"]) <= {"forward", "backward", "optimizer"}
+    in_optimizer = first[first.peak_phase == "optimizer"]
+    assert len(in_optimizer) and (in_optimizer["peak_optimizer_state_bytes"] == adamw_state).all()
+    # Every step went through all three phases, and the peak is the highest of them.
+    phases = df[["peak_in_forward_bytes", "peak_in_backward_bytes", "peak_in_optimizer_bytes"]]
+    assert (phases > 0).all().all() and (phases.max(axis=1) == df["peak_bytes"]).all()
+    # Forward -> backward was seen: the bytes held for backward, fewer under checkpointing.
+    saved = df.groupby("run")["saved_activation_bytes"].first()
+    assert saved["none"] > saved["full"] > 0
+    # transformers' mechanism and ckptlab's full keep the same layer inputs.
+    assert saved["gradient_checkpointing"] == saved["full"]
+
+
+def test_checkpointing_does_not_change_training(runs):
+    """Gradient accumulation and dropout (the preset's attention dropout) on: every logged loss of
+    every run is bitwise the un-checkpointed run's, both the callback's and Trainer's own."""
+    _, df = runs
+    assert get_workload(MODEL).config.attention_dropout > 0
+    losses = df.groupby("run")["trainer_loss"].apply(list)
+    assert losses["gradient_checkpointing"] == losses["none"]
+    assert losses["full"] == losses["none"]
+    assert len(set(losses["none"])) == SHAPE["max_steps"]  # the model trains: losses move
+    assert df["loss"].tolist() == pytest.approx(df["trainer_loss"].tolist(), rel=1e-6)
+    summary = analysis.trainer_summary(df)
+    assert summary["same_losses_as_none"].all()
+    assert (summary.set_index("run").loc[["gradient_checkpointing", "full"], "memory_saved_frac"] > 0).all()
+    answer = analysis.slowdown_answer(summary)
+    assert "gradient_checkpointing:" in answer and "full:" in answer and f"over {SHAPE['max_steps']} steps" in answer
+    assert "every step ran under the memory tracker" in answer  # track_steps=None: said, not hidden
+
+
+def test_ckptlab_policy_and_transformers_checkpointing_together_are_refused(tmp_path):
+    trainer = tiny_trainer(tmp_path, CkptlabCallback(tmp_path / "run", "full"), activation_checkpointing=True)
+    with pytest.raises(ValueError, match=r"policy='full' is invalid for this Trainer: transformers' own "
+                                         r"checkpointing is already on \(hf, layers \[0, 1, 2, 3\]\).*nest"):
+        trainer.train()
+    # Refused before the model was touched and before any record.
+    assert all("forward" not in layer.__dict__ for layer in trainer.model.model.layers)
+    assert not (tmp_path / "run" / "records.jsonl").exists()
+    # The same with the ckptlab policy applied by hand before train() and policy=None.
+    trainer.pop_callback(CkptlabCallback)
+    trainer.add_callback(CkptlabCallback(tmp_path / "run"))
+    apply_checkpointing(trainer.model, "every=2")
+    with pytest.raises(ValueError, match=r"the ckptlab policy 'every=2' already on the model is invalid for this "
+                                         r"Trainer: transformers' own checkpointing is already on"):
+        trainer.train()
+
+
+def test_policy_none_records_a_policy_applied_before_train(tmp_path):
+    trainer = tiny_trainer(tmp_path, CkptlabCallback(tmp_path / "run", track_steps=0))
+    with apply_checkpointing(trainer.model, "layers=0,2"):
+        trainer.train()
+    rows = load_run(tmp_path / "run")
+    assert rows[["policy", "mechanism", "checkpointed_blocks", "effective_density"]].values.tolist() == [
+        ["layers=0,2", "ckptlab", "0,2", 0.5]]
+    assert rows["recompute_count"].tolist() == [2]
+
+
+def test_policy_applied_for_training_and_removed_after(tmp_path):
+    callback = CkptlabCallback(tmp_path / "run", "every=2", track_steps=0)
+    trainer = tiny_trainer(tmp_path, callback, max_steps=2)
+    trainer.train()
+    rows = load_run(tmp_path / "run")
+    assert rows["checkpointed_blocks"].tolist() == ["1,3", "1,3"] and (rows["recompute_count"] == 2).all()
+    assert not rows["memory_tracked"].any() and rows["peak_bytes"].isna().all()
+    assert all("forward" not in layer.__dict__ for layer in trainer.model.model.layers)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["steps"] == 2
+    # A second train() into the same folder would mix two runs' rows.
+    trainer.pop_callback(CkptlabCallback)
+    trainer.add_callback(CkptlabCallback(tmp_path / "run"))
+    with pytest.raises(ValueError, match=r"already holds 2 records of an earlier run; choose another folder"):
+        trainer.train()
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="policy"):
+        CkptlabCallback(tmp_path, "densty=0.5")
+    with pytest.raises(ValueError, match=r"track_steps=-1 is invalid: allowed is None or an integer >= 0"):
+        CkptlabCallback(tmp_path, track_steps=-1)
+    with pytest.raises(ValueError, match=r"model='hf-bert-tiny' is invalid here: allowed are transformers causal"):
+        compare_trainer_runs(tmp_path, ["none"], "hf-bert-tiny")
+    with pytest.raises(ValueError, match=r"runs=\['none', 'none'\] is invalid"):
+        compare_trainer_runs(tmp_path, ["none", "none"])
+    with pytest.raises(ValueError, match=r"runs=\['full'\] is invalid: allowed is a list of distinct labels that "
+                                         r"includes 'none'"):
+        compare_trainer_runs(tmp_path, ["full"])
+    with pytest.raises(ValueError, match="policy"):
+        compare_trainer_runs(tmp_path, ["none", "fulll"])
+    with pytest.raises(ValueError, match=r"seq_len=65 is invalid for model='hf-llama-tiny': allowed is 2..64"):
+        compare_trainer_runs(tmp_path, ["none"], seq_len=65)
+    with pytest.raises(ValueError, match=r"device='cuda:1' is invalid here: allowed are cpu, cuda"):
+        compare_trainer_runs(tmp_path, ["none"], device="cuda:1")
+    assert list(tmp_path.iterdir()) == []
+
+
+@requires_cuda
+def test_allocator_peaks_on_cuda(tmp_path):
+    df = compare_trainer_runs(tmp_path, ["none", "full"], MODEL, device="cuda", **SHAPE)
+    assert (df["peak_bytes"] == df["cuda_max_allocated_bytes"]).all() and (df["peak_bytes"] > 0).all()
+    assert df["device"].str.startswith("cuda").all() and not df["memory_tracked"].any()
+    peaks = df.groupby("run")["peak_bytes"].max()
+    assert peaks["full"] < peaks["none"]
+
+
+def test_summary_times_only_the_steps_without_the_tracker_and_says_when_spreads_overlap():
+    import pandas as pd
+
+    def run(name, times, peak, losses=(3.0, 2.0, 1.0, 0.5)):
+        return [dict(run=name, policy=name, mechanism="none", effective_density=0.0, step=i + 1, step_ms=t,
+                     memory_tracked=i == 0, peak_bytes=peak if i == 0 else None, peak_activations_bytes=1,
+                     saved_activation_bytes=1, loss=losses[i]) for i, t in enumerate(times)]
+
+    df = pd.DataFrame(run("none", [900, 100, 110, 120], 1000) + run("full", [990, 130, 140, 150], 600)
+                      + run("every=2", [950, 105, 125, 115], 800, losses=(3.0, 2.0, 1.0, 0.25)))
+    table = analysis.trainer_summary(df).set_index("run")
+    assert table.loc["none", ["step_ms", "step_ms_min", "step_ms_max", "timed_steps"]].tolist() == [110, 100, 120, 3]
+    assert table.loc["full", "overhead"] == pytest.approx(140 / 110 - 1)
+    assert table.loc["full", "memory_saved_frac"] == pytest.approx(0.4)
+    assert table["overlaps_none"].tolist() == [True, False, True]
+    assert table["same_losses_as_none"].tolist() == [True, True, False]
+    answer = analysis.slowdown_answer(table.reset_index())
+    assert "full: +27% step time (median 140 ms, range 130-150), 40% less peak memory — more than the guide's ~20%" in answer
+    assert "every=2: +5% step time" in answer and "cannot tell them apart" in answer
+    assert "memory tracker" not in answer
