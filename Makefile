@@ -5,10 +5,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-export MPLBACKEND := agg
 export PYTHONHASHSEED := 0
 
-.PHONY: setup run test lint test-browser bench gpu-check clean
+.PHONY: setup run test lint docs test-browser bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -31,8 +30,14 @@ lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check ckptlab tests benchmarks
 
+# The documentation site, offline, into site/: the pages in docs/, the executed notebooks of
+# results/ with their figures, and the API reference from the docstrings (mkdocs.yml).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 # Opt-in: the explorer (notebook 06) in JupyterLab in headless Chromium, installed from Debian if
 # missing; a slider and a dropdown change re-measure. Screenshots + report.json in results/browser-check/.
+# Also the built documentation site: notebook 02's page shows its figure (tests/browser/test_docs_browser.py).
 test-browser: $(STAMP)
 	timeout -s INT 900 $(BIN)/python -m pytest -q -p no:xdist -m browser tests/browser
 

@@ -1,4 +1,4 @@
-"""Predict before you run, plan for a budget: the numbers issue 7 asks for, in one run.
+"""Predict before you run, plan for a budget: prediction error, the measured frontier and what fits, in one run.
 
   1. prediction error: predicted (fake tensors) vs measured peak and saved-activation bytes on the
      default CPU grid (gpt-tiny, batch 1..8 x seq 32..256, every policy; mlp-chain; bf16), with

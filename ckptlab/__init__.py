@@ -11,11 +11,12 @@ from .checkpoint.wrap import apply_checkpointing
 from .core.meta import __version__
 from .core.policy import Policy, parse_policy
 from .core.units import format_bytes, parse_bytes
+from .probe.compare import compare
 from .probe.estimate import Prediction, closed_form, llama7b_shape, predict, what_fits
 from .probe.measure import measure
 from .probe.memory import MemoryReport, track_memory
 from .probe.plan import Plan, plan_budget, profile_blocks
-from .probe.timing import time_steps
+from .probe.timing import time_interleaved, time_steps
 from .probe.verify import compare_gradients
 from .report import analysis, plots
 from .report.sweeps import equal_batch_sweep, sweep
@@ -33,7 +34,7 @@ for _alias, _module in {"analysis": analysis, "plots": plots, "store": store, "n
 
 __all__ = [
     "CheckpointHandle", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "Workload", "__version__",
-    "apply_checkpointing", "closed_form", "compare_gradients", "equal_batch_sweep", "find_blocks", "format_bytes",
+    "apply_checkpointing", "closed_form", "compare", "compare_gradients", "equal_batch_sweep", "find_blocks", "format_bytes",
     "get_workload", "llama7b_shape", "load_run", "make_grid", "measure", "parse_bytes", "parse_policy", "plan_budget",
-    "predict", "profile_blocks", "sweep", "time_steps", "track_memory", "what_fits",
+    "predict", "profile_blocks", "sweep", "time_interleaved", "time_steps", "track_memory", "what_fits",
 ]

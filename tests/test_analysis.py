@@ -6,6 +6,7 @@ import pytest
 
 from ckptlab.core.units import GiB
 from ckptlab.report.analysis import (
+    compare_note,
     config_label,
     format_summary,
     largest_fitting,
@@ -51,6 +52,36 @@ def test_pareto_marks_dominated_points_within_equal_work():
     assert out[("none", 2, 2)] and out[("full", 8, 1)]
 
 
+def test_pareto_needs_a_time_difference_beyond_the_intervals():
+    df = pd.DataFrame([
+        rec("none", 0.0, 4, 100, 10.0, step_ms_low=9.0, step_ms_high=11.0),
+        rec("every=2", 0.5, 4, 80, 10.5, step_ms_low=10.0, step_ms_high=12.0),
+        rec("density=0.5", 0.5, 4, 80, 9.8, step_ms_low=9.5, step_ms_high=10.2),   # overlaps every=2: both stay
+        rec("full", 1.0, 4, 60, 20.0, step_ms_low=19.0, step_ms_high=21.0),
+        rec("layers=0", 0.25, 4, 90, 14.0, step_ms_low=13.0, step_ms_high=15.0),   # density=0.5: less memory, faster
+    ])
+    out = pareto(df).set_index("policy")["pareto_optimal"]
+    assert out["none"] and out["every=2"] and out["density=0.5"] and out["full"]
+    assert not out["layers=0"]
+
+
+def test_overhead_interval_paired_where_timed_together_else_from_both_intervals():
+    df = pd.DataFrame([
+        rec("none", 0.0, 4, 100, 10.0, step_ms_low=9.0, step_ms_high=11.0, time_ratio=1.0, time_ratio_low=1.0,
+            time_ratio_high=1.0, timing_baseline="none"),
+        rec("full", 1.0, 4, 60, 13.0, step_ms_low=12.0, step_ms_high=14.0, time_ratio=1.31, time_ratio_low=1.28,
+            time_ratio_high=1.33, timing_baseline="none"),
+        rec("full", 1.0, 8, 90, 26.0, step_ms_low=24.0, step_ms_high=28.0),
+        rec("none", 0.0, 8, 140, 20.0, step_ms_low=19.0, step_ms_high=22.0),
+    ])
+    out = overhead(df).set_index(["policy", "batch_size"])
+    assert out.loc[("full", 4), ["overhead", "overhead_low", "overhead_high"]].tolist() == pytest.approx(
+        [0.31, 0.28, 0.33])
+    assert out.loc[("full", 8), "overhead"] == pytest.approx(0.3)
+    assert out.loc[("full", 8), "overhead_low"] == pytest.approx(24 / 22 - 1)
+    assert out.loc[("full", 8), "overhead_high"] == pytest.approx(28 / 19 - 1)
+
+
 def test_what_fits_measured_and_extrapolated():
     limit = 5 * GiB
     # peak = 1 GiB + batch * 1 GiB exactly: 24 GiB fits batch 23; under 5 GiB, batch 4 fits, 8 does not.
@@ -76,6 +107,8 @@ def test_summary_best_config_per_limit():
     assert s.loc["24 GiB", "policy"] == "full" and s.loc["24 GiB", "batch_size"] == 8
     text = format_summary(df)
     assert "4 cells: 3 ok, 1 oom (0 inferred), 0 error" in text and "24 GiB" in text
+    timed = df.assign(step_ms_low=df["step_ms"] - 1, step_ms_high=df["step_ms"] + 2)
+    assert "12.0 [11.0, 14.0]" in format_summary(timed)  # the 24 GiB row: full at batch 8
 
 
 def test_config_label_names_dtype_and_accumulation_only_when_not_default():
@@ -93,6 +126,10 @@ def test_plans_against_the_fastest_uniform_policy_at_no_more_memory():
     assert out.loc["budget=0.8", "best_uniform"] == "every=2"
     assert out.loc["budget=0.8", "vs_best_uniform"] == pytest.approx(11 / 12 - 1)
     assert pd.isna(out.loc["budget=0.4", "best_uniform"])  # nothing uniform reaches 40
+    timed = df.assign(step_ms_low=df["step_ms"] - 0.5, step_ms_high=df["step_ms"] + 0.5)
+    plan = plans_vs_uniform(timed).set_index("policy").loc["budget=0.8"]
+    assert (plan["vs_best_uniform_low"], plan["vs_best_uniform_high"]) == pytest.approx((10.5 / 12.5 - 1, 11.5 / 11.5 - 1))
+    assert not plan["distinguishable"]  # 11 +- 0.5 against 12 +- 0.5: the intervals touch
 
 
 def test_timing_note_warns_on_a_busy_machine():
@@ -126,3 +163,18 @@ def test_largest_fitting_edges():
     assert largest_fitting(0.0, 3.0, 2) is None          # not even x=1 fits
     assert largest_fitting(0.0, 3.0, 3) == 1
     assert largest_fitting(1 - 1e-7, 1.0, 24) == 23      # 24 + 1 - 1e-7 rounds over 24 -> 23
+
+
+def test_compare_note_names_real_differences_and_a_busy_machine():
+    common = dict(status="ok", rounds=12, threads=1, load_before=3.0, load_after=3.5, busy=True)
+    df = pd.DataFrame([
+        dict(policy="none", time_ratio=1.0, time_ratio_low=1.0, time_ratio_high=1.0, significant=False, **common),
+        dict(policy="full", time_ratio=1.3, time_ratio_low=1.25, time_ratio_high=1.36, significant=True, **common),
+        dict(policy="density=0.0", time_ratio=1.01, time_ratio_low=0.97, time_ratio_high=1.04, significant=False,
+             **common),
+    ])
+    note = compare_note(df)
+    assert "Differ from none: full 1.30x [1.25, 1.36]." in note
+    assert "Not distinguishable from none at 95%: density=0.0." in note
+    assert "busy (load 3.0 -> 3.5" in note
+    assert "busy" not in compare_note(df.assign(busy=False))

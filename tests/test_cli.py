@@ -8,11 +8,11 @@ TINY = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2"]
 
 def test_measure_prints_a_table_with_overhead(capsys):
     assert main(["measure", *TINY, "--batch", "2", "--seq", "16", "--policy", "none,layers=0,1",
-                 "--steps", "1", "--warmup", "0"]) == 0
+                 "--steps", "1", "--warmup", "0", "--max-seconds", "1"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].startswith("gpt-tiny on ") and "policy" in lines[1] and "overhead" in lines[1]
-    assert lines[3].split()[:2] == ["none", "0.00"] and "+0%" in lines[3]
+    assert lines[0].startswith("gpt-tiny on ") and "policy" in lines[1] and "overhead [95% CI]" in lines[1]
+    assert lines[3].split()[:2] == ["none", "0.00"] and "+0% [+0%, +0%]" in lines[3]
     assert lines[4].split()[:2] == ["layers=0,1", "1.00"]
 
 

@@ -16,7 +16,7 @@ from ckptlab.run import cluster  # noqa: E402
 from ckptlab.run.store import read_records  # noqa: E402
 
 TINY = dict(model="gpt-tiny", model_overrides=dict(n_layer=4, n_embd=32, n_head=2, vocab_size=64),
-            batch_sizes=[2], seq_lens=[16], steps=1, warmup=0, progress=False, plots=False)
+            batch_sizes=[2], seq_lens=[16], steps=1, warmup=0, max_seconds=0.2, progress=False, plots=False)
 POLICIES = ["none", "density=0.5", "full"]
 # Columns that do not depend on timing or on which process measured them.
 DETERMINISTIC = ["peak_bytes", "saved_activation_bytes", "effective_density", "status", "recompute_count",

@@ -4,7 +4,7 @@ import pytest
 
 from ckptlab.apps.explorer import Explorer
 
-SMALL = dict(batch_size=2, seq_len=16, steps=1, warmup=0)
+SMALL = dict(batch_size=2, seq_len=16, steps=1, warmup=0, max_seconds=0.2)
 
 
 def test_run_measures_the_policy_beside_no_checkpointing():
@@ -18,7 +18,7 @@ def test_run_measures_the_policy_beside_no_checkpointing():
 
 def test_memory_limit_marks_what_does_not_fit():
     # at this shape activations dominate: none peaks at 77.8 MiB, full at 31.0 MiB
-    explorer = Explorer(policy="full", memory_limit="48MiB", batch_size=8, seq_len=128, steps=1, warmup=0)
+    explorer = Explorer(policy="full", memory_limit="48MiB", batch_size=8, seq_len=128, steps=1, warmup=0, max_seconds=0.2)
     explorer.run()
     lines = explorer.summary().splitlines()
     assert "DOES NOT FIT" in lines[1] and lines[2].rstrip().endswith("fits")

@@ -14,7 +14,7 @@ from ckptlab import RunLockedError, load_run, measure, sweep
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.run.store import RunWriter
 
-FAST = dict(steps=1, warmup=0, progress=False, plots=False)
+FAST = dict(steps=1, warmup=0, max_seconds=0.2, progress=False, plots=False)
 EXPECTED_COLUMNS = {
     "model", "batch_size", "seq_len", "accum_steps", "effective_batch_size", "tokens", "policy",
     "effective_density", "dtype", "device", "peak_bytes", "peak_activations_bytes", "saved_activation_bytes",
@@ -26,7 +26,7 @@ EXPECTED_COLUMNS = {
 def test_small_sweep_every_record_and_figures(tmp_path):
     out = tmp_path / "small"
     df = sweep(model="gpt-tiny", batch_sizes=[2, 1], seq_lens=[16], policies=["none", "full"],
-               dtypes=["fp32", "bf16"], accum_steps=[1, 2], out=out, steps=1, warmup=0, progress=False)
+               dtypes=["fp32", "bf16"], accum_steps=[1, 2], out=out, steps=2, warmup=0, max_seconds=0.2, progress=False)
     assert len(df) == 16 and df["cell_id"].is_unique
     assert EXPECTED_COLUMNS <= set(df.columns)
     assert (df["status"] == "ok").all(), df["message"].tolist()
@@ -41,8 +41,13 @@ def test_small_sweep_every_record_and_figures(tmp_path):
     assert (full < none.loc[full.index]).all()
     full_rows = df[df.policy == "full"]  # gpt-tiny: 4 blocks, each recomputed once per micro-batch
     assert (full_rows["recompute_count"] == 4 * full_rows["accum_steps"]).all()
-    # Batches run in ascending order, whatever order they were given in.
-    assert list(df["batch_size"][:2]) == [1, 2]
+    # Batches run in ascending order per policy, whatever order they were given in; the policies
+    # of one (batch, seq, dtype, accum) are timed together, paired with the first.
+    for _, g in df.groupby(["policy", "dtype", "accum_steps"], sort=False):
+        assert list(g["batch_size"]) == [1, 2]
+    assert (df["timing_baseline"] == "none").all()
+    assert (df["time_ratio_low"] <= df["time_ratio"]).all() and (df["time_ratio"] <= df["time_ratio_high"]).all()
+    assert (df["step_ms_low"] <= df["step_ms"]).all() and (df["step_ms"] <= df["step_ms_high"]).all()
     figures = sorted(p.name for p in (out / "figures").iterdir())
     assert len(figures) == 8 and all(p.stat().st_size > 1000 for p in (out / "figures").iterdir())
     meta = json.loads((out / "run.json").read_text())
@@ -99,7 +104,7 @@ def test_resume_skips_finished_cells_and_checks_settings(tmp_path):
 def test_sigkill_mid_run_then_resume_loses_and_duplicates_nothing(tmp_path):
     out = tmp_path / "killed"
     grid = dict(model="gpt-tiny", batch_sizes=[1, 2, 3, 4], seq_lens=[32, 64], policies=["none", "density=0.5", "full"])
-    code = f"from ckptlab import sweep; sweep(out={str(out)!r}, steps=1, warmup=1, progress=False, plots=False, **{grid!r})"
+    code = f"from ckptlab import sweep; sweep(out={str(out)!r}, steps=1, warmup=1, max_seconds=0.2, progress=False, plots=False, **{grid!r})"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     records = out / "records.jsonl"
     deadline = time.time() + 300   # a loaded machine is slow; the kill must still land mid-run
@@ -117,7 +122,7 @@ def test_sigkill_mid_run_then_resume_loses_and_duplicates_nothing(tmp_path):
     with pytest.warns(RuntimeWarning, match="torn"):
         assert len(load_run(out)) == len(before)  # a torn line never breaks loading
     with pytest.warns(RuntimeWarning, match="torn"):
-        df = sweep(out=out, steps=1, warmup=1, progress=False, plots=False, **grid)
+        df = sweep(out=out, steps=1, warmup=1, max_seconds=0.2, progress=False, plots=False, **grid)
     assert len(df) == 24 and df["cell_id"].is_unique
     after = df.set_index("cell_id")
     for r in before:
@@ -150,7 +155,7 @@ def test_no_secret_or_absolute_path_in_the_run_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", token)
     out = tmp_path / "secret-run"
     sweep(model="mlp-chain", batch_sizes=[1], seq_lens=[8], policies=["none"], out=out,
-          isolate=True, steps=1, warmup=0, progress=False)  # isolated: the child sees the environment too
+          isolate=True, steps=1, warmup=0, max_seconds=0.2, progress=False)  # isolated: the child sees the environment too
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) >= 10
     for p in files:
@@ -163,7 +168,8 @@ def test_no_secret_or_absolute_path_in_the_run_folder(tmp_path, monkeypatch):
 def test_cli_sweep_then_plot(tmp_path, capsys):
     out = str(tmp_path / "cli")
     args = ["sweep", "--model", "mlp-chain", "--batch", "1,2", "--seq", "8", "--policy", "none,full",
-            "--accum", "1,2", "--steps", "1", "--warmup", "0", "--out", out, "--quiet", "--no-plots"]
+            "--accum", "1,2", "--steps", "1", "--warmup", "0", "--max-seconds", "0.2", "--out", out, "--quiet",
+            "--no-plots"]
     assert cli_main(args) == 0
     text = capsys.readouterr().out
     assert "8 cells: 8 ok, 0 oom (0 inferred), 0 error" in text and "best configuration" in text
@@ -177,10 +183,10 @@ def test_cli_sweep_then_plot(tmp_path, capsys):
 
 
 def test_measure_gradient_accumulation_record():
-    r = measure("mlp-chain", 2, 8, "none", steps=1, warmup=0, accum_steps=3)
+    r = measure("mlp-chain", 2, 8, "none", steps=1, warmup=0, max_seconds=0.2, accum_steps=3)
     assert r["status"] == "ok"
     assert (r["accum_steps"], r["effective_batch_size"], r["tokens"]) == (3, 6, 48)
-    one = measure("mlp-chain", 2, 8, "none", steps=1, warmup=0)
+    one = measure("mlp-chain", 2, 8, "none", steps=1, warmup=0, max_seconds=0.2)
     assert one["accum_steps"] == 1 and one["tokens"] == 16
     # Micro-batch activations are what is held: about the same saved bytes as one micro-batch.
     assert r["saved_activation_bytes"] == one["saved_activation_bytes"]

@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+import pandas as pd
+import torch
 import yaml
 
 from ..core.parsing import split_list
 from ..core.policy import parse_policy
-from ..core.units import format_bytes
+from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer_list, number, output_folder, run_name
+from ..probe.compare import compare, measure_together
 from ..probe.estimate import closed_form, predict
-from ..probe.measure import check_policy_applies, measure
+from ..probe.measure import check_policy_applies
 from ..probe.plan import plan_budget
+from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary
-from ..report.plots import redraw_all
+from ..report.plots import compare_plot, redraw_all
 from ..report.sweeps import sweep
 from ..report.tables import format_table
 from ..run.store import RunLockedError
@@ -59,35 +64,39 @@ MEASURE_COLUMNS = [
     ("activations@peak", "peak_activations_bytes", format_bytes),
     ("saved by forward", "saved_activation_bytes", format_bytes),
     ("recomputed blocks", "recompute_count", str),
-    ("step ms", "step_ms", _num(".1f")),
-    ("overhead", "overhead", lambda v: "-" if v is None else f"{v:+.0%}"),
+    ("step ms [95% CI]", "step_text", str),
+    ("overhead [95% CI]", "overhead_text", str),
     ("tokens/s", "tokens_per_s", _num(",.0f")),
     ("status", "status", str),
 ]
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-
-    policies = [parse_policy(p) for p in policy_list(args.policy)]
+    policies = list(dict.fromkeys(str(parse_policy(p)) for p in policy_list(args.policy)))
     batches, seqs = int_list("batch", args.batch), int_list("seq", args.seq)
     workload = get_workload(args.model, **_model_overrides(args.set))
     for policy in policies:  # every policy before the first measurement
         check_policy_applies(workload, policy)
+    check_timing_options(0.02, args.max_seconds)
+    limit = parse_bytes(args.memory_limit)
     rows = []
     for batch in batches:
         for seq in seqs:
-            group = []
-            for policy in policies:
-                record = measure(workload, batch, seq, policy, device=args.device, dtype=args.dtype,
-                                 steps=args.steps, warmup=args.warmup, memory_limit=args.memory_limit)
-                group.append(record)
-            baseline = next((r for r in group if r["effective_density"] == 0 and r["step_ms"]), None)
-            for r in group:
-                r["overhead"] = (r["step_ms"] / baseline["step_ms"] - 1) if baseline and r["step_ms"] else None
-            rows += group
-    print(f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}), "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+            rows += measure_together(workload, batch, seq, policies, device=args.device, dtype=args.dtype,
+                                     memory_limit_bytes=limit, steps=args.steps, warmup=args.warmup,
+                                     max_seconds=args.max_seconds)
+    for r in rows:
+        r["step_text"] = "-" if r["step_ms"] is None else f"{r['step_ms']:.1f} [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]"
+        r["overhead_text"] = "-" if r["time_ratio"] is None else (
+            f"{r['time_ratio'] - 1:+.0%} [{r['time_ratio_low'] - 1:+.0%}, {r['time_ratio_high'] - 1:+.0%}]"
+            + (" *" if r["significant"] else ""))
+    timed = next((r for r in rows if r["rounds"]), rows[0])
+    print(f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}): policies of one shape "
+          f"timed together, {timed['rounds']} interleaved rounds, {timed['threads']} threads; medians with 95% "
+          f"intervals; overhead vs {policies[0]} (* = the interval excludes 0)")
     print(format_table(rows, MEASURE_COLUMNS))
+    if timed["busy"]:
+        print(f"busy machine: load {timed['load_before']:.1f} -> {timed['load_after']:.1f}, more than the CPU cores")
     failed = [r for r in rows if r["status"] == "error"]
     for r in failed:
         print(f"error in {r['policy']} b={r['batch_size']} s={r['seq_len']}: {r['message']}", file=sys.stderr)
@@ -103,6 +112,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                    policies=policy_list(args.policy), dtypes=split_list(args.dtype),
                    accum_steps=int_list("accum", args.accum), device=args.device,
                    memory_limit=args.memory_limit, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                   max_seconds=args.max_seconds,
                    model_overrides=overrides, out=args.out, isolate=args.isolate, resume=args.resume,
                    progress=not args.quiet, plots=not args.no_plots, nproc=args.nproc,
                    executor=args.executor, cluster=args.cluster, slurm_partition=args.slurm_partition,
@@ -115,6 +125,57 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(format_summary(df))
     print(f"run folder: {args.out}")
     return 1 if (df["status"] == "error").any() else 0
+
+
+def format_compare(df: pd.DataFrame) -> str:
+    """The comparison as a text table: peak, step time and time ratio with its interval."""
+    def ratio(r):
+        if r.get("time_ratio") is None or r["time_ratio"] != r["time_ratio"]:
+            return "-"
+        mark = " *" if r.get("significant") else ""
+        return f"{r['time_ratio']:.3f} [{r['time_ratio_low']:.3f}, {r['time_ratio_high']:.3f}]{mark}"
+
+    def value(fmt):
+        return lambda v: "-" if v is None or v != v else format(v, fmt)
+
+    rows = [dict(r, ratio_text=ratio(r)) for r in df.to_dict("records")]
+    columns = [("policy", "policy", str), ("source", "source", str),
+               ("density", "effective_density", value(".2f")),
+               ("peak", "peak_bytes", lambda v: "-" if v is None or v != v else format_bytes(v)),
+               ("step ms", "step_ms", value(".1f")), ("time ratio [95% CI]", "ratio_text", str),
+               ("status", "status", str)]
+    if "max_grad_diff" in df:
+        columns.insert(-1, ("max grad diff", "max_grad_diff", value(".2g")))
+    lines = [format_table(rows, columns)]
+    ok = df[df["status"] == "ok"]
+    if len(ok):
+        first = ok.iloc[0]
+        lines.append(f"{int(first['rounds'])} interleaved rounds, {int(first['threads'])} threads, "
+                     f"load {first['load_before']:.2f} -> {first['load_after']:.2f}"
+                     + (" (busy machine: more load than cores)" if first["busy"] else "")
+                     + "; * = the interval excludes 1")
+    for r in df[df["status"] != "ok"].to_dict("records"):
+        lines.append(f"{r['policy']}: {r['status']}: {r['message']}")
+    return "\n".join(lines)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads} is invalid: allowed is an integer >= 1")
+        torch.set_num_threads(args.threads)
+    workload = get_workload(args.model, **_model_overrides(args.set))
+    df = compare(workload, args.batch, args.seq, split_list(args.policy), dtype=args.dtype, device=args.device,
+                 target_ci=args.target_ci, max_seconds=args.max_seconds, anchors=args.anchors, verify=args.verify,
+                 out=args.out)
+    first = df.iloc[0]
+    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype} on {first['device_name']} ({first['device']}); "
+          f"time ratios to {df['policy'].iloc[0]}")
+    print(format_compare(df))
+    if args.out:
+        compare_plot(df, Path(args.out) / "figures" / "compare")
+        print(f"table and figure: {args.out}")
+    return 1 if ((df["source"] == "ckptlab") & (df["status"] == "error")).any() else 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -258,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure", help="measure one training step per policy and print a table")
     add_workload_arguments(p, batch="4", seq="64", policy="none,full")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
+    p.add_argument("--steps", type=int, default=5, help="minimum interleaved timing rounds (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds")
+    p.add_argument("--max-seconds", type=float, default=10, help="timing budget per (batch, seq); stops earlier at ±2%%")
     p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
     p.set_defaults(func=cmd_measure)
 
@@ -270,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", default=None, help="e.g. 2GiB (emulated on CPU)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps")
+    p.add_argument("--max-seconds", type=float, default=5.0,
+                   help="timing budget per (batch, seq, dtype, accum): its policies are timed together")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--out", required=True, help="run folder, e.g. results/my-sweep")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
@@ -280,6 +344,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="skip drawing figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("compare", help="policies (and, with --anchors, other frameworks' knobs) timed together, "
+                                       "with 95%% intervals")
+    add_workload_arguments(p, batch="4", seq="64", policy="none,density=0.5,full", lists=False)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--anchors", action="store_true",
+                   help="add torch.utils.checkpoint, torch.compile and (transformers models) transformers' own "
+                        "checkpointing, and planner plans at each anchor's peak")
+    p.add_argument("--verify", action="store_true", help="add max_grad_diff against no checkpointing")
+    p.add_argument("--target-ci", type=float, default=0.02, help="stop timing at this interval half-width (0.02: ±2%%)")
+    p.add_argument("--max-seconds", type=float, default=120, help="time budget for the timing rounds")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for every configuration (default: PyTorch's; 1 is steadiest on a shared machine)")
+    p.add_argument("--out", default=None, help="folder for compare.csv, compare.json and figures/compare.png")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors)")
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")

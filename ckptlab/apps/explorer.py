@@ -4,7 +4,9 @@ peak memory (by category) and step time for that policy next to no checkpointing
     Explorer().show()                    # JupyterLab: widgets; a change re-measures
     Explorer().show(interactive=False)   # papermill / static: the same views, rendered once
 
-Every view is a real measurement (`ckptlab.measure`) of the chosen configuration. Sliders use
+Every view is a real measurement of the chosen configuration, timed together with no
+checkpointing (interleaved rounds, `ckptlab.timing`): step times and the overhead carry their
+95% intervals. Sliders use
 `continuous_update=False`, so a drag measures once, on release; Run measures again (after
 editing the memory limit, or to re-time). The callbacks are plain methods, tested without a
 browser.
@@ -19,9 +21,12 @@ import pandas as pd
 
 from ..core.policy import parse_policy
 from ..core.units import format_bytes, parse_bytes
+from ..probe.compare import measure_together
 from ..probe.measure import measure
+from ..probe.timing import check_timing_options
 from ..report.plots import peak_breakdown
 from ..workloads.models import PRESETS
+from ..workloads.registry import get_workload
 
 POLICY_CHOICES = ("none", "density", "every=2", "segments=sqrt", "full")  # "density" uses the slider
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -31,11 +36,13 @@ SEQS = [16, 32, 64, 128, 256, 512, 1024]
 class Explorer:
     def __init__(self, model: str = "gpt-tiny", batch_size: int = 4, seq_len: int = 64,
                  policy: str = "density=0.5", memory_limit: Optional[str] = None,
-                 device: str = "cpu", steps: int = 2, warmup: int = 1):
+                 device: str = "cpu", steps: int = 2, warmup: int = 1, max_seconds: float = 5.0):
         parse_policy(policy)
         parse_bytes(memory_limit)
+        check_timing_options(0.02, max_seconds)
         self.config = dict(model=model, batch_size=batch_size, seq_len=seq_len, policy=policy,
-                           memory_limit=memory_limit, device=device, steps=steps, warmup=warmup)
+                           memory_limit=memory_limit, device=device, steps=steps, warmup=warmup,
+                           max_seconds=max_seconds)
         self.records: Optional[pd.DataFrame] = None
         self._widgets = None
 
@@ -50,11 +57,17 @@ class Explorer:
         self.config = new
 
     def run(self) -> pd.DataFrame:
-        """Measure the chosen policy and the no-checkpointing baseline; returns both rows."""
+        """Measure the chosen policy and the no-checkpointing baseline, timed together (paired
+        rounds, `ckptlab.timing`); returns both rows."""
         c = self.config
-        rows = [measure(c["model"], c["batch_size"], c["seq_len"], p, device=c["device"], steps=c["steps"],
-                        warmup=c["warmup"], memory_limit=c["memory_limit"])
-                for p in dict.fromkeys(["none", c["policy"]])]
+        policies = list(dict.fromkeys(["none", str(parse_policy(c["policy"]))]))
+        if len(policies) == 1:
+            rows = [measure(c["model"], c["batch_size"], c["seq_len"], "none", device=c["device"], steps=c["steps"],
+                            warmup=c["warmup"], memory_limit=c["memory_limit"], max_seconds=c["max_seconds"])]
+        else:
+            rows = measure_together(get_workload(c["model"]), c["batch_size"], c["seq_len"], policies,
+                                    device=c["device"], memory_limit_bytes=parse_bytes(c["memory_limit"]),
+                                    steps=c["steps"], warmup=c["warmup"], max_seconds=c["max_seconds"])
         self.records = pd.DataFrame(rows)
         return self.records
 
@@ -70,12 +83,21 @@ class Explorer:
             if r["status"] != "ok" and r["status"] != "oom":
                 lines.append(f"{r['policy']:>14}: {r['status']} — {r['message']}")
                 continue
-            overhead = "" if pd.isna(r["step_ms"]) or pd.isna(base["step_ms"]) else \
-                f"  overhead {r['step_ms'] / base['step_ms'] - 1:+.0%}"
-            time = "not timed" if pd.isna(r["step_ms"]) else f"{r['step_ms']:.1f} ms/step"
+            ratio = r.get("time_ratio")
+            overhead = "" if ratio is None or pd.isna(ratio) or r["policy"] == base["policy"] else (
+                f"  overhead {ratio - 1:+.0%} [{r['time_ratio_low'] - 1:+.0%}, {r['time_ratio_high'] - 1:+.0%}]"
+                + ("" if r["significant"] else " (not distinguishable from none)"))
+            time = "not timed" if pd.isna(r["step_ms"]) else (
+                f"{r['step_ms']:.1f} ms/step [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]")
             fits = "" if r["fits"] is None or pd.isna(r["fits"]) else ("  fits" if r["fits"] else "  DOES NOT FIT")
             lines.append(f"{r['policy']:>14}: peak {format_bytes(r['peak_bytes'])}, "
                          f"held for backward {format_bytes(r['saved_activation_bytes'])}, {time}{overhead}{fits}")
+        timed = df[df["rounds"].notna()] if "rounds" in df else df.iloc[:0]
+        if len(timed):
+            t = timed.iloc[0]
+            lines.append(f"{int(t['rounds'])} interleaved rounds, 95% intervals in brackets, {int(t['threads'])} "
+                         f"threads, load {t['load_before']:.1f} -> {t['load_after']:.1f}"
+                         + ("  BUSY MACHINE: rerun before trusting the times" if t["busy"] else ""))
         return "\n".join(lines)
 
     def figure(self):

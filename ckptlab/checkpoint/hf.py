@@ -37,7 +37,7 @@ except ImportError:  # transformers < 4.52 marks layers only by a `gradient_chec
     GradientCheckpointingLayer = None
 
 
-def _methods(model: nn.Module) -> tuple[Callable, Callable, str]:
+def checkpointing_methods(model: nn.Module) -> tuple[Callable, Callable, str]:
     """(enable, disable, name of the checkpoint-kwargs argument): the 5.x names where present."""
     if hasattr(model, "activation_checkpointing_enable"):
         return (model.activation_checkpointing_enable, model.activation_checkpointing_disable,
@@ -52,7 +52,7 @@ def hf_capabilities(model: nn.Module | None = None) -> dict[str, bool]:
         model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": 1}))
     if not isinstance(model, PreTrainedModel):
         return {"hf": False, "every_n_layers": False, "offload": False}
-    params = inspect.signature(_methods(model)[0]).parameters
+    params = inspect.signature(checkpointing_methods(model)[0]).parameters
     return {"hf": bool(model.supports_gradient_checkpointing),
             "every_n_layers": "every_n_layers" in params, "offload": "offload" in params}
 
@@ -138,7 +138,7 @@ def apply_hf_checkpointing(model: nn.Module, policy: str | Policy, blocks: Seque
     if not layers:
         raise ValueError(f"policy={str(policy)!r} is invalid: {type(model).__name__} has no checkpointable layers")
     remove_earlier_policies(layers)
-    enable, disable, kwargs_name = _methods(model)
+    enable, disable, kwargs_name = checkpointing_methods(model)
     hooks_before = list(getattr(model, "_require_grads_hooks", None) or [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* are deprecated in 5.x
@@ -175,4 +175,4 @@ def _count_recomputes(layer: nn.Module, handle: HFCheckpointHandle, early_stop: 
     layer.forward = forward
 
 
-__all__ = ["HFCheckpointHandle", "apply_hf_checkpointing", "hf_capabilities", "hf_layers"]
+__all__ = ["HFCheckpointHandle", "apply_hf_checkpointing", "checkpointing_methods", "hf_capabilities", "hf_layers"]

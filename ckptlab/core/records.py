@@ -40,9 +40,24 @@ FIELDS: dict[str, object] = {
     "allocator_peak_bytes": None,     # compile: peak from the profiler's allocator events
     "note": "",                       # what the policy did not do here (offload on CPU, ...)
     "loss": None,
-    "step_ms": None,
+    "step_ms": None,                  # median over the timing protocol's rounds (probe.timing)
+    "step_ms_low": None,              # its 95% interval (None: a single round)
+    "step_ms_high": None,
     "step_ms_min": None,
     "step_ms_max": None,
+    "time_ratio": None,               # paired, to timing_baseline when timed together with it
+    "time_ratio_low": None,           # its 95% interval
+    "time_ratio_high": None,
+    "significant": None,              # the ratio's interval excludes 1
+    "timing_baseline": None,
+    "rounds": None,
+    "timing_target_ci": None,
+    "timing_ci_half_width": None,     # the relative half-width reached
+    "timing_stopped": None,           # target | max_seconds | max_rounds
+    "threads": None,
+    "load_before": None,              # 1-minute load average before and after timing
+    "load_after": None,
+    "busy": None,                     # the load exceeded the CPU cores
     "tokens_per_s": None,
     "fits": None,
     "status": "ok",

@@ -4,8 +4,10 @@ step time, tokens/s, recompute count, and whether it fits a memory limit.
 A measurement is two passes over the same model and batch:
   1. memory: one warm-up step (so optimizer state and lazy buffers exist), then one step under
      the live-tensor tracker (and, on CUDA, the allocator's peak counters);
-  2. time: `warmup` untracked steps, then `steps` timed steps — never under the tracker, whose
-     Python hooks would distort the time.
+  2. time: `warmup` untracked steps, then at least `steps` timed steps with the protocol of
+     `ckptlab.probe.timing` (more, up to `max_seconds`, until the median step time is known to
+     ±`target_ci`): step_ms is the median, step_ms_low/high its 95% interval — never under the
+     tracker, whose Python hooks would distort the time.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from ..workloads.registry import get_workload
 from .memory import allocator_peak, cuda_allocator_stats, track_memory
 from .plan import plan_budget
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
-from .timing import time_steps
+from .timing import check_timing_options, time_interleaved
+
+MAX_ROUNDS = 200   # a step timed alone: at most this many rounds, even if the interval stays wide
 
 
 def measure(
@@ -43,6 +47,8 @@ def measure(
     optimizer: str = "adamw",
     accum_steps: int = 1,
     with_report: bool = False,
+    target_ci: float = 0.02,
+    max_seconds: float = 1.0,
 ) -> dict:
     """Measure one training step of `workload` at (batch_size, seq_len) under `policy`.
 
@@ -63,6 +69,7 @@ def measure(
     integer("steps", steps, 1)
     integer("warmup", warmup, 0)
     integer("accum_steps", accum_steps, 1)
+    check_timing_options(target_ci, max_seconds)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
     dev = resolve_device(device)
@@ -75,9 +82,18 @@ def measure(
                         device_name=device_name(dev), dtype=dtype, optimizer=optimizer, steps=steps, warmup=warmup,
                         memory_limit_bytes=limit)
     report = None
+    with failures_recorded(record, dev), compile_config(policy):
+        report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer, target_ci,
+                      max_seconds)
+    return (record, report) if with_report else record
+
+
+@contextlib.contextmanager
+def failures_recorded(record: dict, dev: torch.device):
+    """An exception inside becomes the record's status ("oom" or "error") and message instead of
+    propagating, so a table never loses a row; the device's memory settings are reset after."""
     try:
-        with compile_config(policy):
-            report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer)
+        yield
     except torch.OutOfMemoryError as exc:
         record.update(status="oom", fits=False, message=_first_line(exc))
     except Exception as exc:  # noqa: BLE001 - a record with the reason beats a lost sweep
@@ -87,34 +103,64 @@ def measure(
         if dev.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, dev)
             torch.cuda.empty_cache()
-    return (record, report) if with_report else record
 
 
-def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name) -> None:
+def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name, target_ci, max_seconds):
+    policy = resolve_policy(record, workload, policy, dev, dtype, optimizer_name)
+    step, report = prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, optimizer_name)
+    if step is None:
+        return report
+    timing = time_interleaved({record["policy"]: step}, device=dev, warmup=warmup, target_ci=target_ci,
+                              max_seconds=max_seconds, min_rounds=steps, max_rounds=max(steps, MAX_ROUNDS))
+    record.update(timing.row(record["policy"]))
+    record["tokens_per_s"] = record["tokens"] / (record["step_ms"] / 1e3)
+    return report
+
+
+def policy_applier(policy):
+    """`apply(model, record)` for `prepare_step` from a resolved ckptlab policy (no budget=)."""
+    def apply(model, record):
+        handle = apply_checkpointing(model, policy)
+        record.update(
+            n_blocks=handle.n_blocks,
+            effective_density=handle.effective_density,
+            checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
+        )
+        compiled = policy.kind == "compile"
+        return (torch.compile(model) if compiled else model), compiled, handle
+    return apply
+
+
+def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dtype: str, limit: Optional[int],
+                 optimizer_name: str):
+    """Everything of a measurement but the timing: build the model on `dev`, apply checkpointing
+    with `apply(model, record) -> (model to run, compiled?, handle or None)` (which fills the
+    record's checkpointing columns), run one warm-up step and one step under the live-tensor
+    tracker (allocator events for compiled models), and fill `record`'s memory columns.
+    Returns (step closure, MemoryReport); the step is None when the peak exceeds the emulated
+    CPU limit (status "oom")."""
+    # Configurations timed together live side by side: on CUDA the allocator's peak counts the
+    # others' resident memory too, which is taken out again below.
+    resident = 0
     if dev.type == "cuda":
         capacity = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / capacity), dev)
+        resident = torch.cuda.memory_allocated(dev)
     model = workload.build(dev)
     model.train()
-    policy = _resolve_policy(record, workload, policy, dev, dtype, optimizer_name)
-    handle = apply_checkpointing(model, policy)
-    record.update(
-        n_blocks=handle.n_blocks,
-        effective_density=handle.effective_density,
-        checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
-    )
+    runner, compiled, handle = apply(model, record)
     batch = workload.batch(record["batch_size"], record["seq_len"], dev)
     optimizer = make_optimizer(optimizer_name, model)
-    compiled = torch.compile(model) if policy.kind == "compile" else model
-    step = training_step(compiled, workload, batch, optimizer, dtype, record["accum_steps"])
+    step = training_step(runner, workload, batch, optimizer, dtype, record["accum_steps"])
 
     torch.manual_seed(workload.seed)
     step()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    handle.reset_counts()
-    if policy.kind == "compile":  # a dispatch-mode tracker cannot see inside compiled graphs
+    if handle is not None:
+        handle.reset_counts()
+    if compiled:  # a dispatch-mode tracker cannot see inside compiled graphs
         report, loss = allocator_step_memory(step, model, optimizer, batch, dev)
         record["allocator_peak_bytes"] = report.peak_bytes
     else:
@@ -126,30 +172,23 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
         **{f"peak_{c}_bytes": report.peak_by_category.get(c) for c in CATEGORIES},
         peak_phase=report.peak_phase,
         saved_activation_bytes=report.saved_activation_bytes,
-        recompute_count=handle.recompute_count,
+        recompute_count=None if handle is None else handle.recompute_count,
         loss=float(loss),
     )
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         record.update(cuda_allocator_stats(dev))
+        record["cuda_max_allocated_bytes"] -= resident
     peak = max(report.peak_bytes, record["cuda_max_allocated_bytes"] or 0)
     if limit is not None:
         record["fits"] = peak <= limit
     if dev.type == "cpu" and limit is not None and not record["fits"]:
         record.update(status="oom", message=f"peak {peak} B exceeds the emulated memory limit {limit} B")
-        return report
-
-    timing = time_steps(step, steps=steps, warmup=warmup, device=dev)
-    record.update(
-        step_ms=timing.median_ms,
-        step_ms_min=timing.min_ms,
-        step_ms_max=timing.max_ms,
-        tokens_per_s=record["tokens"] / (timing.median_ms / 1e3),
-    )
-    return report
+        return None, report
+    return step, report
 
 
-def _resolve_policy(record, workload, policy, dev, dtype, optimizer_name):
+def resolve_policy(record, workload, policy, dev, dtype, optimizer_name):
     """budget=... becomes the per-block plan `ckptlab.probe.plan.plan_budget` chooses (recorded);
     offload on CPU is noted as a no-op; compile is noted as measured by allocator events."""
     notes = []
@@ -223,4 +262,5 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["check_policy_applies", "measure", "training_step", "make_optimizer", "resolve_device"]
+__all__ = ["allocator_step_memory", "check_policy_applies", "compile_config", "failures_recorded", "measure", "policy_applier",
+           "prepare_step", "resolve_policy", "training_step", "make_optimizer", "resolve_device"]

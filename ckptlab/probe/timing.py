@@ -1,22 +1,250 @@
-"""Step timing: warm-up, then repeated steps; CUDA events on GPU, perf_counter on CPU."""
+"""The timing protocol: interleaved rounds, paired ratios, bootstrap intervals, adaptive length.
+
+    result = time_interleaved({"none": step_none, "full": step_full}, device="cpu")
+    result.ratio["full"], result.ratio_low["full"], result.ratio_high["full"]
+
+Every configuration being compared runs once per round, in an order rotated by one each round,
+after `warmup` untimed rounds. A configuration's time ratio to the baseline (the first one) is the
+median of its per-round ratios (time in round r / the baseline's time in round r), with a 95%
+bootstrap interval of that median. Pairing within a round cancels drift that hits both members of
+the pair (another process starting, thermal throttling, a noisy neighbour); rotating the order
+stops one configuration from always running right after a particular other one. Rounds continue
+until every interval's half-width is below `target_ci` (relative to the ratio) or `max_seconds`
+would be exceeded; the result records the half-width it reached and why it stopped.
+
+`torch.utils.benchmark.Timer` measures one statement at a time (back-to-back blocks of runs), so
+two configurations timed one after the other see different machine states, and it has no notion
+of a paired ratio or of an interval on one; that is what this protocol adds. Where a single
+statement is timed on its own (the planner's per-block costs), `plan.py` uses the Timer directly.
+
+The thread count is set explicitly (`torch.set_num_threads`) for the measurement and recorded, as
+is the 1-minute load average before and after; `busy` flags a load above the machine's cores.
+On CUDA every run is bracketed by events and synchronized, so a time is the GPU time of the whole
+step, not the time to enqueue it.
+"""
 
 from __future__ import annotations
 
-import statistics
+import math
+import os
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
 
+import numpy as np
 import torch
+
+CONFIDENCE = 0.95
+BOOTSTRAP_RESAMPLES = 2000
+# Fewer rounds than this give a bootstrap interval too coarse to stop on (one round: a point),
+# so reaching the target needs at least this many; the time budget may stop earlier.
+MIN_ROUNDS_FOR_TARGET = 5
+
+
+def check_timing_options(target_ci, max_seconds) -> None:
+    """The two knobs users pass for the protocol, checked before any work."""
+    if isinstance(target_ci, bool) or not isinstance(target_ci, (int, float)) or not 0 < target_ci < 1:
+        raise ValueError(f"target_ci={target_ci!r} is invalid: allowed is a number in (0, 1), e.g. 0.02 for ±2%")
+    if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0:
+        raise ValueError(f"max_seconds={max_seconds!r} is invalid: allowed is a number of seconds > 0")
+
+
+def bootstrap_median(values, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES,
+                     confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(median, low, high): the median of `values` and its percentile-bootstrap interval, from a
+    seeded numpy generator (the same values give the same interval)."""
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1 or len(x) == 0 or not np.all(np.isfinite(x)):
+        raise ValueError(f"values={values!r} is invalid: allowed is a non-empty 1-d sequence of finite numbers")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence!r} is invalid: allowed is a number in (0, 1)")
+    rng = np.random.default_rng(seed)
+    medians = np.median(x[rng.integers(0, len(x), size=(resamples, len(x)))], axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return float(np.median(x)), float(low), float(high)
+
+
+@dataclass
+class IntervalTiming:
+    """What `time_interleaved` measured. Per configuration name: the per-round times (ms), the
+    median step time with its interval, and the time ratio to the baseline with its interval
+    (the baseline's own ratio is exactly 1)."""
+
+    names: list[str]
+    times_ms: dict[str, list[float]]
+    step_ms: dict[str, float]
+    step_ms_low: dict[str, float]
+    step_ms_high: dict[str, float]
+    ratio: dict[str, float]
+    ratio_low: dict[str, float]
+    ratio_high: dict[str, float]
+    rounds: int
+    target_ci: float
+    ci_half_width: float          # the largest relative half-width reached (ratios, or the
+    stopped: str                  # baseline's step time when it is timed alone); why it stopped:
+    threads: int                  # "target", "max_seconds" or "max_rounds"
+    load_before: float
+    load_after: float
+    cpu_count: int
+    seconds: float
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def baseline(self) -> str:
+        return self.names[0]
+
+    @property
+    def busy(self) -> bool:
+        """The machine's load exceeded its cores: other work competed for the CPU."""
+        return max(self.load_before, self.load_after) > self.cpu_count
+
+    def significant(self, name: str) -> bool:
+        """The interval excludes 1: `name` differs in time from the baseline."""
+        return self.ratio_low[name] > 1 or self.ratio_high[name] < 1
+
+    def row(self, name: str) -> dict:
+        """The record columns for one configuration (a configuration timed alone has no ratio)."""
+        alone = len(self.names) == 1
+        return {
+            "step_ms": self.step_ms[name], "step_ms_low": self.step_ms_low[name],
+            "step_ms_high": self.step_ms_high[name],
+            "step_ms_min": min(self.times_ms[name]), "step_ms_max": max(self.times_ms[name]),
+            "time_ratio": None if alone else self.ratio[name],
+            "time_ratio_low": None if alone else self.ratio_low[name],
+            "time_ratio_high": None if alone else self.ratio_high[name],
+            "significant": None if alone else self.significant(name),
+            "timing_baseline": None if alone else self.baseline, "rounds": self.rounds, "timing_target_ci": self.target_ci,
+            "timing_ci_half_width": self.ci_half_width, "timing_stopped": self.stopped,
+            "threads": self.threads, "load_before": self.load_before, "load_after": self.load_after,
+            "busy": self.busy,
+        }
+
+
+def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: torch.device | str = "cpu",
+                     warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 60.0,
+                     min_rounds: int = 5, max_rounds: int = 200, threads: Optional[int] = None,
+                     seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> IntervalTiming:
+    """Time `configs` (name -> zero-argument step; the first is the baseline) with the protocol in
+    the module docstring. `threads` defaults to PyTorch's current setting; it is set for the
+    measurement, restored after, and recorded. `min_rounds` are always run (the time budget
+    does not cut them short); at most `max_rounds`. `clock` (seconds) times CPU steps and the
+    budget; a test can hand in a clock it controls."""
+    names = list(configs)
+    if not names:
+        raise ValueError("configs={} is invalid: allowed is a mapping of at least one name to a step function")
+    for name, value, low in (("warmup", warmup, 0), ("min_rounds", min_rounds, 1), ("max_rounds", max_rounds, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {low}")
+    if max_rounds < min_rounds:
+        raise ValueError(f"max_rounds={max_rounds} is invalid: allowed is an integer >= min_rounds={min_rounds}")
+    check_timing_options(target_ci, max_seconds)
+    threads = torch.get_num_threads() if threads is None else threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r} is invalid: allowed is an integer >= 1")
+    device = torch.device(device)
+    timer = _cuda_timer(device) if device.type == "cuda" else _cpu_timer(clock)
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()[0]
+    t0 = clock()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    stopped, summary = "max_rounds", None
+    try:
+        for r in range(warmup):
+            for name in _rotated(names, r):
+                configs[name]()
+        for r in range(max_rounds):
+            round_start = clock()
+            for name in _rotated(names, r):
+                times[name].append(timer(configs[name]))
+            rounds = r + 1
+            if rounds < min_rounds:
+                continue
+            summary = _summarize(times, names, seed)
+            if rounds >= MIN_ROUNDS_FOR_TARGET and summary["half_width"] < target_ci:
+                stopped = "target"
+                break
+            now = clock()
+            if rounds < max_rounds and (now - t0) + (now - round_start) > max_seconds:
+                stopped = "max_seconds"
+                break
+    finally:
+        torch.set_num_threads(previous_threads)
+    load_after = os.getloadavg()[0]
+    summary = summary or _summarize(times, names, seed)
+    return IntervalTiming(
+        names=names, times_ms=times, step_ms=summary["step"], step_ms_low=summary["step_low"],
+        step_ms_high=summary["step_high"], ratio=summary["ratio"], ratio_low=summary["ratio_low"],
+        ratio_high=summary["ratio_high"], rounds=len(times[names[0]]), target_ci=float(target_ci),
+        ci_half_width=summary["half_width"], stopped=stopped, threads=threads, load_before=load_before,
+        load_after=load_after, cpu_count=os.cpu_count() or 1, seconds=clock() - t0,
+        device=str(device))
+
+
+def _rotated(names: list[str], r: int) -> list[str]:
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def _summarize(times: dict[str, list[float]], names: list[str], seed: int) -> dict:
+    """Medians and intervals; a single round has no interval (NaN), only a value."""
+    base = np.asarray(times[names[0]])
+    out = {k: {} for k in ("step", "step_low", "step_high", "ratio", "ratio_low", "ratio_high")}
+    widths = []
+    for name in names:
+        t = np.asarray(times[name])
+        out["step"][name], out["step_low"][name], out["step_high"][name] = _median_interval(t, seed)
+        if name == names[0]:
+            out["ratio"][name] = out["ratio_low"][name] = out["ratio_high"][name] = 1.0
+            continue
+        ratio, low, high = _median_interval(t / base, seed)
+        out["ratio"][name], out["ratio_low"][name], out["ratio_high"][name] = ratio, low, high
+        widths.append((high - low) / 2 / ratio)
+    if not widths:  # one configuration: how well its own median step time is known
+        step = out["step"][names[0]]
+        widths.append((out["step_high"][names[0]] - out["step_low"][names[0]]) / 2 / step)
+    out["half_width"] = float(max(widths)) if not any(math.isnan(w) for w in widths) else math.inf
+    return out
+
+
+def _median_interval(values: np.ndarray, seed: int) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return float(np.median(values)), math.nan, math.nan
+    return bootstrap_median(values, seed)
+
+
+def _cpu_timer(clock: Callable[[], float]) -> Callable[[Callable[[], object]], float]:
+    def timer(step):
+        t0 = clock()
+        step()
+        return (clock() - t0) * 1e3
+    return timer
+
+
+def _cuda_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    def timer(step):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end)
+    return timer
 
 
 @dataclass
 class Timing:
+    """Per-step times of one configuration (ms), from `time_steps`."""
+
     step_ms: list[float]
 
     @property
     def median_ms(self) -> float:
-        return statistics.median(self.step_ms)
+        return float(np.median(self.step_ms))
 
     @property
     def min_ms(self) -> float:
@@ -28,26 +256,14 @@ class Timing:
 
 
 def time_steps(step: Callable[[], object], steps: int, warmup: int, device: torch.device | str = "cpu") -> Timing:
-    """Run `step` `warmup` times untimed, then `steps` times timed, one measurement per step.
+    """Exactly `steps` timed runs of one step after `warmup` untimed ones: the protocol with one
+    configuration and a fixed round count (for callers that need every per-step time, such as
+    the sharded runs, whose ranks must run the same number of steps)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} is invalid: allowed is an integer >= 1")
+    result = time_interleaved({"step": step}, device=device, warmup=warmup, min_rounds=steps,
+                              max_rounds=steps, max_seconds=math.inf)
+    return Timing(result.times_ms["step"])
 
-    On CUDA each step is bracketed by events and synchronized, so the number is GPU time of the
-    whole step, not the time to enqueue it.
-    """
-    device = torch.device(device)
-    for _ in range(warmup):
-        step()
-    times = []
-    if device.type == "cuda":
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return Timing(times)
+
+__all__ = ["IntervalTiming", "Timing", "bootstrap_median", "check_timing_options", "time_interleaved", "time_steps"]

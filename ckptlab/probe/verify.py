@@ -51,15 +51,36 @@ def compare_gradients(
     def run(checkpoint_policy):
         model = workload.build(device).train()
         handle = apply_checkpointing(model, checkpoint_policy, **apply_options) if checkpoint_policy else None
-        torch.manual_seed(seed)
-        loss = workload.loss(model, batch)
-        loss.backward()
+        result = step_gradients(model, workload, batch, seed)
         if handle is not None:
             handle.remove()
-        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return result
 
     loss_ref, grads_ref = run(None)
     loss, grads = run(policy)
+    max_diff, worst, missing = gradient_difference(loss_ref, grads_ref, loss, grads)
+    return GradientComparison(str(policy), loss_ref.item(), loss.item(), max_diff, worst, missing)
+
+
+def step_gradients(model: torch.nn.Module, workload: Workload, batch: tuple, seed: int = 0,
+                   runner: torch.nn.Module | None = None, autocast_dtype: torch.dtype | None = None):
+    """(loss, {parameter name: gradient}) of one forward + backward of `runner` (default: the
+    model itself; e.g. a compiled wrapper of it), from RNG seed `seed`; gradients are detached
+    from the model (set to None there)."""
+    runner = model if runner is None else runner
+    torch.manual_seed(seed)
+    device_type = batch[0].device.type
+    with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        loss = workload.loss(runner, batch)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def gradient_difference(loss_ref, grads_ref: dict, loss, grads: dict):
+    """(largest absolute difference over the loss and every gradient, the parameter where it was
+    found or None, parameters with a reference gradient but none here)."""
     max_diff, worst = (loss - loss_ref).abs().item(), None
     missing = []
     for name, g_ref in grads_ref.items():
@@ -69,7 +90,7 @@ def compare_gradients(
         if g is None:
             missing.append(name)
             continue
-        diff = (g - g_ref).abs().max().item()
+        diff = (g.float() - g_ref.float()).abs().max().item()
         if diff > max_diff:
             max_diff, worst = diff, name
-    return GradientComparison(str(policy), loss_ref.item(), loss.item(), max_diff, worst, missing)
+    return max_diff, worst, missing

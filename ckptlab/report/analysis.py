@@ -39,16 +39,31 @@ def require_records(df: pd.DataFrame) -> pd.DataFrame:
 def overhead(df: pd.DataFrame) -> pd.DataFrame:
     """The ok rows with baseline columns added, per (model, batch, seq, dtype, accum):
 
-    overhead            step_ms / baseline step_ms - 1 (baseline: effective_density == 0)
+    overhead            step time / baseline's - 1 (baseline: effective_density == 0): the paired
+                        median time ratio - 1 where timed together, else step_ms / baseline step_ms - 1
+    overhead_low/high   its 95% interval: from the paired time ratio where the row was timed
+                        together with that baseline (`time_ratio_low/high`, timing_baseline), else
+                        from the two step-time intervals, unpaired (low / high, high / low: wider)
     memory_saved_bytes  baseline peak - peak;  memory_saved_frac: that / baseline peak
     Rows without a measured baseline get NaN.
     """
     rows = ok(df)
-    base = rows[rows["effective_density"] == 0].groupby(SHAPE, as_index=False).agg(
+    for column in ("step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high",
+                   "timing_baseline"):
+        if column not in rows:
+            rows[column] = np.nan
+    base_rows = rows[rows["effective_density"] == 0]
+    base = base_rows.groupby(SHAPE, as_index=False).agg(
         baseline_step_ms=("step_ms", "median"), baseline_peak_bytes=("peak_bytes", "median"),
-        baseline_tokens_per_s=("tokens_per_s", "median"))
+        baseline_tokens_per_s=("tokens_per_s", "median"), baseline_step_ms_low=("step_ms_low", "median"),
+        baseline_step_ms_high=("step_ms_high", "median"), baseline_policy=("policy", "first"))
     rows = rows.merge(base, on=SHAPE, how="left")
-    rows["overhead"] = rows["step_ms"] / rows["baseline_step_ms"] - 1
+    paired = rows["timing_baseline"].notna() & (rows["timing_baseline"] == rows["baseline_policy"])
+    rows["overhead"] = np.where(paired, rows["time_ratio"], rows["step_ms"] / rows["baseline_step_ms"]).astype(float) - 1
+    rows["overhead_low"] = np.where(paired, rows["time_ratio_low"],
+                                    rows["step_ms_low"] / rows["baseline_step_ms_high"]).astype(float) - 1
+    rows["overhead_high"] = np.where(paired, rows["time_ratio_high"],
+                                     rows["step_ms_high"] / rows["baseline_step_ms_low"]).astype(float) - 1
     rows["memory_saved_bytes"] = rows["baseline_peak_bytes"] - rows["peak_bytes"]
     rows["memory_saved_frac"] = rows["memory_saved_bytes"] / rows["baseline_peak_bytes"]
     return rows
@@ -60,14 +75,24 @@ def pareto(df: pd.DataFrame, x: str = "peak_bytes", y: str = "step_ms",
 
     Points compete within a group of equal work per optimizer step (same seq and effective
     batch), so checkpointing, accumulation and bf16 are compared fairly. A point is dominated
-    when another in its group is no worse in both x and y and better in one (lower is better).
+    only when another in its group holds no more memory (x) and is faster beyond the intervals:
+    its time interval (`<y>_low`/`<y>_high`, the 95% interval of the median step time) lies
+    entirely below this point's. Two points whose intervals overlap cannot be told apart in time,
+    and both stay on the frontier. Records without interval columns compare the values alone.
     """
     rows = ok(df)
     rows["pareto_optimal"] = False
+    low_col, high_col = (f"{y}_low", f"{y}_high")
     for _, g in rows.groupby(list(group)):
         xs, ys = g[x].to_numpy(float), g[y].to_numpy(float)
-        for idx, xi, yi in zip(g.index, xs, ys):
-            dominated = np.any((xs <= xi) & (ys <= yi) & ((xs < xi) | (ys < yi)))
+        lows = g[low_col].to_numpy(float) if low_col in g else ys
+        highs = g[high_col].to_numpy(float) if high_col in g else ys
+        lows, highs = np.where(np.isnan(lows), ys, lows), np.where(np.isnan(highs), ys, highs)
+        for k, idx in enumerate(g.index):
+            no_more_memory = xs <= xs[k]
+            faster_beyond_interval = highs < lows[k]
+            same_time_less_memory = (xs < xs[k]) & (highs <= lows[k])
+            dominated = np.any(no_more_memory & (faster_beyond_interval | same_time_less_memory))
             rows.loc[idx, "pareto_optimal"] = not dominated
     return rows
 
@@ -140,17 +165,49 @@ BUSY_SPREAD = 1.5  # max/min step time within one cell above which timings are n
 
 def timing_note(df: pd.DataFrame) -> str:
     """How noisy the run's timings were: the largest max/min step-time spread within one cell,
-    and a warning to rerun above BUSY_SPREAD (a busy machine)."""
+    and a warning to rerun above BUSY_SPREAD; plus, where recorded, the widest 95% interval of a
+    step time and how many cells ran while the load average exceeded the cores."""
     spread = (df["step_ms_max"] / df["step_ms_min"]).max()
-    return (f"Largest max/min step-time spread in one cell: {spread:.2f}x"
+    text = (f"Largest max/min step-time spread in one cell: {spread:.2f}x"
             + (" — a busy machine: rerun before trusting the times." if spread > BUSY_SPREAD else "."))
+    if {"step_ms_low", "step_ms_high"} <= set(df.columns) and df["step_ms_low"].notna().any():
+        width = ((df["step_ms_high"] - df["step_ms_low"]) / 2 / df["step_ms"]).max()
+        text += f" Widest 95% interval of a median step time: ±{width:.1%}."
+    if "busy" in df.columns and df["busy"].fillna(False).astype(bool).any():
+        text += (f" {int(df['busy'].fillna(False).astype(bool).sum())} of {len(df)} cells ran while the load "
+                 "average exceeded the CPU cores (other work competed).")
+    return text
+
+
+def compare_note(df: pd.DataFrame) -> str:
+    """One paragraph on a `ckptlab.compare` table: which configurations differ in time from the
+    baseline (interval excludes 1), which cannot be told apart, and whether the machine was busy."""
+    timed = df[(df["status"] == "ok") & df["time_ratio"].notna()]
+    if not len(timed):
+        return "Nothing was timed."
+    base, rest = timed.iloc[0], timed.iloc[1:]
+    differ = [f"{r.policy} {r.time_ratio:.2f}x [{r.time_ratio_low:.2f}, {r.time_ratio_high:.2f}]"
+              for r in rest.itertuples() if r.significant]
+    same = [r.policy for r in rest.itertuples() if not r.significant]
+    text = (f"{int(base['rounds'])} interleaved rounds, {int(base['threads'])} threads. "
+            f"Differ from {base['policy']}: {', '.join(differ) or 'none'}. "
+            f"Not distinguishable from {base['policy']} at 95%: {', '.join(same) or 'none'}.")
+    if bool(base["busy"]):
+        text += (f" The machine was busy (load {base['load_before']:.1f} -> {base['load_after']:.1f}, more than "
+                 "its CPU cores): the intervals are wider than on an idle machine.")
+    return text
 
 
 def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
     """Each budget plan against the fastest uniform policy whose peak is no higher: the plan's
     time over that policy's, minus one (negative: the plan is faster); missing where no uniform
-    policy reaches the plan's peak."""
+    policy reaches the plan's peak. `vs_best_uniform_low/high`: its interval from the two step
+    times' 95% intervals (unpaired: low over high, high over low), where the records have them;
+    `distinguishable` is False while that interval contains 0."""
     rows = ok(df)
+    for column in ("step_ms_low", "step_ms_high"):
+        if column not in rows:
+            rows[column] = np.nan
     uniform, plans = rows[~rows["policy"].str.startswith("budget")], rows[rows["policy"].str.startswith("budget")]
     out = []
     for r in plans.itertuples():
@@ -159,8 +216,14 @@ def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
         out.append({"policy": r.policy, "plan": r.plan, "peak_bytes": r.peak_bytes, "step_ms": r.step_ms,
                     "best_uniform": None if best is None else best["policy"],
                     "best_uniform_step_ms": None if best is None else best["step_ms"],
-                    "vs_best_uniform": None if best is None else r.step_ms / best["step_ms"] - 1})
-    return pd.DataFrame(out)
+                    "vs_best_uniform": None if best is None else r.step_ms / best["step_ms"] - 1,
+                    "vs_best_uniform_low": None if best is None else r.step_ms_low / best["step_ms_high"] - 1,
+                    "vs_best_uniform_high": None if best is None else r.step_ms_high / best["step_ms_low"] - 1})
+    table = pd.DataFrame(out)
+    if len(table):
+        low, high = (pd.to_numeric(table[c], errors="coerce") for c in ("vs_best_uniform_low", "vs_best_uniform_high"))
+        table["distinguishable"] = (low > 0) | (high < 0)
+    return table
 
 
 def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
@@ -178,8 +241,9 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
             out.append({"limit": label, "policy": None})
             continue
         best = fit.loc[fit["tokens_per_s"].idxmax()]
-        out.append({"limit": label, **{k: best[k] for k in
-                    ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms", "tokens_per_s")}})
+        out.append({"limit": label, **{k: best.get(k) for k in
+                    ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms",
+                     "step_ms_low", "step_ms_high", "tokens_per_s")}})
     return pd.DataFrame(out)
 
 
@@ -195,9 +259,12 @@ def format_summary(df: pd.DataFrame) -> str:
     columns = [("limit", "limit", str), ("policy", "policy", lambda v: v or "nothing fits"),
                ("batch", "batch_size", num("d")), ("seq", "seq_len", num("d")), ("dtype", "dtype", lambda v: v or "-"),
                ("accum", "accum_steps", num("d")), ("peak", "peak_bytes", lambda v: format_bytes(v) if v == v else "-"),
-               ("step ms", "step_ms", num(".1f")), ("tokens/s", "tokens_per_s", num(",.0f"))]
+               ("step ms [95% CI]", "step_text", str), ("tokens/s", "tokens_per_s", num(",.0f"))]
     rows = [{k: (None if isinstance(v, float) and np.isnan(v) else _py(v)) for k, v in r.items()}
             for r in summary(df).to_dict("records")]
+    for r in rows:
+        r["step_text"] = "-" if r.get("step_ms") is None else format(r["step_ms"], ".1f") + (
+            "" if r.get("step_ms_low") is None else f" [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]")
     errors = df[df["status"] == "error"]
     lines = [head, "best configuration (highest tokens/s) per memory limit:", format_table(rows, columns)]
     for _, r in errors.head(5).iterrows():
@@ -262,5 +329,5 @@ def slowdown_answer(summary) -> str:
             f"{base.step_ms_max:.0f} ms over {base.timed_steps} steps){caveat}:\n" + "\n".join(parts))
 
 
-__all__ = ["BUSY_SPREAD", "SHAPE", "config_label", "format_summary", "largest_fitting", "ok", "overhead",
+__all__ = ["BUSY_SPREAD", "SHAPE", "compare_note", "config_label", "format_summary", "largest_fitting", "ok", "overhead",
            "pareto", "plans_vs_uniform", "slowdown_answer", "summary", "timing_note", "trainer_summary", "what_fits"]

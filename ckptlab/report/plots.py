@@ -6,6 +6,7 @@ returns the matplotlib Figure, and, given `path` (without extension), saves PNG 
     pareto_plot(df)              peak memory vs step time, frontier joined, dominated hollow
     what_fits_plot(df)           largest batch per policy for 24/40/80/141 GiB (+ the run's limit)
     redraw_all(run_dir)          every figure above into run_dir/figures/, from the folder alone
+    compare_plot(df)             a `ckptlab.compare` table: peak vs time ratio with 95% intervals
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def _slice(df: pd.DataFrame, dtype: Optional[str], accum_steps: Optional[int]) -
     return df[(df["dtype"] == dtype) & (df["accum_steps"] == accum_steps)], dtype, accum_steps
 
 
+def _interval(df: pd.DataFrame, column: str):
+    """Error-bar lengths (below, above) from `<column>_low/_high`; none where they are missing."""
+    low, high = f"{column}_low", f"{column}_high"
+    if low not in df or high not in df:
+        return None
+    return np.vstack([(df[column] - df[low]).clip(lower=0).fillna(0).to_numpy(float),
+                      (df[high] - df[column]).clip(lower=0).fillna(0).to_numpy(float)])
+
+
 def _empty(fig, ax, text="no ok cells to plot"):
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
     return fig
@@ -60,12 +70,16 @@ def memory_time_vs_density(df: pd.DataFrame, path=None, dtype: Optional[str] = N
         g = g.groupby("effective_density", as_index=False).median(numeric_only=True).sort_values("effective_density")
         label = f"b={b} s={s}"
         line, = ax_mem.plot(g["effective_density"], g["peak_bytes"] / MiB, "o-", label=label)
-        ax_time.plot(g["effective_density"], g["step_ms"], "o-", color=line.get_color(), label=label)
-        ax_over.plot(g["effective_density"], 100 * g["overhead"], "x:", color=line.get_color(), alpha=0.7)
+        ax_time.errorbar(g["effective_density"], g["step_ms"], yerr=_interval(g, "step_ms"), fmt="o-",
+                         color=line.get_color(), label=label, capsize=3)
+        over = g.assign(overhead_pct=100 * g["overhead"], overhead_pct_low=100 * g["overhead_low"],
+                        overhead_pct_high=100 * g["overhead_high"])
+        ax_over.errorbar(over["effective_density"], over["overhead_pct"], yerr=_interval(over, "overhead_pct"),
+                         fmt="x:", color=line.get_color(), alpha=0.7, capsize=2)
     ax_mem.set(xlabel="density (fraction of blocks recomputed)", ylabel="peak memory (MiB)",
                title=f"peak memory ({dtype}, accum {accum_steps})")
     ax_time.set(xlabel="density (fraction of blocks recomputed)", ylabel="step time (ms, median) — solid",
-                title="step time and overhead")
+                title="step time and overhead (bars: 95% intervals)")
     ax_over.set_ylabel("overhead vs density 0 (%) — dotted")
     ax_mem.legend(fontsize=8)
     ax_mem.grid(alpha=0.3)
@@ -130,10 +144,12 @@ def pareto_plot(df: pd.DataFrame, path=None):
         line, = ax.plot(front["peak_bytes"] / MiB, front["step_ms"], "o-", label=f"s={s} eff. batch={eb}")
         dom = g[~g["pareto_optimal"]]
         ax.scatter(dom["peak_bytes"] / MiB, dom["step_ms"], facecolors="none", edgecolors=line.get_color())
+        ax.errorbar(g["peak_bytes"] / MiB, g["step_ms"], yerr=_interval(g, "step_ms"), fmt="none",
+                    ecolor=line.get_color(), alpha=0.6, capsize=2)
         for (_, r), tag in zip(g.iterrows(), analysis.config_label(g)):
             ax.annotate(tag, (r["peak_bytes"] / MiB, r["step_ms"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points", color="k" if r["pareto_optimal"] else "0.45")
-    ax.set(xlabel="peak memory (MiB)", ylabel="step time (ms, median)",
+    ax.set(xlabel="peak memory (MiB)", ylabel="step time (ms, median, 95% interval)",
            title="Pareto frontier (filled, joined); dominated hollow")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -220,13 +236,16 @@ def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = Non
         values = df[f"peak_{cat}_bytes"].fillna(0).to_numpy(dtype=float) / MiB
         ax.bar(x, values, bottom=bottom, color=CATEGORY_COLORS[cat], label=cat.replace("_", " "))
         bottom += values
-    for xi, total, ms in zip(x, bottom, df["step_ms"]):
-        ax.text(xi, total, "" if pd.isna(ms) else f"{ms:.0f} ms", ha="center", va="bottom", fontsize=8)
+    lows = df["step_ms_low"] if "step_ms_low" in df else df["step_ms"]
+    highs = df["step_ms_high"] if "step_ms_high" in df else df["step_ms"]
+    for xi, total, ms, low, high in zip(x, bottom, df["step_ms"], lows, highs):
+        text = "" if pd.isna(ms) else f"{ms:.0f} ms" + ("" if pd.isna(low) else f"\n[{low:.0f}, {high:.0f}]")
+        ax.text(xi, total, text, ha="center", va="bottom", fontsize=8)
     if limit_bytes:
         ax.axhline(limit_bytes / MiB, color="k", ls="--", lw=1, label=f"limit {limit_bytes / MiB:.0f} MiB")
     ax.set_xticks(x, df[label].astype(str), rotation=20, ha="right")
     ax.set_ylabel("peak memory (MiB)")
-    ax.set_title("peak memory by category (step time above)")
+    ax.set_title("peak memory by category (step time, 95% interval, above)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over a bar
     fig.tight_layout()
     return _save(fig, path)
@@ -249,6 +268,37 @@ def memory_timeline(timelines: dict, path=None):
     ax.set_ylabel("live tensor memory (MiB)")
     ax.set_title("memory over one training step")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def compare_plot(df: pd.DataFrame, path=None):
+    """Peak memory against time ratio (to the first row's policy) for a `ckptlab.compare` table,
+    the 95% interval of each ratio as a horizontal error bar; ckptlab's own rows filled, anchors
+    (the other frameworks' knobs) as squares, plans at an anchor's peak as diamonds."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    rows = df[(df["status"] == "ok") & df["time_ratio"].notna()] if len(df) else df
+    if not len(rows):
+        return _save(_empty(fig, ax, "no timed configurations to plot"), path)
+    for kind, marker, colour in (("ckptlab", "o", "C0"), ("anchor", "s", "C3"), ("plan", "D", "C2")):
+        part = rows[rows["source"].map(_source_kind) == kind]
+        if not len(part):
+            continue
+        err = [part["time_ratio"] - part["time_ratio_low"], part["time_ratio_high"] - part["time_ratio"]]
+        ax.errorbar(part["time_ratio"], part["peak_bytes"] / MiB, xerr=err, fmt=marker, color=colour, capsize=3,
+                    label={"ckptlab": "ckptlab policy", "anchor": "anchor (framework knob)",
+                           "plan": "ckptlab plan at an anchor's peak"}[kind])
+        for r in part.itertuples():
+            ax.annotate(r.policy, (r.time_ratio, r.peak_bytes / MiB), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")
+    ax.axvline(1.0, color="0.6", lw=0.8, ls="--")
+    first = rows.iloc[0]
+    ax.set(xlabel=f"time ratio to {rows['timing_baseline'].iloc[0]} (median, 95% interval)",
+           ylabel="peak memory (MiB)",
+           title=f"{first['model']} b={first['batch_size']} s={first['seq_len']} {first['dtype']}: "
+                 f"{int(first['rounds'])} interleaved rounds" + (" (busy machine)" if first["busy"] else ""))
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -292,5 +342,11 @@ def trainer_plot(df, path=None):
     return _save(fig, path)
 
 
-__all__ = ["CATEGORY_COLORS", "FIGURES", "MiB", "heatmaps", "memory_time_vs_density", "memory_timeline",
-           "pareto_plot", "peak_breakdown", "redraw_all", "trainer_plot", "what_fits_plot"]
+def _source_kind(source: str) -> str:
+    if source == "ckptlab":
+        return "ckptlab"
+    return "plan" if source == "ckptlab plan" else "anchor"
+
+
+__all__ = ["CATEGORY_COLORS", "FIGURES", "MiB", "compare_plot", "heatmaps", "memory_time_vs_density",
+           "memory_timeline", "pareto_plot", "peak_breakdown", "redraw_all", "trainer_plot", "what_fits_plot"]

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from ..core.children import die_with_parent, exit_when_orphaned
 from ..core.records import new_record
+from ..probe.compare import measure_together
 from ..probe.distributed import measure_sharded
 from ..probe.measure import measure
 from ..workloads.registry import get_workload
@@ -53,6 +54,8 @@ class Grid:
     optimizer: str
     model_overrides: dict = field(default_factory=dict)
     nproc: int = 1   # ranks per cell: > 1 measures under FSDP2 (ckptlab.probe.distributed)
+    target_ci: float = 0.02    # timing: stop at this relative interval half-width ...
+    max_seconds: float = 5.0   # ... or after this many seconds of timing rounds per cell group
 
     def cells(self) -> list[dict]:
         """Every cell, in run order (batch innermost, ascending)."""
@@ -98,8 +101,14 @@ def run_cells(grid: Grid, writer: RunWriter, done: list[dict], isolate: bool, pr
         records.append(record)
         bar.update(1)
 
+    oom = OomInference(grid, infer_oom, done)
     try:
-        measure_cells(grid, todo, measure_one, keep, OomInference(grid, infer_oom, done))
+        if not isolate and grid.nproc == 1:  # in this process: the policies of one shape timed together
+            for group in timing_groups(todo):
+                bar.set_postfix_str(cell_id(group[0]), refresh=False)
+                measure_together_cells(grid, group, keep, oom)
+        else:
+            measure_cells(grid, todo, measure_one, keep, oom)
     finally:
         bar.close()
     return records
@@ -114,6 +123,45 @@ def measure_cells(grid: Grid, cells: list[dict], measure_one: Callable[[Grid, di
         t0 = time.perf_counter()
         record = oom.infer(cell) or measure_one(grid, cell)
         record["cell_wall_s"] = round(time.perf_counter() - t0, 4)
+        keep(record, cell)
+        oom.note(record)
+
+
+def timing_groups(cells: list[dict]) -> list[list[dict]]:
+    """The cells that differ only in policy, in grid order, batches ascending within each
+    (seq, dtype, accum): they are timed together, and an out-of-memory batch is known before
+    larger batches of the same policy come up."""
+    groups: dict[tuple, list[dict]] = {}
+    for cell in cells:
+        groups.setdefault((cell["seq_len"], cell["dtype"], cell["accum_steps"], cell["batch_size"]), []).append(cell)
+    return list(groups.values())
+
+
+def measure_together_cells(grid: Grid, cells: list[dict], keep: Callable[[dict, dict], None],
+                           oom: "OomInference") -> None:
+    """The cells of one timing group: inferred out-of-memory records as in `measure_cells`, the
+    rest measured in this process and timed together (paired rounds), then each kept."""
+    t0 = time.perf_counter()
+    inferred = [oom.infer(cell) for cell in cells]
+    todo = [cell for cell, record in zip(cells, inferred) if record is None]
+    if len(todo) > 1:
+        workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
+        first = todo[0]
+        measured = measure_together(workload, first["batch_size"], first["seq_len"], [c["policy"] for c in todo],
+                                    device=grid.device, dtype=first["dtype"], accum_steps=first["accum_steps"],
+                                    memory_limit_bytes=grid.memory_limit_bytes, optimizer=grid.optimizer,
+                                    steps=grid.steps, warmup=grid.warmup, target_ci=grid.target_ci,
+                                    max_seconds=grid.max_seconds)
+        for cell, record in zip(todo, measured):
+            record["policy"] = cell["policy"]  # the grid's spelling of it, as in the cell id
+            record.pop("source", None)
+    else:
+        measured = [run_cell(grid, cell) for cell in todo]
+    wall = round((time.perf_counter() - t0) / max(1, len(todo)), 4)
+    results = iter(measured)
+    for cell, record in zip(cells, inferred):
+        record = record or next(results)
+        record["cell_wall_s"] = wall
         keep(record, cell)
         oom.note(record)
 
@@ -164,7 +212,7 @@ def run_cell(grid: Grid, cell: dict) -> dict:
     return measure(workload, cell["batch_size"], cell["seq_len"], cell["policy"], device=grid.device,
                    dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
                    memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
-                   accum_steps=cell["accum_steps"])
+                   accum_steps=cell["accum_steps"], target_ci=grid.target_ci, max_seconds=grid.max_seconds)
 
 
 def run_isolated(grid: Grid, cell: dict, timeout_s: Optional[float] = None) -> dict:
@@ -215,4 +263,4 @@ def now() -> str:
 
 
 __all__ = ["CELL_TIMEOUT_S", "FIXED", "Grid", "OomInference", "cell_id", "failed_record", "inferred_oom_record", "measure_cells",
-           "now", "run_cell", "run_cells", "run_isolated"]
+           "measure_together_cells", "now", "run_cell", "run_cells", "run_isolated", "timing_groups"]

@@ -26,6 +26,7 @@ from ..core.units import parse_bytes
 from ..core.validate import choice, integer, integer_list, no_credential, non_empty, output_folder
 from ..probe.measure import check_policy_applies
 from ..probe.step import DTYPES, OPTIMIZERS, resolve_device
+from ..probe.timing import check_timing_options
 from ..workloads.registry import get_workload
 from .cells import FIXED, FIXED_DEFAULTS, Grid, now, run_cells
 from .cluster import job_options, run_as_jobs
@@ -40,7 +41,8 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
               seq_lens: Sequence[int] = (64,), policies: Sequence[str] = ("none", "density=0.5", "full"),
               dtypes: Sequence[str] = ("fp32",), accum_steps: Sequence[int] = (1,), device: str = "cpu",
               memory_limit=None, steps: int = 3, warmup: int = 1, seed: int = 0,
-              optimizer: str = "adamw", model_overrides: Optional[dict] = None, nproc: int = 1) -> Grid:
+              optimizer: str = "adamw", model_overrides: Optional[dict] = None, nproc: int = 1,
+              target_ci: float = 0.02, max_seconds: float = 5.0) -> Grid:
     """Validate every grid value; raise ValueError naming the parameter, the value and what is
     allowed. Nothing is built on a real device and nothing is written."""
     overrides = dict(model_overrides or {})
@@ -62,10 +64,12 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
     dtypes = [choice("dtypes", d, list(DTYPES)) for d in dict.fromkeys(non_empty("dtypes", dtypes))]
     choice("optimizer", optimizer, OPTIMIZERS)
     dev = resolve_device(device)
+    check_timing_options(target_ci, max_seconds)
     return Grid(model=model, batch_sizes=batch_sizes, seq_lens=seq_lens, policies=parsed, dtypes=dtypes,
                 accum_steps=accum_steps, device=str(dev), memory_limit_bytes=parse_bytes(memory_limit),
                 steps=integer("steps", steps, 1), warmup=integer("warmup", warmup, 0), seed=seed,
-                optimizer=optimizer, model_overrides=overrides, nproc=integer("nproc", nproc, 1))
+                optimizer=optimizer, model_overrides=overrides, nproc=integer("nproc", nproc, 1),
+                target_ci=float(target_ci), max_seconds=float(max_seconds))
 
 
 def run_sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (64,),
@@ -77,7 +81,8 @@ def run_sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), s
           cell_timeout_s: Optional[float] = None, nproc: int = 1, executor: str = "local",
           cluster: Optional[str] = None, slurm_partition: Optional[str] = None,
           slurm_gpus_per_job: Optional[int] = None, slurm_time_min: int = 60,
-          slurm_account: Optional[str] = None, cells_per_job: int = 1, submitit_folder=None):
+          slurm_account: Optional[str] = None, cells_per_job: int = 1, submitit_folder=None,
+          target_ci: float = 0.02, max_seconds: float = 5.0):
     """Measure every cell of the grid; return all of the run's records as a pandas DataFrame.
 
     Grid axes: `batch_sizes` (micro-batch), `seq_lens`, `policies` (strings such as "none",
@@ -85,6 +90,12 @@ def run_sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), s
     `accum_steps` (gradient accumulation: effective batch = batch x accum). Run-level: `model`
     (preset) + `model_overrides`, `device`, `memory_limit` (e.g. "2GiB"; emulated on CPU),
     `steps`/`warmup` timing, `seed`, `optimizer`.
+
+    Timing: in-process cells (not isolated, one rank) of one (batch, seq, dtype, accum) are
+    timed together with the interleaved protocol (`ckptlab.probe.timing`): their records carry
+    the paired `time_ratio` to the group's first policy with its 95% interval; every cell's
+    `step_ms` carries its interval (`step_ms_low/high`). Rounds continue (at least `steps`)
+    until the interval is within ±`target_ci` or `max_seconds` of timing per group.
 
     out      run folder (default results/sweep-<timestamp>); records.jsonl, run.json, figures/.
     isolate  one subprocess per cell (default: True on CUDA, False on CPU).
@@ -107,7 +118,7 @@ def run_sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), s
     another sweep is writing to `out`.
     """
     grid = make_grid(model, batch_sizes, seq_lens, policies, dtypes, accum_steps, device, memory_limit,
-                     steps, warmup, seed, optimizer, model_overrides, nproc)
+                     steps, warmup, seed, optimizer, model_overrides, nproc, target_ci, max_seconds)
     isolate = grid.device.startswith("cuda") if isolate is None else bool(isolate)
     out = output_folder("out", Path("results") / dt.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
                         if out is None else out)

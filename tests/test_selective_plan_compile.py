@@ -1,4 +1,4 @@
-"""The policies issue 7 adds: selective (op-level), +offload, plan=..., budget=..., compile[:budget]."""
+"""Policies beyond whole blocks: selective (op-level), +offload, plan=..., budget=..., compile[:budget]."""
 
 import pytest
 import torch
@@ -56,7 +56,7 @@ def test_parse_and_round_trip(text, expected):
      ("compile:budget=2", "[0, 1]"), ("compile:budgt=0.5", "compile:budget=B"),
      ("full+density=0.5", "offload only"), ("offload+offload", "offload only")],
 )
-def test_invalid_new_policies_name_the_value(text, fragment):
+def test_invalid_policies_name_the_value(text, fragment):
     with pytest.raises(ValueError, match="invalid") as info:
         parse_policy(text)
     assert fragment in str(info.value)

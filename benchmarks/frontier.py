@@ -1,0 +1,121 @@
+"""ckptlab against the knobs users would use instead, on transformers Llama shapes (CPU).
+
+For each shape, `ckptlab.compare(..., anchors=True)` measures ckptlab's uniform policies, the
+anchors (per-block torch.utils.checkpoint, torch.compile with activation_memory_budget=0.5,
+transformers' own checkpointing full / every_n_layers=2 / 4, SAC through transformers'
+context_fn) and the planner's plan at each anchor's measured peak, all timed together. Then, per
+anchor, the fastest ckptlab configuration (policy or plan) whose measured peak is at or below the
+anchor's, and its time against the anchor's: the paired per-round ratio with its 95% interval.
+
+    python benchmarks/frontier.py --shapes small --max-seconds 90 --out results/frontier
+    python benchmarks/frontier.py --shapes medium --seq 128 --max-seconds 60
+
+On 2 CPU cores shared with other jobs (load 7-11) one thread, `small` took 21 min and `medium` at
+seq 128 took 19 min (most of it torch.compile and the planner's profile); `medium` at its full
+seq 512 needs several times that, so run it on an idle machine or a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ckptlab import compare, get_workload
+from ckptlab.core.units import format_bytes
+from ckptlab.probe.compare import paired_ratio
+
+# Llama blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention) at two widths; the vocabulary is
+# kept small so that the blocks, not the logits, hold most activation memory.
+SHAPES = {
+    "small": dict(overrides=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=2048, max_position_embeddings=512),
+                  batch_size=4, seq_len=256),
+    "medium": dict(overrides=dict(num_hidden_layers=12, hidden_size=512, intermediate_size=1376, num_attention_heads=8,
+                                  num_key_value_heads=4, vocab_size=2048, max_position_embeddings=512),
+                   batch_size=2, seq_len=512),
+}
+POLICIES = ["none", "every=4", "every=2", "density=0.5", "selective", "full"]
+CKPTLAB_SOURCES = ("ckptlab", "ckptlab plan")
+
+
+def best_per_anchor(df):
+    """Per anchor that ran: the fastest ckptlab row at or below its peak, and the paired ratio."""
+    ok = df[df["status"] == "ok"]
+    ours = ok[ok["source"].isin(CKPTLAB_SOURCES)]
+    out = []
+    for anchor in ok[~ok["source"].isin(CKPTLAB_SOURCES)].itertuples():
+        fitting = ours[ours["peak_bytes"] <= anchor.peak_bytes]
+        row = {"anchor": anchor.policy, "anchor_peak": anchor.peak_bytes, "anchor_ratio": anchor.time_ratio,
+               "anchor_low": anchor.time_ratio_low, "anchor_high": anchor.time_ratio_high}
+        if not len(fitting):
+            out.append({**row, "ckptlab": None})
+            continue
+        best = fitting.loc[fitting["time_ratio"].idxmin()]
+        ratio, low, high = paired_ratio(df, best["policy"], anchor.policy)
+        out.append({**row, "ckptlab": best["policy"], "ckptlab_peak": best["peak_bytes"],
+                    "ckptlab_ratio": best["time_ratio"], "vs_anchor": ratio, "vs_anchor_low": low,
+                    "vs_anchor_high": high})
+    return out
+
+
+def print_report(name, df, best) -> None:
+    first = df[df["status"] == "ok"].iloc[0]
+    print(f"\n## {name}: {first['model']} {SHAPES[name]['overrides']['num_hidden_layers']} layers "
+          f"d={SHAPES[name]['overrides']['hidden_size']}, batch {first['batch_size']} x seq {first['seq_len']}, "
+          f"{first['dtype']}, {first['device_name']}")
+    print(f"{int(first['rounds'])} interleaved rounds, {int(first['threads'])} threads, load "
+          f"{first['load_before']:.1f} -> {first['load_after']:.1f}{' (busy)' if first['busy'] else ''}; "
+          f"time ratios to `none`, 95% intervals\n")
+    print("| configuration | source | peak | step ms | time ratio [95% CI] |")
+    print("|---|---|---|---|---|")
+    for r in df.itertuples():
+        if r.status != "ok":
+            print(f"| {r.policy} | {r.source} | - | - | {r.status}: {str(r.message)[:80]} |")
+            continue
+        print(f"| {r.policy} | {r.source} | {format_bytes(r.peak_bytes)} | {r.step_ms:.0f} | "
+              f"{r.time_ratio:.3f} [{r.time_ratio_low:.3f}, {r.time_ratio_high:.3f}] |")
+    print("\n| anchor | its peak | its time ratio | best ckptlab at or below that peak | its peak | "
+          "ckptlab time / anchor time [95% CI] |")
+    print("|---|---|---|---|---|---|")
+    for b in best:
+        anchor = (f"| {b['anchor']} | {format_bytes(b['anchor_peak'])} | "
+                  f"{b['anchor_ratio']:.3f} [{b['anchor_low']:.3f}, {b['anchor_high']:.3f}] |")
+        if b["ckptlab"] is None:
+            print(anchor + " none fits | - | - |")
+            continue
+        verdict = ("faster" if b["vs_anchor_high"] < 1 else "slower" if b["vs_anchor_low"] > 1 else "no difference")
+        print(anchor + f" {b['ckptlab']} | {format_bytes(b['ckptlab_peak'])} | {b['vs_anchor']:.3f} "
+                       f"[{b['vs_anchor_low']:.3f}, {b['vs_anchor_high']:.3f}] ({verdict}) |")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="small,medium", help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--seq", type=int, default=None, help="override every shape's sequence length")
+    parser.add_argument("--max-seconds", type=float, default=120, help="timing budget per shape")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared machine)")
+    parser.add_argument("--out", default=None, help="folder: one compare table per shape")
+    args = parser.parse_args(argv)
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for name in names:
+        if name not in SHAPES:
+            parser.error(f"--shapes: {name!r} is invalid: allowed are {', '.join(SHAPES)}")
+    torch.set_num_threads(args.threads)
+    for name in names:
+        shape = SHAPES[name]
+        workload = get_workload("hf-llama-tiny", **shape["overrides"])
+        t0 = time.perf_counter()
+        df = compare(workload, shape["batch_size"], args.seq or shape["seq_len"], POLICIES, anchors=True,
+                     max_seconds=args.max_seconds, out=Path(args.out) / name if args.out else None)
+        print_report(name, df, best_per_anchor(df))
+        print(f"\n({time.perf_counter() - t0:.0f} s for this shape)")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Policies side by side at one shape, timed together, against the knobs a user would pick instead.
+
+    df = ckptlab.compare("gpt-tiny", 4, 64, ["none", "density=0.5", "full"], anchors=True)
+
+Each configuration's model is built once and its memory measured once with the live-tensor
+tracker (as `measure` does); then all of them are timed together with the interleaved protocol of
+`ckptlab.probe.timing`, so every row's `time_ratio` (to the first policy) carries a 95% interval and
+`significant` says whether that interval excludes 1.
+
+Anchors (`anchors=True`) are applied with their own framework's API, not through ckptlab:
+
+    torch.utils.checkpoint        `checkpoint(block.forward, ..., use_reentrant=False)` per block
+    torch.compile                 `torch.compile` with `activation_memory_budget=0.5`
+    transformers (its models)     `activation_checkpointing_enable()` (or the older
+                                  `gradient_checkpointing_enable()`): every layer, and
+                                  `every_n_layers=2` / `4`, and PyTorch op-level SAC handed in as
+                                  its `context_fn` (matmul and attention outputs saved)
+
+and for each anchor that ran, the planner's plan (`plan_budget`) at that anchor's measured peak.
+An anchor that cannot run here (no compiler, an old transformers) is a row with status "error"
+and the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import pandas as pd
+import torch
+import torch._dynamo
+import torch._functorch.config as functorch_config
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from ..checkpoint.blocks import find_blocks
+from ..core.policy import parse_policy
+from ..core.records import new_record
+from ..workloads.base import Workload
+from ..workloads.registry import get_workload
+from .measure import MAX_ROUNDS, failures_recorded, policy_applier, prepare_step, resolve_policy
+from .plan import plan_budget
+from .step import DTYPES, device_name, resolve_device
+from .timing import bootstrap_median, check_timing_options, time_interleaved
+from .verify import gradient_difference, step_gradients
+
+COLUMNS = ["policy", "source", "effective_density", "peak_bytes", "saved_activation_bytes", "step_ms",
+           "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high", "significant",
+           "rounds", "threads", "load_before", "load_after", "busy", "status", "message"]
+COMPILE_ANCHOR_BUDGET = 0.5
+OPTIMIZER = "adamw"
+CKPTLAB = "ckptlab"
+
+
+@dataclass
+class Config:
+    """One row of the comparison: a label, where it comes from, and how to apply it to a model
+    (`apply(model, record) -> (model to run, compiled?, handle or None)`, as `prepare_step`
+    takes it). `compile_budget` is the activation memory budget a compiled model needs in force
+    whenever it (re)compiles."""
+
+    policy: str
+    source: str
+    apply: Optional[Callable] = None
+    compile_budget: Optional[float] = None
+    anchor: bool = False
+
+
+@dataclass
+class Shape:
+    """What every configuration of one comparison shares: workload, shape and run settings."""
+
+    workload: Workload
+    batch_size: int
+    seq_len: int
+    dtype: str
+    dev: torch.device
+    accum_steps: int = 1
+    memory_limit_bytes: Optional[int] = None
+    optimizer: str = OPTIMIZER
+    min_rounds: int = 5
+    warmup: int = 1
+
+    @property
+    def limit(self) -> Optional[int]:
+        """The limit `prepare_step` caps a CUDA process at: the device's capacity by default."""
+        if self.memory_limit_bytes is None and self.dev.type == "cuda":
+            return torch.cuda.get_device_properties(self.dev).total_memory
+        return self.memory_limit_bytes
+
+
+def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: Sequence[str] | str, *,
+            dtype: str = "fp32", device: str = "cpu", target_ci: float = 0.02, max_seconds: float = 120,
+            anchors: bool = False, verify: bool = False, out: Optional[str | Path] = None) -> pd.DataFrame:
+    """One row per configuration (module docstring); the first policy is the time baseline.
+
+    `target_ci`/`max_seconds` control the timing protocol (stop at ±target_ci or after
+    max_seconds of timing); `verify=True` adds `max_grad_diff` (the largest absolute difference of
+    loss and parameter gradients against no checkpointing, same weights, batch and seed);
+    `out=DIR` writes compare.csv and compare.json there (`ckptlab.report.plots.compare_plot` draws them)."""
+    workload = get_workload(workload) if isinstance(workload, str) else workload
+    policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
+    policies = list(dict.fromkeys(str(parse_policy(p)) if isinstance(p, str) and p else p for p in policies))
+    _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
+    dev = resolve_device(device)
+    configs = [_ckptlab_config(p) for p in policies]
+    if anchors:
+        configs += anchor_configs(workload)
+
+    shape = Shape(workload, batch_size, seq_len, dtype, dev)
+
+    def add_plans(rows, steps):
+        for anchor_row in [r for r in rows if r["source"] != CKPTLAB and r["status"] == "ok"]:
+            _add_plan_for(anchor_row, shape, rows, steps, configs)
+
+    rows = _measure(configs, shape, target_ci, max_seconds, add_plans if anchors else None,
+                    (lambda rows: _verify(rows, configs, shape)) if verify else None)
+    df = pd.DataFrame(rows)
+    df = df[[c for c in COLUMNS if c in df] + [c for c in df if c not in COLUMNS]]
+    if out is not None:
+        write(df, out)
+    return df
+
+
+def measure_together(workload: Workload, batch_size: int, seq_len: int, policies: Sequence[str], *,
+                     device: str = "cpu", dtype: str = "fp32", accum_steps: int = 1,
+                     memory_limit_bytes: Optional[int] = None, optimizer: str = OPTIMIZER, steps: int = 5,
+                     warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 30) -> list[dict]:
+    """ckptlab policies at one (batch, seq, dtype, accum), each measured like `measure` (same
+    record), then timed together: the records carry paired time ratios to the first policy that
+    ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`make_grid`)."""
+    shape = Shape(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
+                  optimizer, steps, warmup)
+    return _measure([_ckptlab_config(p) for p in policies], shape, target_ci, max_seconds)
+
+
+def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None) -> list[dict]:
+    rows, steps = [], {}
+    torch._dynamo.reset()
+    try:
+        for config in configs:
+            _prepare(config, shape, rows, steps)
+        if after_prepare is not None:
+            after_prepare(rows, steps)
+        _time_together(rows, steps, shape, target_ci, max_seconds)
+        if after_timing is not None:
+            after_timing(rows)
+    finally:
+        steps.clear()
+        torch._dynamo.reset()
+    return rows
+
+
+def paired_ratio(df: pd.DataFrame, policy: str, versus: str, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high) of `policy`'s per-round time over `versus`'s, from one comparison's
+    rows (the same rounds): the paired ratio between any two rows, not only against the first."""
+    rows = df.set_index("policy")
+    a, b = (pd.Series(rows.loc[p, "round_ms"], dtype=float).to_numpy() for p in (policy, versus))
+    return bootstrap_median(a / b, seed)
+
+
+def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= 1")
+    if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
+    if not policies or any(not isinstance(p, str) or not p for p in policies):
+        raise ValueError(f"policies={policies!r} is invalid: allowed is a non-empty list of policy strings")
+    n_blocks = len(find_blocks(workload.build("meta")))
+    for p in policies:
+        policy = parse_policy(p)
+        if policy.kind != "budget" and not policy.kind.startswith("hf"):
+            policy.regions(n_blocks)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
+    check_timing_options(target_ci, max_seconds)
+
+
+# ----------------------------------------------------------------------------- configurations
+
+def _ckptlab_config(text: str) -> Config:
+    policy = parse_policy(text)
+    budget = (1.0 if policy.value is None else policy.value) if policy.kind == "compile" else None
+    return Config(str(policy), CKPTLAB, None, budget)
+
+
+def anchor_configs(workload: Workload) -> list[Config]:
+    """The knobs a user would use instead of ckptlab, for this workload (module docstring)."""
+    configs = [
+        Config("torch.utils.checkpoint per block", "torch.utils.checkpoint", _per_block_checkpoint, anchor=True),
+        Config(f"torch.compile activation_memory_budget={COMPILE_ANCHOR_BUDGET}", "torch.compile",
+               _compiled, COMPILE_ANCHOR_BUDGET, anchor=True),
+    ]
+    if _is_transformers(workload):
+        configs += [
+            Config("transformers checkpointing (every layer)", "transformers", _transformers_checkpointing(), anchor=True),
+            Config("transformers every_n_layers=2", "transformers", _transformers_checkpointing(every_n_layers=2),
+                   anchor=True),
+            Config("transformers every_n_layers=4", "transformers", _transformers_checkpointing(every_n_layers=4),
+                   anchor=True),
+            Config("transformers + torch SAC (context_fn)", "transformers + torch SAC",
+                   _transformers_checkpointing(selective=True), anchor=True),
+        ]
+    return configs
+
+
+def _is_transformers(workload: Workload) -> bool:
+    try:
+        from transformers import PreTrainedModel  # noqa: PLC0415 - transformers comes with the hf extra
+    except ImportError:
+        return False
+    return isinstance(workload.build("meta"), PreTrainedModel)
+
+
+def _per_block_checkpoint(model, record):
+    blocks = find_blocks(model)
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    _checkpointed(record, len(blocks), range(len(blocks)))
+    return model, False, None
+
+
+def _compiled(model, record):
+    record["note"] = "torch.compile: peak from the profiler's allocator events"
+    return torch.compile(model), True, None
+
+
+def _sac_ops() -> list:
+    """What PyTorch's selective-checkpointing docs save: matmul and attention outputs."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+    return [aten.mm.default, aten.addmm.default, aten.bmm.default] + [
+        getattr(aten, n).default for n in names if hasattr(aten, n)]
+
+
+def _transformers_checkpointing(every_n_layers: Optional[int] = None, selective: bool = False):
+    def apply(model, record):
+        from ..checkpoint.hf import checkpointing_methods, hf_capabilities, hf_layers  # noqa: PLC0415 - the hf extra
+
+        enable, _, kwargs_name = checkpointing_methods(model)
+        options = {}
+        if every_n_layers is not None:
+            if not hf_capabilities(model)["every_n_layers"]:
+                raise ValueError("every_n_layers is not supported by the installed transformers")
+            options["every_n_layers"] = every_n_layers
+        checkpoint_kwargs = {"use_reentrant": False}
+        if selective:
+            checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _sac_ops())
+        enable(**{kwargs_name: checkpoint_kwargs}, **options)
+        layers = hf_layers(model)
+        _checkpointed(record, len(layers), [i for i, layer in enumerate(layers) if layer.gradient_checkpointing])
+        return model, False, None
+    return apply
+
+
+def _checkpointed(record: dict, n_blocks: int, blocks) -> None:
+    blocks = list(blocks)
+    record.update(n_blocks=n_blocks, effective_density=len(blocks) / n_blocks,
+                  checkpointed_blocks=",".join(map(str, blocks)))
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def _budget(config: Config):
+    if config.compile_budget is None:
+        return contextlib.nullcontext()
+    return functorch_config.patch(activation_memory_budget=config.compile_budget)
+
+
+def _new_record(shape: Shape, policy: str, source: str) -> dict:
+    return new_record(shape.workload.name, shape.batch_size, shape.seq_len, shape.accum_steps, policy=policy,
+                      device=str(shape.dev), device_name=device_name(shape.dev), dtype=shape.dtype,
+                      optimizer=shape.optimizer, steps=shape.min_rounds, warmup=shape.warmup,
+                      memory_limit_bytes=shape.limit, source=source)
+
+
+def _prepare(config: Config, shape: Shape, rows, steps) -> None:
+    """Build, apply and measure the memory of one configuration; keep its step for timing."""
+    record = _new_record(shape, config.policy, config.source)
+    dev = shape.dev
+    with failures_recorded(record, dev), _budget(config):
+        if config.apply is None:
+            policy = resolve_policy(record, shape.workload, parse_policy(config.policy), dev, shape.dtype,
+                                    shape.optimizer)
+            config.apply = policy_applier(policy)
+        step, _ = prepare_step(record, shape.workload, config.apply, dev, shape.dtype, shape.limit, shape.optimizer)
+        steps[config.policy] = _within_budget(step, config) if step is not None else None
+    rows.append(record)
+
+
+def _within_budget(step, config: Config):
+    if config.compile_budget is None:
+        return step
+
+    def step_with_budget():
+        with _budget(config):
+            return step()
+    return step_with_budget
+
+
+PLAN_SOURCE = "ckptlab plan"
+
+
+def _add_plan_for(anchor_row: dict, shape: Shape, rows, steps, configs) -> None:
+    """The planner's plan whose predicted peak fits the anchor's measured peak, as a ckptlab row
+    (`plan_at_peak_of` names the anchors whose peak chose it: one row per distinct plan)."""
+    peak = int(anchor_row["peak_bytes"])
+    same_peak = next((r for r in rows if r["source"] == PLAN_SOURCE and r.get("plan_budget_bytes") == peak), None)
+    if same_peak is not None:
+        same_peak["plan_at_peak_of"] += f"; {anchor_row['policy']}"
+        return
+    record = _new_record(shape, f"budget={peak}B", PLAN_SOURCE)
+    record.update(plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)
+    try:
+        plan = plan_budget(shape.workload, shape.batch_size, shape.seq_len, peak, dtype=shape.dtype,
+                           optimizer=shape.optimizer)
+    except ValueError as exc:
+        rows.append({**record, "status": "error", "message": str(exc)})
+        return
+    label = str(plan.policy)
+    existing = next((r for r in rows if r["policy"] == label), None)
+    if existing is not None:  # the same plan is already a row: name this anchor there
+        existing["plan_at_peak_of"] = "; ".join(filter(None, [existing.get("plan_at_peak_of"), anchor_row["policy"]]))
+        existing.setdefault("plan_budget_bytes", peak)
+        return
+    config = Config(label, PLAN_SOURCE, policy_applier(plan.policy))
+    configs.append(config)
+    _prepare(config, shape, rows, steps)
+    rows[-1].update(plan=plan.letters, plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)
+
+
+def _time_together(rows, steps, shape: Shape, target_ci, max_seconds) -> None:
+    timed = {r["policy"]: steps[r["policy"]] for r in rows if r["status"] == "ok" and steps.get(r["policy"])}
+    if not timed:
+        return
+    timing = time_interleaved(timed, device=shape.dev, target_ci=target_ci, max_seconds=max_seconds,
+                              warmup=shape.warmup, min_rounds=shape.min_rounds,
+                              max_rounds=max(shape.min_rounds, MAX_ROUNDS))
+    for r in rows:
+        if r["policy"] in timed:
+            r.update(timing.row(r["policy"]))
+            r["round_ms"] = list(timing.times_ms[r["policy"]])  # aligned across rows: any pair can be paired
+            r["tokens_per_s"] = r["tokens"] / (r["step_ms"] / 1e3)
+
+
+def _verify(rows, configs, shape: Shape) -> None:
+    """max_grad_diff per row: fresh models from the workload's seed, one forward + backward."""
+    workload, dev = shape.workload, shape.dev
+    batch = workload.batch(shape.batch_size, shape.seq_len, dev)
+    autocast = DTYPES[shape.dtype]
+    reference = step_gradients(workload.build(dev).train(), workload, batch, workload.seed, autocast_dtype=autocast)
+    by_label = {c.policy: c for c in configs}
+    for r in rows:
+        config = by_label.get(r["policy"])
+        r["max_grad_diff"] = None
+        if r["status"] != "ok" or config is None or config.apply is None:
+            continue
+        model = workload.build(dev).train()
+        try:
+            with _budget(config):
+                runner, _, _ = config.apply(model, {})
+                loss, grads = step_gradients(model, workload, batch, workload.seed, runner=runner,
+                                             autocast_dtype=autocast)
+        except Exception as exc:  # noqa: BLE001 - the row keeps its measurements and says why
+            r["message"] = f"gradient check failed: {type(exc).__name__}: {exc}"
+            continue
+        r["max_grad_diff"] = gradient_difference(*reference, loss, grads)[0]
+
+
+# ----------------------------------------------------------------------------- output
+
+def write(df: pd.DataFrame, out: str | Path) -> Path:
+    """compare.csv and compare.json (one record per row) in `out`: everything
+    `ckptlab.report.plots.compare_plot` needs to draw the figure (the CLI draws it into out/figures/)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "compare.csv", index=False)
+    (out / "compare.json").write_text(json.dumps(df.to_dict("records"), indent=1, default=str) + "\n")
+    return out
+
+
+__all__ = ["anchor_configs", "compare", "measure_together", "paired_ratio", "write"]

@@ -1,0 +1,166 @@
+"""The timing protocol: bootstrap intervals on synthetic data with a known answer; interleaving,
+rotation, pairing and the stopping rule on steps of known duration."""
+
+import numpy as np
+import pytest
+import torch
+
+from ckptlab.probe.timing import bootstrap_median, time_interleaved, time_steps
+
+
+class FakeClock:
+    """A clock that only the steps advance: durations are exactly what a test says they are."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.drift = 1.0   # the machine's slowness this round: scales every step alike
+
+    def __call__(self):
+        return self.now
+
+    def step(self, ms: float, jitter=None):
+        def run():
+            self.now += ms / 1e3 * self.drift * (1 if jitter is None else next(jitter))
+        return run
+
+
+def test_bootstrap_interval_covers_the_known_median_and_is_deterministic():
+    rng = np.random.default_rng(1)
+    # Log-normal with median exp(0) = 1: 200 draws, 40 independent samples.
+    covered = 0
+    for _ in range(40):
+        sample = rng.lognormal(0.0, 0.3, size=200)
+        median, low, high = bootstrap_median(sample, seed=0)
+        assert low <= median <= high
+        covered += low <= 1.0 <= high
+    # A 95% interval: ~38 of 40 cover; fewer than 33 has probability < 1e-3 (binomial).
+    assert covered >= 33
+    assert bootstrap_median(sample, seed=0) == bootstrap_median(sample, seed=0)
+    # The interval narrows as the sample grows (about 1/sqrt(n)).
+    _, low_small, high_small = bootstrap_median(sample[:20], seed=0)
+    assert (high - low) < (high_small - low_small)
+
+
+def test_bootstrap_of_constant_values_is_that_value():
+    assert bootstrap_median([2.5] * 7) == (2.5, 2.5, 2.5)
+
+
+@pytest.mark.parametrize("values", [[], [1.0, float("nan")], [[1.0, 2.0]]])
+def test_bootstrap_rejects_bad_values(values):
+    with pytest.raises(ValueError, match="values=.* is invalid"):
+        bootstrap_median(values)
+
+
+def test_rounds_rotate_and_run_every_configuration_once():
+    calls = []
+    configs = {name: (lambda n=name: calls.append(n)) for name in "abc"}
+    result = time_interleaved(configs, warmup=1, min_rounds=4, max_rounds=4)
+    assert result.rounds == 4 and result.stopped == "max_rounds"
+    rounds = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert len(rounds) == 5  # one warm-up round, four timed
+    assert [r[0] for r in rounds[1:]] == ["a", "b", "c", "a"]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+
+
+def test_pairing_cancels_drift_that_hits_every_configuration_alike():
+    """The machine slows down by up to 3x from round to round (a noisy neighbour), the same for
+    every configuration in a round: the paired ratio is still exactly 2 and 1, while the step
+    times themselves spread widely."""
+    clock = FakeClock()
+    drifts = iter(np.random.default_rng(0).uniform(1.0, 3.0, size=1000))
+    calls = [0]
+
+    def timed(ms):
+        def run():
+            if calls[0] % 3 == 0:  # a new round: the machine's speed changes
+                clock.drift = next(drifts)
+            calls[0] += 1
+            clock.step(ms)()
+        return run
+
+    result = time_interleaved({"base": timed(2), "double": timed(4), "same": timed(2)}, min_rounds=8,
+                              max_rounds=40, max_seconds=60, clock=clock)
+    assert result.baseline == "base" and result.ratio["base"] == 1.0
+    assert result.stopped == "target" and result.rounds == 8
+    assert (result.ratio_low["double"], result.ratio_high["double"]) == pytest.approx((2.0, 2.0))
+    assert (result.ratio_low["same"], result.ratio_high["same"]) == pytest.approx((1.0, 1.0))
+    assert result.significant("double") and not result.significant("same")
+    assert result.step_ms_high["base"] / result.step_ms_low["base"] > 1.2   # the times alone are noisy
+    row = result.row("double")
+    assert row["step_ms_low"] <= row["step_ms"] <= row["step_ms_high"]
+    assert row["rounds"] == result.rounds and row["timing_baseline"] == "base"
+
+
+def test_paired_ratio_of_known_durations_with_independent_noise():
+    clock = FakeClock()
+    jitter = iter(np.random.default_rng(3).lognormal(0.0, 0.05, size=10_000))
+    result = time_interleaved({"base": clock.step(10, jitter), "slower": clock.step(13, jitter),
+                               "same": clock.step(10, jitter)}, min_rounds=5, max_rounds=400, max_seconds=1e6,
+                              clock=clock)
+    assert result.stopped == "target" and result.ci_half_width < 0.02
+    assert result.ratio_low["slower"] <= 1.3 <= result.ratio_high["slower"]
+    assert result.ratio_low["same"] <= 1.0 <= result.ratio_high["same"] and not result.significant("same")
+
+
+def test_stops_at_the_time_budget_after_the_minimum_rounds():
+    clock = FakeClock()
+    jitter = iter(np.random.default_rng(4).lognormal(0.0, 0.5, size=10_000))
+    budget = time_interleaved({"a": clock.step(5, jitter), "b": clock.step(5, jitter)}, min_rounds=3,
+                              max_rounds=500, target_ci=1e-9, max_seconds=0.1, clock=clock)
+    assert budget.stopped == "max_seconds" and 3 <= budget.rounds < 20 and budget.seconds <= 0.1 + 0.05
+    assert budget.ci_half_width >= 1e-9
+    short = time_interleaved({"a": clock.step(5, jitter)}, min_rounds=4, max_rounds=500, max_seconds=1e-9, clock=clock)
+    assert short.rounds == 4  # the minimum is never cut short
+
+
+def test_threads_are_set_recorded_and_restored_and_load_is_recorded():
+    before = torch.get_num_threads()
+    seen = []
+    result = time_interleaved({"a": lambda: seen.append(torch.get_num_threads())}, threads=1, min_rounds=2,
+                              max_rounds=2)
+    assert set(seen) == {1} and result.threads == 1 and torch.get_num_threads() == before
+    assert result.load_before >= 0 and result.load_after >= 0
+    assert result.busy == (max(result.load_before, result.load_after) > result.cpu_count)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"target_ci": 0}, "target_ci=0 is invalid"), ({"max_seconds": -1}, "max_seconds=-1 is invalid"),
+    ({"min_rounds": 0}, "min_rounds=0 is invalid"), ({"threads": 0}, "threads=0 is invalid"),
+    ({"min_rounds": 5, "max_rounds": 3}, "max_rounds=3 is invalid"),
+])
+def test_bad_options_are_refused_before_running(kwargs, match):
+    calls = []
+    with pytest.raises(ValueError, match=match):
+        time_interleaved({"a": lambda: calls.append(1)}, **kwargs)
+    assert not calls
+
+
+def test_time_steps_runs_exactly_the_steps_asked():
+    calls = []
+    timing = time_steps(lambda: calls.append(1), steps=3, warmup=2)
+    assert len(calls) == 5 and len(timing.step_ms) == 3
+    assert timing.min_ms <= timing.median_ms <= timing.max_ms
+
+
+def test_a_single_round_has_a_value_but_no_interval():
+    clock = FakeClock()
+    result = time_interleaved({"a": clock.step(3), "b": clock.step(6)}, min_rounds=1, max_rounds=1, clock=clock)
+    assert result.rounds == 1 and result.ratio["b"] == pytest.approx(2.0)
+    assert np.isnan(result.ratio_low["b"]) and np.isnan(result.step_ms_high["a"])
+    assert result.ci_half_width == float("inf") and not result.significant("b")
+
+
+def test_the_target_is_not_reached_on_fewer_rounds_than_an_interval_needs():
+    clock = FakeClock()
+    result = time_interleaved({"a": clock.step(3), "b": clock.step(3)}, min_rounds=1, max_rounds=100, clock=clock)
+    assert result.stopped == "target" and result.rounds == 5
+
+
+def test_a_measured_step_time_carries_its_interval_threads_and_load():
+    from ckptlab import measure
+
+    record = measure("mlp-chain", 2, 8, "none", steps=3, warmup=1, max_seconds=0.5)
+    assert record["step_ms_low"] <= record["step_ms"] <= record["step_ms_high"]
+    assert record["rounds"] >= 3 and record["threads"] == torch.get_num_threads()
+    assert record["load_before"] >= 0 and isinstance(record["busy"], bool)
+    assert record["time_ratio"] is None and record["timing_baseline"] is None  # timed alone: no ratio
