@@ -118,8 +118,8 @@ def _rewrite_paths(notebook: Path, replacements: dict[str, str]) -> None:
             return shorten_paths(node, replacements)
         if isinstance(node, list):
             return [walk(v) for v in node]
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, dict):  # embedded images are data, not text: left as they are
+            return {k: v if k.startswith("image/") else walk(v) for k, v in node.items()}
         return node
 
     book = json.loads(notebook.read_text(encoding="utf-8"))
