@@ -6,7 +6,7 @@ The package is layered in the order of the flow (docs/design.md); this module on
 import sys
 
 from .apps import notebooks
-from .checkpoint.blocks import CheckpointHandle, find_blocks
+from .checkpoint.blocks import CheckpointHandle, find_blocks, find_stacks
 from .checkpoint.wrap import apply_checkpointing
 from .core.meta import __version__
 from .core.policy import Policy, parse_policy
@@ -34,7 +34,8 @@ for _alias, _module in {"analysis": analysis, "plots": plots, "store": store, "n
 
 __all__ = [
     "CheckpointHandle", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "Workload", "__version__",
-    "apply_checkpointing", "closed_form", "compare", "compare_gradients", "equal_batch_sweep", "find_blocks", "format_bytes",
+    "apply_checkpointing", "closed_form", "compare", "compare_gradients", "equal_batch_sweep", "find_blocks",
+    "find_stacks", "format_bytes",
     "get_workload", "llama7b_shape", "load_run", "make_grid", "measure", "parse_bytes", "parse_policy", "plan_budget",
     "predict", "profile_blocks", "sweep", "time_interleaved", "time_steps", "track_memory", "what_fits",
 ]

@@ -186,12 +186,17 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _literal(text: str):
-    for kind in (int, float):
+    """A YAML scalar (or flow list: depths=[1,1,2,1]); 1e-5, which YAML 1.1 reads as text, as a float."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
         try:
-            return kind(text)
+            return float(value)
         except ValueError:
             pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+    return value
 
 
 def cmd_notebooks_run(args: argparse.Namespace) -> int:
@@ -303,8 +308,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, policy: str, lists: bool = True) -> None:
     """--model, --set, --batch, --seq, --policy, --dtype: what every measuring subcommand takes."""
     many = ", comma-separated" if lists else ""
-    p.add_argument("--model", default="gpt-tiny", help="workload preset (default: gpt-tiny)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override, e.g. --set n_layer=8")
+    p.add_argument("--model", default="gpt-tiny",
+                   help="preset (gpt-tiny, hf-llama-tiny, ...), hf:<model_type>, hf:path/config.json, hf:org/name "
+                        "(local cache), path/to/file.py:factory or package.module:factory (default: gpt-tiny)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="model override (a config field, or a keyword of your factory), e.g. --set n_layer=8")
     p.add_argument("--batch", default=batch, type=str if lists else int, help=f"batch size{'s' if lists else ''}{many}")
     p.add_argument("--seq", default=seq, type=str if lists else int, help=f"sequence length{'s' if lists else ''}{many}")
     if policy:

@@ -14,7 +14,7 @@ browser.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -25,24 +25,28 @@ from ..probe.compare import measure_together
 from ..probe.measure import measure
 from ..probe.timing import check_timing_options
 from ..report.plots import peak_breakdown
+from ..workloads.base import Workload
 from ..workloads.models import PRESETS
 from ..workloads.registry import get_workload
 
+# Offered in the model box; any other spec can be typed there (hf:qwen2, path/to/file.py:factory).
+MODEL_CHOICES = (*PRESETS, "hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny", "hf:qwen2", "hf:t5", "hf:vit")
 POLICY_CHOICES = ("none", "density", "every=2", "segments=sqrt", "full")  # "density" uses the slider
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SEQS = [16, 32, 64, 128, 256, 512, 1024]
 
 
 class Explorer:
-    def __init__(self, model: str = "gpt-tiny", batch_size: int = 4, seq_len: int = 64,
+    def __init__(self, model: Union[str, Workload] = "gpt-tiny", batch_size: int = 4, seq_len: int = 64,
                  policy: str = "density=0.5", memory_limit: Optional[str] = None,
                  device: str = "cpu", steps: int = 2, warmup: int = 1, max_seconds: float = 5.0):
         parse_policy(policy)
         parse_bytes(memory_limit)
         check_timing_options(0.02, max_seconds)
-        self.config = dict(model=model, batch_size=batch_size, seq_len=seq_len, policy=policy,
-                           memory_limit=memory_limit, device=device, steps=steps, warmup=warmup,
-                           max_seconds=max_seconds)
+        self.workload = _workload(model)
+        self.config = dict(model=model if isinstance(model, str) else self.workload.label, batch_size=batch_size,
+                           seq_len=seq_len, policy=policy, memory_limit=memory_limit, device=device, steps=steps,
+                           warmup=warmup, max_seconds=max_seconds)
         self.records: Optional[pd.DataFrame] = None
         self._widgets = None
 
@@ -52,9 +56,11 @@ class Explorer:
         new = {**self.config, **changes}
         parse_policy(new["policy"])
         parse_bytes(new["memory_limit"])
-        if new["model"] not in PRESETS:
-            raise ValueError(f"model={new['model']!r} is invalid: allowed presets are {', '.join(PRESETS)}")
-        self.config = new
+        workload = self.workload
+        if "model" in changes:
+            workload = _workload(new["model"])
+            new["model"] = workload.label if isinstance(new["model"], Workload) else new["model"]
+        self.workload, self.config = workload, new
 
     def run(self) -> pd.DataFrame:
         """Measure the chosen policy and the no-checkpointing baseline, timed together (paired
@@ -62,10 +68,11 @@ class Explorer:
         c = self.config
         policies = list(dict.fromkeys(["none", str(parse_policy(c["policy"]))]))
         if len(policies) == 1:
-            rows = [measure(c["model"], c["batch_size"], c["seq_len"], "none", device=c["device"], steps=c["steps"],
-                            warmup=c["warmup"], memory_limit=c["memory_limit"], max_seconds=c["max_seconds"])]
+            rows = [measure(self.workload, c["batch_size"], c["seq_len"], "none", device=c["device"],
+                            steps=c["steps"], warmup=c["warmup"], memory_limit=c["memory_limit"],
+                            max_seconds=c["max_seconds"])]
         else:
-            rows = measure_together(get_workload(c["model"]), c["batch_size"], c["seq_len"], policies,
+            rows = measure_together(self.workload, c["batch_size"], c["seq_len"], policies,
                                     device=c["device"], memory_limit_bytes=parse_bytes(c["memory_limit"]),
                                     steps=c["steps"], warmup=c["warmup"], max_seconds=c["max_seconds"])
         self.records = pd.DataFrame(rows)
@@ -107,14 +114,25 @@ class Explorer:
 
     # ------------------------------------------------------------------ widgets
     def on_change(self, name: str, value) -> None:
-        """A control changed: update the configuration, then measure and redraw."""
-        if name in ("policy_choice", "density"):
-            choice = self._widgets["policy_choice"].value
-            self.set(policy=f"density={self._widgets['density'].value:g}" if choice == "density" else choice)
-        elif name == "memory_limit":
-            self.set(memory_limit=value.strip() or None)
-        else:
-            self.set(**{name: value})
+        """A control changed: update the configuration, then measure and redraw. A bad value
+        (a model spec that does not load, a limit that does not parse) is shown in the output
+        area and changes nothing."""
+        try:
+            if name in ("policy_choice", "density"):
+                choice = self._widgets["policy_choice"].value
+                self.set(policy=f"density={self._widgets['density'].value:g}" if choice == "density" else choice)
+            elif name == "memory_limit":
+                self.set(memory_limit=value.strip() or None)
+            elif name == "model":
+                self.set(model=value.strip())
+            else:
+                self.set(**{name: value})
+        except ValueError as exc:
+            out = self._widgets["output"]
+            out.clear_output(wait=True)
+            with out:
+                print(f"error: {exc}")
+            return
         self.refresh()
 
     def refresh(self) -> None:
@@ -140,7 +158,9 @@ class Explorer:
         kind, _, value = c["policy"].partition("=")
         choices = list(dict.fromkeys(POLICY_CHOICES + (c["policy"] if kind != "density" else "density",)))
         controls = dict(
-            model=w.Dropdown(options=[n for n in PRESETS], value=c["model"], description="model"),
+            model=w.Combobox(options=list(dict.fromkeys((*MODEL_CHOICES, c["model"]))), value=c["model"],
+                             description="model", placeholder="preset, hf:<type> or file.py:factory",
+                             ensure_option=False, continuous_update=False),
             batch_size=w.SelectionSlider(options=BATCHES, value=c["batch_size"], description="batch",
                                          continuous_update=False),
             seq_len=w.SelectionSlider(options=SEQS, value=c["seq_len"], description="seq",
@@ -176,3 +196,7 @@ class Explorer:
         fig = self.figure()
         display(fig)
         plt.close(fig)
+
+
+def _workload(model: Union[str, Workload]) -> Workload:
+    return model if isinstance(model, Workload) else get_workload(model)

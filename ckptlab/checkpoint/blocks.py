@@ -1,4 +1,5 @@
-"""A model's repeated blocks and the handle a checkpoint policy leaves on them."""
+"""The handle a checkpoint policy leaves on a model's repeated blocks (found by
+`workloads.stacks`: every stack of them, in run order)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..core.policy import Policy
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: the largest ModuleList/Sequential whose children all have one
-    type (`blocks`, Hugging Face `model.layers`, `transformer.h`, `encoder.layer`, ...)."""
-    best: list[nn.Module] = []
-    for container in model.modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(container.children())
-        if len(children) >= 2 and len({type(c) for c in children}) == 1 and len(children) > len(best):
-            best = children
-    if not best:
-        raise ValueError(
-            f"model of type {type(model).__name__} has no repeated blocks: expected an "
-            "nn.ModuleList or nn.Sequential of >= 2 modules of one type; pass blocks=[...] explicitly"
-        )
-    return best
+from ..workloads.stacks import BlockStack, describe_stacks, find_blocks, find_stacks
 
 
 class CheckpointHandle:
@@ -34,10 +18,12 @@ class CheckpointHandle:
     Usable as a context manager: checkpointing is removed when the `with` block ends.
     """
 
-    def __init__(self, policy: Policy, blocks: Sequence[nn.Module], regions: list[tuple[int, int]]):
+    def __init__(self, policy: Policy, blocks: Sequence[nn.Module], regions: list[tuple[int, int]],
+                 stacks: Sequence[BlockStack] = ()):
         self.policy = policy
         self.blocks = list(blocks)
         self.regions = regions
+        self.stacks = list(stacks)   # the stacks the blocks were found in (empty: blocks given)
         self._forward_block_runs = 0  # block forwards that ran inside checkpoint during forward
         self._region_block_runs = 0   # block forwards run by checkpointed regions, recomputes too
         self._removed = False
@@ -53,6 +39,11 @@ class CheckpointHandle:
     @property
     def effective_density(self) -> float:
         return len(self.checkpointed_blocks) / self.n_blocks
+
+    @property
+    def stacks_found(self) -> str:
+        """'encoder.block[6] + decoder.block[6]', or 'given[N]' for blocks passed explicitly."""
+        return describe_stacks(self.stacks) if self.stacks else f"given[{self.n_blocks}]"
 
     @property
     def recompute_count(self) -> int:
@@ -90,6 +81,20 @@ def remove_earlier_policies(blocks: Sequence[nn.Module]) -> None:
             previous.remove()
 
 
+def split_at_stacks(regions: list[tuple[int, int]], stacks: Sequence[BlockStack]) -> list[tuple[int, int]]:
+    """Regions cut where one stack ends and the next begins: a segment runs its blocks one into
+    the next, which the last encoder block and the first decoder block do not."""
+    starts, n = set(), 0
+    for stack in stacks:
+        starts.add(n)
+        n += len(stack.blocks)
+    out = []
+    for start, stop in regions:
+        cuts = [start] + [i for i in range(start + 1, stop) if i in starts] + [stop]
+        out.extend(zip(cuts[:-1], cuts[1:]))
+    return out
+
+
 def hidden_state(out):
     """The hidden-state tensor of a block's output: the tensor itself, or the first element of
     the tuple that older Hugging Face layers return."""
@@ -97,4 +102,5 @@ def hidden_state(out):
 
 
 
-__all__ = ["CheckpointHandle", "find_blocks", "hidden_state", "remove_earlier_policies"]
+__all__ = ["BlockStack", "CheckpointHandle", "find_blocks", "find_stacks", "hidden_state", "remove_earlier_policies",
+           "split_at_stacks"]

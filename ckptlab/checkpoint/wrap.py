@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -22,7 +23,7 @@ from torch.utils.checkpoint import (
 )
 
 from ..core.policy import Policy, parse_policy
-from .blocks import CheckpointHandle, find_blocks, hidden_state, remove_earlier_policies
+from .blocks import CheckpointHandle, find_stacks, hidden_state, remove_earlier_policies, split_at_stacks
 
 
 def apply_checkpointing(
@@ -56,8 +57,9 @@ def apply_checkpointing(
         # In-function: transformers is an optional, heavy dependency (extra ckptlab[hf]).
         from .hf import apply_hf_checkpointing  # noqa: PLC0415 - needs transformers, the hf extra
         return apply_hf_checkpointing(model, policy, blocks, options, early_stop)
-    blocks = list(blocks) if blocks is not None else find_blocks(model)
-    regions = policy.regions(len(blocks))  # raises before the model is touched
+    stacks = find_stacks(model) if blocks is None else []
+    blocks = list(blocks) if blocks is not None else [b for s in stacks for b in s.blocks]
+    regions = split_at_stacks(policy.regions(len(blocks)), stacks)  # raises before the model is touched
     remove_earlier_policies(blocks)
     modes = policy.modes(len(blocks)) if policy.kind in ("selective", "plan") else None
     if modes and any(m.startswith("selective") for m in modes):
@@ -66,7 +68,7 @@ def apply_checkpointing(
                              "checkpointing needs non-reentrant checkpoint")
         if context_fn is not None:
             raise ValueError(f"context_fn is invalid with policy={policy}: the policy sets its own")
-    handle = CheckpointHandle(policy, blocks, regions)
+    handle = CheckpointHandle(policy, blocks, regions, stacks)
     for start, stop in regions:
         mode = modes[start] if modes else "full"
         region_options = options
@@ -183,7 +185,7 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
             with _paused(handle):
                 out = run_region(*args, **kwargs)
         if len(region) > 1:
-            stash[:] = [out, 1]
+            stash[:] = [out, 1, args[1:], kwargs]
         return out
 
     def follower_forward(hidden, *args, **kwargs):
@@ -191,6 +193,16 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
             raise RuntimeError(
                 "segments policy: blocks were not called in order with each block's output fed to "
                 "the next; use a per-block policy (full, density, every, layers) for this model"
+            )
+        if not _same_arguments((args, kwargs), (stash[2], stash[3])):
+            # The segment ran this block with the first block's other arguments (T5 hands layer
+            # 0's position bias to the later layers): its output would be wrong.
+            stash.clear()
+            raise RuntimeError(
+                "segments policy: a later block of a segment was called with other arguments than the "
+                "first (besides the hidden state), so running the segment from the first block's "
+                "arguments would change the result; use a per-block policy (full, density, every, "
+                "layers) for this model"
             )
         out = stash[0]
         stash[1] += 1
@@ -219,3 +231,13 @@ def _paused(handle: CheckpointHandle):
         yield
     finally:
         handle._region_block_runs = runs
+
+
+def _same_arguments(a, b) -> bool:
+    """Same structure, the same objects (tensors by identity, plain values by equality)."""
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    return all(x is y or (isinstance(x, (int, float, str, bool)) and type(x) is type(y) and x == y)
+               for x, y in zip(leaves_a, leaves_b))

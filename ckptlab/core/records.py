@@ -9,8 +9,11 @@ PHASES = ("setup", "forward", "backward", "optimizer")
 STATUSES = ("ok", "oom", "error")
 
 FIELDS: dict[str, object] = {
-    "model": None,
+    "model": None,                    # the spec that re-creates the workload (a preset name, hf:..., file.py:factory)
+    "model_hash": None,               # content hash of the file that defines a spec's model (None: built in)
+    "loss_fn": None,                  # the training step's loss
     "n_blocks": None,
+    "block_stacks": None,             # the stacks of repeated blocks found: "encoder.block[6] + decoder.block[6]"
     "batch_size": None,
     "seq_len": None,
     "accum_steps": 1,

@@ -167,7 +167,7 @@ def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_second
     integer("batch_size", batch_size, 1)
     integer("seq_len", seq_len, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
+        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
     if not policies or any(not isinstance(p, str) or not p for p in policies):
         raise ValueError(f"policies={policies!r} is invalid: allowed is a non-empty list of policy strings")
     for p in policies:
@@ -269,10 +269,11 @@ def _budget(config: Config):
 
 
 def _new_record(shape: Shape, policy: str, source: str) -> dict:
-    return new_record(shape.workload.name, shape.batch_size, shape.seq_len, shape.accum_steps, policy=policy,
+    return new_record(shape.workload.label, shape.batch_size, shape.seq_len, shape.accum_steps, policy=policy,
                       device=str(shape.dev), device_name=device_name(shape.dev), dtype=shape.dtype,
                       optimizer=shape.optimizer, steps=shape.min_rounds, warmup=shape.warmup,
-                      memory_limit_bytes=shape.limit, source=source)
+                      memory_limit_bytes=shape.limit, source=source, model_hash=shape.workload.spec_hash,
+                      loss_fn=shape.workload.loss_name)
 
 
 def _prepare(config: Config, shape: Shape, rows, steps) -> None:

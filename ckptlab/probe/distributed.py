@@ -40,7 +40,6 @@ the same per-rank code, rank 0 prints the record.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import socket
@@ -131,11 +130,14 @@ def sharded_gradients(workload: Workload | str, batch_size: int, seq_len: int, p
 def _spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, warmup, memory_limit,
           optimizer, accum_steps, seed, model_overrides) -> dict:
     """Validate everything before any process starts; the JSON spec every rank reads."""
-    name = workload if isinstance(workload, str) else workload.name
     overrides = dict(model_overrides or {})
     if not isinstance(workload, str):
-        seed, overrides = workload.seed, {**dataclass_fields(workload.config), **overrides}
-    get_workload(name, seed=seed, **overrides)   # validates name and overrides
+        if workload.spec is None:
+            raise ValueError(f"workload {workload.name!r} is invalid for ranks: each rank process re-creates the "
+                             "workload from its spec; define it in a file and pass 'path/to/file.py:factory'")
+        seed, overrides = workload.seed, {**workload.overrides, **overrides}
+    name = workload if isinstance(workload, str) else workload.spec
+    model_hash = get_workload(name, seed=seed, **overrides).spec_hash   # validates name and overrides
     integer("nproc", nproc, 1)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
@@ -147,13 +149,9 @@ def _spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, 
     for label, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps), ("accum_steps", accum_steps)):
         integer(label, value, 1)
     policies = [str(parse_policy(p)) for p in ([policies] if isinstance(policies, str) else policies)]
-    return dict(model=name, seed=seed, overrides=overrides, batch_size=batch_size, seq_len=seq_len,
+    return dict(model=name, model_hash=model_hash, seed=seed, overrides=overrides, batch_size=batch_size, seq_len=seq_len,
                 policies=policies, device_type=dev_type, dtype=dtype, steps=steps, warmup=warmup,
                 memory_limit_bytes=parse_bytes(memory_limit), optimizer=optimizer, accum_steps=accum_steps)
-
-
-def dataclass_fields(config) -> dict:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> str:
@@ -298,7 +296,7 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     model = workload.build(dev)
     model.train()
     handle = shard_model(model, parse_policy(spec["policy"]), world, dev.type)
-    out.update(n_blocks=handle.n_blocks, effective_density=handle.effective_density,
+    out.update(n_blocks=handle.n_blocks, block_stacks=handle.stacks_found, effective_density=handle.effective_density,
                checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)))
     batch = rank_batch(workload, spec["batch_size"], spec["seq_len"], rank, world, dev)
     optimizer = make_optimizer(spec["optimizer"], model)
@@ -339,7 +337,7 @@ def _base_record(spec: dict, world: int) -> dict:
                       policy=spec["policy"], device=spec["device_type"], dtype=spec["dtype"],
                       optimizer=spec["optimizer"], steps=spec["steps"], warmup=spec["warmup"],
                       memory_limit_bytes=spec["memory_limit_bytes"], sharding="fsdp2", peak_bytes_per_rank=None,
-                      start_bytes_per_rank=None)
+                      start_bytes_per_rank=None, model_hash=spec.get("model_hash"))
 
 
 def combine(ranks: list[dict]) -> dict:
@@ -348,7 +346,7 @@ def combine(ranks: list[dict]) -> dict:
     record = _base_record(r0["spec"], r0["world_size"])
     bad = next((r for r in ranks if r.get("fits") is False), None) or next(
         (r for r in ranks if r.get("status") != "ok"), None)
-    record.update({k: r0.get(k) for k in ("n_blocks", "effective_density", "checkpointed_blocks",
+    record.update({k: r0.get(k) for k in ("n_blocks", "block_stacks", "effective_density", "checkpointed_blocks",
                                           "device_name", "saved_activation_bytes", "recompute_count",
                                           "loss", "step_ms", "step_ms_min", "step_ms_max")})
     peaks = [r.get("peak_bytes") for r in ranks]

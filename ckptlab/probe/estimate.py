@@ -70,7 +70,7 @@ def predict(
     integer("seq_len", seq_len, 1)
     integer("accum_steps", accum_steps, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
+        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
     if policy.kind == "compile":
@@ -86,7 +86,7 @@ def predict(
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload else ""
     report, handle = fake_memory(workload, batch_size, seq_len, applied, dtype, optimizer, accum_steps)
     return Prediction(
-        model=workload.name, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
+        model=workload.label, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
         optimizer=optimizer, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
         peak_bytes=report.peak_bytes, peak_by_category=dict(report.peak_by_category),
         peak_phase=report.peak_phase, saved_activation_bytes=report.saved_activation_bytes or 0,
@@ -221,7 +221,7 @@ def what_fits(
             return cache[(b, s)]
 
         for cap_name, cap in caps:
-            rows.append({"model": workload.name, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
+            rows.append({"model": workload.label, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
                          "dtype": dtype, "seq_len": seq_len, "max_batch_size": _largest(lambda b: peak(b, seq_len) <= cap, max_batch),
                          "batch_size": batch_size,
                          "max_seq_len": max((s for s in seq_lens if peak(batch_size, s) <= cap), default=0)})

@@ -4,11 +4,19 @@ no data, so a step's memory can be tracked for shapes far beyond this machine.""
 from __future__ import annotations
 
 import contextlib
+import copy
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+import torch.nn as nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeCopyMode,
+    FakeTensorMode,
+)
 
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import Policy
@@ -60,14 +68,40 @@ def fake_modes():
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
+def fake_model(workload: Workload, fake_mode: FakeTensorMode) -> nn.Module:
+    """The workload's model with fake tensors in `fake_mode`, seeded as `Workload.build` seeds it.
+
+    Built under the fake mode (nothing allocated). A model whose construction reads tensor data
+    (`.item()` on a schedule, a data-dependent shape) cannot be built so: it is then built for
+    real on the CPU (its parameters' host memory, once) and converted to fake tensors, with a
+    warning saying so."""
+    try:
+        with fake_mode:
+            torch.manual_seed(workload.seed)
+            return workload.new_model()
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        warnings.warn(f"model={workload.label!r} reads tensor data while it is built ({type(exc).__name__}: "
+                      f"{exc}), so it cannot be built under fake tensors: building it for real on the CPU and "
+                      "converting it to fake tensors (uses its parameters' host memory once)",
+                      RuntimeWarning, stacklevel=3)
+    torch.manual_seed(workload.seed)
+    try:
+        real = workload.new_model()
+    except Exception as exc:
+        raise ValueError(f"model={workload.label!r} cannot be predicted: it cannot be built under fake tensors, "
+                         f"and building it for real failed with {type(exc).__name__}: {exc}") from exc
+    with FakeCopyMode(fake_mode):
+        return copy.deepcopy(real)
+
+
 @contextlib.contextmanager
 def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
                        dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1):
     """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
     optimizer, step) after one untracked warm-up step — the state `measure` tracks from."""
-    with fake_modes():
-        torch.manual_seed(workload.seed)
-        model = workload.make_model(workload.config)  # as Workload.build, minus the device move
+    fake_mode = fake_modes()
+    model = fake_model(workload, fake_mode)  # as Workload.build, minus the device move
+    with fake_mode:
         model.train()
         handle = apply_checkpointing(model, policy)
         gen = torch.Generator().manual_seed(workload.seed + 1)
@@ -92,4 +126,4 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
         return tracker.report(), handle
 
 
-__all__ = ["Prediction", "fake_memory", "fake_modes", "fake_training_step"]
+__all__ = ["Prediction", "fake_memory", "fake_model", "fake_modes", "fake_training_step"]

@@ -65,7 +65,7 @@ def measure(
     integer("batch_size", batch_size, 1)
     integer("seq_len", seq_len, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 1..{workload.max_seq_len}")
+        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
     integer("steps", steps, 1)
     integer("warmup", warmup, 0)
     integer("accum_steps", accum_steps, 1)
@@ -78,9 +78,9 @@ def measure(
     if dev.type == "cuda" and limit is None:
         limit = torch.cuda.get_device_properties(dev).total_memory
 
-    record = new_record(workload.name, batch_size, seq_len, accum_steps, policy=str(policy), device=str(dev),
+    record = new_record(workload.label, batch_size, seq_len, accum_steps, policy=str(policy), device=str(dev),
                         device_name=device_name(dev), dtype=dtype, optimizer=optimizer, steps=steps, warmup=warmup,
-                        memory_limit_bytes=limit)
+                        memory_limit_bytes=limit, model_hash=workload.spec_hash, loss_fn=workload.loss_name)
     report = None
     with failures_recorded(record, dev), compile_config(policy):
         report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer, target_ci,
@@ -123,6 +123,7 @@ def policy_applier(policy):
         handle = apply_checkpointing(model, policy)
         record.update(
             n_blocks=handle.n_blocks,
+            block_stacks=handle.stacks_found,
             effective_density=handle.effective_density,
             checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
         )

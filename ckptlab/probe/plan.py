@@ -54,7 +54,7 @@ from ..core.policy import Policy, parse_policy
 from ..core.units import format_bytes, parse_bytes
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .fake_step import fake_memory, fake_modes, fake_training_step
+from .fake_step import fake_memory, fake_model, fake_modes, fake_training_step
 from .memory import track_memory
 from .step import DTYPES
 
@@ -266,9 +266,7 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
 
 
 def _blocks_of(workload: Workload):
-    with fake_modes():
-        torch.manual_seed(workload.seed)
-        return find_blocks(workload.make_model(workload.config))
+    return find_blocks(fake_model(workload, fake_modes()))
 
 
 class _OpTimer(TorchDispatchMode):
@@ -307,9 +305,13 @@ def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str,
 
     fake = cost == "roofline"
     mode = fake_modes() if fake else contextlib.nullcontext()
-    with mode:
+    if fake:
+        model = fake_model(workload, mode)
+    else:
         torch.manual_seed(workload.seed)
-        model = workload.make_model(workload.config).train()
+        model = workload.new_model()
+    with mode:
+        model.train()
         gen = torch.Generator().manual_seed(workload.seed + 1)
         batch = tuple(workload.make_batch(workload.config, batch_size, seq_len, gen))
         blocks = find_blocks(model)
@@ -407,7 +409,7 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
     workload = get_workload(workload) if isinstance(workload, str) else workload
     if cost not in ("auto", "measured", "roofline"):
         raise ValueError(f"cost={cost!r} is invalid: allowed are auto, measured, roofline")
-    key = (workload.name, repr(workload.config), workload.seed, batch_size, seq_len, dtype, optimizer, cost)
+    key = (workload.identity, batch_size, seq_len, dtype, optimizer, cost)
     if key in _PROFILE_CACHE:
         return _PROFILE_CACHE[key]
     t0 = time.perf_counter()
@@ -425,7 +427,7 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
         cost_ms=costs,
         peak={o: runs[o]["peak"] for o in OPTIONS},
         cost_basis=cost,
-        meta={"model": workload.name, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
+        meta={"model": workload.label, "loss_fn": workload.loss_name, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
               "optimizer": optimizer, "profile_s": time.perf_counter() - t0},
     )
     _PROFILE_CACHE[key] = profile
@@ -448,6 +450,7 @@ class Plan:
     full_peak_bytes: int               # uniform full
     cost_basis: str
     iterations: int = 1
+    loss_fn: str = ""                  # the training step's loss the plan was made for (its memory counts)
 
     @property
     def letters(self) -> str:
@@ -461,7 +464,7 @@ class Plan:
         return {"plan": self.letters, "plan_budget_bytes": self.budget_bytes,
                 "plan_predicted_peak_bytes": self.predicted_peak_bytes,
                 "plan_model_peak_bytes": self.model_peak_bytes, "plan_recompute_ms": self.recompute_ms,
-                "plan_cost_basis": self.cost_basis}
+                "plan_cost_basis": self.cost_basis, "plan_loss_fn": self.loss_fn}
 
     def __str__(self) -> str:
         counts = {o: self.options.count(o) for o in OPTIONS}
@@ -472,6 +475,7 @@ class Plan:
             f"(none {format_bytes(self.none_peak_bytes)}, full {format_bytes(self.full_peak_bytes)})",
             f"  recompute {self.recompute_ms:.2f} ms/step ({self.cost_basis}) vs "
             f"{self.full_recompute_ms:.2f} ms for full checkpointing",
+            f"  made for the training step with loss {self.loss_fn}: another loss keeps other tensors",
         ]
         return "\n".join(lines)
 
@@ -509,7 +513,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
                                optimizer)[0].peak_bytes
             raise ValueError(
                 f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
-                f"{workload.name} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
+                f"{workload.label} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
                 f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
                 f"{''.join(LETTERS[o] for o in lowest_plan)}); allowed is a budget >= that"
             )
@@ -527,6 +531,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
         model_peak_bytes=model_peak(profile, options), recompute_ms=plan_cost(profile, options),
         full_recompute_ms=plan_cost(profile, ["full"] * n), none_peak_bytes=profile.peak["keep"],
         full_peak_bytes=profile.peak["full"], cost_basis=profile.cost_basis, iterations=iteration,
+        loss_fn=workload.loss_name,
     )
 
 

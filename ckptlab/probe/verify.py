@@ -15,6 +15,7 @@ import torch
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import Policy
 from ..workloads.base import Workload
+from ..workloads.registry import get_workload
 
 
 @dataclass
@@ -35,7 +36,7 @@ class GradientComparison:
 
 
 def compare_gradients(
-    workload: Workload,
+    workload: Workload | str,
     policy: str | Policy,
     batch_size: int = 2,
     seq_len: int = 16,
@@ -45,7 +46,9 @@ def compare_gradients(
 ) -> GradientComparison:
     """One forward + backward with and without `policy`, in train mode (dropout on), from the
     same RNG seed; returns the largest absolute difference. `apply_options` go to
-    `apply_checkpointing` (e.g. use_reentrant=True)."""
+    `apply_checkpointing` (e.g. use_reentrant=True). `workload` is a Workload or any spec
+    `get_workload` takes."""
+    workload = get_workload(workload) if isinstance(workload, str) else workload
     batch = workload.batch(batch_size, seq_len, device)
 
     def run(checkpoint_policy):

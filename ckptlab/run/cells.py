@@ -29,11 +29,11 @@ RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (i
 CELL_TIMEOUT_S = 3600.0             # an isolated cell running longer is stopped and recorded as an error
 
 
-FIXED = ("model", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit_bytes", "optimizer",
-         "nproc")
+FIXED = ("model", "model_hash", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit_bytes",
+         "optimizer", "nproc")
 
 
-FIXED_DEFAULTS = {"nproc": 1}   # what a run.json written before the field existed meant
+FIXED_DEFAULTS = {"nproc": 1, "model_hash": None}   # what a run.json written before the field existed meant
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Grid:
     optimizer: str
     model_overrides: dict = field(default_factory=dict)
     nproc: int = 1   # ranks per cell: > 1 measures under FSDP2 (ckptlab.probe.distributed)
+    model_hash: Optional[str] = None   # content hash of the file a spec's model is defined in
     target_ci: float = 0.02    # timing: stop at this relative interval half-width ...
     max_seconds: float = 5.0   # ... or after this many seconds of timing rounds per cell group
 
@@ -196,7 +197,7 @@ class OomInference:
 
 def inferred_oom_record(grid: Grid, cell: dict, oom_batch: int) -> dict:
     return new_record(grid.model, cell["batch_size"], cell["seq_len"], cell["accum_steps"], grid.nproc,
-                      policy=cell["policy"], dtype=cell["dtype"], device=grid.device, optimizer=grid.optimizer,
+                      model_hash=grid.model_hash, policy=cell["policy"], dtype=cell["dtype"], device=grid.device, optimizer=grid.optimizer,
                       steps=grid.steps, warmup=grid.warmup, memory_limit_bytes=grid.memory_limit_bytes, fits=False,
                       status="oom", inferred=True, message=f"inferred, not run: batch {oom_batch} already ran out of memory")
 
@@ -209,6 +210,9 @@ def run_cell(grid: Grid, cell: dict) -> dict:
                                memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
                                accum_steps=cell["accum_steps"], seed=grid.seed, model_overrides=grid.model_overrides)
     workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
+    if workload.spec_hash != grid.model_hash:
+        raise ValueError(f"model={grid.model!r} changed during the sweep: its file's hash is {workload.spec_hash}, "
+                         f"the sweep started with {grid.model_hash}; start a new run for the changed model")
     return measure(workload, cell["batch_size"], cell["seq_len"], cell["policy"], device=grid.device,
                    dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
                    memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,

@@ -69,7 +69,7 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
                 accum_steps=accum_steps, device=str(dev), memory_limit_bytes=parse_bytes(memory_limit),
                 steps=integer("steps", steps, 1), warmup=integer("warmup", warmup, 0), seed=seed,
                 optimizer=optimizer, model_overrides=overrides, nproc=integer("nproc", nproc, 1),
-                target_ci=float(target_ci), max_seconds=float(max_seconds))
+                model_hash=workload.spec_hash, target_ci=float(target_ci), max_seconds=float(max_seconds))
 
 
 def run_sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (64,),
@@ -158,6 +158,10 @@ def _check_resumable(out: Path, meta: dict, grid: Grid, resume: bool) -> None:
     diff = [k for k in FIXED if old[k] != new[k]]
     if diff and resume:
         k = diff[0]
+        if k == "model_hash":
+            raise ValueError(f"model={grid.model!r} is invalid for resuming run {out.name!r}: its file changed "
+                             f"(content hash {new[k]}, the run was measured with {old[k]}); measure the changed "
+                             "model into another out= folder")
         raise ValueError(f"{k}={new[k]!r} is invalid for resuming run {out.name!r}, which was measured "
                          f"with {k}={old[k]!r}; use the same settings or another out= folder")
 

@@ -1,9 +1,12 @@
-"""What ckptlab measures: a Workload is a named model config plus how to feed it and its loss."""
+"""What ckptlab measures: a Workload is a named model config plus how to feed it and its loss;
+`Workload.custom` makes one of your own model."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -11,7 +14,13 @@ import torch.nn as nn
 
 @dataclass
 class Workload:
-    """A named model config plus how to feed it. `build()` gives a fresh, seeded model."""
+    """A named model config plus how to feed it. `build()` gives a fresh, seeded model.
+
+    Built-in workloads come from `get_workload`; your own model from `Workload.custom`.
+    `spec` is the string `get_workload` re-creates it from (in isolated cells, jobs and ranks),
+    `spec_hash` a content hash of the file that defines it, `overrides` what the spec's factory
+    was given.
+    """
 
     name: str
     config: object
@@ -19,15 +28,78 @@ class Workload:
     make_batch: Callable[[object, int, int, torch.Generator], tuple]
     loss_fn: Callable[[nn.Module, tuple], torch.Tensor]
     seed: int = 0
+    block_paths: Optional[tuple[str, ...]] = None   # attribute paths of the block stacks, else found
+    seq_len_limit: Optional[int] = None             # else the config's position limit, if any
+    spec: Optional[str] = None
+    spec_hash: Optional[str] = None
+    overrides: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def custom(cls, name: str, build_model: Callable[[], nn.Module],
+               make_batch: Callable[[int, int, torch.Generator], tuple],
+               loss: Callable[[nn.Module, tuple], torch.Tensor], *,
+               blocks: Union[str, Sequence[str], None] = None, max_seq_len: Optional[int] = None) -> "Workload":
+        """Your own model as a workload.
+
+        build_model()                           -> nn.Module, built on the CPU (ckptlab seeds the
+                                                   RNG first and moves it to the device)
+        make_batch(batch_size, seq_len, generator) -> tuple of tensors (seq_len may mean a length,
+                                                   an image side in pixels, ...; draw from generator)
+        loss(model, batch)                      -> scalar tensor: your training step's loss
+        blocks       attribute path(s) of the repeated-block containers ("encoder.layers", or a
+                     list for several stacks) when `find_blocks`' guess is wrong
+        max_seq_len  the largest seq_len the model accepts (None: no limit)
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name={name!r} is invalid: allowed is a non-empty string")
+        for arg, fn in (("build_model", build_model), ("make_batch", make_batch), ("loss", loss)):
+            if not callable(fn):
+                raise ValueError(f"{arg}={fn!r} is invalid: allowed is a callable")
+        if isinstance(blocks, str):
+            blocks = (blocks,)
+        if blocks is not None:
+            blocks = tuple(blocks)
+            if not blocks or not all(isinstance(b, str) and b for b in blocks):
+                raise ValueError(f"blocks={blocks!r} is invalid: allowed is an attribute path such as "
+                                 "'encoder.layers' or a non-empty list of them")
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                        or max_seq_len < 1):
+            raise ValueError(f"max_seq_len={max_seq_len!r} is invalid: allowed is an integer >= 1 or None")
+        return cls(name, None, _CustomModel(build_model), _CustomBatch(make_batch), loss,
+                   block_paths=blocks, seq_len_limit=max_seq_len)
+
+    def new_model(self) -> nn.Module:
+        """The model as `make_model` builds it, in the current device/fake-tensor context, tagged
+        with `block_paths` so that `find_blocks` uses them. The caller seeds the RNG."""
+        model = self.make_model(self.config)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model={self.spec or self.name!r} is invalid: its build_model returned "
+                             f"{type(model).__name__}, allowed is a torch.nn.Module")
+        if self.block_paths is not None:
+            model.__dict__[BLOCK_PATHS_ATTRIBUTE] = self.block_paths
+        return model
 
     def build(self, device: str | torch.device = "cpu") -> nn.Module:
         """A fresh model. Weights are drawn on the CPU from the seed, so every device gets the
         same model; on "meta" nothing is allocated (and `.to` would untie shared weights)."""
         if torch.device(device).type == "meta":
-            with torch.device("meta"):
-                return self.make_model(self.config)
+            try:
+                with torch.device("meta"):
+                    return self.new_model()
+            except RuntimeError:   # its __init__ reads tensor data (.item()): meta tensors have none
+                return self._meta_copy_of_real_model()
         torch.manual_seed(self.seed)
-        return self.make_model(self.config).to(device)
+        return self.new_model().to(device)
+
+    def _meta_copy_of_real_model(self) -> nn.Module:
+        """Built for real on the CPU, then copied with every parameter and buffer on the meta
+        device; shared (tied) weights stay shared."""
+        torch.manual_seed(self.seed)
+        real = self.new_model()
+        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                for p in real.parameters()}
+        memo.update({id(b): torch.empty_like(b, device="meta") for b in real.buffers()})
+        return copy.deepcopy(real, memo)
 
     def batch(self, batch_size: int, seq_len: int, device: str | torch.device = "cpu") -> tuple:
         gen = torch.Generator().manual_seed(self.seed + 1)
@@ -37,7 +109,31 @@ class Workload:
         return self.loss_fn(model, batch)
 
     @property
+    def loss_name(self) -> str:
+        """Which loss a training step computes (plans and records say what they were made for)."""
+        fn = self.loss_fn
+        module = getattr(fn, "__module__", None) or "?"
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        if module.startswith(SPEC_MODULE_PREFIX) and self.spec:   # defined in a spec's file
+            return f"{self.spec.rpartition(':')[0]}:{name}"
+        return f"{module}.{name}"
+
+    @property
+    def label(self) -> str:
+        """What records call the model: the spec that re-creates it, else its name."""
+        return self.spec or self.name
+
+    @property
+    def identity(self) -> tuple:
+        """Equal for two workloads that build the same model on the same batches (cache keys)."""
+        custom = id(self.make_model) if self.spec is None and self.config is None else None
+        return (self.label, self.spec_hash, repr(self.config), repr(sorted(self.overrides.items())),
+                self.seed, self.block_paths, custom)
+
+    @property
     def max_seq_len(self) -> int | None:
+        if self.seq_len_limit is not None:
+            return self.seq_len_limit
         return getattr(self.config, "block_size", None)
 
     @property
@@ -45,10 +141,37 @@ class Workload:
         return sum(p.numel() for p in self.build("meta").parameters())
 
 
+SPEC_MODULE_PREFIX = "ckptlab_spec_"   # module names of the files that file specs import
 
-# Workloads from optional modules: name -> factory(name, seed=..., **overrides). ckptlab's
-# Hugging Face module adds the hf-* names when first asked for one, so ckptlab works without transformers.
-WORKLOAD_FACTORIES: dict[str, Callable[..., Workload]] = {}
+# The model attribute (set in its __dict__, so nn.Module sees a plain attribute) through which a
+# workload's `blocks=` reaches `find_blocks` wherever the model goes.
+BLOCK_PATHS_ATTRIBUTE = "_ckptlab_block_paths"
 
 
-__all__ = ["WORKLOAD_FACTORIES", "Workload"]
+class _CustomModel:
+    """make_model for Workload.custom: the user's build_model takes no config."""
+
+    def __init__(self, build_model: Callable[[], nn.Module]):
+        self.build_model = build_model
+
+    def __call__(self, config) -> nn.Module:
+        return self.build_model()
+
+
+class _CustomBatch:
+    """make_batch for Workload.custom: the user's make_batch takes no config; its tensors are
+    checked so that a wrong return fails here, not deep inside a training step."""
+
+    def __init__(self, make_batch: Callable[[int, int, torch.Generator], tuple]):
+        self.make_batch = make_batch
+
+    def __call__(self, config, batch_size: int, seq_len: int, gen: torch.Generator) -> tuple:
+        batch = self.make_batch(batch_size, seq_len, gen)
+        if isinstance(batch, torch.Tensor):
+            batch = (batch,)
+        if not isinstance(batch, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in batch):
+            raise ValueError(f"make_batch returned {type(batch).__name__}: allowed is a tuple of tensors")
+        return tuple(batch)
+
+
+__all__ = ["BLOCK_PATHS_ATTRIBUTE", "SPEC_MODULE_PREFIX", "Workload"]

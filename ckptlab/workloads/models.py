@@ -205,8 +205,8 @@ def build_preset(name: str, seed: int = 0, **overrides) -> Workload:
     if isinstance(config, GPTConfig) and config.n_embd % config.n_head:
         raise ValueError(f"n_embd={config.n_embd} is invalid: must be divisible by n_head={config.n_head}")
     if isinstance(config, GPTConfig):
-        return Workload(name, config, GPT, _gpt_batch, _gpt_loss, seed)
-    return Workload(name, config, MLPChain, _mlp_batch, _mlp_loss, seed)
+        return Workload(name, config, GPT, _gpt_batch, _gpt_loss, seed, spec=name, overrides=dict(overrides))
+    return Workload(name, config, MLPChain, _mlp_batch, _mlp_loss, seed, spec=name, overrides=dict(overrides))
 
 
 def _check_override(key: str, value, default) -> None:

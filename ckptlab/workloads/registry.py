@@ -1,22 +1,41 @@
-"""One way to name a workload: `get_workload(name, **overrides)` dispatches to the built-in
-presets or to the Hugging Face ones (optional extra)."""
+"""One way to name a workload: `get_workload(spec, **overrides)`, the one place a model name
+becomes a workload (the design's "workload spec")."""
 
 from __future__ import annotations
 
-from .base import WORKLOAD_FACTORIES, Workload
+from .base import Workload
 from .models import PRESETS, build_preset
+from .specs import load_code_workload
+
+SPEC_FORMS = ("hf:<model_type>", "hf:path/config.json", "hf:org/name", "path/to/file.py:factory",
+              "package.module:factory")
 
 
 def get_workload(name: str, seed: int = 0, **overrides) -> Workload:
-    """A built-in workload by preset name, with config fields overridden (e.g. n_layer=8)."""
-    if name.startswith("hf-") and name not in WORKLOAD_FACTORIES:
+    """A workload by spec:
+
+        gpt-tiny, gpt2-small, mlp-chain    built-in presets; overrides are config fields (n_layer=8)
+        hf-gpt2-tiny, hf-llama-tiny, ...   short names for Hugging Face configs (ckptlab[hf])
+        hf:<model_type>, hf:path/config.json, hf:org/name
+                                           any transformers architecture, random weights, offline
+                                           (`workloads.hf`)
+        path/to/file.py:factory, package.module:factory
+                                           your own: factory(**overrides) returns a Workload
+                                           (`workloads.specs`)
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model={name!r} is invalid: allowed presets are {', '.join(PRESETS)} and the hf-* "
+                         f"presets; or a spec: {', '.join(SPEC_FORMS)}")
+    if name.startswith(("hf:", "hf-")):
         # In-function: transformers is an optional, heavy dependency (extra ckptlab[hf]).
-        from . import hf  # noqa: F401, PLC0415 - needs transformers, the hf extra
-    if name in WORKLOAD_FACTORIES:
-        return WORKLOAD_FACTORIES[name](name, seed=seed, **overrides)
+        from .hf import get_hf_workload  # noqa: PLC0415 - needs transformers, the hf extra
+        return get_hf_workload(name, seed=seed, **overrides)
+    if ":" in name:
+        return load_code_workload(name, seed=seed, **overrides)
     if name not in PRESETS:
-        raise ValueError(f"model={name!r} is invalid: allowed presets are {', '.join([*PRESETS, *WORKLOAD_FACTORIES])}")
+        raise ValueError(f"model={name!r} is invalid: allowed presets are {', '.join(PRESETS)} and the hf-* "
+                         f"presets; or a spec: {', '.join(SPEC_FORMS)}")
     return build_preset(name, seed, **overrides)
 
 
-__all__ = ["get_workload"]
+__all__ = ["SPEC_FORMS", "get_workload"]
