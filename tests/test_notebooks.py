@@ -3,12 +3,16 @@
 
 import ast
 import json
+import sys
+import sysconfig
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.apps.notebooks import (
+    ROOT,
     check_parameters,
     find_notebook,
     list_notebooks,
@@ -104,7 +108,10 @@ def test_runner_continues_past_failures_and_reports_them(tmp_path, capsys):
     dead_path = tmp_path / "98_dead_kernel.ipynb"
     nbformat.write(dead, str(dead_path))
     raising = nbformat.v4.new_notebook()
-    raising.cells = [imports, params, nbformat.v4.new_code_cell("raise ValueError('policy=density=2 is invalid')")]
+    # Raised from inside an installed package, so the stored traceback passes through site-packages.
+    raising.cells = [imports, params, nbformat.v4.new_code_cell(
+        "import yaml\ntry:\n    yaml.safe_load('[1, 2')\nexcept yaml.YAMLError as exc:\n"
+        "    raise ValueError('policy=density=2 is invalid') from exc")]
     raising.metadata["kernelspec"] = dead.metadata["kernelspec"]
     raising_path = tmp_path / "97_raises.ipynb"
     nbformat.write(raising, str(raising_path))
@@ -120,6 +127,19 @@ def test_runner_continues_past_failures_and_reports_them(tmp_path, capsys):
     code = cli_main(["notebooks", "run", str(raising_path), "--out", str(out)])
     assert code == 1
     assert "FAILED 97_raises (failed)" in capsys.readouterr().err
+    # Nothing written names this machine's folders: the output folder (absolute here), the
+    # repository, the Python installation, the home folder.
+    executed = json.loads((out / "97_raises" / "default" / "97_raises.ipynb").read_text())
+    assert executed["metadata"]["papermill"]["output_path"] == "97_raises/default/97_raises.ipynb"
+    assert executed["metadata"]["papermill"]["parameters"]["run_dir"] == "97_raises/default"
+    assert "<site-packages>/yaml/" in json.dumps(executed["cells"][-1]["outputs"])
+    assert json.loads((out / "97_raises" / "default" / "run.json").read_text())["parameters"]["run_dir"] == \
+        "97_raises/default"
+    machine_paths = {str(tmp_path), str(ROOT), sys.prefix, sysconfig.get_paths()["purelib"], str(Path.home()) + "/"}
+    for p in out.rglob("*"):
+        if p.is_file():
+            text = p.read_text(errors="replace")
+            assert not [m for m in machine_paths if m in text], p.relative_to(out)
 
 
 def test_results_index_lists_each_run(tmp_path):

@@ -20,9 +20,10 @@ from ..core.meta import __version__
 from ..core.parsing import split_list
 from ..core.policy import parse_policy
 from ..core.units import format_bytes, parse_bytes
-from ..core.validate import check_int
+from ..core.validate import integer, integer_list, number, output_folder, run_name
 from ..probe.compare import compare, measure_together
 from ..probe.estimate import closed_form, predict
+from ..probe.measure import check_policy_applies
 from ..probe.plan import plan_budget
 from ..probe.step import DTYPES, OPTIMIZERS
 from ..probe.timing import check_timing_options
@@ -78,10 +79,23 @@ def help_epilog() -> str:
 
 
 def int_list(name: str, text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: a non-empty list of integers >= 1 (ValueError naming --name otherwise)."""
     try:
-        return [int(x) for x in split_list(text)]
+        return integer_list(f"--{name}", split_list(text), 1)
     except ValueError:
-        raise ValueError(f"--{name} {text!r} is invalid: allowed is a comma-separated list of integers") from None
+        raise ValueError(f"--{name}={text!r} is invalid: allowed is a comma-separated list of integers >= 1, "
+                         "e.g. 1,2,4") from None
+
+
+def policy_list(text: str) -> list[str]:
+    """--policy 'none,density=0.5' -> each policy checked; empty is refused."""
+    policies = split_list(text)
+    if not policies:
+        raise ValueError(f"--policy={text!r} is invalid: allowed is a comma-separated list of policies, "
+                         "e.g. none,density=0.5,full")
+    for p in policies:
+        parse_policy(p)
+    return policies
 
 
 def _num(fmt: str):
@@ -130,11 +144,13 @@ MEASURE_COLUMNS = [
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    policies = list(dict.fromkeys(str(parse_policy(p)) for p in split_list(args.policy)))
+    policies = list(dict.fromkeys(str(parse_policy(p)) for p in policy_list(args.policy)))
     batches, seqs = int_list("batch", args.batch), int_list("seq", args.seq)
     workload = get_workload(args.model, **_model_overrides(args.set))
+    for policy in policies:  # every policy before the first measurement
+        check_policy_applies(workload, policy)
     check_timing_options(0.02, args.max_seconds)
-    check_int("accum", args.accum, 1)
+    integer("--accum", args.accum, 1)
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r} is invalid: allowed is one of {', '.join(DTYPES)}")
     if args.optimizer not in OPTIMIZERS:
@@ -167,10 +183,11 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
 
+    output_folder("--out", args.out)
     overrides = _model_overrides(args.set)
     try:
         df = sweep(model=args.model, batch_sizes=int_list("batch", args.batch), seq_lens=int_list("seq", args.seq),
-                   policies=split_list(args.policy), dtypes=split_list(args.dtype),
+                   policies=policy_list(args.policy), dtypes=split_list(args.dtype),
                    accum_steps=int_list("accum", args.accum), device=args.device,
                    memory_limit=args.memory_limit, steps=args.steps, warmup=args.warmup, seed=args.seed,
                    max_seconds=args.max_seconds,
@@ -263,7 +280,18 @@ def _literal(text: str):
 def cmd_notebooks_run(args: argparse.Namespace) -> int:
 
 
-    overrides = {key: yaml.safe_load(value) for key, value in args.param}
+    output_folder("--out", args.out)
+    if args.name is not None:
+        run_name("--name", args.name)
+    number("--timeout", args.timeout, 0.0, low_open=True)
+    overrides = {}
+    for key, value in args.param:
+        try:
+            overrides[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:  # malformed, or a tag such as !!python/object that safe_load refuses
+            reason = " ".join(str(getattr(exc, "problem", None) or exc).split())
+            raise ValueError(f"-p {key} {value!r} is invalid: {reason}; allowed is a YAML literal "
+                             "such as 8, 0.5, full, [1, 2] or null") from None
     runs = run_notebooks(args.names or None, param_set=args.file, overrides=overrides, out=args.out,
                          run_name=args.name, timeout_s=args.timeout, executor=args.executor,
                          job_options=dict(cluster=args.cluster, slurm_partition=args.slurm_partition,
@@ -331,7 +359,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     rows = []
     for batch in int_list("batch", args.batch):
         for seq in int_list("seq", args.seq):
-            for policy in split_list(args.policy):
+            for policy in policy_list(args.policy):
                 row = predict(workload, batch, seq, policy, dtype=args.dtype).record()
                 try:
                     row.update(closed_form(workload, batch, seq, row["plan"] and f"plan={row['plan']}" or policy,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
@@ -14,9 +16,12 @@ from pathlib import Path
 
 import yaml
 
+from ..core.children import die_with_parent
+from ..core.validate import output_folder
 from ..run.provenance import environment
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository (or site-packages) holding ckptlab/
+RUN_MARKER = ".ckptlab-run"   # in every run folder the runner made; only those are ever replaced
 
 
 @dataclass
@@ -28,30 +33,99 @@ class NotebookRun:
     error: str = ""
 
 
+def check_replaceable(run_dir: Path) -> None:
+    """A run folder may be created, or replaced when the runner made it (it holds RUN_MARKER);
+    any other folder at that place is the user's and is never touched."""
+    output_folder("run folder", run_dir)
+    if run_dir.is_symlink() or (run_dir.exists() and not (run_dir / RUN_MARKER).is_file()):
+        raise ValueError(f"run folder {str(run_dir)!r} is invalid: it exists and was not made by ckptlab "
+                         f"(no {RUN_MARKER} file in it), so it is never replaced; allowed is another "
+                         "--name or --out, or move that folder away yourself")
+
+
+def fresh_run_folder(run_dir: Path) -> Path:
+    """An empty run folder marked as the runner's: a new execution of the same notebook and run
+    name replaces the old one."""
+    check_replaceable(run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / RUN_MARKER).write_text("Made by `ckptlab notebooks run`, which replaces this folder when the same "
+                                      "notebook runs again under the same name.\n")
+    return run_dir
+
+
 def execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s: float) -> NotebookRun:
     parameters = {**values, "run_dir": relative(run_dir)}
+    # What is recorded names the folder relative to the output folder (out/<notebook>/<run name>).
+    recorded = f"{run_dir.parent.name}/{run_dir.name}"
     started = time.time()
-    meta = {"notebook": path.stem, "param_set": param_set, "parameters": parameters,
+    meta = {"notebook": path.stem, "param_set": param_set, "parameters": {**values, "run_dir": recorded},
             "started_at": now(), "finished_at": None, "status": "running", "error": ""}
     write_json(run_dir / "run.json", meta)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(parameters, f)
         params_file = f.name
-    # Paths relative to the repository (papermill records them in the executed notebook).
-    command = [sys.executable, "-m", "papermill", relative(path), relative(run_dir / path.name), "-f", params_file,
+    executed = run_dir / path.name
+    command = [sys.executable, "-m", "papermill", relative(path), relative(executed), "-f", params_file,
                "--cwd", ".", "-k", "python3", "--log-level", "ERROR", "--no-progress-bar"]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+                              preexec_fn=die_with_parent())
         status, error = ("ok", "") if proc.returncode == 0 else ("failed", _papermill_error(proc.stderr))
     except subprocess.TimeoutExpired:
         status, error = "timeout", f"did not finish within {timeout_s:.0f} s"
     finally:
         Path(params_file).unlink(missing_ok=True)
+    replacements = {relative(run_dir): recorded, str(run_dir.resolve()): recorded}
+    if Path(relative(path)).is_absolute():  # a notebook from outside the repository: its name only
+        replacements[relative(path)] = path.name
+    if executed.exists():
+        _rewrite_paths(executed, replacements)
     device = parameters.get("device", "cpu")
+    error = shorten_paths(error, replacements)
     meta.update(finished_at=now(), status=status, error=error,
                 seconds=round(time.time() - started, 1), environment=environment(device if status == "ok" else "cpu"))
     write_json(run_dir / "run.json", meta)
     return NotebookRun(path.stem, run_dir, status, time.time() - started, error)
+
+
+def shorten_paths(text: str, replacements: dict[str, str] | None = None) -> str:
+    """`text` without this machine's paths: each key of `replacements` becomes its value, then the
+    repository, the Python installation (site-packages, the standard library) and the home folder
+    become repository-relative, `<site-packages>`, `<python>` and `~` — so a stored traceback says
+    `<site-packages>/torch/nn/modules/module.py`, not where this machine keeps it."""
+    prefixes = dict(replacements or {})
+    paths = sysconfig.get_paths()
+    for key in ("purelib", "platlib"):
+        prefixes.setdefault(paths[key], "<site-packages>")
+    prefixes.setdefault(paths["stdlib"], "<python>/lib")
+    prefixes.setdefault(str(ROOT) + "/", "")
+    prefixes.setdefault(sys.prefix, "<python>")
+    prefixes.setdefault(sys.base_prefix, "<python>")
+    prefixes.setdefault(str(Path.home()), "~")
+    for old in sorted(prefixes, key=len, reverse=True):  # the most specific path first
+        if old and old not in ("/", "~"):
+            text = text.replace(old, prefixes[old])
+    return text
+
+
+def _rewrite_paths(notebook: Path, replacements: dict[str, str]) -> None:
+    """Shorten the paths in every string of an executed notebook (papermill's metadata, the
+    injected parameters, outputs, tracebacks); see `shorten_paths`."""
+    def walk(node):
+        if isinstance(node, str):
+            return shorten_paths(node, replacements)
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, dict):  # embedded images are data, not text: left as they are
+            return {k: v if k.startswith("image/") else walk(v) for k, v in node.items()}
+        return node
+
+    book = json.loads(notebook.read_text(encoding="utf-8"))
+    tmp = notebook.with_suffix(".tmp")
+    tmp.write_text(json.dumps(walk(book), indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(notebook)
 
 
 def _papermill_error(stderr: str) -> str:
@@ -66,8 +140,8 @@ def _papermill_error(stderr: str) -> str:
 def relative(path: Path) -> str:
     try:
         return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
+    except ValueError:  # outside the repository: absolute, since papermill runs from the repository
+        return str(Path(path).resolve())
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -81,4 +155,5 @@ def now() -> str:
 
 
 
-__all__ = ["ROOT", "NotebookRun", "execute", "now", "relative", "write_json"]
+__all__ = ["ROOT", "RUN_MARKER", "NotebookRun", "check_replaceable", "execute", "fresh_run_folder", "now", "relative",
+           "shorten_paths", "write_json"]

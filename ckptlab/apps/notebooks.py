@@ -20,15 +20,21 @@ from __future__ import annotations
 
 import ast
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import yaml
 
+from ..core import validate
 from ..core.extras import require
-from .notebook_exec import ROOT, NotebookRun, execute, relative
+from ..core.policy import parse_policy
+from ..core.validate import choice, integer, no_credential, non_empty, number, size_bytes
+from ..probe.measure import check_policy_applies
+from ..probe.step import DTYPES, resolve_device
+from ..run.store import read_meta
+from ..workloads.registry import get_workload
+from .notebook_exec import ROOT, NotebookRun, check_replaceable, execute, fresh_run_folder, relative
 
 NOTEBOOKS = ROOT / "notebooks"
 PARAMS = NOTEBOOKS / "params"
@@ -106,7 +112,10 @@ def notebook_parameters(path: Path) -> dict[str, Parameter]:
 
 
 def check_parameters(path: Path, values: dict) -> None:
-    """Unknown names and wrong types are errors that list what is valid."""
+    """Unknown names, wrong types, invalid values (the checks `measure`, `sweep` and `predict` apply,
+    by parameter name: batch_size=0, an unknown model or policy, a policy that does not fit the
+    model) and values that look like credentials (`validate.no_credential`) are errors that say
+    what is allowed — all before a kernel starts."""
     params = notebook_parameters(path)
     for name, value in values.items():
         if name not in params:
@@ -115,6 +124,48 @@ def check_parameters(path: Path, values: dict) -> None:
         if not _matches(params[name].type, value):
             raise ValueError(f"parameter {name}={value!r} is invalid for notebook {path.stem}: "
                              f"allowed is a value of type {params[name].type}")
+    checks = _value_checks()
+    try:
+        for name, value in values.items():
+            no_credential(f"parameter {name}", value)
+            if name in checks and value is not None:
+                checks[name](name, value)
+        given = {**{n: ast.literal_eval(p.default) for n, p in params.items()}, **values}
+        if "model" in given and ({"model", "policy", "policies", "seq_len", "seq_lens"} & set(values)):
+            workload = get_workload(given["model"])
+            for seq_len in ([given["seq_len"]] if "seq_len" in given else []) + list(given.get("seq_lens") or []):
+                if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
+                    raise ValueError(f"seq_len={seq_len} is invalid for model={given['model']!r}: allowed is "
+                                     f"1..{workload.max_seq_len}")
+            for policy in ([given["policy"]] if "policy" in given else []) + list(given.get("policies") or []):
+                check_policy_applies(workload, policy)
+    except ValueError as exc:
+        raise ValueError(f"notebook {path.stem}: {exc}") from None
+
+
+def _value_checks() -> dict:
+    """Parameter name -> the check the library applies to that value (raises ValueError)."""
+    def at_least(minimum):
+        return lambda name, v: integer(name, v, minimum)
+
+    def each(check, empty_ok=True):
+        def run(name, values):
+            for v in (values if empty_ok else non_empty(name, values)):
+                check(name, v)
+        return run
+
+    dtype = lambda name, v: choice(name, v, list(DTYPES))  # noqa: E731
+    policy = lambda name, v: parse_policy(v)  # noqa: E731
+    model = lambda name, v: get_workload(v)  # noqa: E731
+    return {
+        "model": model, "fits_model": model, "device": lambda name, v: resolve_device(v),
+        "steps": at_least(1), "warmup": at_least(0), "batch_size": at_least(1), "seq_len": at_least(1),
+        "fits_seq_len": at_least(1), "batch_sizes": each(at_least(1), False), "seq_lens": each(at_least(1), False),
+        "accum_steps": each(at_least(1)), "policy": policy, "policies": each(policy, False),
+        "densities": each(lambda name, v: number(name, v, 0.0, 1.0), False), "dtype": dtype, "dtypes": each(dtype),
+        "memory_limit": size_bytes, "fits_capacities": each(size_bytes, False),
+        "budget_fractions": each(lambda name, v: number(name, v, 0.0, 1.0, low_open=True), False),
+    }
 
 
 def _matches(type_name: str, value) -> bool:
@@ -137,7 +188,15 @@ def load_param_set(name: str) -> dict[str, dict]:
     if not path.exists():
         allowed = ", ".join(sorted(p.stem for p in PARAMS.glob("*.yaml")))
         raise ValueError(f"param_set={name!r} is invalid: allowed are {allowed}, or a path to a .yaml file")
-    sets = yaml.safe_load(path.read_text()) or {}
+    try:
+        sets = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:  # malformed, or a tag such as !!python/object that safe_load refuses
+        reason = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ValueError(f"param_set={name!r} is invalid: {path.name} is not plain YAML ({reason}); allowed is "
+                         "a mapping {notebook: {parameter: value}} of literals") from None
+    if not isinstance(sets, dict) or not all(isinstance(v, dict) or v is None for v in sets.values()):
+        raise ValueError(f"param_set={name!r} is invalid: {path.name} must hold a mapping "
+                         "{notebook: {parameter: value}}")
     known = {p.stem for p in list_notebooks()}
     unknown = sorted(set(sets) - known)
     if unknown:
@@ -166,6 +225,8 @@ def run_notebooks(
     job (`ckptlab.run.cluster`; `job_options`: cluster, slurm_partition, slurm_gpus_per_job, ...).
     """
     require("papermill", "running notebooks")
+    out = validate.output_folder("out", out)
+    timeout_s = number("timeout_s", timeout_s, 0.0, low_open=True)
     paths = [find_notebook(n) for n in names] if names else list_notebooks()
     sets = load_param_set(param_set)
     overrides = dict(overrides or {})
@@ -174,8 +235,11 @@ def run_notebooks(
         values = {**(sets.get(path.stem) or {}), **overrides}
         check_parameters(path, values)
         plan.append((path, values))
-    out = Path(out)
-    run_name = run_name or (Path(param_set).stem if not overrides else f"{Path(param_set).stem}-custom")
+    if run_name is None:
+        run_name = Path(param_set).stem if not overrides else f"{Path(param_set).stem}-custom"
+    validate.run_name("run_name", run_name)
+    for path, _ in plan:  # every folder checked before the first is replaced
+        check_replaceable(out / path.stem / run_name)
 
     if executor != "local":   # each notebook a submitit job, same run folders (ckptlab.run.cluster)
         # In-function: submitit is an optional dependency (extra ckptlab[cluster]).
@@ -185,10 +249,7 @@ def run_notebooks(
         return runs
     runs = []
     for i, (path, values) in enumerate(plan, 1):
-        run_dir = out / path.stem / run_name
-        if run_dir.exists():  # a new execution of the same notebook and parameters replaces the old
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
+        run_dir = fresh_run_folder(out / path.stem / run_name)
         print(f"[{i}/{len(plan)}] {path.stem} -> {relative(run_dir)}", flush=True)
         run = execute(path, run_dir, values, param_set, timeout_s)
         runs.append(run)
@@ -205,7 +266,7 @@ def write_results_index(out: str | Path = RESULTS) -> Path:
     out = Path(out)
     rows = []
     for meta_path in sorted(out.glob("*/*/run.json")):
-        meta = json.loads(meta_path.read_text())
+        meta = read_meta(meta_path.parent)
         if "notebook" not in meta:
             continue
         run_dir = meta_path.parent

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .units import parse_bytes
+from .validate import size_bytes, size_label
 
 KINDS = ("none", "full", "density", "every", "layers", "segments", "selective", "plan", "budget", "compile")
 SELECTIVE_VARIANTS = ("mm", "alt", "attn")
@@ -75,7 +75,7 @@ class Policy:
         elif self.kind == "compile":
             text = f"compile:budget={self.value}"
         elif self.kind == "budget" and isinstance(self.value, int):
-            text = f"budget={exact_size(self.value)}"
+            text = f"budget={size_label(self.value)}"
         else:
             text = f"{self.kind}={self.value}"
         if self.offload:
@@ -168,17 +168,6 @@ class Policy:
 SIZE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
-def exact_size(n_bytes: int) -> str:
-    """The size in GiB/MiB/KiB with the fewest decimals (at most 2) that `memory.parse_bytes`
-    reads back as exactly `n_bytes` (6GiB, 512MiB, 42.7MiB), else plain bytes (44777048B)."""
-    for decimals in range(3):
-        for unit, scale in SIZE_UNITS:
-            text = f"{n_bytes / scale:.{decimals}f}"
-            if float(text) > 0 and int(float(text) * scale) == n_bytes:  # parse_bytes' arithmetic
-                return text + unit
-    return f"{n_bytes}B"
-
-
 def readable_size(n_bytes: int) -> str:
     """A size rounded to about 3 significant figures, as a label: 44777048 -> 42.7MiB."""
     for unit, scale in SIZE_UNITS:
@@ -254,7 +243,7 @@ def parse_policy(text: str | Policy) -> Policy:
         density = _number(text, name, arg, float)
         if not (0.0 <= density <= 1.0) or math.isnan(density):
             raise ValueError(f"density={arg} is invalid: allowed is a number in [0, 1]")
-        return Policy("density", density)
+        return Policy("density", density + 0.0)  # -0.0 becomes 0.0: one policy, one cell
     if name == "every":
         k = _number(text, name, arg, int)
         if k < 1:
@@ -287,7 +276,7 @@ def _parse_budget(arg: str) -> int | float:
     if number is not None and number <= 0:
         raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] or a size such as 6GiB")
     try:
-        return parse_bytes(arg, "budget")
+        return size_bytes("budget", arg)
     except ValueError:
         raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] of the "
                          "no-checkpointing peak, or a size such as 6GiB, 512MiB, 2GB") from None
@@ -303,7 +292,7 @@ def _parse_compile(text: str, spec: str) -> Policy:
     budget = _number(text, "compile:budget", arg.strip(), float)
     if not (0.0 <= budget <= 1.0) or math.isnan(budget):
         raise ValueError(f"compile:budget={arg.strip()} is invalid: allowed is a number in [0, 1]")
-    return Policy("compile", budget)
+    return Policy("compile", budget + 0.0)
 
 
 HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
+from .validate import size_bytes
+
 GiB = 2**30
 CARD_LIMITS = {"24 GiB": 24 * GiB, "40 GiB": 40 * GiB, "80 GiB": 80 * GiB, "141 GiB": 141 * GiB}
 
 
 def parse_bytes(value: str | int | float | None, name: str = "memory_limit") -> int | None:
-    """'24GiB', '512MB', '1.5e9' or a number of bytes -> int bytes (None passes through)."""
-    if value is None:
-        return None
-    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number, unit = float(value), "b"
-    else:
-        text = str(value).strip().lower().replace(" ", "")
-        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(digits):] or "b"
-        try:
-            number = float(digits)
-        except ValueError:
-            number = -1.0
-        if unit not in units:
-            number = -1.0
-    if not number > 0:
-        raise ValueError(
-            f"{name}={value!r} is invalid: allowed is a positive size such as 24GiB, 512MiB, 2GB or bytes"
-        )
-    return int(number * units[unit])
+    """'24GiB', '512MB', '1.5e9' or a number of bytes -> int bytes, at least 1 (None passes
+    through); see `validate.size_bytes`."""
+    return None if value is None else size_bytes(name, value)
 
 
 def format_bytes(n: float | None) -> str:

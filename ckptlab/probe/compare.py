@@ -39,9 +39,10 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from ..checkpoint.blocks import find_blocks
 from ..core.policy import parse_policy
 from ..core.records import new_record
+from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .measure import MAX_ROUNDS, failures_recorded, policy_applier, prepare_step, resolve_policy
+from .measure import MAX_ROUNDS, check_policy_applies, failures_recorded, policy_applier, prepare_step, resolve_policy
 from .plan import plan_budget
 from .step import DTYPES, device_name, resolve_device
 from .timing import bootstrap_median, check_timing_options, time_interleaved
@@ -163,20 +164,15 @@ def paired_ratio(df: pd.DataFrame, policy: str, versus: str, seed: int = 0) -> t
 
 
 def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= 1")
+    integer("batch_size", batch_size, 1)
+    integer("seq_len", seq_len, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
         raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
     if not policies or any(not isinstance(p, str) or not p for p in policies):
         raise ValueError(f"policies={policies!r} is invalid: allowed is a non-empty list of policy strings")
-    n_blocks = len(find_blocks(workload.build("meta")))
     for p in policies:
-        policy = parse_policy(p)
-        if policy.kind != "budget" and not policy.kind.startswith("hf"):
-            policy.regions(n_blocks)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
+        check_policy_applies(workload, p)
+    choice("dtype", dtype, list(DTYPES))
     check_timing_options(target_ci, max_seconds)
 
 

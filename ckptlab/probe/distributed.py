@@ -58,10 +58,12 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import apply_checkpointing
+from ..core.children import die_with_parent
 from ..core.parsing import split_list
 from ..core.policy import parse_policy
 from ..core.records import new_record
 from ..core.units import parse_bytes
+from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
 from .memory import allocator_peak
@@ -136,20 +138,16 @@ def _spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, 
         seed, overrides = workload.seed, {**workload.overrides, **overrides}
     name = workload if isinstance(workload, str) else workload.spec
     model_hash = get_workload(name, seed=seed, **overrides).spec_hash   # validates name and overrides
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r} is invalid: allowed is an integer >= 1")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    integer("nproc", nproc, 1)
+    choice("dtype", dtype, list(DTYPES))
+    choice("optimizer", optimizer, OPTIMIZERS)
     dev_type = torch.device(device).type
     if dev_type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda")
     if dev_type == "cuda" and torch.cuda.device_count() < nproc:
         raise ValueError(f"nproc={nproc} is invalid here: only {torch.cuda.device_count()} CUDA devices")
     for label, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps), ("accum_steps", accum_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label}={value!r} is invalid: allowed is an integer >= 1")
+        integer(label, value, 1)
     policies = [str(parse_policy(p)) for p in ([policies] if isinstance(policies, str) else policies)]
     return dict(model=name, model_hash=model_hash, seed=seed, overrides=overrides, batch_size=batch_size, seq_len=seq_len,
                 policies=policies, device_type=dev_type, dtype=dtype, steps=steps, warmup=warmup,
@@ -169,7 +167,7 @@ def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> 
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), PYTHONPATH=pythonpath)
         err = open(Path(out_dir, f"rank{rank}.err"), "w")
         procs.append((subprocess.Popen([sys.executable, "-c", _RANK_MAIN, out_dir], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=err), err))
+                                       stdout=subprocess.DEVNULL, stderr=err, preexec_fn=die_with_parent()), err))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failed = ""
     try:

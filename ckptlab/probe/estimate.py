@@ -34,7 +34,7 @@ import pandas as pd
 
 from ..core.policy import Policy, parse_policy
 from ..core.units import CARD_LIMITS, GiB, parse_bytes
-from ..core.validate import check_int
+from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.models import GPTConfig
 from ..workloads.registry import get_workload
@@ -66,15 +66,13 @@ def predict(
     """
     workload = get_workload(workload) if isinstance(workload, str) else workload
     policy = parse_policy(policy)
-    check_int("batch_size", batch_size, 1)
-    check_int("seq_len", seq_len, 1)
-    check_int("accum_steps", accum_steps, 1)
+    integer("batch_size", batch_size, 1)
+    integer("seq_len", seq_len, 1)
+    integer("accum_steps", accum_steps, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
         raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    choice("dtype", dtype, list(DTYPES))
+    choice("optimizer", optimizer, OPTIMIZERS)
     if policy.kind == "compile":
         raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
                          "what to save inside the compiled graph; measure it instead")

@@ -18,11 +18,12 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import apply_checkpointing
-from ..core.policy import parse_policy
+from ..core.policy import HF_KINDS, parse_policy
 from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
-from ..core.validate import check_int
+from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
 from .memory import allocator_peak, cuda_allocator_stats, track_memory
@@ -61,20 +62,19 @@ def measure(
     """
     workload = get_workload(workload) if isinstance(workload, str) else workload
     policy = parse_policy(policy)
-    check_int("batch_size", batch_size, 1)
-    check_int("seq_len", seq_len, 1)
+    integer("batch_size", batch_size, 1)
+    integer("seq_len", seq_len, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
         raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
-    check_int("steps", steps, 1)
-    check_int("warmup", warmup, 0)
-    check_int("accum_steps", accum_steps, 1)
+    integer("steps", steps, 1)
+    integer("warmup", warmup, 0)
+    integer("accum_steps", accum_steps, 1)
     check_timing_options(target_ci, max_seconds)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    choice("dtype", dtype, list(DTYPES))
+    choice("optimizer", optimizer, OPTIMIZERS)
     dev = resolve_device(device)
     limit = parse_bytes(memory_limit)
+    check_policy_applies(workload, policy)
     if dev.type == "cuda" and limit is None:
         limit = torch.cuda.get_device_properties(dev).total_memory
 
@@ -243,10 +243,25 @@ def allocator_step_memory(step, model, optimizer, batch, dev):
     return allocator_peak(step, dev, sum(start.values()))
 
 
+def check_policy_applies(workload: Workload, policy) -> None:
+    """Raise ValueError when `policy` cannot apply to `workload` (layers=9 or a plan of the wrong
+    length on a 4-block model, an hf policy on a model that is not a transformers model), using
+    the model built on the meta device: no memory, no time."""
+    policy = parse_policy(policy)
+    model = workload.build("meta")
+    transformers_model = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+                             for c in type(model).__mro__)
+    if policy.kind in HF_KINDS and not transformers_model:
+        raise ValueError(f"policy={str(policy)!r} is invalid for model={workload.name!r}: the hf policies apply "
+                         "to transformers models (the hf-* presets) only")
+    if policy.kind != "budget":  # a budget becomes a plan per cell, from that cell's shapes
+        policy.regions(len(find_blocks(model)))
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["allocator_step_memory", "compile_config", "failures_recorded", "measure", "policy_applier",
+__all__ = ["allocator_step_memory", "check_policy_applies", "compile_config", "failures_recorded", "measure", "policy_applier",
            "prepare_step", "resolve_policy", "training_step", "make_optimizer", "resolve_device"]

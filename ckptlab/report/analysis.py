@@ -30,6 +30,15 @@ def ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["status"] == "ok"].copy() if len(df) else df.copy()
 
 
+def require_records(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` when it holds records; ValueError for an empty run (no cell finished yet)."""
+    if not len(df) or "status" not in df:
+        run = (df.attrs.get("run") or {}).get("run")
+        raise ValueError(f"df is invalid: the run{f' {run!r}' if run else ''} holds no records yet; allowed is "
+                         "a DataFrame from sweep() or load_run() of a run with at least one finished cell")
+    return df
+
+
 def overhead(df: pd.DataFrame) -> pd.DataFrame:
     """The ok rows with baseline columns added, per (model, batch, seq, dtype, accum):
 
@@ -284,7 +293,7 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
     says so in `basis` ("cannot answer: ...") instead of recommending a cell measured far below
     the card. Status counts are in `df.status`.
     """
-    rows = ok(df)
+    rows = ok(require_records(df))
     run_limit = df["memory_limit_bytes"].dropna() if "memory_limit_bytes" in df else pd.Series(dtype=float)
     label = ("run limit " + format_bytes(run_limit.iloc[0])) if len(run_limit) else "no limit"
     fit = rows[rows["peak_bytes"] <= (run_limit.iloc[0] if len(run_limit) else np.inf)]

@@ -333,6 +333,9 @@ def redraw_all(run_dir: str | Path) -> list[Path]:
     return the paths written."""
     run_dir = Path(run_dir)
     df = load_run(run_dir)
+    if not len(df):
+        raise ValueError(f"run_dir={str(run_dir)!r} is invalid: it holds no records ({run_dir.name}/records.jsonl "
+                         "is missing or empty); allowed is a run folder with at least one finished cell")
     written = []
     for name, draw in FIGURES.items():
         fig = draw(df, run_dir / "figures" / name)

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
+from ..core.children import die_with_parent, exit_when_orphaned
 from ..core.records import new_record
 from ..probe.compare import measure_together
 from ..probe.distributed import measure_sharded
@@ -25,6 +26,7 @@ from ..workloads.registry import get_workload
 from .store import RunWriter
 
 RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (isolated cells)
+CELL_TIMEOUT_S = 3600.0             # an isolated cell running longer is stopped and recorded as an error
 
 
 FIXED = ("model", "model_hash", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit_bytes",
@@ -219,14 +221,16 @@ def run_cell(grid: Grid, cell: dict) -> dict:
 
 def run_isolated(grid: Grid, cell: dict, timeout_s: Optional[float] = None) -> dict:
     """Measure one cell in a fresh Python process, so no allocator
-    state, cache or leak carries from one cell to the next. A crash or timeout becomes an
-    error record; it never stops the sweep."""
-    spec = json.dumps({"grid": dataclasses.asdict(grid), "cell": cell})
+    state, cache or leak carries from one cell to the next. A crash or timeout (default
+    CELL_TIMEOUT_S) becomes an error record; it never stops the sweep. The child dies with this
+    process (`ckptlab.core.children`), so a killed sweep leaves nothing computing behind its lock."""
+    timeout_s = CELL_TIMEOUT_S if timeout_s is None else timeout_s
+    spec = json.dumps({"grid": dataclasses.asdict(grid), "cell": cell, "parent_pid": os.getpid()})
     # The child must import this same ckptlab, installed or not.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
     try:
         proc = subprocess.run([sys.executable, "-c", _CHILD], input=spec, text=True, env=env,
-                              capture_output=True, timeout=timeout_s)
+                              capture_output=True, timeout=timeout_s, preexec_fn=die_with_parent())
     except subprocess.TimeoutExpired:
         return failed_record(grid, cell, f"isolated cell timed out after {timeout_s} s")
     for line in reversed(proc.stdout.splitlines()):
@@ -250,6 +254,7 @@ _CHILD = "import sys; from ckptlab.run.cells import child_main; sys.exit(child_m
 
 def child_main() -> int:
     spec = json.loads(sys.stdin.read())
+    exit_when_orphaned(spec["parent_pid"])
     record = run_cell(Grid(**spec["grid"]), spec["cell"])
     sys.stdout.write(RECORD_PREFIX + json.dumps(record, default=str) + "\n")
     sys.stdout.flush()
@@ -261,5 +266,5 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-__all__ = ["FIXED", "Grid", "OomInference", "cell_id", "failed_record", "inferred_oom_record", "measure_cells",
+__all__ = ["CELL_TIMEOUT_S", "FIXED", "Grid", "OomInference", "cell_id", "failed_record", "inferred_oom_record", "measure_cells",
            "measure_together_cells", "now", "run_cell", "run_cells", "run_isolated", "timing_groups"]

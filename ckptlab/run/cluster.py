@@ -38,10 +38,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from tqdm.auto import tqdm
 
+from ..core.validate import integer
 from .cells import Grid, OomInference, cell_id, failed_record, measure_cells, now, run_cell
 
 CLUSTERS = ("slurm", "local", "debug")
@@ -68,13 +69,11 @@ def job_options(out: Path, folder=None, cluster=None, slurm_partition=None, slur
     """Validate the submitit options (ValueError naming the parameter) before anything runs."""
     if cluster is not None and cluster not in CLUSTERS:
         raise ValueError(f"cluster={cluster!r} is invalid: allowed are {', '.join(CLUSTERS)} or None (auto)")
-    for name, value, minimum in (("cells_per_job", cells_per_job, 1), ("slurm_time_min", slurm_time_min, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name}={value!r} is invalid: allowed is an integer >= {minimum}")
+    integer("cells_per_job", cells_per_job, 1)
+    integer("slurm_time_min", slurm_time_min, 1)
     if slurm_gpus_per_job is None:   # one GPU per rank on CUDA, none on CPU
         slurm_gpus_per_job = nproc if str(device).startswith("cuda") else 0
-    if isinstance(slurm_gpus_per_job, bool) or not isinstance(slurm_gpus_per_job, int) or slurm_gpus_per_job < 0:
-        raise ValueError(f"slurm_gpus_per_job={slurm_gpus_per_job!r} is invalid: allowed is an integer >= 0")
+    integer("slurm_gpus_per_job", slurm_gpus_per_job, 0)
     try:
         import submitit  # noqa: F401, PLC0415 - submitit is the cluster extra
     except ImportError:
@@ -205,27 +204,40 @@ def _wave(grid, executor, cells: list[dict], options: JobOptions, infer_oom: boo
         return [(job, chunk, path, time.monotonic()) for job, (chunk, path) in zip(jobs, batch)]
 
     again: list[dict] = []
+
+    def finish(job, chunk, path, started):
+        again.extend(_gather(grid, job, chunk, path, time.monotonic() - started, keep, size == 1))
+
+    poll_jobs(queue, submit, finish, limit, options.poll_s)
+    return again
+
+
+def poll_jobs(queue: list, submit: Callable[[list], list[tuple]], finish: Callable[..., None], limit: int,
+              poll_s: float) -> None:
+    """The one job-polling loop: at most `limit` jobs in flight, submitted from `queue` as earlier
+    ones end (`submit(items)` -> one tuple per job, the job first); `finish(*entry)` for each job
+    that ended; jobs still running when this is interrupted (Ctrl-C) are cancelled, never left
+    running unattended."""
     waiting = submit(queue[:limit])
     queue = queue[limit:]
     try:
         while waiting:
             still = []
-            for job, chunk, path, started in waiting:
-                if job_done(job):
-                    again += _gather(grid, job, chunk, path, time.monotonic() - started, keep, size == 1)
+            for entry in waiting:
+                if job_done(entry[0]):
+                    finish(*entry)
                 else:
-                    still.append((job, chunk, path, started))
+                    still.append(entry)
             free = limit - len(still)
             if free > 0 and queue:
                 still += submit(queue[:free])
                 queue = queue[free:]
             waiting = still
             if waiting:
-                time.sleep(options.poll_s)
+                time.sleep(poll_s)
     finally:
-        for job, *_ in waiting:   # interrupted (Ctrl-C): do not leave jobs running unattended
+        for job, *_ in waiting:
             job.cancel(check=False)
-    return again
 
 
 def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, isolated: bool) -> list[dict]:
@@ -293,7 +305,7 @@ def _leftovers(folder: Path):
             yield record
 
 
-__all__ = ["JobOptions", "job_done", "job_options", "job_state", "make_executor", "run_as_jobs", "run_job",
+__all__ = ["JobOptions", "job_done", "job_options", "job_state", "make_executor", "poll_jobs", "run_as_jobs", "run_job",
            "wait_for_local_results"]
 
 

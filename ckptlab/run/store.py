@@ -50,17 +50,35 @@ def read_records(run_dir: str | Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
             where = "last line (torn write)" if number >= len(lines) - 1 else f"line {number}"
             warnings.warn(f"{path.name}: ignoring unreadable {where} in run {Path(run_dir).name!r}",
                           RuntimeWarning, stacklevel=2)
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            warnings.warn(f"{path.name}: ignoring line {number} in run {Path(run_dir).name!r}: a JSON "
+                          f"{type(record).__name__}, not a record (an object)", RuntimeWarning, stacklevel=2)
     return records
 
 
 def read_meta(run_dir: str | Path) -> dict:
+    """run.json as a dict ({} when there is none); ValueError naming the file when it is not a
+    JSON object (torn or edited by hand)."""
     path = Path(run_dir) / META
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is invalid: not readable as JSON ({exc}); allowed is the run.json a sweep "
+                         "writes: restore it, or move the run folder away") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is invalid: a JSON {type(meta).__name__}, not an object; allowed is the "
+                         "run.json a sweep writes")
+    return meta
 
 
 def load_run(run_dir: str | Path):
@@ -68,6 +86,9 @@ def load_run(run_dir: str | Path):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run_dir={str(run_dir)!r} is invalid: no such run folder")
+    if not (run_dir / META).exists():
+        warnings.warn(f"run folder {run_dir.name!r} has no {META}: its grid and environment are unknown",
+                      RuntimeWarning, stacklevel=2)
     df = pd.DataFrame(read_records(run_dir))
     df.attrs["run"] = read_meta(run_dir)
     return df

@@ -21,9 +21,10 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..checkpoint.blocks import find_blocks
 from ..core.policy import parse_policy
 from ..core.units import parse_bytes
+from ..core.validate import choice, integer, integer_list, no_credential, non_empty, output_folder
+from ..probe.measure import check_policy_applies
 from ..probe.step import DTYPES, OPTIMIZERS, resolve_device
 from ..probe.timing import check_timing_options
 from ..workloads.registry import get_workload
@@ -45,36 +46,29 @@ def make_grid(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4),
     """Validate every grid value; raise ValueError naming the parameter, the value and what is
     allowed. Nothing is built on a real device and nothing is written."""
     overrides = dict(model_overrides or {})
-    workload = get_workload(model, seed=_int("seed", seed, 0), **overrides)
-    batch_sizes = _int_list("batch_sizes", batch_sizes, 1)
-    seq_lens = _int_list("seq_lens", seq_lens, 1)
-    accum_steps = _int_list("accum_steps", accum_steps, 1)
+    no_credential("model_overrides", overrides)
+    workload = get_workload(model, seed=integer("seed", seed, 0), **overrides)
+    batch_sizes = sorted(set(integer_list("batch_sizes", batch_sizes, 1)))
+    seq_lens = sorted(set(integer_list("seq_lens", seq_lens, 1)))
+    accum_steps = sorted(set(integer_list("accum_steps", accum_steps, 1)))
     limit = workload.max_seq_len
     for s in seq_lens:
         if limit is not None and s > limit:
             raise ValueError(f"seq_lens: seq_len={s} is invalid for model={model!r}: allowed is 1..{limit}")
-    # Policies are checked against the model's block count too (layers=9 on a 4-block model),
-    # using a model on the meta device: no memory, no time.
-    n_blocks = len(find_blocks(workload.build("meta")))
     parsed = []
-    for p in _list("policies", policies):
+    for p in non_empty("policies", policies):
         policy = parse_policy(p)
-        if policy.kind != "budget":  # a budget becomes a plan per cell, from that cell's shapes
-            policy.regions(n_blocks)
+        check_policy_applies(workload, policy)
         if str(policy) not in parsed:
             parsed.append(str(policy))
-    dtypes = list(dict.fromkeys(_list("dtypes", dtypes)))
-    for d in dtypes:
-        if d not in DTYPES:
-            raise ValueError(f"dtypes: dtype={d!r} is invalid: allowed are {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is invalid: allowed are {', '.join(OPTIMIZERS)}")
+    dtypes = [choice("dtypes", d, list(DTYPES)) for d in dict.fromkeys(non_empty("dtypes", dtypes))]
+    choice("optimizer", optimizer, OPTIMIZERS)
     dev = resolve_device(device)
     check_timing_options(target_ci, max_seconds)
     return Grid(model=model, batch_sizes=batch_sizes, seq_lens=seq_lens, policies=parsed, dtypes=dtypes,
                 accum_steps=accum_steps, device=str(dev), memory_limit_bytes=parse_bytes(memory_limit),
-                steps=_int("steps", steps, 1), warmup=_int("warmup", warmup, 0), seed=seed,
-                optimizer=optimizer, model_overrides=overrides, nproc=_int("nproc", nproc, 1),
+                steps=integer("steps", steps, 1), warmup=integer("warmup", warmup, 0), seed=seed,
+                optimizer=optimizer, model_overrides=overrides, nproc=integer("nproc", nproc, 1),
                 model_hash=workload.spec_hash, target_ci=float(target_ci), max_seconds=float(max_seconds))
 
 
@@ -108,6 +102,8 @@ def run_sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), s
     resume   True: skip cells already in `out`. False: refuse a folder that holds records.
     progress tqdm progress bar.
     infer_oom  record larger batches of an out-of-memory group as oom (inferred) without running.
+    cell_timeout_s  stop an isolated cell after this many seconds (default CELL_TIMEOUT_S) and
+             record it as an error.
     nproc    ranks per cell: > 1 measures each cell sharded with FSDP2 over that many processes
              (gloo on CPU, NCCL on CUDA; see `ckptlab.probe.distributed`); records gain world_size,
              peak_bytes_per_rank, and peak_bytes is the max over ranks.
@@ -124,7 +120,8 @@ def run_sweep(model: str = "gpt-tiny", batch_sizes: Sequence[int] = (1, 2, 4), s
     grid = make_grid(model, batch_sizes, seq_lens, policies, dtypes, accum_steps, device, memory_limit,
                      steps, warmup, seed, optimizer, model_overrides, nproc, target_ci, max_seconds)
     isolate = grid.device.startswith("cuda") if isolate is None else bool(isolate)
-    out = Path(out) if out is not None else Path("results") / dt.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
+    out = output_folder("out", Path("results") / dt.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
+                        if out is None else out)
     if executor not in ("local", "submitit"):
         raise ValueError(f"executor={executor!r} is invalid: allowed are local, submitit")
     if executor == "submitit":
@@ -174,23 +171,3 @@ def _counts(records: list[dict]) -> dict:
     for r in records:
         counts[r.get("status", "error")] = counts.get(r.get("status", "error"), 0) + 1
     return counts
-
-
-def _list(name: str, values) -> list:
-    if isinstance(values, (str, int)):
-        values = [values]
-    values = list(values)
-    if not values:
-        raise ValueError(f"{name}=[] is invalid: allowed is a non-empty list")
-    return values
-
-
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: {value!r} is invalid: allowed is an integer >= {minimum}")
-    return value
-
-
-def _int_list(name: str, values, minimum: int) -> list[int]:
-    return sorted({_int(name, v, minimum) for v in _list(name, values)})
-

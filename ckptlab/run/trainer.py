@@ -53,7 +53,7 @@ except ImportError:
 from ..checkpoint.hf import HFCheckpointHandle, hf_layers
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import parse_policy
-from ..core.validate import check_int
+from ..core.validate import integer
 from ..probe.memory import CATEGORIES, cuda_allocator_stats, track_memory
 from ..probe.step import device_name, resolve_device
 from ..workloads.registry import get_workload
@@ -340,7 +340,7 @@ def compare_trainer_runs(
     policies = {run: (None if run in ("none", TRANSFORMERS_FLAG) else str(parse_policy(run))) for run in runs}
     for name, value, minimum in (("batch_size", batch_size, 1), ("seq_len", seq_len, 2), ("accum_steps", accum_steps, 1),
                                  ("max_steps", max_steps, 1), ("seed", seed, 0)):
-        check_int(name, value, minimum)
+        integer(name, value, minimum)
     if track_steps is not None and (isinstance(track_steps, bool) or not isinstance(track_steps, int) or track_steps < 0):
         raise ValueError(f"track_steps={track_steps!r} is invalid: allowed is None or an integer >= 0")
     if device not in ("cpu", "cuda"):

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..core.validate import integer, number
 from .base import Workload
 
 # ----------------------------------------------------------------------------- GPT (nanoGPT-style)
@@ -202,14 +203,26 @@ def build_preset(name: str, seed: int = 0, **overrides) -> Workload:
             f"override {unknown[0]}={overrides[unknown[0]]!r} is invalid for model={name!r}: "
             f"allowed overrides are {', '.join(sorted(fields))}"
         )
+    for key, value in overrides.items():
+        _check_override(key, value, getattr(config_cls(), key))
     config = config_cls(**{**defaults, **overrides})
     if isinstance(config, GPTConfig) and config.n_embd % config.n_head:
         raise ValueError(f"n_embd={config.n_embd} is invalid: must be divisible by n_head={config.n_head}")
-    if config.n_layer < 1:
-        raise ValueError(f"n_layer={config.n_layer} is invalid: allowed is an integer >= 1")
     if isinstance(config, GPTConfig):
         return Workload(name, config, GPT, _gpt_batch, _gpt_loss, seed, spec=name, overrides=dict(overrides))
     return Workload(name, config, MLPChain, _mlp_batch, _mlp_loss, seed, spec=name, overrides=dict(overrides))
+
+
+def _check_override(key: str, value, default) -> None:
+    """An override has its field's type: sizes are integers >= 1, rates in [0, 1), flags bools."""
+    name = f"override {key}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} is invalid: allowed is true or false")
+    elif isinstance(default, int):
+        integer(name, value, 1)
+    elif isinstance(default, float) and number(name, value, 0.0, 1.0) == 1.0:
+        raise ValueError(f"{name}={value!r} is invalid: allowed is a number in [0, 1)")
 
 
 __all__ = [
