@@ -20,7 +20,7 @@ import ckptlab
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_PAGES = sorted(p.relative_to(ROOT).with_suffix("") for p in (ROOT / "results").glob("0*/default/*.ipynb"))
 
-pytestmark = pytest.mark.slow
+
 
 
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:

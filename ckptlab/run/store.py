@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..core.records import FIELDS
+
 RECORDS = "records.jsonl"
 META = "run.json"
 LOCK = ".lock"
@@ -89,7 +91,10 @@ def load_run(run_dir: str | Path):
     if not (run_dir / META).exists():
         warnings.warn(f"run folder {run_dir.name!r} has no {META}: its grid and environment are unknown",
                       RuntimeWarning, stacklevel=2)
-    df = pd.DataFrame(read_records(run_dir))
+    records = read_records(run_dir)
+    # Every column of the record schema, even for records written before a column existed (a
+    # resumed folder mixes them): analysis and plots can rely on the names.
+    df = pd.DataFrame(records).reindex(columns=list(dict.fromkeys([*FIELDS, *(k for r in records for k in r)])))
     df.attrs["run"] = read_meta(run_dir)
     return df
 
