@@ -22,8 +22,10 @@ $(STAMP): requirements.txt pyproject.toml
 run: $(STAMP)
 	$(BIN)/ckptlab notebooks run --file default --out results
 
+# Two test workers on two cores, one PyTorch thread each: more threads than cores makes every
+# torch op several times slower (OpenMP threads wait on each other), and tests assert properties, not speed.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 # The layers of docs/design.md (import-linter contracts in pyproject.toml) and ruff's small rule set.
 lint: $(STAMP)

@@ -103,7 +103,8 @@ def test_resume_skips_finished_cells_and_checks_settings(tmp_path):
 
 def test_sigkill_mid_run_then_resume_loses_and_duplicates_nothing(tmp_path):
     out = tmp_path / "killed"
-    grid = dict(model="gpt-tiny", batch_sizes=[1, 2, 3, 4], seq_lens=[32, 64], policies=["none", "density=0.5", "full"])
+    grid = dict(model="gpt-tiny", model_overrides=dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64),
+                batch_sizes=[1, 2, 3], seq_lens=[16, 32], policies=["none", "density=0.5", "full"])
     code = f"from ckptlab import sweep; sweep(out={str(out)!r}, steps=1, warmup=1, max_seconds=0.2, progress=False, plots=False, **{grid!r})"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     records = out / "records.jsonl"
@@ -116,14 +117,14 @@ def test_sigkill_mid_run_then_resume_loses_and_duplicates_nothing(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     before = [json.loads(line) for line in records.read_text().splitlines()]
-    assert 3 <= len(before) < 24
+    assert 3 <= len(before) < 18
     with open(records, "a") as f:  # what a kill in the middle of a write leaves behind
         f.write('{"model": "gpt-tiny", "batch_si')
     with pytest.warns(RuntimeWarning, match="torn"):
         assert len(load_run(out)) == len(before)  # a torn line never breaks loading
     with pytest.warns(RuntimeWarning, match="torn"):
         df = sweep(out=out, steps=1, warmup=1, max_seconds=0.2, progress=False, plots=False, **grid)
-    assert len(df) == 24 and df["cell_id"].is_unique
+    assert len(df) == 18 and df["cell_id"].is_unique
     after = df.set_index("cell_id")
     for r in before:
         assert after.loc[r["cell_id"], "finished_at"] == r["finished_at"]
