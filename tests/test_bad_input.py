@@ -12,7 +12,7 @@ import ckptlab
 from ckptlab import analysis, plots
 from ckptlab.apps.cli import main
 from ckptlab.apps.notebook_exec import RUN_MARKER, fresh_run_folder
-from ckptlab.apps.notebooks import run_notebooks
+from ckptlab.apps.notebooks import check_parameters, find_notebook, run_notebooks
 from ckptlab.core.validate import no_credential, output_folder, run_name, size_bytes, size_label
 from ckptlab.run.store import load_run, read_meta
 from ckptlab.workloads.base import Workload
@@ -279,3 +279,10 @@ def test_run_names_that_are_one_component(value):
 def test_format_summary_of_an_empty_run_says_zero_cells():
     empty = pd.DataFrame()
     assert analysis.format_summary(empty).startswith("0 cells")
+
+
+def test_a_scalar_parameter_whose_name_is_a_list_elsewhere_is_checked_as_a_scalar():
+    # 09's accum_steps is one int, 04's a list: both are checked by the same rule.
+    check_parameters(find_notebook("09"), {"accum_steps": 4})
+    with pytest.raises(ValueError, match="accum_steps"):
+        check_parameters(find_notebook("09"), {"accum_steps": 0})

@@ -16,6 +16,7 @@ from ckptlab.apps.notebooks import (
     check_parameters,
     find_notebook,
     list_notebooks,
+    load_param_set,
     notebook_parameters,
     run_notebooks,
     write_results_index,
@@ -161,3 +162,10 @@ def test_cli_lists_a_notebooks_parameters(capsys):
     assert cli_main(["notebooks", "params", "02"]) == 0
     out = capsys.readouterr().out
     assert "densities" in out and "List[float]" in out and "checkpoint densities to measure" in out
+
+
+def test_the_default_parameter_set_passes_every_check():
+    """`make run` executes the default set: its values must pass the checks the runner applies
+    before any kernel starts (a value of another notebook's shape, such as a list, included)."""
+    for name, values in load_param_set("default").items():
+        check_parameters(find_notebook(name), values or {})

@@ -148,8 +148,10 @@ def _value_checks() -> dict:
     def at_least(minimum):
         return lambda name, v: integer(name, v, minimum)
 
-    def each(check, empty_ok=True):
+    def each(check, empty_ok=True):   # a list parameter element by element (a scalar of that name as itself)
         def run(name, values):
+            if not isinstance(values, (list, tuple)):
+                return check(name, values)
             for v in (values if empty_ok else non_empty(name, values)):
                 check(name, v)
         return run
