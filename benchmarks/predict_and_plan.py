@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ckptlab import closed_form, get_workload, measure, predict, what_fits
+from ckptlab import closed_form, get_workload, measure, predict, predict_fits
 from ckptlab.core.units import format_bytes
 from ckptlab.probe.estimate import prediction_error
 from ckptlab.probe.plan import plan_budget
@@ -181,7 +181,7 @@ def fits_table(quick: bool) -> list[dict]:
     workload = get_workload("gpt2-small", n_layer=24, n_embd=2048, n_head=16, vocab_size=50257,
                             block_size=8192, dropout=0.0)
     policies = ["none", "full"] if quick else ["none", "selective", "density=0.5", "segments=sqrt", "full"]
-    return what_fits(workload, policies, seq_len=2048, batch_size=1, dtype="bf16", max_batch=512,
+    return predict_fits(workload, policies, seq_len=2048, batch_size=1, dtype="bf16", max_batch=512,
                      seq_lens=[512, 1024, 2048, 4096, 8192])
 
 
@@ -374,7 +374,7 @@ def section_frontier(args, result) -> None:
 def section_fits(args, result) -> None:
     print("\n== 3. what fits, by prediction: GPT 1.3B shape (24 x 2048), bf16 autocast, AdamW ==")
     fits = fits_table(args.quick)
-    result["what_fits"] = fits
+    result["predict_fits"] = fits
     print(format_table(fits, [("policy", "policy", str), ("capacity", "capacity", str),
                               ("max batch @ seq 2048", "max_batch_size", str),
                               ("max seq @ batch 1", "max_seq_len", str)]))

@@ -12,7 +12,7 @@ from .core.meta import __version__
 from .core.policy import Policy, parse_policy
 from .core.units import format_bytes, parse_bytes
 from .probe.compare import compare
-from .probe.estimate import Prediction, closed_form, llama7b_shape, predict, what_fits
+from .probe.estimate import Prediction, closed_form, llama7b_shape, predict, predict_fits
 from .probe.measure import measure
 from .probe.memory import MemoryReport, track_memory
 from .probe.plan import Plan, plan_budget, profile_blocks
@@ -37,5 +37,5 @@ __all__ = [
     "apply_checkpointing", "closed_form", "compare", "compare_gradients", "equal_batch_sweep", "find_blocks",
     "find_stacks", "format_bytes",
     "get_workload", "llama7b_shape", "load_run", "make_grid", "measure", "parse_bytes", "parse_policy", "plan_budget",
-    "predict", "profile_blocks", "sweep", "time_interleaved", "time_steps", "track_memory", "what_fits",
+    "predict", "profile_blocks", "sweep", "time_interleaved", "time_steps", "track_memory", "predict_fits",
 ]

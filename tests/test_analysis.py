@@ -15,7 +15,7 @@ from ckptlab.report.analysis import (
     plans_vs_uniform,
     summary,
     timing_note,
-    what_fits,
+    fits_from_run,
 )
 
 
@@ -82,24 +82,24 @@ def test_overhead_interval_paired_where_timed_together_else_from_both_intervals(
     assert out.loc[("full", 8), "overhead_high"] == pytest.approx(28 / 19 - 1)
 
 
-def test_what_fits_measured_and_extrapolated():
+def test_fits_from_run_measured_and_extrapolated():
     limit = 5 * GiB
     # peak = 1 GiB + batch * 1 GiB exactly: 24 GiB fits batch 23; under 5 GiB, batch 4 fits, 8 does not.
     df = pd.DataFrame([rec("none", 0.0, b, (1 + b) * GiB, 1.0, limit=limit) for b in (1, 2, 4)]
                       + [rec("none", 0.0, 8, 9 * GiB, None, status="oom", limit=limit)])
-    fits = what_fits(df).set_index(["kind", "limit"])
+    fits = fits_from_run(df).set_index(["kind", "limit"])
     assert fits.loc[("measured", "5.0 GiB"), "max_batch_size"] == 4
     assert fits.loc[("extrapolated", "24 GiB"), "max_batch_size"] == 23
     assert fits.loc[("extrapolated", "141 GiB"), "max_batch_size"] == 140
     assert fits.loc[("extrapolated", "24 GiB"), "fit_rms_residual_bytes"] == pytest.approx(0, abs=1e-3)
     assert fits.loc[("extrapolated", "24 GiB"), "fit_points"] == 3
     assert fits.loc[("extrapolated", "24 GiB"), "fit_note"] == "fit of 3 points, residual <0.1%"
-    by_seq = what_fits(df, axis="seq_len")
+    by_seq = fits_from_run(df, axis="seq_len")
     assert set(by_seq["kind"]) == {"measured", "no fit"}  # one seq: nothing to fit, and it says so
     notes = by_seq[by_seq.kind == "no fit"].set_index("batch_size")["fit_note"]
     assert notes[4] == "no fit: one sequence length ran ok" and notes[8] == "no fit: no sequence length ran ok, 1 out of memory"
     with pytest.raises(ValueError, match="axis='dtype'"):
-        what_fits(df, axis="dtype")
+        fits_from_run(df, axis="dtype")
 
 
 def test_summary_best_config_per_limit():
@@ -119,16 +119,16 @@ def test_summary_best_config_per_limit():
     assert "10.0 [9.0, 12.0]" in format_summary(timed)  # the measured row: none at batch 8
 
 
-def test_summary_cards_agree_with_what_fits_far_beyond_the_run_limit():
+def test_summary_cards_agree_with_fits_from_run_far_beyond_the_run_limit():
     # A tiny emulated limit where full fits the largest measured batch, but none, the faster
-    # one, extrapolates to a much larger batch on a card: the card rows follow what_fits.
+    # one, extrapolates to a much larger batch on a card: the card rows follow fits_from_run.
     limit = 20 * 2**20
     df = pd.DataFrame([rec("none", 0.0, b, (8 + 4 * b) * 2**20, 1.0 + b, limit=limit) for b in (1, 2)]
                       + [rec("none", 0.0, 4, None, None, status="oom", limit=limit)]
                       + [rec("full", 1.0, b, (8 + 2 * b) * 2**20, 1.0 + 1.5 * b, limit=limit) for b in (1, 2, 4)])
     s = summary(df).set_index("limit")
     assert s.loc["run limit 20.0 MiB", "policy"] == "none" and s.loc["run limit 20.0 MiB", "batch_size"] == 2
-    fits = what_fits(df)
+    fits = fits_from_run(df)
     card = fits[(fits.kind == "extrapolated") & (fits.limit == "24 GiB")].set_index("policy")["max_batch_size"]
     assert s.loc["24 GiB", "batch_size"] == card.max() == (24 * GiB - 8 * 2**20) // (2 * 2**20)
     assert s.loc["24 GiB", "policy"] == "full"
@@ -171,7 +171,7 @@ def test_timing_note_warns_on_a_busy_machine():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_what_fits_counts_a_batch_that_fits_exactly(seed):
+def test_fits_from_run_counts_a_batch_that_fits_exactly(seed):
     """Adversarial values: peaks exactly linear in whole bytes with awkward intercepts and slopes,
     and a limit equal to one of the peaks; least squares lands a hair off, the answer must not."""
     rng = np.random.default_rng(seed)
@@ -184,7 +184,7 @@ def test_what_fits_counts_a_batch_that_fits_exactly(seed):
         target = int(rng.integers(1, 10**4))
         limit = round(intercept + slope * target)
         df = pd.DataFrame([rec("none", 0.0, b, round(intercept + slope * b), 1.0) for b in batches])
-        fits = what_fits(df, limits={"card": limit}).set_index("kind")
+        fits = fits_from_run(df, limits={"card": limit}).set_index("kind")
         assert fits.loc["extrapolated", "max_batch_size"] == target
         assert largest_fitting(intercept, slope, limit - 1) == target - 1 or target == 1
 

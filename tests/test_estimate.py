@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ckptlab import closed_form, get_workload, measure, predict, what_fits
+from ckptlab import closed_form, get_workload, measure, predict, predict_fits
 from ckptlab.probe.estimate import gpt_block_bytes, llama7b_shape, prediction_error
 
 GPT_POLICIES = ["none", "full", "density=0.5", "every=2", "segments=sqrt", "selective", "selective=alt",
@@ -98,10 +98,10 @@ def test_closed_form_block_terms_match_korthikanti_shape():
     assert per["keep"] == 68 * t * h + 4 * 4 * cfg.n_head * 64 + 16 * t
 
 
-def test_what_fits_is_consistent_with_predict():
+def test_predict_fits_is_consistent_with_predict():
     workload = get_workload("gpt-tiny", n_layer=2)
     cap = 16 * 2**20
-    rows = what_fits(workload, ["none", "full"], capacities=["16MiB"], seq_len=64, batch_size=2,
+    rows = predict_fits(workload, ["none", "full"], capacities=["16MiB"], seq_len=64, batch_size=2,
                      dtype="fp32", max_batch=32, seq_lens=[64, 128, 256])
     by = {r["policy"]: r for r in rows}
     for pol in ("none", "full"):

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ckptlab.probe.memory import CATEGORIES  # noqa: E402
 from ckptlab.report import plots  # noqa: E402
-from ckptlab.report.analysis import what_fits  # noqa: E402
+from ckptlab.report.analysis import fits_from_run  # noqa: E402
 from ckptlab.report.plots import policy_style  # noqa: E402
 
 MiB = 2**20
@@ -117,7 +117,7 @@ def test_what_fits_labels_say_the_points_and_why_a_policy_has_no_line(run):
     legend = legend_texts(plots.what_fits_plot(run).axes[0].get_legend())  # seq 64, the longest
     assert "none (no fit: one batch size ran ok, 2 out of memory)" in legend
     assert "density=0.5 (line through 2 points)" in legend  # no residual claimed for 2 points
-    fits = what_fits(run).set_index(["policy", "seq_len", "kind"])
+    fits = fits_from_run(run).set_index(["policy", "seq_len", "kind"])
     residual = fits.loc[("full", 64, "extrapolated"), "fit_max_rel_residual"].iloc[0]
     assert 0 < residual < 0.001
     assert "full (fit of 3 points, residual <0.1%)" in legend

@@ -20,7 +20,7 @@ Recomputation in Large Transformer Models": per layer s*b*h*(34 + 5*a*s/h) bytes
 recomputation, 2*s*b*h with full recomputation), re-derived for ckptlab's GPT op by op (see
 `gpt_block_bytes`); it is reported beside measurement with its error.
 
-`what_fits()` answers "the largest batch / sequence per policy on a 24/40/80/141 GiB card" from
+`predict_fits()` answers "the largest batch / sequence per policy on a 24/40/80/141 GiB card" from
 predictions.
 """
 
@@ -192,7 +192,7 @@ def llama7b_shape(**overrides) -> Workload:
     return get_workload("llama7b-shape", **overrides)
 
 
-def what_fits(
+def predict_fits(
     workload: Workload | str,
     policies: Sequence[str],
     capacities: Iterable[str | int] = tuple(f"{c}GiB" for c in CAPACITIES_GIB),
@@ -206,7 +206,8 @@ def what_fits(
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
     `batch_size`. The peak grows monotonically with batch and sequence, so the batch is found by
-    doubling then bisection; each step is one `predict`. 0 means not even the smallest fits."""
+    doubling then bisection; each step is one `predict`. 0 means not even the smallest fits.
+    (`analysis.fits_from_run` answers the same question from a sweep's measured records.)"""
     workload = get_workload(workload) if isinstance(workload, str) else workload
     caps = [(str(c), parse_bytes(c, "capacity")) for c in capacities]
     limit = workload.max_seq_len or 1 << 20
@@ -278,5 +279,5 @@ def add_predictions(df, closed_form_too: bool = True):
     return pd.DataFrame(rows)
 
 
-__all__ = ["Prediction", "add_predictions", "predict", "closed_form", "gpt_block_bytes", "what_fits", "llama7b_shape",
+__all__ = ["Prediction", "add_predictions", "predict", "closed_form", "gpt_block_bytes", "predict_fits", "llama7b_shape",
            "fake_training_step", "prediction_error", "CAPACITIES_GIB"]

@@ -1,12 +1,13 @@
 """Analysis of a sweep's records (a DataFrame from `sweep()` or `load_run()`); every function
 returns a new DataFrame and leaves its input alone.
 
-    overhead(df)    step time and memory against the no-checkpointing baseline (density 0)
-    pareto(df)      which configurations are on the (peak memory, step time) frontier
-    what_fits(df)   the largest batch (or seq) per policy that fits a memory limit: measured for
-                    the run's limit, extrapolated for 24/40/80/141 GiB cards from a linear fit
-    summary(df)     the best configuration per memory limit: measured for the run's limit,
-                    from what_fits's extrapolation for the card sizes
+    overhead(df)        step time and memory against the no-checkpointing baseline (density 0)
+    pareto(df)          which configurations are on the (peak memory, step time) frontier
+    fits_from_run(df)   the largest batch (or seq) per policy that fits a memory limit, from the
+                        run's records: measured for the run's limit, extrapolated for 24/40/80/141
+                        GiB cards from a linear fit (`ckptlab.predict_fits` answers by prediction)
+    summary(df)         the best configuration per memory limit: measured for the run's limit,
+                        from fits_from_run's extrapolation for the card sizes
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def pareto(df: pd.DataFrame, x: str = "peak_bytes", y: str = "step_ms",
     return rows
 
 
-def what_fits(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batch_size") -> pd.DataFrame:
+def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batch_size") -> pd.DataFrame:
     """Largest `axis` value ("batch_size" or "seq_len") that fits, per policy and the other axes.
 
     kind="measured": the largest measured value with status ok and fits, for the run's own
@@ -285,7 +286,7 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
 
     The run's own limit (or "no limit"): basis "measured", the highest tokens/s among ok cells
     whose measured peak fits.
-    Each card size (default 24/40/80/141 GiB): from `what_fits`'s extrapolation, the same lines
+    Each card size (default 24/40/80/141 GiB): from `fits_from_run`'s extrapolation, the same lines
     its figure draws — the configuration that fits the largest effective batch (batch x
     accumulation) at the longest sequence with a fit; ties go to the higher measured tokens/s.
     `batch_size` is then the extrapolated batch and `peak_bytes` the line's value there; its step
@@ -303,7 +304,7 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
     else:
         out = [{"limit": label, "basis": "measured: nothing fits", "policy": None}]
     cards = CARD_LIMITS if limits is None else limits
-    fits = what_fits(df, cards) if len(rows) else pd.DataFrame()
+    fits = fits_from_run(df, cards) if len(rows) else pd.DataFrame()
     lines = fits[fits["kind"] == "extrapolated"] if len(fits) else fits
     for card in cards:
         out.append(_best_on_card(card, lines[lines["limit"] == card] if len(lines) else lines, rows))
@@ -351,7 +352,7 @@ def format_summary(df: pd.DataFrame) -> str:
             "" if r.get("step_ms_low") is None else f" [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]")
     errors = df[df["status"] == "error"]
     lines = [head, "best configuration per memory limit (run limit: highest measured tokens/s that fits; "
-             "cards: largest batch that fits, extrapolated as in what_fits):", format_table(rows, columns)]
+             "cards: largest batch that fits, extrapolated as in fits_from_run):", format_table(rows, columns)]
     for _, r in errors.head(5).iterrows():
         lines.append(f"error in {r.get('cell_id')}: {r.get('message')}")
     return "\n".join(lines)
@@ -416,4 +417,4 @@ def slowdown_answer(summary) -> str:
 
 __all__ = ["BUSY_SPREAD", "SHAPE", "compare_note", "config_label", "fit_note", "format_summary", "largest_fitting",
            "line_fit", "ok", "overhead", "pareto", "plans_vs_uniform", "policy_label", "slowdown_answer", "summary",
-           "timing_note", "trainer_summary", "what_fits"]
+           "timing_note", "trainer_summary", "fits_from_run"]

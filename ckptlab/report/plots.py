@@ -282,7 +282,7 @@ def what_fits_plot(df: pd.DataFrame, path=None, seq_len: Optional[int] = None, d
     and its residual where one was measured) or why it has none ("no fit: one batch size ran
     ok, 2 out of memory")."""
     fig, ax = plt.subplots(figsize=(9.5, 4.5))
-    fits = analysis.what_fits(df)
+    fits = analysis.fits_from_run(df)
     if not len(fits):
         return _save(_empty(fig, ax, "no ok or out-of-memory cells"), path)
     fits, dtype, accum_steps = _slice(fits, dtype, accum_steps)
