@@ -14,14 +14,12 @@ import time
 import submitit
 
 from ckptlab.run.cluster import run_job
-from ckptlab.run.sweep import make_grid
+from ckptlab.run.config import SweepConfig
 
 
 def main(repeats: int = 3) -> None:
-    import dataclasses
-
-    grid = dataclasses.asdict(make_grid(policies=["none"]))
     with tempfile.TemporaryDirectory() as tmp:
+        grid = SweepConfig(policies=["none"], out=f"{tmp}/run").to_dict()
         ex = submitit.AutoExecutor(folder=f"{tmp}/%j", cluster="local")
         ex.update_parameters(timeout_min=5)
         for label, fn, args in [("submitit only (time.sleep(0))", time.sleep, (0,)),

@@ -21,8 +21,8 @@ from .probe.verify import compare_gradients
 from .report import analysis, plots
 from .report.sweeps import equal_batch_sweep, sweep
 from .run import store
+from .run.config import SweepConfig
 from .run.store import RunLockedError, load_run
-from .run.sweep import make_grid
 from .workloads.base import Workload
 from .workloads.registry import get_workload
 
@@ -33,9 +33,9 @@ for _alias, _module in {"analysis": analysis, "plots": plots, "store": store, "n
     sys.modules[f"{__name__}.{_alias}"] = _module
 
 __all__ = [
-    "CheckpointHandle", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "Workload", "__version__",
+    "CheckpointHandle", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "SweepConfig", "Workload", "__version__",
     "apply_checkpointing", "closed_form", "compare", "compare_gradients", "equal_batch_sweep", "find_blocks",
     "find_stacks", "format_bytes",
-    "get_workload", "llama7b_shape", "load_run", "make_grid", "measure", "parse_bytes", "parse_policy", "plan_budget",
+    "get_workload", "llama7b_shape", "load_run", "measure", "parse_bytes", "parse_policy", "plan_budget",
     "predict", "profile_blocks", "sweep", "time_interleaved", "time_steps", "track_memory", "predict_fits",
 ]

@@ -8,6 +8,7 @@ from ckptlab.core.units import GiB
 from ckptlab.report.analysis import (
     compare_note,
     config_label,
+    fits_from_run,
     format_summary,
     largest_fitting,
     overhead,
@@ -15,7 +16,6 @@ from ckptlab.report.analysis import (
     plans_vs_uniform,
     summary,
     timing_note,
-    fits_from_run,
 )
 
 

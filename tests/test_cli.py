@@ -130,6 +130,6 @@ def test_sweep_into_a_folder_in_use_exits_3(tmp_path, capsys):
     out = tmp_path / "run"
     with RunWriter(out):
         code = main(["sweep", "--model", "mlp-chain", "--batch", "1", "--seq", "8", "--policy", "none",
-                     "--steps", "1", "--warmup", "0", "--out", str(out), "--quiet", "--no-plots"])
+                     "--steps", "1", "--warmup", "0", "--out", str(out), "--no-progress", "--no-plots"])
     assert code == 3
     assert "in use" in capsys.readouterr().err

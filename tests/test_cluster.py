@@ -13,6 +13,7 @@ from ckptlab import sweep  # noqa: E402
 from ckptlab.apps.cli import main as cli_main  # noqa: E402
 from ckptlab.apps.notebook_jobs import run_notebooks_as_jobs  # noqa: E402
 from ckptlab.run import cluster  # noqa: E402
+from ckptlab.run.config import job_options  # noqa: E402
 from ckptlab.run.store import read_records  # noqa: E402
 
 TINY = dict(model="gpt-tiny", model_overrides=dict(n_layer=4, n_embd=32, n_head=2, vocab_size=64),
@@ -44,17 +45,17 @@ def test_jobs_give_the_same_records_as_a_local_run(tmp_path):
 
 
 def test_killed_or_timed_out_job_is_an_error_the_rest_of_its_chunk_runs_resume_adds_only_new_cells(tmp_path, monkeypatch):
-    def killing_job(grid, cells, partial, infer_oom=True):
+    def killing_job(config, cells, partial):
         # defined inside the test, so cloudpickle ships it by value to the job process
         from ckptlab.run.cells import run_cell
         from ckptlab.run.cluster import run_job
 
-        def measure(grid, cell):
+        def measure(config, cell):
             if cell["policy"] == "density=0.5":
                 os.kill(os.getpid(), signal.SIGKILL)   # the job dies mid-way through its chunk
-            return run_cell(grid, cell)
+            return run_cell(config, cell)
 
-        return run_job(grid, cells, partial, infer_oom, measure=measure)
+        return run_job(config, cells, partial, measure=measure)
 
     out = tmp_path / "run"
     monkeypatch.setattr(cluster, "JOB_FUNCTION", killing_job)
@@ -70,7 +71,7 @@ def test_killed_or_timed_out_job_is_an_error_the_rest_of_its_chunk_runs_resume_a
 
     # Resume with one more policy: only the new cell is submitted. Its job hangs past the job's
     # time limit (cell_timeout_s x cells_per_job): killed by the executor, reported as an error.
-    def hanging_job(grid, cells, partial, infer_oom=True):
+    def hanging_job(config, cells, partial):
         import time
         time.sleep(600)
 
@@ -86,13 +87,13 @@ def test_leftover_records_of_an_interrupted_sweep_are_gathered_not_rerun(tmp_pat
     # A job of an earlier sweep finished after that sweep's process was gone: its record file is
     # all that is left. Resuming takes the record from it and submits nothing.
     from ckptlab.run.cells import run_cell
-    from ckptlab.run.sweep import make_grid
+    from ckptlab.run.config import SweepConfig
 
     out = tmp_path / "run"
-    grid = make_grid(**{k: TINY[k] for k in ("model", "model_overrides", "batch_sizes", "seq_lens", "steps", "warmup")},
-                     policies=["none"])
-    cell = grid.cells()[0]
-    record = run_cell(grid, cell)
+    config = SweepConfig(**{k: TINY[k] for k in ("model", "model_overrides", "batch_sizes", "seq_lens", "steps", "warmup")},
+                         policies=["none"], out=out)
+    cell = config.cells()[0]
+    record = run_cell(config, cell)
     record.update(_cell=cell, job_id="12345")
     (out / "submitit" / "records").mkdir(parents=True)
     (out / "submitit" / "records" / "old.jsonl").write_text(json.dumps(record) + "\n{torn")
@@ -121,16 +122,16 @@ def test_bad_executor_options_are_refused_before_anything_is_written(tmp_path, k
 def test_auto_cluster_is_slurm_where_srun_exists_else_local_processes(tmp_path):
     if __import__("shutil").which("srun"):
         pytest.skip("SLURM is available here")
-    assert cluster.make_executor(cluster.job_options(tmp_path)).cluster == "local"
+    assert cluster.make_executor(job_options(tmp_path)).cluster == "local"
     with pytest.raises(ValueError, match="cluster='slurm' is invalid here: no SLURM found.*cluster='local'"):
-        cluster.make_executor(cluster.job_options(tmp_path, cluster="slurm"))
+        cluster.make_executor(job_options(tmp_path, cluster="slurm"))
 
 
 def test_cli_executor_flags_reach_the_job_options(monkeypatch, tmp_path):
     seen = {}
 
-    def fake_sweep(**kwargs):
-        seen.update(kwargs)
+    def fake_sweep(config, plots=True):
+        seen.update(config.to_dict())
         raise ValueError("stop here")
 
     monkeypatch.setattr(sys.modules["ckptlab.apps.cli"], "sweep", fake_sweep)   # the name the CLI calls
@@ -152,14 +153,14 @@ def test_slurm_parameters_reach_the_sbatch_script(tmp_path, monkeypatch):
     (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
     (bin_dir / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    options = cluster.job_options(tmp_path, cluster="slurm", slurm_partition="gpu", slurm_gpus_per_job=2,
+    options = job_options(tmp_path, cluster="slurm", slurm_partition="gpu", slurm_gpus_per_job=2,
                                   slurm_time_min=30, slurm_account="lab", device="cuda", nproc=2)
     script = cluster.make_executor(options)._executor._make_submission_file_text("cmd", "uid")
     for line in ["--partition=gpu", "--account=lab", "--gpus-per-node=2", "--time=30"]:
         assert f"#SBATCH {line}\n" in script
     assert "--time=1\n" in cluster.make_executor(options, timeout_s=20)._executor._make_submission_file_text("c", "u")
-    assert cluster.job_options(tmp_path, device="cuda", nproc=4).slurm_gpus_per_job == 4   # one per rank
-    assert cluster.job_options(tmp_path, device="cpu", nproc=4).slurm_gpus_per_job == 0
+    assert job_options(tmp_path, device="cuda", nproc=4).slurm_gpus_per_job == 4   # one per rank
+    assert job_options(tmp_path, device="cpu", nproc=4).slurm_gpus_per_job == 0
 
 
 def test_notebook_runs_as_a_job(tmp_path):

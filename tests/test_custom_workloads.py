@@ -73,7 +73,7 @@ def test_a_model_that_reads_tensor_data_while_built_is_predicted_with_a_warning(
         predicted = predict("tests/custom_model.py:scheduled", 2, 8, "full")
     workload = get_workload("tests/custom_model.py:scheduled")
     assert workload.n_params == sum(p.numel() for p in workload.build().parameters())
-    assert ckptlab.make_grid("tests/custom_model.py:scheduled", policies=["layers=2"]).model_hash == workload.spec_hash
+    assert ckptlab.SweepConfig("tests/custom_model.py:scheduled", policies=["layers=2"]).model_hash == workload.spec_hash
     assert predicted.peak_bytes == measure("tests/custom_model.py:scheduled", 2, 8, "full", steps=1, warmup=0)["peak_bytes"]
 
 
@@ -125,7 +125,7 @@ def test_isolated_cells_recreate_the_spec_and_a_changed_file_is_refused_on_resum
     df = ckptlab.sweep(isolate=True, **options)
     assert df.status.tolist() == ["ok"], df.message.tolist()
     assert df.isolated.tolist() == [True] and df.block_stacks.tolist() == ["layers[2]"]
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["grid"]["model_hash"] == file_hash(model_file)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["model_hash"] == file_hash(model_file)
     model_file.write_text(model_file.read_text() + "\n# edited\n")
     with pytest.raises(ValueError, match=r"is invalid for resuming run 'run': its file changed"):
         ckptlab.sweep(isolate=False, **options)

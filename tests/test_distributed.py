@@ -73,12 +73,12 @@ def test_cli_sweep_nproc_2_records_world_size_and_per_rank_peaks(tmp_path, capsy
     out = tmp_path / "fsdp"
     code = cli_main(["sweep", "--model", "gpt-tiny", "--set", "n_layer=4", "--set", "n_embd=32", "--set", "n_head=2",
                      "--set", "vocab_size=64", "--batch", "1", "--seq", "16", "--policy", "full", "--steps", "1",
-                     "--warmup", "0", "--nproc", "2", "--out", str(out), "--no-plots", "--quiet"])
+                     "--warmup", "0", "--nproc", "2", "--out", str(out), "--no-plots", "--no-progress"])
     assert code == 0, capsys.readouterr().err
     [record] = read_records(out)
     assert record["status"] == "ok" and record["world_size"] == 2 and record["sharding"] == "fsdp2"
     assert record["peak_bytes"] == max(record["peak_bytes_per_rank"])
-    assert json.loads((out / "run.json").read_text())["grid"]["nproc"] == 2
+    assert json.loads((out / "run.json").read_text())["config"]["nproc"] == 2
 
 
 def test_a_hung_or_dead_rank_group_is_an_error_record_not_a_hang():

@@ -62,7 +62,7 @@ def test_missing_transformers_is_one_line_naming_the_extra(monkeypatch, capsys):
 
 
 def test_missing_submitit_names_the_extra(monkeypatch, tmp_path):
-    from ckptlab.run.cluster import job_options
+    from ckptlab.run.config import job_options
 
     monkeypatch.setitem(sys.modules, "submitit", None)
     with pytest.raises(ValueError, match=r"^executor='submitit' needs submitit: pip install 'ckptlab\[cluster\]'$"):

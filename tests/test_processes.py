@@ -12,7 +12,7 @@ import pytest
 
 from ckptlab.core import children
 from ckptlab.run.cells import CELL_TIMEOUT_S, run_isolated
-from ckptlab.run.sweep import make_grid
+from ckptlab.run.config import SweepConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -64,8 +64,9 @@ def kill(pid: int) -> None:
 
 def test_isolated_cell_dies_when_its_sweep_is_killed(tmp_path):
     # A cell long enough to be still running when its sweep is killed.
-    code = ("from ckptlab.run.sweep import run_sweep; run_sweep(model='mlp-chain', batch_sizes=[1], seq_lens=[8], policies=['none'], "
-            f"steps=10**7, warmup=0, isolate=True, progress=False, out={str(tmp_path / 'run')!r})")
+    code = ("from ckptlab.run.config import SweepConfig; from ckptlab.run.sweep import run_sweep; "
+            "run_sweep(SweepConfig(model='mlp-chain', batch_sizes=[1], seq_lens=[8], policies=['none'], "
+            f"steps=10**7, warmup=0, isolate=True, progress=False, out={str(tmp_path / 'run')!r}))")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     child = None
     try:
@@ -105,7 +106,7 @@ def test_child_notices_a_dead_parent_without_the_kernels_help(tmp_path):
             kill(child)
 
 
-def test_isolated_cells_have_a_default_timeout(monkeypatch):
+def test_isolated_cells_have_a_default_timeout(monkeypatch, tmp_path):
     seen = {}
 
     def fake_run(*args, **kwargs):
@@ -113,7 +114,7 @@ def test_isolated_cells_have_a_default_timeout(monkeypatch):
         raise subprocess.TimeoutExpired(args[0], kwargs["timeout"])
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    grid = make_grid(model="mlp-chain", batch_sizes=[1], seq_lens=[8], policies=["none"])
-    record = run_isolated(grid, grid.cells()[0])
+    config = SweepConfig(model="mlp-chain", batch_sizes=[1], seq_lens=[8], policies=["none"], out=tmp_path)
+    record = run_isolated(config, config.cells()[0])
     assert seen["timeout"] == CELL_TIMEOUT_S and seen["preexec_fn"] is not None
     assert record["status"] == "error" and f"timed out after {CELL_TIMEOUT_S}" in record["message"]

@@ -51,7 +51,7 @@ def test_small_sweep_every_record_and_figures(tmp_path):
     figures = sorted(p.name for p in (out / "figures").iterdir())
     assert len(figures) == 8 and all(p.stat().st_size > 1000 for p in (out / "figures").iterdir())
     meta = json.loads((out / "run.json").read_text())
-    assert meta["grid"]["batch_sizes"] == [1, 2] and meta["finished_at"] and meta["status_counts"]["ok"] == 16
+    assert meta["config"]["batch_sizes"] == [1, 2] and meta["finished_at"] and meta["status_counts"]["ok"] == 16
     assert meta["environment"]["packages"]["torch"] and meta["git_commit"]
 
 
@@ -169,7 +169,7 @@ def test_no_secret_or_absolute_path_in_the_run_folder(tmp_path, monkeypatch):
 def test_cli_sweep_then_plot(tmp_path, capsys):
     out = str(tmp_path / "cli")
     args = ["sweep", "--model", "mlp-chain", "--batch", "1,2", "--seq", "8", "--policy", "none,full",
-            "--accum", "1,2", "--steps", "1", "--warmup", "0", "--max-seconds", "0.2", "--out", out, "--quiet",
+            "--accum", "1,2", "--steps", "1", "--warmup", "0", "--max-seconds", "0.2", "--out", out, "--no-progress",
             "--no-plots"]
     assert cli_main(args) == 0
     text = capsys.readouterr().out

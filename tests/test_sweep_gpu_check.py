@@ -31,8 +31,8 @@ def test_allocator_ratio_and_band():
     assert gpu_check.run_dir_name("NVIDIA H100 80GB HBM3") == "gpu-check-nvidia-h100-80gb-hbm3"
 
 
-def test_grid_is_valid_for_cuda_shape():
-    from ckptlab.run.sweep import make_grid
-    kw = {k: v for k, v in gpu_check.GRID.items() if k not in ("isolate", "cell_timeout_s")}
-    grid = make_grid(device="cpu", **kw)  # validates every value except the device
+def test_grid_is_valid_for_cuda_shape(tmp_path):
+    from ckptlab.run.config import SweepConfig
+    kw = {k: v for k, v in gpu_check.GRID.items() if k not in ("device",)}
+    grid = SweepConfig(**kw, device="cpu", out=tmp_path)  # validates every value except the device
     assert len(grid.cells()) == 40 and grid.seq_lens == [1024]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import sys
@@ -17,7 +18,7 @@ import torch
 import yaml
 
 from ..core.meta import __version__
-from ..core.parsing import split_list
+from ..core.parsing import attribute_docs, split_list, yaml_mapping
 from ..core.policy import parse_policy
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer, integer_list, number, output_folder, run_name
@@ -31,6 +32,7 @@ from ..report.analysis import format_summary
 from ..report.plots import compare_plot, redraw_all
 from ..report.sweeps import sweep
 from ..report.tables import format_table
+from ..run.config import SweepConfig
 from ..run.store import RunLockedError
 from ..workloads.models import PRESETS
 from ..workloads.registry import get_workload
@@ -78,12 +80,12 @@ def help_epilog() -> str:
     return "\n".join(lines)
 
 
-def int_list(name: str, text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]: a non-empty list of integers >= 1 (ValueError naming --name otherwise)."""
+def int_list(flag: str, text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: a non-empty list of integers >= 1 (ValueError naming `flag` otherwise)."""
     try:
-        return integer_list(f"--{name}", split_list(text), 1)
+        return integer_list(flag, split_list(text), 1)
     except ValueError:
-        raise ValueError(f"--{name}={text!r} is invalid: allowed is a comma-separated list of integers >= 1, "
+        raise ValueError(f"{flag}={text!r} is invalid: allowed is a comma-separated list of integers >= 1, "
                          "e.g. 1,2,4") from None
 
 
@@ -145,7 +147,7 @@ MEASURE_COLUMNS = [
 
 def cmd_measure(args: argparse.Namespace) -> int:
     policies = list(dict.fromkeys(str(parse_policy(p)) for p in policy_list(args.policy)))
-    batches, seqs = int_list("batch", args.batch), int_list("seq", args.seq)
+    batches, seqs = int_list("--batch", args.batch), int_list("--seq", args.seq)
     workload = get_workload(args.model, **_model_overrides(args.set))
     for policy in policies:  # every policy before the first measurement
         check_policy_applies(workload, policy)
@@ -183,26 +185,88 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
 
-    output_folder("--out", args.out)
-    overrides = _model_overrides(args.set)
+    config = config_from_arguments(SweepConfig, args)
     try:
-        df = sweep(model=args.model, batch_sizes=int_list("batch", args.batch), seq_lens=int_list("seq", args.seq),
-                   policies=policy_list(args.policy), dtypes=split_list(args.dtype),
-                   accum_steps=int_list("accum", args.accum), device=args.device,
-                   memory_limit=args.memory_limit, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                   max_seconds=args.max_seconds,
-                   model_overrides=overrides, out=args.out, isolate=args.isolate, resume=args.resume,
-                   progress=not args.quiet, plots=not args.no_plots, nproc=args.nproc,
-                   executor=args.executor, cluster=args.cluster, slurm_partition=args.slurm_partition,
-                   slurm_gpus_per_job=args.slurm_gpus, slurm_time_min=args.slurm_time,
-                   slurm_account=args.slurm_account, cells_per_job=args.cells_per_job)
+        df = sweep(config, plots=not args.no_plots)
     except RunLockedError as exc:  # another sweep is writing there: refuse, do not interleave
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    if args.quiet:  # sweep() prints the summary itself when it shows progress
+    if not config.progress:  # sweep() prints the summary itself when it shows progress
         print(format_summary(df))
-    print(f"run folder: {args.out}")
+    print(f"run folder: {config.out}")
     return 1 if (df["status"] == "error").any() else 0
+
+
+def add_config_arguments(p: argparse.ArgumentParser, config_class) -> None:
+    """--config FILE.yaml, and one flag per field of the dataclass `config_class` that names one
+    in its metadata; the help is the field's docstring. A flag not given leaves the file's value,
+    else the field's default (or the command line's own default, `cli_default`)."""
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="a YAML file of the fields below (model, batch_sizes, ...); flags override it")
+    docs = attribute_docs(config_class)
+    for f in dataclasses.fields(config_class):
+        flag = f.metadata.get("flag")
+        if not flag:
+            continue
+        default = f.metadata.get("cli_default", f.default_factory() if callable(f.default_factory) else f.default)
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        text = docs[f.name] + ("" if default in (None, {}) else f" (default: {shown})")
+        kind = _argument_kind(f)
+        if kind == "bool":
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=text.replace("%", "%%"))
+        elif kind == "pairs":
+            p.add_argument(flag, dest=f.name, action="append", default=None, metavar="KEY=VALUE",
+                           help=text.replace("%", "%%"))
+        else:
+            p.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=text.replace("%", "%%"))
+
+
+def config_from_arguments(config_class, args: argparse.Namespace):
+    """The dataclass from --config's file and the flags given (ValueError naming the flag)."""
+    values = dict(yaml_mapping("--config", args.config)) if args.config else {}
+    flags = {}   # field name -> the flag it was given by
+    for f in dataclasses.fields(config_class):
+        flag, raw = f.metadata.get("flag"), getattr(args, f.name, None)
+        if not flag:
+            continue
+        if raw is not None:
+            values[f.name], flags[f.name] = _argument_value(_argument_kind(f), flag, raw), flag
+        elif "cli_default" in f.metadata and f.name not in values:
+            values[f.name] = f.metadata["cli_default"]
+    try:
+        return config_class.from_dict(values, source=f"--config={args.config!r}" if args.config else "arguments")
+    except ValueError as exc:  # name the flag the user typed, not the field behind it
+        message = str(exc)
+        for name, flag in flags.items():
+            if message.startswith(f"{name}="):
+                message = flag + message[len(name):]
+        raise ValueError(message) from None
+
+
+def _argument_kind(f: dataclasses.Field) -> str:
+    """How a field's flag is read, from its annotation (text under `from __future__ import annotations`)."""
+    kinds = {"list[int]": "ints", "list[str]": "strs", "dict": "pairs", "bool": "bool", "Optional[bool]": "bool",
+             "int": "int", "Optional[int]": "int", "float": "float", "Optional[float]": "float"}
+    return kinds.get(str(f.type), "str")
+
+
+def _argument_value(kind: str, flag: str, raw):
+    if kind == "ints":
+        return int_list(flag, raw)
+    if kind == "strs":
+        items = split_list(raw)
+        if not items:
+            raise ValueError(f"{flag}={raw!r} is invalid: allowed is a comma-separated list, e.g. a,b")
+        return items
+    if kind == "pairs":
+        return _model_overrides(raw)
+    if kind in ("int", "float"):
+        try:
+            return int(raw) if kind == "int" else float(raw)
+        except ValueError:
+            raise ValueError(f"{flag}={raw!r} is invalid: allowed is {'an integer' if kind == 'int' else 'a number'}") from None
+    return raw
 
 
 def format_compare(df: pd.DataFrame) -> str:
@@ -314,8 +378,8 @@ def cmd_notebooks_params(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_executor_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
-    """--executor local|submitit and the job options (ckptlab.run.cluster)."""
+def add_executor_arguments(p: argparse.ArgumentParser) -> None:
+    """--executor local|submitit and the job options (ckptlab.run.config.job_options)."""
     p.add_argument("--executor", choices=("local", "submitit"), default="local",
                    help="local: run here; submitit: one job per cell/chunk/notebook (SLURM, or --cluster local)")
     p.add_argument("--cluster", choices=("slurm", "local", "debug"), default=None,
@@ -324,8 +388,6 @@ def add_executor_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> N
     p.add_argument("--slurm-gpus", type=int, default=None, help="GPUs per job (sweep default: --nproc on CUDA, else 0)")
     p.add_argument("--slurm-time", type=int, default=60, help="time limit per job, minutes (default 60)")
     p.add_argument("--slurm-account", default=None, help="SLURM account")
-    if sweep:
-        p.add_argument("--cells-per-job", type=int, default=1, help="cells measured by one job (default 1)")
 
 
 def _model_overrides(pairs) -> dict:
@@ -357,8 +419,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     workload = get_workload(args.model, **_model_overrides(args.set))
     rows = []
-    for batch in int_list("batch", args.batch):
-        for seq in int_list("seq", args.seq):
+    for batch in int_list("--batch", args.batch):
+        for seq in int_list("--seq", args.seq):
             for policy in policy_list(args.policy):
                 row = predict(workload, batch, seq, policy, dtype=args.dtype).record()
                 try:
@@ -389,10 +451,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, policy: str, lists: bool = True,
-                           dtypes: bool = False) -> None:
-    """--model, --set, --batch, --seq, --policy, --dtype: what every measuring subcommand takes
-    (`dtypes`: --dtype takes a comma-separated list, as a sweep does)."""
+def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, policy: str, lists: bool = True) -> None:
+    """--model, --set, --batch, --seq, --policy, --dtype: what the measuring subcommands other than
+    sweep take (a sweep's flags are its SweepConfig's fields)."""
     many = ", comma-separated" if lists else ""
     p.add_argument("--model", default="gpt-tiny",
                    help="a preset (" + ", ".join([*PRESETS, *HF_PRESET_NAMES]) + "), hf:<model_type>, "
@@ -405,8 +466,7 @@ def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, pol
     if policy:
         p.add_argument("--policy", default=policy, help="policies, comma-separated, e.g. none,density=0.5,full "
                        "(the vocabulary: ckptlab --help)")
-    p.add_argument("--dtype", default="fp32", help=("fp32 | bf16 (bf16: autocast), comma-separated" if dtypes else
-                                                    "one of fp32 | bf16 (bf16: autocast)"))
+    p.add_argument("--dtype", default="fp32", help="one of fp32 | bf16 (bf16: autocast)")
 
 
 def add_format_argument(p: argparse.ArgumentParser) -> None:
@@ -433,24 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
     p.set_defaults(func=cmd_measure)
 
-    p = sub.add_parser("sweep", help="measure a grid into a run folder (OOM-safe, resumable); print a summary")
-    add_workload_arguments(p, batch="1,2,4", seq="64", policy="none,density=0.5,full", dtypes=True)
-    p.add_argument("--accum", default="1", help="gradient-accumulation steps, comma-separated")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--memory-limit", default=None, help="e.g. 2GiB (emulated on CPU)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps")
-    p.add_argument("--max-seconds", type=float, default=5.0,
-                   help="timing budget per (batch, seq, dtype, accum): its policies are timed together")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--out", required=True, help="run folder, e.g. results/my-sweep")
-    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                   help="one subprocess per cell (default: on for CUDA, off for CPU)")
-    p.add_argument("--resume", action="store_true", help="add the missing cells to an existing run folder")
-    p.add_argument("--nproc", type=int, default=1, help="ranks per cell: >1 measures under FSDP2 (gloo on CPU, NCCL on CUDA)")
-    add_executor_arguments(p, sweep=True)
+    p = sub.add_parser("sweep", help="measure a grid into a run folder (OOM-safe, resumable); print a summary",
+                       description="Lists take comma-separated values (--batch 1,2,4).")
+    add_config_arguments(p, SweepConfig)
     p.add_argument("--no-plots", action="store_true", help="skip drawing figures")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("compare", help="policies (and, with --anchors, other frameworks' knobs) timed together, "

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from ..run.cells import now
-from ..run.cluster import job_options, job_state, make_executor, poll_jobs, wait_for_local_results
+from ..run.cluster import job_state, make_executor, poll_jobs, wait_for_local_results
+from ..run.config import job_options
 from .notebook_exec import NotebookRun, execute, fresh_run_folder, relative, write_json
 
 

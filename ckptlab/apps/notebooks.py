@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import yaml
-
 from ..core import validate
 from ..core.extras import require
+from ..core.parsing import yaml_mapping
 from ..core.policy import parse_policy
 from ..core.validate import choice, integer, no_credential, non_empty, number, size_bytes
 from ..probe.measure import check_policy_applies
@@ -190,13 +189,8 @@ def load_param_set(name: str) -> dict[str, dict]:
     if not path.exists():
         allowed = ", ".join(sorted(p.stem for p in PARAMS.glob("*.yaml")))
         raise ValueError(f"param_set={name!r} is invalid: allowed are {allowed}, or a path to a .yaml file")
-    try:
-        sets = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:  # malformed, or a tag such as !!python/object that safe_load refuses
-        reason = " ".join(str(getattr(exc, "problem", None) or exc).split())
-        raise ValueError(f"param_set={name!r} is invalid: {path.name} is not plain YAML ({reason}); allowed is "
-                         "a mapping {notebook: {parameter: value}} of literals") from None
-    if not isinstance(sets, dict) or not all(isinstance(v, dict) or v is None for v in sets.values()):
+    sets = yaml_mapping("param_set", path)
+    if not all(isinstance(v, dict) or v is None for v in sets.values()):
         raise ValueError(f"param_set={name!r} is invalid: {path.name} must hold a mapping "
                          "{notebook: {parameter: value}}")
     known = {p.stem for p in list_notebooks()}

@@ -132,7 +132,7 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
                      warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 30) -> list[dict]:
     """ckptlab policies at one (batch, seq, dtype, accum), each measured like `measure` (same
     record), then timed together: the records carry paired time ratios to the first policy that
-    ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`make_grid`)."""
+    ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`SweepConfig`)."""
     shape = Shape(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
                   optimizer, steps, warmup)
     return _measure([_ckptlab_config(p) for p in policies], shape, target_ci, max_seconds)

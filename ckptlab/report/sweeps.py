@@ -4,23 +4,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import pandas as pd
 
+from ..run.config import SweepConfig
 from ..run.sweep import run_sweep
 from .analysis import config_label, format_summary
 from .plots import redraw_all
 
 
-def sweep(plots: bool = True, **options) -> pd.DataFrame:
-    """`run_sweep(**options)` (every grid, runner and folder option is documented there), then
-    with `plots` the figures redrawn into `<out>/figures`, and with `progress` (default True)
-    the summary table printed. Returns the run's records as a DataFrame."""
-    df = run_sweep(**options)
+def sweep(config: Optional[SweepConfig] = None, *, plots: bool = True, **options) -> pd.DataFrame:
+    """Run a sweep — `config`, or a `SweepConfig` made of `options` (its fields: the grid, the
+    timing, the run folder, the runner; each documented there) — then with `plots` redraw its
+    figures into `<out>/figures`, and with `progress` print its summary table. Returns the
+    run's records as a DataFrame."""
+    if config is None:
+        config = SweepConfig.from_dict(options, source="sweep")
+    elif options:
+        raise ValueError(f"{next(iter(options))}=... is invalid together with config=: allowed is one of them "
+                         "(set the field in the SweepConfig)")
+    df = run_sweep(config)
     if plots:
         redraw_all(df.attrs["run_dir"])
-    if options.get("progress", True):
+    if config.progress:
         print(format_summary(df))
     return df
 

@@ -4,14 +4,12 @@ batch b of a group ran out of memory, larger batches are recorded as `oom`, infe
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -23,55 +21,11 @@ from ..probe.compare import measure_together
 from ..probe.distributed import measure_sharded
 from ..probe.measure import measure
 from ..workloads.registry import get_workload
+from .config import SweepConfig
 from .store import RunWriter
 
 RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (isolated cells)
 CELL_TIMEOUT_S = 3600.0             # an isolated cell running longer is stopped and recorded as an error
-
-
-FIXED = ("model", "model_hash", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit_bytes",
-         "optimizer", "nproc")
-
-
-FIXED_DEFAULTS = {"nproc": 1, "model_hash": None}   # what a run.json written before the field existed meant
-
-
-@dataclass
-class Grid:
-    """A validated sweep grid (build it with `make_grid`, which checks every value)."""
-
-    model: str
-    batch_sizes: list[int]
-    seq_lens: list[int]
-    policies: list[str]
-    dtypes: list[str]
-    accum_steps: list[int]
-    device: str
-    memory_limit_bytes: Optional[int]
-    steps: int
-    warmup: int
-    seed: int
-    optimizer: str
-    model_overrides: dict = field(default_factory=dict)
-    nproc: int = 1   # ranks per cell: > 1 measures under FSDP2 (ckptlab.probe.distributed)
-    model_hash: Optional[str] = None   # content hash of the file a spec's model is defined in
-    target_ci: float = 0.02    # timing: stop at this relative interval half-width ...
-    max_seconds: float = 5.0   # ... or after this many seconds of timing rounds per cell group
-
-    def cells(self) -> list[dict]:
-        """Every cell, in run order (batch innermost, ascending)."""
-        out = []
-        for seq in self.seq_lens:
-            for dtype in self.dtypes:
-                for accum in self.accum_steps:
-                    for policy in self.policies:
-                        for batch in self.batch_sizes:
-                            out.append(dict(seq_len=seq, dtype=dtype, accum_steps=accum,
-                                            policy=policy, batch_size=batch))
-        return out
-
-    def fixed(self) -> dict:
-        return {k: getattr(self, k) for k in FIXED}
 
 
 def cell_id(cell: dict) -> str:
@@ -80,49 +34,50 @@ def cell_id(cell: dict) -> str:
             f"dt={cell['dtype']} acc={cell['accum_steps']}")
 
 
-def run_cells(grid: Grid, writer: RunWriter, done: list[dict], isolate: bool, progress: bool,
-              infer_oom: bool, cell_timeout_s) -> list[dict]:
-    """The local runner: every cell of `grid` without a record in `done`, in this process or (isolate)
-    one fresh process each; each record is appended through `writer` as soon as it exists."""
+def run_cells(config: SweepConfig, writer: RunWriter, done: list[dict]) -> list[dict]:
+    """The local runner: every cell of `config` without a record in `done`, in this process or
+    (config.isolate) one fresh process each; each record is appended through `writer` as soon as
+    it exists."""
     records = list(done)
     finished = {r.get("cell_id") for r in done}
-    cells = grid.cells()
+    cells = config.cells()
     todo = [c for c in cells if cell_id(c) not in finished]
-    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), disable=not progress,
-               desc=f"sweep {grid.model}", unit="cell")
+    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), disable=not config.progress,
+               desc=f"sweep {config.model}", unit="cell")
 
-    def measure_one(grid: Grid, cell: dict) -> dict:
+    def measure_one(config: SweepConfig, cell: dict) -> dict:
         bar.set_postfix_str(cell_id(cell), refresh=False)
-        return run_isolated(grid, cell, cell_timeout_s) if isolate else run_cell(grid, cell)
+        return run_isolated(config, cell, config.cell_timeout_s) if config.isolate else run_cell(config, cell)
 
     def keep(record: dict, cell: dict) -> None:
-        record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolate and not record.get("inferred"),
+        record.update(cell_id=cell_id(cell), seed=config.seed,
+                      isolated=config.isolate and not record.get("inferred"),
                       inferred=bool(record.get("inferred")), finished_at=now())
         writer.append(record)
         records.append(record)
         bar.update(1)
 
-    oom = OomInference(grid, infer_oom, done)
+    oom = OomInference(config, config.infer_oom, done)
     try:
-        if not isolate and grid.nproc == 1:  # in this process: the policies of one shape timed together
+        if not config.isolate and config.nproc == 1:  # in this process: the policies of one shape timed together
             for group in timing_groups(todo):
                 bar.set_postfix_str(cell_id(group[0]), refresh=False)
-                measure_together_cells(grid, group, keep, oom)
+                measure_together_cells(config, group, keep, oom)
         else:
-            measure_cells(grid, todo, measure_one, keep, oom)
+            measure_cells(config, todo, measure_one, keep, oom)
     finally:
         bar.close()
     return records
 
 
-def measure_cells(grid: Grid, cells: list[dict], measure_one: Callable[[Grid, dict], dict],
+def measure_cells(config: SweepConfig, cells: list[dict], measure_one: Callable[[SweepConfig, dict], dict],
                   keep: Callable[[dict, dict], None], oom: "OomInference") -> None:
     """The one cell loop of every runner (local, isolated, inside a submitit job): each cell in
-    order becomes an inferred out-of-memory record or `measure_one(grid, cell)`, with its wall
+    order becomes an inferred out-of-memory record or `measure_one(config, cell)`, with its wall
     time, handed to `keep(record, cell)` at once — so a crash later never loses it."""
     for cell in cells:
         t0 = time.perf_counter()
-        record = oom.infer(cell) or measure_one(grid, cell)
+        record = oom.infer(cell) or measure_one(config, cell)
         record["cell_wall_s"] = round(time.perf_counter() - t0, 4)
         keep(record, cell)
         oom.note(record)
@@ -138,7 +93,7 @@ def timing_groups(cells: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
-def measure_together_cells(grid: Grid, cells: list[dict], keep: Callable[[dict, dict], None],
+def measure_together_cells(config: SweepConfig, cells: list[dict], keep: Callable[[dict, dict], None],
                            oom: "OomInference") -> None:
     """The cells of one timing group: inferred out-of-memory records as in `measure_cells`, the
     rest measured in this process and timed together (paired rounds), then each kept."""
@@ -146,18 +101,18 @@ def measure_together_cells(grid: Grid, cells: list[dict], keep: Callable[[dict, 
     inferred = [oom.infer(cell) for cell in cells]
     todo = [cell for cell, record in zip(cells, inferred) if record is None]
     if len(todo) > 1:
-        workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
+        workload = get_workload(config.model, seed=config.seed, **config.model_overrides)
         first = todo[0]
         measured = measure_together(workload, first["batch_size"], first["seq_len"], [c["policy"] for c in todo],
-                                    device=grid.device, dtype=first["dtype"], accum_steps=first["accum_steps"],
-                                    memory_limit_bytes=grid.memory_limit_bytes, optimizer=grid.optimizer,
-                                    steps=grid.steps, warmup=grid.warmup, target_ci=grid.target_ci,
-                                    max_seconds=grid.max_seconds)
+                                    device=config.device, dtype=first["dtype"], accum_steps=first["accum_steps"],
+                                    memory_limit_bytes=config.memory_limit, optimizer=config.optimizer,
+                                    steps=config.steps, warmup=config.warmup, target_ci=config.target_ci,
+                                    max_seconds=config.max_seconds)
         for cell, record in zip(todo, measured):
             record["policy"] = cell["policy"]  # the grid's spelling of it, as in the cell id
             record.pop("source", None)
     else:
-        measured = [run_cell(grid, cell) for cell in todo]
+        measured = [run_cell(config, cell) for cell in todo]
     wall = round((time.perf_counter() - t0) / max(1, len(todo)), 4)
     results = iter(measured)
     for cell, record in zip(cells, inferred):
@@ -172,8 +127,8 @@ class OomInference:
     really ran out of memory, larger batches of that group are recorded as `oom`, inferred,
     without running (when `enabled`). `records`: what is already known (a resumed run)."""
 
-    def __init__(self, grid: Grid, enabled: bool = True, records: Iterable[dict] = ()):
-        self.grid, self.enabled = grid, enabled
+    def __init__(self, config: SweepConfig, enabled: bool = True, records: Iterable[dict] = ()):
+        self.config, self.enabled = config, enabled
         self.oom_at: dict[tuple, int] = {}   # group -> smallest batch that really ran out of memory
         for record in records:
             self.note(record)
@@ -192,56 +147,56 @@ class OomInference:
         oom_batch = self.oom_at.get(self.group(cell))
         if not self.enabled or oom_batch is None or cell["batch_size"] <= oom_batch:
             return None
-        return inferred_oom_record(self.grid, cell, oom_batch)
+        return inferred_oom_record(self.config, cell, oom_batch)
 
 
-def inferred_oom_record(grid: Grid, cell: dict, oom_batch: int) -> dict:
-    return new_record(grid.model, cell["batch_size"], cell["seq_len"], cell["accum_steps"], grid.nproc,
-                      model_hash=grid.model_hash, policy=cell["policy"], dtype=cell["dtype"], device=grid.device, optimizer=grid.optimizer,
-                      steps=grid.steps, warmup=grid.warmup, memory_limit_bytes=grid.memory_limit_bytes, fits=False,
+def inferred_oom_record(config: SweepConfig, cell: dict, oom_batch: int) -> dict:
+    return new_record(config.model, cell["batch_size"], cell["seq_len"], cell["accum_steps"], config.nproc,
+                      model_hash=config.model_hash, policy=cell["policy"], dtype=cell["dtype"], device=config.device, optimizer=config.optimizer,
+                      steps=config.steps, warmup=config.warmup, memory_limit_bytes=config.memory_limit, fits=False,
                       status="oom", inferred=True, message=f"inferred, not run: batch {oom_batch} already ran out of memory")
 
 
-def run_cell(grid: Grid, cell: dict) -> dict:
+def run_cell(config: SweepConfig, cell: dict) -> dict:
     """Measure one cell in this process (with nproc > 1: in nproc rank processes it starts)."""
-    if grid.nproc > 1:
-        return measure_sharded(grid.model, cell["batch_size"], cell["seq_len"], cell["policy"], nproc=grid.nproc,
-                               device=grid.device, dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
-                               memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
-                               accum_steps=cell["accum_steps"], seed=grid.seed, model_overrides=grid.model_overrides)
-    workload = get_workload(grid.model, seed=grid.seed, **grid.model_overrides)
-    if workload.spec_hash != grid.model_hash:
-        raise ValueError(f"model={grid.model!r} changed during the sweep: its file's hash is {workload.spec_hash}, "
-                         f"the sweep started with {grid.model_hash}; start a new run for the changed model")
-    return measure(workload, cell["batch_size"], cell["seq_len"], cell["policy"], device=grid.device,
-                   dtype=cell["dtype"], steps=grid.steps, warmup=grid.warmup,
-                   memory_limit=grid.memory_limit_bytes, optimizer=grid.optimizer,
-                   accum_steps=cell["accum_steps"], target_ci=grid.target_ci, max_seconds=grid.max_seconds)
+    if config.nproc > 1:
+        return measure_sharded(config.model, cell["batch_size"], cell["seq_len"], cell["policy"], nproc=config.nproc,
+                               device=config.device, dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
+                               memory_limit=config.memory_limit, optimizer=config.optimizer,
+                               accum_steps=cell["accum_steps"], seed=config.seed, model_overrides=config.model_overrides)
+    workload = get_workload(config.model, seed=config.seed, **config.model_overrides)
+    if workload.spec_hash != config.model_hash:
+        raise ValueError(f"model={config.model!r} changed during the sweep: its file's hash is {workload.spec_hash}, "
+                         f"the sweep started with {config.model_hash}; start a new run for the changed model")
+    return measure(workload, cell["batch_size"], cell["seq_len"], cell["policy"], device=config.device,
+                   dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
+                   memory_limit=config.memory_limit, optimizer=config.optimizer,
+                   accum_steps=cell["accum_steps"], target_ci=config.target_ci, max_seconds=config.max_seconds)
 
 
-def run_isolated(grid: Grid, cell: dict, timeout_s: Optional[float] = None) -> dict:
+def run_isolated(config: SweepConfig, cell: dict, timeout_s: Optional[float] = None) -> dict:
     """Measure one cell in a fresh Python process, so no allocator
     state, cache or leak carries from one cell to the next. A crash or timeout (default
     CELL_TIMEOUT_S) becomes an error record; it never stops the sweep. The child dies with this
     process (`ckptlab.core.children`), so a killed sweep leaves nothing computing behind its lock."""
     timeout_s = CELL_TIMEOUT_S if timeout_s is None else timeout_s
-    spec = json.dumps({"grid": dataclasses.asdict(grid), "cell": cell, "parent_pid": os.getpid()})
+    spec = json.dumps({"config": config.to_dict(), "cell": cell, "parent_pid": os.getpid()})
     # The child must import this same ckptlab, installed or not.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
     try:
         proc = subprocess.run([sys.executable, "-c", _CHILD], input=spec, text=True, env=env,
                               capture_output=True, timeout=timeout_s, preexec_fn=die_with_parent())
     except subprocess.TimeoutExpired:
-        return failed_record(grid, cell, f"isolated cell timed out after {timeout_s} s")
+        return failed_record(config, cell, f"isolated cell timed out after {timeout_s} s")
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RECORD_PREFIX):
             return json.loads(line[len(RECORD_PREFIX):])
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return failed_record(grid, cell, f"isolated cell exited with code {proc.returncode}: {tail}")
+    return failed_record(config, cell, f"isolated cell exited with code {proc.returncode}: {tail}")
 
 
-def failed_record(grid: Grid, cell: dict, message: str) -> dict:
-    record = inferred_oom_record(grid, cell, 0)
+def failed_record(config: SweepConfig, cell: dict, message: str) -> dict:
+    record = inferred_oom_record(config, cell, 0)
     record.update(fits=None, status="error", inferred=False, message=message)
     return record
 
@@ -255,7 +210,7 @@ _CHILD = "import sys; from ckptlab.run.cells import child_main; sys.exit(child_m
 def child_main() -> int:
     spec = json.loads(sys.stdin.read())
     exit_when_orphaned(spec["parent_pid"])
-    record = run_cell(Grid(**spec["grid"]), spec["cell"])
+    record = run_cell(SweepConfig.from_dict(spec["config"]), spec["cell"])
     sys.stdout.write(RECORD_PREFIX + json.dumps(record, default=str) + "\n")
     sys.stdout.flush()
     return 0
@@ -266,5 +221,5 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-__all__ = ["CELL_TIMEOUT_S", "FIXED", "Grid", "OomInference", "cell_id", "failed_record", "inferred_oom_record", "measure_cells",
+__all__ = ["CELL_TIMEOUT_S", "OomInference", "cell_id", "failed_record", "inferred_oom_record", "measure_cells",
            "measure_together_cells", "now", "run_cell", "run_cells", "run_isolated", "timing_groups"]

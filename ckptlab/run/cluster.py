@@ -30,56 +30,18 @@ Requires the optional extra `ckptlab[cluster]` (submitit).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from tqdm.auto import tqdm
 
-from ..core.validate import integer
-from .cells import Grid, OomInference, cell_id, failed_record, measure_cells, now, run_cell
-
-CLUSTERS = ("slurm", "local", "debug")
-
-
-@dataclass
-class JobOptions:
-    """How cells become jobs. `cluster`: "slurm", "local" (each job a local subprocess: tests,
-    laptops), "debug" (in this process), or None: SLURM when `srun` is on PATH, else local."""
-
-    folder: Path
-    cluster: Optional[str] = None
-    slurm_partition: Optional[str] = None
-    slurm_gpus_per_job: int = 0
-    slurm_time_min: int = 60
-    slurm_account: Optional[str] = None
-    cells_per_job: int = 1
-    max_jobs: Optional[int] = None   # jobs at once: SLURM array parallelism; local default = cores
-    poll_s: float = 0.5
-
-
-def job_options(out: Path, folder=None, cluster=None, slurm_partition=None, slurm_gpus_per_job=None,
-                slurm_time_min=60, slurm_account=None, cells_per_job=1, device="cpu", nproc=1) -> JobOptions:
-    """Validate the submitit options (ValueError naming the parameter) before anything runs."""
-    if cluster is not None and cluster not in CLUSTERS:
-        raise ValueError(f"cluster={cluster!r} is invalid: allowed are {', '.join(CLUSTERS)} or None (auto)")
-    integer("cells_per_job", cells_per_job, 1)
-    integer("slurm_time_min", slurm_time_min, 1)
-    if slurm_gpus_per_job is None:   # one GPU per rank on CUDA, none on CPU
-        slurm_gpus_per_job = nproc if str(device).startswith("cuda") else 0
-    integer("slurm_gpus_per_job", slurm_gpus_per_job, 0)
-    try:
-        import submitit  # noqa: F401, PLC0415 - submitit is the cluster extra
-    except ImportError:
-        raise ValueError("executor='submitit' needs submitit: pip install 'ckptlab[cluster]'") from None
-    return JobOptions(Path(folder) if folder is not None else Path(out) / "submitit", cluster, slurm_partition,
-                      slurm_gpus_per_job, slurm_time_min, slurm_account, cells_per_job)
+from .cells import OomInference, cell_id, failed_record, measure_cells, now, run_cell
+from .config import JobOptions, SweepConfig
 
 
 def make_executor(options: JobOptions, timeout_s: Optional[float] = None):
@@ -111,10 +73,10 @@ def make_executor(options: JobOptions, timeout_s: Optional[float] = None):
 
 # ----------------------------------------------------------------------------- inside a job
 
-def run_job(grid: dict, cells: list[dict], partial: str, infer_oom: bool = True, measure=None) -> list[dict]:
+def run_job(config: dict, cells: list[dict], partial: str, measure=None) -> list[dict]:
     """A job's body: measure `cells` in this process, in order; each record goes to `partial`
     (one JSON line, durable) as soon as it exists. Returns the records."""
-    grid = Grid(**grid)
+    config = SweepConfig.from_dict(config)
     measure = measure or run_cell
     try:
         import submitit  # noqa: PLC0415 - submitit is the cluster extra
@@ -131,7 +93,7 @@ def run_job(grid: dict, cells: list[dict], partial: str, infer_oom: bool = True,
             os.fsync(f.fileno())
             records.append(record)
 
-        measure_cells(grid, cells, measure, keep, OomInference(grid, infer_oom))
+        measure_cells(config, cells, measure, keep, OomInference(config, config.infer_oom))
     return records
 
 
@@ -140,20 +102,20 @@ JOB_FUNCTION = run_job   # what each job runs (tests swap in a job that hangs)
 
 # ----------------------------------------------------------------------------- the dispatcher
 
-def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: bool = True,
-                infer_oom: bool = True, cell_timeout_s: Optional[float] = None) -> list[dict]:
-    """Measure every cell of `grid` without a record in `done` as submitit jobs; append each
+def run_as_jobs(config: SweepConfig, writer, done: list[dict]) -> list[dict]:
+    """Measure every cell of `config` without a record in `done` as submitit jobs; append each
     record through `writer` as its job ends. Returns all of the run's records."""
     records = list(done)
     finished = {r.get("cell_id") for r in done}
-    oom = OomInference(grid, infer_oom, done)
-    cells = grid.cells()
-    bar = tqdm(total=len(cells), initial=len(finished & {cell_id(c) for c in cells}), disable=not progress,
-               desc=f"sweep {grid.model} (submitit)", unit="cell")
+    options = config.job_options()
+    oom = OomInference(config, config.infer_oom, done)
+    cells = config.cells()
+    bar = tqdm(total=len(cells), initial=len(finished & {cell_id(c) for c in cells}), disable=not config.progress,
+               desc=f"sweep {config.model} (submitit)", unit="cell")
 
     def keep(record: dict, cell: dict, job_id=None, isolated=False) -> None:
         record.pop("_cell", None)
-        record.update(cell_id=cell_id(cell), seed=grid.seed, isolated=isolated and not record.get("inferred"),
+        record.update(cell_id=cell_id(cell), seed=config.seed, isolated=isolated and not record.get("inferred"),
                       inferred=bool(record.get("inferred")), executor="submitit",
                       job_id=record.get("job_id") or job_id,
                       finished_at=now())
@@ -180,33 +142,34 @@ def run_as_jobs(grid, writer, done: list[dict], options: JobOptions, progress: b
                 keep(inferred, cell)
             else:
                 pending.append(cell)
-        executor = make_executor(options, cell_timeout_s * options.cells_per_job if cell_timeout_s else None) if pending else None
+        timeout_s = config.cell_timeout_s * options.cells_per_job if config.cell_timeout_s else None
+        executor = make_executor(options, timeout_s) if pending else None
         while pending:
-            pending = _wave(grid, executor, pending, options, infer_oom, keep)
+            pending = _wave(config, executor, pending, options, keep)
     finally:
         bar.close()
     return records
 
 
-def _wave(grid, executor, cells: list[dict], options: JobOptions, infer_oom: bool, keep) -> list[dict]:
+def _wave(config: SweepConfig, executor, cells: list[dict], options: JobOptions, keep) -> list[dict]:
     """Submit `cells` in chunks, gather every job; return the cells to submit again (those a dead
     job never reached). On SLURM all chunks go in as one job array; local jobs are started as
     earlier ones end, at most `max_jobs` at a time (default: one per CPU core)."""
     size = options.cells_per_job
     chunks = [cells[i:i + size] for i in range(0, len(cells), size)]
-    grid_dict = dataclasses.asdict(grid)
+    config_dict = config.to_dict()
     queue = [(chunk, options.folder / "records" / f"{uuid.uuid4().hex}.jsonl") for chunk in chunks]
     limit = options.max_jobs or (len(queue) if executor.cluster == "slurm" else (os.cpu_count() or 1))
 
     def submit(batch):
         with executor.batch():
-            jobs = [executor.submit(JOB_FUNCTION, grid_dict, chunk, str(path), infer_oom) for chunk, path in batch]
+            jobs = [executor.submit(JOB_FUNCTION, config_dict, chunk, str(path)) for chunk, path in batch]
         return [(job, chunk, path, time.monotonic()) for job, (chunk, path) in zip(jobs, batch)]
 
     again: list[dict] = []
 
     def finish(job, chunk, path, started):
-        again.extend(_gather(grid, job, chunk, path, time.monotonic() - started, keep, size == 1))
+        again.extend(_gather(config, job, chunk, path, time.monotonic() - started, keep, size == 1))
 
     poll_jobs(queue, submit, finish, limit, options.poll_s)
     return again
@@ -240,7 +203,7 @@ def poll_jobs(queue: list, submit: Callable[[list], list[tuple]], finish: Callab
             job.cancel(check=False)
 
 
-def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, isolated: bool) -> list[dict]:
+def _gather(config: SweepConfig, job, chunk: list[dict], path: Path, elapsed_s: float, keep, isolated: bool) -> list[dict]:
     reason = ""
     wait_for_local_results(job)
     try:
@@ -257,7 +220,7 @@ def _gather(grid, job, chunk: list[dict], path: Path, elapsed_s: float, keep, is
         if record is not None:
             keep(record, cell, job.job_id, isolated)
         elif not blamed:   # the cell in flight when the job died
-            keep(failed_record(grid, cell, reason), cell, job.job_id, isolated)
+            keep(failed_record(config, cell, reason), cell, job.job_id, isolated)
             blamed = True
         else:
             again.append(cell)
@@ -305,7 +268,7 @@ def _leftovers(folder: Path):
             yield record
 
 
-__all__ = ["JobOptions", "job_done", "job_options", "job_state", "make_executor", "poll_jobs", "run_as_jobs", "run_job",
+__all__ = ["job_done", "job_state", "make_executor", "poll_jobs", "run_as_jobs", "run_job",
            "wait_for_local_results"]
 
 

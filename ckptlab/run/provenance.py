@@ -1,9 +1,8 @@
-"""Provenance of a run: the grid and the environment it ran in (package versions, device, git
+"""Provenance of a run: its configuration and the environment it ran in (package versions, device, git
 commit). Deliberately no environment variables, no command line and no absolute paths."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import subprocess
@@ -16,26 +15,28 @@ import torch
 from ..core.meta import __version__
 from ..core.units import format_bytes
 from ..probe.step import device_name
-from .cells import Grid, now
+from .cells import now
+from .config import SweepConfig
 
 
-def run_metadata(grid: Grid, out: Path, isolate: bool, previous: Optional[dict] = None) -> dict:
-    """What run.json holds: the grid and the environment. Deliberately no environment
-    variables, no command line and no absolute paths (they can carry secrets or home paths)."""
+def run_metadata(config: SweepConfig, previous: Optional[dict] = None) -> dict:
+    """What run.json holds: the configuration and the environment. Deliberately no environment
+    variables, no command line and no absolute paths (they can carry secrets or home paths):
+    `out` is the folder run.json is in, and the folders it names are left out."""
     history = list((previous or {}).get("history", []))
     started = now()
-    history.append({"started_at": started, "cells": len(grid.cells())})
+    history.append({"started_at": started, "cells": len(config.cells())})
+    saved = {k: v for k, v in config.to_dict().items() if k not in ("out", "submitit_folder")}
     return {
-        "run": out.name,
+        "run": config.out.name,
         "ckptlab_version": __version__,
         "git_commit": _git_commit(),
-        "grid": dataclasses.asdict(grid),
-        "memory_limit": format_bytes(grid.memory_limit_bytes) if grid.memory_limit_bytes else None,
-        "isolate": isolate,
+        "config": saved,
+        "memory_limit": format_bytes(config.memory_limit) if config.memory_limit else None,
         "started_at": (previous or {}).get("started_at", started),
         "finished_at": None,
         "history": history,
-        "environment": environment(grid.device),
+        "environment": environment(config.device),
     }
 
 
