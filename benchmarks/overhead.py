@@ -67,9 +67,9 @@ def main() -> None:
         time_steps(step, steps=1, warmup=2, device=device)
     for _ in range(args.rounds):
         for name, step in steps.items():
-            times[name] += time_steps(step, steps=args.steps, warmup=0, device=device).step_ms
+            times[name] += time_steps(step, steps=args.steps, warmup=0, device=device).times_ms["step"]
         with torch.no_grad():
-            forward_ms += time_steps(forwards["none"], steps=args.steps, warmup=0, device=device).step_ms
+            forward_ms += time_steps(forwards["none"], steps=args.steps, warmup=0, device=device).times_ms["step"]
 
     med = {name: statistics.median(t) for name, t in times.items()}
     fwd = statistics.median(forward_ms)

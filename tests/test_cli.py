@@ -111,7 +111,21 @@ def test_predict_and_plan_as_json(capsys):
     assert plan["plan_predicted_peak_bytes"] <= plan["plan_none_peak_bytes"]
 
 
-@pytest.mark.parametrize("argv", [["measure", "--format", "xml"], ["measure", "--accum", "two"],
+def test_compare_as_json_and_csv_keeps_stdout_to_the_rows(capsys):
+    compare = ["compare", *TINY, "--batch", "1", "--seq", "16", "--policy", "none,full", "--max-seconds", "0.3",
+               "--threads", "1"]
+    assert main([*compare, "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in rows] == ["none", "full"]
+    assert rows[0]["time_ratio"] == 1 and rows[1]["time_ratio_low"] <= rows[1]["time_ratio"] <= rows[1]["time_ratio_high"]
+    assert rows[1]["peak_bytes"] > 0 and isinstance(rows[1]["significant"], bool) and rows[1]["rounds"] >= 1
+    assert main([*compare, "--format", "csv"]) == 0
+    table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["policy"] for r in table] == ["none", "full"] and float(table[1]["rounds"]) >= 1
+    assert {"step_ms_low", "step_ms_high", "time_ratio_low", "time_ratio_high"} <= set(table[0])
+
+
+@pytest.mark.parametrize("argv", [["measure", "--format", "xml"], ["compare", "--format", "xml"], ["measure", "--accum", "two"],
                                   ["measure", "--batch", "2,x"], ["measure", "--optimizer", "lion"],
                                   ["bogus"]])
 def test_usage_errors_exit_2(argv, capsys):

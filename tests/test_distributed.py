@@ -1,6 +1,7 @@
 """Checkpointing under FSDP2 (fully_shard): 2 CPU processes, gloo."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -47,12 +48,22 @@ def test_sharded_checkpointed_gradients_equal_unsharded_uncheckpointed():
     assert any((model.get_parameter(n).grad - g).abs().max() > 1e-4 for n, g in other.items())
 
 
-def test_per_rank_peak_memory_falls_with_density():
-    records = measure_sharded_many("gpt-tiny", 4, 64, POLICIES, nproc=2, model_overrides=TINY, steps=1, warmup=0)
+def test_per_rank_peak_memory_falls_with_density_and_step_times_carry_their_interval():
+    records = measure_sharded_many("gpt-tiny", 4, 64, POLICIES, nproc=2, model_overrides=TINY, steps=3, warmup=0,
+                                   target_ci=0.05)
     for r in records:
         assert r["status"] == "ok", r["message"]
         assert r["world_size"] == 2 and len(r["peak_bytes_per_rank"]) == 2
         assert r["peak_bytes"] == max(r["peak_bytes_per_rank"])
+        # Rank 0's median of exactly `steps` steps, its 95% interval, and how it was timed.
+        assert r["step_ms_low"] <= r["step_ms"] <= r["step_ms_high"], r
+        assert r["step_ms_min"] <= r["step_ms_low"] and r["step_ms_high"] <= r["step_ms_max"]
+        assert r["rounds"] == 3 and r["timing_stopped"] in ("target", "max_rounds") and r["timing_target_ci"] == 0.05
+        assert r["threads"] == max(1, (os.cpu_count() or 1) // 2)   # the ranks split the cores
+        assert r["load_before"] >= 0 and r["load_after"] >= 0 and isinstance(r["busy"], bool)
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / (r["step_ms"] / 1e3))
+        # Timed one after another, not interleaved: no paired ratio is claimed.
+        assert r["time_ratio"] is None and r["significant"] is None and r["timing_baseline"] is None
     none, half, full = records
     assert (none["effective_density"], half["effective_density"], full["effective_density"]) == (0.0, 0.5, 1.0)
     assert (none["recompute_count"], half["recompute_count"], full["recompute_count"]) == (0, 2, 4)
@@ -78,6 +89,7 @@ def test_cli_sweep_nproc_2_records_world_size_and_per_rank_peaks(tmp_path, capsy
     [record] = read_records(out)
     assert record["status"] == "ok" and record["world_size"] == 2 and record["sharding"] == "fsdp2"
     assert record["peak_bytes"] == max(record["peak_bytes_per_rank"])
+    assert record["rounds"] == 1 and record["step_ms"] > 0 and record["threads"] >= 1   # the timing columns reach the run
     assert json.loads((out / "run.json").read_text())["config"]["nproc"] == 2
 
 

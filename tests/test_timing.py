@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptlab.probe.timing import bootstrap_median, time_interleaved, time_steps
+from ckptlab.probe.timing import bootstrap_median, time_interleaved, time_steps, unpaired_median_ratio
 
 
 class FakeClock:
@@ -135,11 +135,45 @@ def test_bad_options_are_refused_before_running(kwargs, match):
     assert not calls
 
 
-def test_time_steps_runs_exactly_the_steps_asked():
+def test_time_steps_runs_exactly_the_steps_asked_and_gives_the_record_columns():
     calls = []
     timing = time_steps(lambda: calls.append(1), steps=3, warmup=2)
-    assert len(calls) == 5 and len(timing.step_ms) == 3
-    assert timing.min_ms <= timing.median_ms <= timing.max_ms
+    assert len(calls) == 5 and len(timing.times_ms["step"]) == 3 and timing.rounds == 3
+    row = timing.row("step")
+    assert row["step_ms_low"] <= row["step_ms"] <= row["step_ms_high"]
+    assert row["rounds"] == 3 and row["threads"] == torch.get_num_threads() and isinstance(row["busy"], bool)
+    assert row["time_ratio"] is None and row["significant"] is None  # timed alone: no ratio
+
+
+def test_unpaired_ratio_of_medians_on_synthetic_samples_with_known_answers():
+    rng = np.random.default_rng(3)
+    slow, fast = rng.normal(150, 3, size=12), rng.normal(100, 2, size=9)   # medians ~150 and ~100
+    ratio, low, high = unpaired_median_ratio(slow, fast, seed=0)
+    assert ratio == pytest.approx(np.median(slow) / np.median(fast))
+    assert low <= 1.5 <= high and low > 1 and high - low < 0.1
+    assert unpaired_median_ratio(slow, fast, seed=0) == (ratio, low, high)   # seeded: the same interval
+    # Two samples from one distribution: the interval contains 1, for 19 of 20 draws or more.
+    contains_one = 0
+    for _ in range(20):
+        a, b = rng.lognormal(np.log(100), 0.05, size=10), rng.lognormal(np.log(100), 0.05, size=10)
+        r, lo, hi = unpaired_median_ratio(a, b, seed=0)
+        assert lo <= r <= hi
+        contains_one += lo <= 1 <= hi
+    assert contains_one >= 17   # a 95% interval: ~19 of 20; under 17 has probability < 2% (binomial)
+    # Unpaired is wider than paired on data whose pairs share a drift: the pairing would hide it.
+    drift = np.linspace(80, 120, 10)
+    paired = bootstrap_median(1.2 * drift / drift)
+    _, u_low, u_high = unpaired_median_ratio(1.2 * drift, drift)
+    assert paired[2] - paired[1] == 0 and u_high - u_low > 0.2
+
+
+@pytest.mark.parametrize("values, baseline, match", [
+    ([], [1.0], "values=\\[\\] is invalid"), ([1.0], [0.0], "baseline=\\[0.0\\] is invalid"),
+    ([1.0, float("nan")], [1.0], "values=.* is invalid"),
+])
+def test_unpaired_ratio_refuses_what_is_not_a_sample_of_times(values, baseline, match):
+    with pytest.raises(ValueError, match=match):
+        unpaired_median_ratio(values, baseline)
 
 
 def test_a_single_round_has_a_value_but_no_interval():

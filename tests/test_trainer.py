@@ -3,6 +3,7 @@ tracker categories and phases under Trainer, training unchanged by either checkp
 mechanism, and the two mechanisms never nested."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -178,23 +179,59 @@ def test_allocator_peaks_on_cuda(tmp_path):
     assert peaks["full"] < peaks["none"]
 
 
-def test_summary_times_only_the_steps_without_the_tracker_and_says_when_spreads_overlap():
+def synthetic_runs(times: dict, other_losses=()):
+    """A `compare_trainer_runs` frame with the given step times per run; the first step of each run
+    is tracked (slow, with a peak), the rest timed; the runs in `other_losses` end on another loss."""
     import pandas as pd
 
-    def run(name, times, peak, losses=(3.0, 2.0, 1.0, 0.5)):
-        return [dict(run=name, policy=name, mechanism="none", effective_density=0.0, step=i + 1, step_ms=t,
-                     memory_tracked=i == 0, peak_bytes=peak if i == 0 else None, peak_activations_bytes=1,
-                     saved_activation_bytes=1, loss=losses[i]) for i, t in enumerate(times)]
+    peaks = {"none": 1000, "full": 600}
+    rows = []
+    for name, steps in times.items():
+        rows += [dict(run=name, policy=name, mechanism="none", effective_density=0.0, step=i + 1, step_ms=t,
+                      memory_tracked=i == 0, peak_bytes=peaks.get(name, 800) if i == 0 else None,
+                      peak_activations_bytes=1, saved_activation_bytes=1,
+                      loss=(0.25 if name in other_losses and i == len(steps) - 1 else 3.0 - i)) for i, t in enumerate(steps)]
+    return pd.DataFrame(rows)
 
-    df = pd.DataFrame(run("none", [900, 100, 110, 120], 1000) + run("full", [990, 130, 140, 150], 600)
-                      + run("every=2", [950, 105, 125, 115], 800, losses=(3.0, 2.0, 1.0, 0.25)))
+
+def test_summary_gives_each_run_an_interval_and_the_overhead_an_unpaired_one():
+    df = synthetic_runs({"none": [900, 100, 102, 98, 101, 99, 100], "full": [990, 140, 142, 138, 141, 139, 140],
+                         "every=2": [950, 99, 103, 97, 102, 100, 101], "selective": [960, 110, 111, 109, 110, 109, 111],
+                         "borderline": [970, 112, 128, 118, 122, 115, 125]}, other_losses=["every=2"])
     table = analysis.trainer_summary(df).set_index("run")
-    assert table.loc["none", ["step_ms", "step_ms_min", "step_ms_max", "timed_steps"]].tolist() == [110, 100, 120, 3]
-    assert table.loc["full", "overhead"] == pytest.approx(140 / 110 - 1)
+    # The tracked first step is left out of the time: six timed steps per run.
+    assert (table["timed_steps"] == 6).all() and not table["timed_with_tracker"].any()
+    assert table.loc["none", "step_ms"] == 100
+    assert (table["step_ms_low"] <= table["step_ms"]).all() and (table["step_ms"] <= table["step_ms_high"]).all()
+    assert table.loc["none", "step_ms_low"] >= 98 and table.loc["none", "step_ms_high"] <= 102
+    # Overhead: the ratio of medians - 1, inside its own interval; none against itself is exactly 0.
+    assert table.loc["full", "overhead"] == pytest.approx(0.4)
+    assert 0.2 < table.loc["full", "overhead_low"] < 0.4 < table.loc["full", "overhead_high"] < 0.5
+    assert table.loc["none", ["overhead", "overhead_low", "overhead_high"]].tolist() == [0, 0, 0]
+    assert table.loc["every=2", "overhead_low"] < 0 < table.loc["every=2", "overhead_high"]
+    assert table["significant"].tolist() == [False, True, False, True, True]
+    assert "overlaps_none" not in table and "step_ms_min" not in table
     assert table.loc["full", "memory_saved_frac"] == pytest.approx(0.4)
-    assert table["overlaps_none"].tolist() == [True, False, True]
-    assert table["same_losses_as_none"].tolist() == [True, True, False]
+    assert table["same_losses_as_none"].tolist() == [True, True, False, True, True]
+
     answer = analysis.slowdown_answer(table.reset_index())
-    assert "full: +27% step time (median 140 ms, range 130-150), 40% less peak memory — more than the guide's ~20%" in answer
-    assert "every=2: +5% step time" in answer and "cannot tell them apart" in answer
+    assert "unpaired bootstrap" in answer and "not interleaved" in answer
+    assert re.search(r"full: \+40% step time \[95% CI \+3\d%, \+4\d%\] \(median 140 ms \[1\d\d, 1\d\d\]\), "
+                     r"40% less peak memory — more than the guide's ~20%", answer), answer
+    assert re.search(r"every=2: \+0% step time \[95% CI -\d%, \+\d%\] .* — no difference from no checkpointing", answer)
+    assert re.search(r"selective: \+10% step time .* — less than the guide's ~20%", answer)
+    assert re.search(r"borderline: \+20% step time .* — consistent with the guide's ~20%", answer), answer
     assert "memory tracker" not in answer
+
+
+def test_a_run_with_one_timed_step_has_no_interval_and_claims_no_difference():
+    table = analysis.trainer_summary(synthetic_runs({"none": [900, 100, 101], "full": [990, 150]}))
+    full = table.set_index("run").loc["full"]
+    assert full["timed_steps"] == 1 and full["overhead"] == pytest.approx(150 / 100.5 - 1)
+    assert pd_isna(full["step_ms_low"]) and pd_isna(full["overhead_low"]) and not full["significant"]
+    assert "full: +49% step time (median 150 ms), 40% less peak memory — too few timed steps for an interval" in \
+        analysis.slowdown_answer(table)
+
+
+def pd_isna(value) -> bool:
+    return value != value

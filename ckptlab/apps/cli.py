@@ -311,12 +311,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
                  target_ci=args.target_ci, max_seconds=args.max_seconds, anchors=args.anchors, verify=args.verify,
                  out=args.out)
     first = df.iloc[0]
-    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype} on {first['device_name']} ({first['device']}); "
-          f"time ratios to {df['policy'].iloc[0]}")
-    print(format_compare(df))
+    if args.format == "table":
+        print(f"{args.model} b={args.batch} s={args.seq} {args.dtype} on {first['device_name']} ({first['device']}); "
+              f"time ratios to {df['policy'].iloc[0]}")
+        print(format_compare(df))
+    else:
+        print_rows(df.to_dict("records"), [], args.format)
     if args.out:
         compare_plot(df, Path(args.out) / "figures" / "compare")
-        print(f"table and figure: {args.out}")
+        # json and csv keep stdout to the rows, for scripts
+        print(f"table and figure: {args.out}", file=sys.stdout if args.format == "table" else sys.stderr)
     return 1 if ((df["source"] == "ckptlab") & (df["status"] == "error")).any() else 0
 
 
@@ -512,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for every configuration (default: PyTorch's; 1 is steadiest on a shared machine)")
     p.add_argument("--out", default=None, help="folder for compare.csv, compare.json and figures/compare.png")
+    add_format_argument(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors)")

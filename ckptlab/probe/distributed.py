@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -68,7 +69,7 @@ from ..workloads.base import Workload
 from ..workloads.registry import get_workload
 from .memory import allocator_peak
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, training_step
-from .timing import time_steps
+from .timing import check_timing_options, time_steps
 
 
 def measure_sharded(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none",
@@ -77,7 +78,14 @@ def measure_sharded(workload: Workload | str, batch_size: int, seq_len: int, pol
 
     Record: the `measure` columns that apply, plus `world_size`, `peak_bytes_per_rank` (list, by
     rank), `peak_bytes` (max over ranks), `saved_activation_bytes` (rank 0: allocated in forward
-    and alive when backward starts), `step_ms` (rank 0's median; ranks step in lockstep).
+    and alive when backward starts), and rank 0's timing (ranks step in lockstep): `step_ms`, the
+    median of exactly `steps` timed steps, with its 95% bootstrap interval `step_ms_low/high`
+    (none from a single step), and the protocol's columns of a configuration timed alone
+    (`rounds`, `threads`, `load_before/after`, `busy`, `timing_stopped`, ...; see
+    `ckptlab.probe.timing`). The round count is fixed, not adaptive: every rank must run the same
+    number of steps, so no rank may stop on its own interval. The policies of one group are timed
+    one after another, not in interleaved rounds, so there is no paired ratio between them:
+    `time_ratio`, its interval and `significant` stay None.
     Failures come back as status "error"/"oom" with a message, never an exception. Keyword
     arguments: see `measure_sharded_many`.
     """
@@ -88,11 +96,15 @@ def measure_sharded_many(workload: Workload | str, batch_size: int, seq_len: int
                          policies=("none",), nproc: int = 2, device: str = "cpu", dtype: str = "fp32",
                          steps: int = 3, warmup: int = 1, memory_limit=None, optimizer: str = "adamw",
                          accum_steps: int = 1, seed: int = 0, model_overrides: Optional[dict] = None,
-                         timeout_s: Optional[float] = 600) -> list[dict]:
+                         timeout_s: Optional[float] = 600, target_ci: float = 0.02) -> list[dict]:
     """One record per policy, all measured by one group of `nproc` ranks (one start-up, one
-    process group; each policy on a freshly built and sharded model)."""
+    process group; each policy on a freshly built and sharded model, timed after the previous
+    one). `target_ci` is recorded and judged (`timing_stopped` is "target" when the interval
+    reached it within `steps`), never a reason to stop early."""
+    check_timing_options(target_ci, math.inf)   # no time budget: the round count is fixed
     spec = _spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, warmup,
                  memory_limit, optimizer, accum_steps, seed, model_overrides)
+    spec["target_ci"] = float(target_ci)
     with tempfile.TemporaryDirectory(prefix="ckptlab-ranks-") as tmp:
         error = _spawn(spec, nproc, tmp, timeout_s)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
@@ -327,8 +339,9 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
         out.update(status="oom", message=f"rank {rank}: peak {peak} B exceeds the memory limit {limit} B"
                    if out["fits"] is False else f"another rank exceeds the memory limit {limit} B")
         return out
-    timing = time_steps(step, steps=spec["steps"], warmup=spec["warmup"], device=dev)
-    out.update(step_ms=timing.median_ms, step_ms_min=timing.min_ms, step_ms_max=timing.max_ms)
+    timing = time_steps(step, steps=spec["steps"], warmup=spec["warmup"], device=dev,
+                        target_ci=spec.get("target_ci", 0.02))
+    out["timing"] = timing.row("step")
     return out
 
 
@@ -341,14 +354,16 @@ def _base_record(spec: dict, world: int) -> dict:
 
 
 def combine(ranks: list[dict]) -> dict:
-    """Per-rank partial records -> one record: peak = max over ranks, the rest from rank 0."""
+    """Per-rank partial records -> one record: peak = max over ranks, the rest (timing included:
+    the protocol's columns of one configuration timed alone) from rank 0."""
     r0 = ranks[0]
     record = _base_record(r0["spec"], r0["world_size"])
     bad = next((r for r in ranks if r.get("fits") is False), None) or next(
         (r for r in ranks if r.get("status") != "ok"), None)
     record.update({k: r0.get(k) for k in ("n_blocks", "block_stacks", "effective_density", "checkpointed_blocks",
                                           "device_name", "saved_activation_bytes", "recompute_count",
-                                          "loss", "step_ms", "step_ms_min", "step_ms_max")})
+                                          "loss")})
+    record.update(r0.get("timing") or {})
     peaks = [r.get("peak_bytes") for r in ranks]
     record.update(peak_bytes_per_rank=peaks, start_bytes_per_rank=[r.get("start_bytes") for r in ranks],
                   peak_bytes=max(peaks) if all(p is not None for p in peaks) else None,

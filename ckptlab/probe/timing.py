@@ -10,7 +10,9 @@ bootstrap interval of that median. Pairing within a round cancels drift that hit
 the pair (another process starting, thermal throttling, a noisy neighbour); rotating the order
 stops one configuration from always running right after a particular other one. Rounds continue
 until every interval's half-width is below `target_ci` (relative to the ratio) or `max_seconds`
-would be exceeded; the result records the half-width it reached and why it stopped.
+would be exceeded; the result records the half-width it reached and why it stopped. Samples that
+were not taken in interleaved rounds (transformers' Trainer runs, one after another) are compared
+with `unpaired_median_ratio`, which resamples each sample on its own instead of pairing them.
 
 `torch.utils.benchmark.Timer` measures one statement at a time (back-to-back blocks of runs), so
 two configurations timed one after the other see different machine states, and it has no notion
@@ -64,6 +66,31 @@ def bootstrap_median(values, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES
     low, high = np.percentile(medians, [tail, 100 - tail])
     return float(np.median(x)), float(low), float(high)
 
+
+
+def unpaired_median_ratio(values, baseline, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES,
+                          confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(ratio, low, high): median(values) / median(baseline) and its percentile-bootstrap interval,
+    each sample resampled on its own (seeded, like `bootstrap_median`).
+
+    For two samples taken one after the other, not in interleaved rounds: the i-th value of one
+    has nothing to do with the i-th of the other, so pairing them (as `time_interleaved` pairs
+    the members of a round) would claim a cancellation of drift that never happened. The unpaired
+    interval is wider; that width is the honest price of not interleaving. The samples may differ
+    in length."""
+    x, base = (np.asarray(v, dtype=float) for v in (values, baseline))
+    for name, given, arr in (("values", values, x), ("baseline", baseline, base)):
+        if arr.ndim != 1 or len(arr) == 0 or not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+            raise ValueError(f"{name}={given!r} is invalid: allowed is a non-empty 1-d sequence of positive "
+                             "finite numbers (times)")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence!r} is invalid: allowed is a number in (0, 1)")
+    rng = np.random.default_rng(seed)
+    ratios = (np.median(x[rng.integers(0, len(x), size=(resamples, len(x)))], axis=1)
+              / np.median(base[rng.integers(0, len(base), size=(resamples, len(base)))], axis=1))
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return float(np.median(x) / np.median(base)), float(low), float(high)
 
 @dataclass
 class IntervalTiming:
@@ -236,34 +263,20 @@ def _cuda_timer(device: torch.device) -> Callable[[Callable[[], object]], float]
     return timer
 
 
-@dataclass
-class Timing:
-    """Per-step times of one configuration (ms), from `time_steps`."""
-
-    step_ms: list[float]
-
-    @property
-    def median_ms(self) -> float:
-        return float(np.median(self.step_ms))
-
-    @property
-    def min_ms(self) -> float:
-        return min(self.step_ms)
-
-    @property
-    def max_ms(self) -> float:
-        return max(self.step_ms)
-
-
-def time_steps(step: Callable[[], object], steps: int, warmup: int, device: torch.device | str = "cpu") -> Timing:
+def time_steps(step: Callable[[], object], steps: int, warmup: int, device: torch.device | str = "cpu",
+               target_ci: float = 0.02) -> IntervalTiming:
     """Exactly `steps` timed runs of one step after `warmup` untimed ones: the protocol with one
-    configuration and a fixed round count (for callers that need every per-step time, such as
-    the sharded runs, whose ranks must run the same number of steps)."""
+    configuration and a fixed round count, for callers whose processes must run the same number
+    of steps (the sharded ranks step in lockstep, so no rank may stop on its own interval). The
+    result is `time_interleaved`'s with one name, "step": `times_ms["step"]` holds every step's
+    time, `row("step")` the record columns (median with its 95% interval, threads, load).
+    `target_ci` only labels the result: `stopped` is "target" when the interval reached it within
+    the `steps` rounds, else "max_rounds"."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} is invalid: allowed is an integer >= 1")
-    result = time_interleaved({"step": step}, device=device, warmup=warmup, min_rounds=steps,
-                              max_rounds=steps, max_seconds=math.inf)
-    return Timing(result.times_ms["step"])
+    return time_interleaved({"step": step}, device=device, warmup=warmup, target_ci=target_ci, min_rounds=steps,
+                            max_rounds=steps, max_seconds=math.inf)
 
 
-__all__ = ["IntervalTiming", "Timing", "bootstrap_median", "check_timing_options", "time_interleaved", "time_steps"]
+__all__ = ["IntervalTiming", "bootstrap_median", "check_timing_options", "time_interleaved", "time_steps",
+           "unpaired_median_ratio"]

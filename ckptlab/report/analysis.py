@@ -21,6 +21,7 @@ import pandas as pd
 
 from ..core.policy import parse_policy
 from ..core.units import CARD_LIMITS, format_bytes
+from ..probe.timing import bootstrap_median, unpaired_median_ratio
 from .tables import format_table
 
 SHAPE = ["model", "batch_size", "seq_len", "dtype", "accum_steps"]   # what a baseline must share
@@ -366,22 +367,31 @@ def _py(v):
 
 def trainer_summary(df):
     """One row per run of `compare_trainer_runs`' frame: peak memory (the highest tracked step),
-    step time over the steps timed without the tracker (median, min, max, how many), and against
-    the "none" run: step-time overhead, memory saved, and whether every loss (the one Trainer
-    logged where the frame has it, else the callback's) is bitwise the same."""
-    rows = []
+    step time over the steps timed without the tracker (the median with its 95% bootstrap
+    interval, `step_ms_low/high`, and how many steps, `timed_steps`), and against the "none" run:
+    the step-time `overhead` (ratio of medians - 1) with its 95% interval `overhead_low/high`,
+    `significant` (that interval excludes 0), memory saved, and whether every loss (the one
+    Trainer logged where the frame has it, else the callback's) is bitwise the same.
+
+    The runs train one after another, not in interleaved rounds, so step i of one run has nothing
+    to pair with step i of another: the overhead's interval comes from an unpaired bootstrap that
+    resamples each run's step times on its own (`unpaired_median_ratio`). A run with fewer than
+    two timed steps has no interval (NaN) and is never `significant`."""
+    rows, timed_ms = [], {}
     for run, g in df.groupby("run", sort=False):
         timed = g[~g["memory_tracked"]] if (~g["memory_tracked"]).any() else g
         tracked = g[g["peak_bytes"].notna()]
         peak = tracked.loc[tracked["peak_bytes"].idxmax()] if len(tracked) else None
+        timed_ms[run] = timed["step_ms"].to_numpy(dtype=float)
+        step, low, high = (bootstrap_median(timed_ms[run]) if len(timed) >= 2
+                           else (float(np.median(timed_ms[run])), math.nan, math.nan))
         rows.append({
             "run": run, "policy": g["policy"].iloc[0], "mechanism": g["mechanism"].iloc[0],
             "effective_density": g["effective_density"].iloc[0], "steps": len(g),
             "peak_bytes": None if peak is None else peak["peak_bytes"],
             "peak_activations_bytes": None if peak is None else peak["peak_activations_bytes"],
             "saved_activation_bytes": None if peak is None else peak["saved_activation_bytes"],
-            "step_ms": timed["step_ms"].median(), "step_ms_min": timed["step_ms"].min(),
-            "step_ms_max": timed["step_ms"].max(), "timed_steps": len(timed),
+            "step_ms": step, "step_ms_low": low, "step_ms_high": high, "timed_steps": len(timed),
             "timed_with_tracker": bool(timed["memory_tracked"].any()),
             "losses": g["trainer_loss" if "trainer_loss" in g else "loss"].tolist(),
         })
@@ -389,32 +399,65 @@ def trainer_summary(df):
     base = table[table["run"] == "none"]
     if len(base):
         b = base.iloc[0]
-        table["overhead"] = table["step_ms"] / b["step_ms"] - 1
+        overheads = [_unpaired_overhead(timed_ms[run], timed_ms["none"], run == "none") for run in table["run"]]
+        table["overhead"], table["overhead_low"], table["overhead_high"] = map(list, zip(*overheads))
+        table["significant"] = (table["overhead_low"] > 0) | (table["overhead_high"] < 0)
         table["memory_saved_frac"] = 1 - table["peak_bytes"] / b["peak_bytes"] if b["peak_bytes"] else None
         table["same_losses_as_none"] = [losses == b["losses"] for losses in table["losses"]]
-        # Spreads that overlap the baseline's cannot tell the two apart from this many steps.
-        table["overlaps_none"] = (table["step_ms_min"] <= b["step_ms_max"]) & (table["step_ms_max"] >= b["step_ms_min"])
     return table.drop(columns="losses")
 
 
+def _unpaired_overhead(times, baseline, is_baseline: bool) -> tuple[float, float, float]:
+    """(overhead, low, high) of `times` against `baseline`: 0 exactly for the baseline itself, NaN
+    bounds where either has fewer than two steps."""
+    if is_baseline:
+        return 0.0, 0.0, 0.0
+    if len(times) < 2 or len(baseline) < 2:
+        return float(np.median(times) / np.median(baseline) - 1), math.nan, math.nan
+    ratio, low, high = unpaired_median_ratio(times, baseline)
+    return ratio - 1, low - 1, high - 1
+
+
+GUIDE_SLOWDOWN = 0.2   # the transformers guide: "Training will be ~20% slower"
+
+
 def slowdown_answer(summary) -> str:
-    """The guide's "Training will be ~20% slower", answered from `trainer_summary`'s numbers."""
+    """The guide's "Training will be ~20% slower", answered from `trainer_summary`'s numbers: per
+    run the overhead with its 95% interval. An interval that includes 0 is reported as no
+    difference from no checkpointing (inside the noise of these steps); otherwise it is compared
+    with the guide's ~20% (more, less, or consistent when the interval includes 20%)."""
     if "overhead" not in summary:
         raise ValueError("summary is invalid: it has no 'none' run to compare against; include 'none' in runs")
     base = summary[summary["run"] == "none"].iloc[0]
     parts = []
     for r in summary[summary["run"] != "none"].itertuples():
-        verdict = ("within the step-to-step spread of no checkpointing: these steps cannot tell them apart"
-                   if r.overlaps_none else ("more" if r.overhead > 0.2 else "less") + " than the guide's ~20%")
+        if pd.isna(r.overhead_low):
+            verdict = "too few timed steps for an interval: no difference is claimed"
+            interval = ""
+        else:
+            interval = f" [95% CI {r.overhead_low:+.0%}, {r.overhead_high:+.0%}]"
+            if not r.significant:
+                verdict = "no difference from no checkpointing: the interval includes 0 (inside the noise of these steps)"
+            elif r.overhead_low > GUIDE_SLOWDOWN:
+                verdict = "more than the guide's ~20%"
+            elif r.overhead_high < GUIDE_SLOWDOWN:
+                verdict = "less than the guide's ~20%"
+            else:
+                verdict = "consistent with the guide's ~20% (the interval includes it)"
         memory = "" if pd.isna(r.memory_saved_frac) else f", {r.memory_saved_frac:.0%} less peak memory"
-        parts.append(f"{r.run}: {r.overhead:+.0%} step time (median {r.step_ms:.0f} ms, range "
-                     f"{r.step_ms_min:.0f}-{r.step_ms_max:.0f}){memory} — {verdict}")
+        parts.append(f"{r.run}: {r.overhead:+.0%} step time{interval} (median {r.step_ms:.0f} ms{_ms_interval(r)})"
+                     f"{memory} — {verdict}")
     caveat = (" — every step ran under the memory tracker, whose hooks slow it: use track_steps below max_steps"
               if summary["timed_with_tracker"].any() else "")
-    return (f"Against no checkpointing (median {base.step_ms:.0f} ms, range {base.step_ms_min:.0f}-"
-            f"{base.step_ms_max:.0f} ms over {base.timed_steps} steps){caveat}:\n" + "\n".join(parts))
+    return (f"Against no checkpointing (median {base.step_ms:.0f} ms{_ms_interval(base)} over {base.timed_steps} "
+            f"steps){caveat}. The runs ran one after another, not interleaved: intervals come from an unpaired "
+            "bootstrap of each run's step times.\n" + "\n".join(parts))
 
 
-__all__ = ["BUSY_SPREAD", "SHAPE", "compare_note", "config_label", "fit_note", "format_summary", "largest_fitting",
-           "line_fit", "ok", "overhead", "pareto", "plans_vs_uniform", "policy_label", "slowdown_answer", "summary",
+def _ms_interval(r) -> str:
+    return "" if pd.isna(r.step_ms_low) else f" [{r.step_ms_low:.0f}, {r.step_ms_high:.0f}]"
+
+
+__all__ = ["BUSY_SPREAD", "GUIDE_SLOWDOWN", "SHAPE", "compare_note", "config_label", "fit_note", "format_summary",
+           "largest_fitting", "line_fit", "ok", "overhead", "pareto", "plans_vs_uniform", "policy_label", "slowdown_answer", "summary",
            "timing_note", "trainer_summary", "fits_from_run"]

@@ -163,7 +163,8 @@ def run_cell(config: SweepConfig, cell: dict) -> dict:
         return measure_sharded(config.model, cell["batch_size"], cell["seq_len"], cell["policy"], nproc=config.nproc,
                                device=config.device, dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
                                memory_limit=config.memory_limit, optimizer=config.optimizer,
-                               accum_steps=cell["accum_steps"], seed=config.seed, model_overrides=config.model_overrides)
+                               accum_steps=cell["accum_steps"], seed=config.seed, model_overrides=config.model_overrides,
+                               target_ci=config.target_ci)
     workload = get_workload(config.model, seed=config.seed, **config.model_overrides)
     if workload.spec_hash != config.model_hash:
         raise ValueError(f"model={config.model!r} changed during the sweep: its file's hash is {workload.spec_hash}, "

@@ -332,6 +332,9 @@ def compare_trainer_runs(
 
     Each run writes its folder `out/<run>/`. Returns one DataFrame row per optimizer step of every
     run: the callback's record plus `run` and `trainer_loss` (the loss Trainer itself logged).
+    `ckptlab.analysis.trainer_summary` makes it one row per run: the median step time with its 95%
+    interval, and the overhead against "none" with an unpaired interval — the runs train one
+    after another, not in interleaved rounds, so their steps cannot be paired.
     """
     runs = list(runs)
     if "none" not in runs or len(set(runs)) != len(runs):
