@@ -1,27 +1,32 @@
 """What does checkpointing cost, and what does ckptlab's wrapper add on top?
 
-One process, variants interleaved round by round (so drift in machine load hits all alike):
-  none           no checkpointing
-  ckptlab full   apply_checkpointing(model, "full")
-  manual full    a hand-written loop calling torch.utils.checkpoint.checkpoint on each block
-Reports (a) wrapper overhead = ckptlab full / manual full - 1 (target <= 2%), and (b) full vs
-none with the forward share of the step — the ideal recompute cost, since recomputing every
-block costs about one more forward of the blocks.
+One process, timed with ckptlab's protocol (`ckptlab.probe.timing.time_interleaved`): each round
+runs every variant once in a rotated order, and every ratio is the median of per-round ratios with
+a 95% bootstrap interval; rounds go on until the intervals reach --target-ci or --max-seconds.
+  none               no checkpointing
+  ckptlab full       apply_checkpointing(model, "full")
+  manual full        a hand-written loop calling torch.utils.checkpoint.checkpoint on each block
+  forward (no grad)  the forward of `none` under torch.no_grad()
+Reports (a) the wrapper overhead, ckptlab full / manual full paired round by round (target <= +2%,
+claimed only when the whole interval is), and (b) full against none beside the forward share of a
+`none` step: the ideal recompute cost, since recomputing every block costs about one more forward.
 
-    python benchmarks/overhead.py [--model gpt-tiny] [--batch 8] [--seq 128] [--rounds 7] [--device cpu]
+    python benchmarks/overhead.py [--model gpt-tiny] [--batch 8] [--seq 128] [--target-ci 0.02] [--max-seconds 120] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload
 from ckptlab.probe.step import make_optimizer, resolve_device, training_step
-from ckptlab.probe.timing import time_steps
+from ckptlab.probe.timing import bootstrap_median, check_timing_options, time_interleaved
+
+WRAPPER_TARGET = 1.02   # ckptlab full may take at most 2% longer than the hand-written loop
 
 
 def manual_full(model: torch.nn.Module) -> None:
@@ -38,49 +43,77 @@ def manual_full(model: torch.nn.Module) -> None:
     model.forward = forward
 
 
-def main() -> None:
+def wrapper_verdict(low: float, high: float) -> str:
+    """What the interval of ckptlab full / manual full shows, and nothing more."""
+    if low > 1:
+        difference = "slower than the hand-written loop"
+    elif high < 1:
+        difference = "faster than the hand-written loop"
+    else:
+        difference = "no difference from the hand-written loop (the interval contains 1)"
+    if high <= WRAPPER_TARGET:
+        target = f"within the {WRAPPER_TARGET - 1:+.0%} target"
+    elif low > WRAPPER_TARGET:
+        target = f"beyond the {WRAPPER_TARGET - 1:+.0%} target"
+    else:
+        target = f"the {WRAPPER_TARGET - 1:+.0%} target is not shown (the interval reaches above it): run longer"
+    return f"{difference}; {target}"
+
+
+def pct(ratio: float, low: float, high: float) -> str:
+    return f"{ratio - 1:+.1%} [{low - 1:+.1%}, {high - 1:+.1%}]"
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--model", default="gpt-tiny", help="a GPT workload (the hand-written loop rewrites its forward)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+    parser.add_argument("--target-ci", type=float, default=0.02, help="stop when every interval is within ±this")
+    parser.add_argument("--max-seconds", type=float, default=120, help="or when timing has taken this long")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared machine)")
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_timing_options(args.target_ci, args.max_seconds)
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads} is invalid: allowed is an integer >= 1")
     device = resolve_device(args.device)
     workload = get_workload(args.model)
+    if not all(hasattr(workload.build("meta"), a) for a in ("wte", "wpe", "drop", "ln_f", "lm_head")):
+        parser.error(f"--model {args.model!r} is invalid: allowed is a GPT workload (gpt-tiny, gpt2-small, ...)")
     batch = workload.batch(args.batch, args.seq, device)
 
-    steps, forwards = {}, {}
-    for name in ("none", "ckptlab full", "manual full"):
-        model = workload.build(device).train()
-        if name == "ckptlab full":
-            apply_checkpointing(model, "full")
-        elif name == "manual full":
-            manual_full(model)
-        steps[name] = training_step(model, workload, batch, make_optimizer("adamw", model))
-        forwards[name] = lambda model=model: workload.loss(model, batch)
+    models = {name: workload.build(device).train() for name in ("none", "ckptlab full", "manual full")}
+    apply_checkpointing(models["ckptlab full"], "full")
+    manual_full(models["manual full"])
+    steps = {name: training_step(model, workload, batch, make_optimizer("adamw", model))
+             for name, model in models.items()}
 
-    times = {name: [] for name in steps}
-    forward_ms = []
-    for name, step in steps.items():  # warm-up, untimed
-        time_steps(step, steps=1, warmup=2, device=device)
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            times[name] += time_steps(step, steps=args.steps, warmup=0, device=device).times_ms["step"]
+    def forward_no_grad():
         with torch.no_grad():
-            forward_ms += time_steps(forwards["none"], steps=args.steps, warmup=0, device=device).times_ms["step"]
+            workload.loss(models["none"], batch)
 
-    med = {name: statistics.median(t) for name, t in times.items()}
-    fwd = statistics.median(forward_ms)
+    steps["forward (no grad)"] = forward_no_grad
+    t = time_interleaved(steps, device=device, warmup=2, target_ci=args.target_ci, max_seconds=args.max_seconds,
+                         threads=args.threads)
+
     print(f"{args.model}  batch={args.batch} seq={args.seq}  device={device}  torch={torch.__version__}  "
-          f"threads={torch.get_num_threads()}  {args.rounds} rounds x {args.steps} steps, medians")
-    print(f"{'variant':>14}  {'step ms':>8}  {'min':>7}  {'max':>7}  {'vs none':>8}")
-    for name, t in times.items():
-        print(f"{name:>14}  {med[name]:8.2f}  {min(t):7.2f}  {max(t):7.2f}  {med[name] / med['none'] - 1:+8.1%}")
-    print(f"(a) wrapper overhead, ckptlab full vs manual full: {med['ckptlab full'] / med['manual full'] - 1:+.1%}  (target <= +2%)")
-    print(f"(b) full vs none: {med['ckptlab full'] / med['none'] - 1:+.1%};  forward share of a 'none' step "
-          f"(no-grad forward {fwd:.2f} ms / step {med['none']:.2f} ms): {fwd / med['none']:.1%} = the ideal recompute cost")
+          f"threads={t.threads}")
+    print(f"{t.rounds} interleaved rounds in {t.seconds:.0f} s, stopped by {t.stopped} (widest interval "
+          f"±{t.ci_half_width:.1%}, target ±{t.target_ci:.1%}); load {t.load_before:.1f} -> {t.load_after:.1f} "
+          f"on {t.cpu_count} cores{' (busy: other work competed for the CPU)' if t.busy else ''}")
+    print(f"{'variant':>17}  {'step ms [95% CI]':>24}  {'time / none [95% CI]':>24}")
+    for name in t.names:
+        ms = f"{t.step_ms[name]:.2f} [{t.step_ms_low[name]:.2f}, {t.step_ms_high[name]:.2f}]"
+        ratio = f"{t.ratio[name]:.3f} [{t.ratio_low[name]:.3f}, {t.ratio_high[name]:.3f}]"
+        print(f"{name:>17}  {ms:>24}  {ratio:>24}")
+    wrapper = bootstrap_median(np.asarray(t.times_ms["ckptlab full"]) / np.asarray(t.times_ms["manual full"]))
+    print(f"(a) wrapper overhead, ckptlab full / manual full paired per round: {pct(*wrapper)}: "
+          f"{wrapper_verdict(*wrapper[1:])}")
+    full = (t.ratio["ckptlab full"], t.ratio_low["ckptlab full"], t.ratio_high["ckptlab full"])
+    share = (t.ratio["forward (no grad)"], t.ratio_low["forward (no grad)"], t.ratio_high["forward (no grad)"])
+    print(f"(b) full vs none: {pct(*full)};  forward share of a 'none' step (no-grad forward / step, paired): "
+          f"{share[0]:.1%} [{share[1]:.1%}, {share[2]:.1%}] = the ideal recompute cost")
 
 
 if __name__ == "__main__":
