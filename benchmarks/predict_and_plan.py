@@ -4,15 +4,18 @@
      default CPU grid (gpt-tiny, batch 1..8 x seq 32..256, every policy; mlp-chain; bf16), with
      the closed form beside it;
   2. the measured frontier at one shape: none, full, density steps, every-k, segments=sqrt,
-     selective (+ variants), compile:budget at a few budgets, budget plans at several budgets;
-     the Pareto frontier; whether budget plans dominate the uniform policies; at the peak of
-     `full`, how much faster the best plan is; what fraction of full's savings selective gets;
+     selective (+ variants), compile:budget at a few budgets, budget plans at several budgets,
+     all timed together in interleaved rounds (`measure_together`): each time ratio to `none` is
+     paired round by round and carries its 95% interval. The Pareto frontier; whether budget
+     plans dominate the uniform policies (no more memory and a time interval entirely below the
+     uniform's; overlapping intervals are no difference); at the peak of `full`, the best plan's
+     time against full's; what fraction of full's savings selective gets, at what overhead;
   3. what fits on 24/40/80/141 GiB cards, by prediction, and the cost of predicting a
      Llama-7B-shaped GPT at batch 8, seq 4096;
   4. compile:budget: what the budget does to the allocator-measured peak, checked first on a case
      where the answer is known, and where the peak happens.
 
-    python benchmarks/predict_and_plan.py [--quick] [--out results/predict_and_plan.json]
+    python benchmarks/predict_and_plan.py [--quick] [--max-seconds 120] [--target-ci 0.02] [--out results/predict_and_plan.json]
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 from ckptlab import closed_form, get_workload, measure, predict, predict_fits
 from ckptlab.core.units import format_bytes
+from ckptlab.probe.compare import measure_together
 from ckptlab.probe.estimate import prediction_error
 from ckptlab.probe.plan import plan_budget
+from ckptlab.probe.timing import bootstrap_median, check_timing_options, time_steps
 from ckptlab.report.tables import format_table
 
 GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
@@ -36,6 +42,9 @@ GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", 
                  "budget=mid"]
 MLP_POLICIES = ["none", "full", "density=0.5", "every=3", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfskkfsk", "budget=mid"]
+
+
+NO_DIFFERENCE = "no difference (inside the noise)"
 
 
 def pct(v):
@@ -77,7 +86,10 @@ def prediction_table(quick: bool) -> list[dict]:
 
 # --------------------------------------------------------------------------- 2. frontier
 
-def frontier(quick: bool, batch: int, seq: int, rounds: int) -> tuple[list[dict], dict]:
+def frontier(quick: bool, batch: int, seq: int, target_ci: float, max_seconds: float,
+             with_compile: bool) -> tuple[list[dict], dict]:
+    """Every policy measured, then all timed together (`measure_together`): interleaved rounds,
+    each row's time ratio to `none` paired round by round, with its 95% interval."""
     workload = get_workload("gpt-tiny")
     uniform = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
                "selective", "selective=alt", "selective=attn"]
@@ -91,65 +103,81 @@ def frontier(quick: bool, batch: int, seq: int, rounds: int) -> tuple[list[dict]
         except ValueError as exc:
             print(f"  {b}: {exc}")
     planned = [f"plan={p.letters}" for p in plans.values()]
-    eager = list(dict.fromkeys(uniform + planned))
-    # Interleaved rounds: machine-load drift hits every policy alike; median over rounds.
-    times: dict[str, list[float]] = {p: [] for p in eager}
-    recs: dict[str, dict] = {}
-    for _ in range(rounds):
-        for p in eager:
-            rec = measure(workload, batch, seq, p, steps=3 if quick else 5, warmup=1)
-            times[p].append(rec["step_ms_min"])
-            recs[p] = rec
+    compiled = [f"compile:budget={cb}" for cb in ([1.0, 0.0] if quick else [1.0, 0.5, 0.0])] if with_compile else []
+    policies = list(dict.fromkeys(uniform + planned)) + compiled
+    records = measure_together(workload, batch, seq, policies, target_ci=target_ci, max_seconds=max_seconds)
+    if records[0]["status"] != "ok":
+        raise RuntimeError(f"the baseline `none` did not run: {records[0]['message']}")
     rows = []
-    for p in eager:
-        rec = recs[p]
-        pred = predict(workload, batch, seq, p)
-        label = next((b for b, pl in plans.items() if f"plan={pl.letters}" == p), "")
-        rows.append({"policy": p, "from": label, "kind": "plan" if p.startswith("plan") else "uniform",
-                     "peak_bytes": rec["peak_bytes"], "predicted_peak_bytes": pred.peak_bytes,
-                     "error": prediction_error(pred.peak_bytes, rec["peak_bytes"]),
-                     "saved_activation_bytes": rec["saved_activation_bytes"],
-                     "step_ms": min(times[p])})
-    compile_budgets = [1.0, 0.0] if quick else [1.0, 0.5, 0.0]
-    for cb in compile_budgets:
-        rec = measure(workload, batch, seq, f"compile:budget={cb}", steps=3 if quick else 5, warmup=1)
-        rows.append({"policy": f"compile:budget={cb}", "from": "", "kind": "compile", "peak_bytes": rec["peak_bytes"],
-                     "predicted_peak_bytes": None, "error": None,
-                     "saved_activation_bytes": rec["saved_activation_bytes"], "step_ms": rec["step_ms_min"],
-                     "status": rec["status"], "message": rec["message"]})
-    base = next(r for r in rows if r["policy"] == "none")["step_ms"]
-    for r in rows:
-        r["overhead"] = r["step_ms"] / base - 1 if r["step_ms"] else None
-    ok = [r for r in rows if r["step_ms"] and r["peak_bytes"]]
-    for r in ok:
-        r["pareto"] = not any(o["peak_bytes"] <= r["peak_bytes"] and o["step_ms"] <= r["step_ms"]
-                              and (o["peak_bytes"], o["step_ms"]) != (r["peak_bytes"], r["step_ms"]) for o in ok)
-    return rows, {"plans": plans, "none": none_p, "full": full_p}
+    for rec in records:
+        p = rec["policy"]
+        kind = "plan" if p.startswith("plan") else "compile" if p.startswith("compile") else "uniform"
+        pred = predict(workload, batch, seq, p).peak_bytes if kind != "compile" else None
+        row = {"policy": p, "from": next((b for b, pl in plans.items() if f"plan={pl.letters}" == p), ""),
+               "kind": kind, "status": rec["status"], "message": rec["message"], "peak_bytes": rec["peak_bytes"],
+               "predicted_peak_bytes": pred, "error": None if pred is None else prediction_error(pred, rec["peak_bytes"]),
+               "saved_activation_bytes": rec["saved_activation_bytes"]}
+        if rec["status"] == "ok":
+            row.update({k: rec[k] for k in ("step_ms", "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low",
+                                            "time_ratio_high", "round_ms")})
+            row.update(overhead=rec["time_ratio"] - 1, overhead_low=rec["time_ratio_low"] - 1,
+                       overhead_high=rec["time_ratio_high"] - 1)
+        rows.append(row)
+    timed = [r for r in rows if r["status"] == "ok"]
+    for r in timed:  # dominated: another row holds no more memory and is faster beyond both intervals
+        r["pareto"] = not any(o["peak_bytes"] <= r["peak_bytes"] and o["time_ratio_high"] < r["time_ratio_low"]
+                              for o in timed)
+    timing = {k: records[0][k] for k in ("rounds", "timing_stopped", "timing_ci_half_width", "timing_target_ci",
+                                          "threads", "load_before", "load_after", "busy")}
+    return rows, {"plans": plans, "none": none_p, "full": full_p, "timing": timing}
+
+
+def paired(a: dict, b: dict) -> tuple[float, float, float]:
+    """a's time over b's, paired round by round (both timed in the same rounds): median, 95% interval."""
+    return bootstrap_median(np.asarray(a["round_ms"]) / np.asarray(b["round_ms"]))
+
+
+def with_interval(name: str, value: float, low: float, high: float) -> dict:
+    return {name: value, f"{name}_low": low, f"{name}_high": high}
 
 
 def frontier_summary(rows: list[dict]) -> dict:
-    by = {r["policy"]: r for r in rows}
+    by = {r["policy"]: r for r in rows if r["status"] == "ok"}
     none, full, sel = by["none"], by["full"], by["selective"]
-    eager = [r for r in rows if r["kind"] != "compile"]
-    at_full = [r for r in eager if r["kind"] == "plan" and r["peak_bytes"] <= full["peak_bytes"]]
-    best_at_full = min(at_full, key=lambda r: r["step_ms"], default=None)
-    # Dominance: for each uniform policy, the fastest plan with the same or lower peak.
+    plans = [r for r in by.values() if r["kind"] == "plan"]
+    at_full = [r for r in plans if r["peak_bytes"] <= full["peak_bytes"]]
+    best_at_full = min(at_full, key=lambda r: r["time_ratio"], default=None)
+    # A plan dominates a uniform policy only with no more memory and a time interval entirely below
+    # the uniform's; overlapping intervals cannot be told apart (compile rows are not plans).
     dom = []
-    for u in (r for r in eager if r["kind"] == "uniform" and r["policy"] != "none"):
-        cands = [p for p in eager if p["kind"] == "plan" and p["peak_bytes"] <= u["peak_bytes"]]
-        best = min(cands, key=lambda r: r["step_ms"], default=None)
-        dom.append({"uniform": u["policy"], "uniform_peak": u["peak_bytes"], "uniform_ms": u["step_ms"],
+    for u in (r for r in by.values() if r["kind"] == "uniform" and r["policy"] != "none"):
+        best = min((p for p in plans if p["peak_bytes"] <= u["peak_bytes"]), key=lambda r: r["time_ratio"],
+                   default=None)
+        verdict = "-" if best is None else (
+            "plan faster" if best["time_ratio_high"] < u["time_ratio_low"]
+            else "plan slower" if best["time_ratio_low"] > u["time_ratio_high"]
+            else NO_DIFFERENCE)
+        dom.append({"uniform": u["policy"], "uniform_peak": u["peak_bytes"], "uniform_ratio": u["time_ratio"],
+                    "uniform_low": u["time_ratio_low"], "uniform_high": u["time_ratio_high"],
                     "best_plan": best["policy"] if best else "-", "plan_peak": best["peak_bytes"] if best else None,
-                    "plan_ms": best["step_ms"] if best else None,
-                    "dominated": bool(best and best["step_ms"] < u["step_ms"])})
+                    "plan_ratio": best["time_ratio"] if best else None,
+                    "plan_low": best["time_ratio_low"] if best else None,
+                    "plan_high": best["time_ratio_high"] if best else None,
+                    "dominated": verdict == "plan faster", "verdict": verdict})
+    speedup = {"speedup_at_full_peak": None, "speedup_at_full_peak_low": None, "speedup_at_full_peak_high": None,
+               "speedup_verdict": None}
+    if best_at_full is not None:
+        ratio, low, high = paired(full, best_at_full)  # full over the plan: above 1, the plan is faster
+        speedup = {**with_interval("speedup_at_full_peak", ratio - 1, low - 1, high - 1),
+                   "speedup_verdict": "faster" if low > 1 else "slower" if high < 1 else NO_DIFFERENCE}
     saved_total = none["peak_bytes"] - full["peak_bytes"]
     return {
-        "best_plan_at_full_peak": best_at_full["policy"] if best_at_full else None,
-        "speedup_at_full_peak": (full["step_ms"] / best_at_full["step_ms"] - 1) if best_at_full else None,
+        "best_plan_at_full_peak": best_at_full["policy"] if best_at_full else None, **speedup,
         "selective_fraction_of_full_peak_savings": (none["peak_bytes"] - sel["peak_bytes"]) / saved_total,
         "selective_fraction_of_full_saved_bytes": (none["saved_activation_bytes"] - sel["saved_activation_bytes"])
         / (none["saved_activation_bytes"] - full["saved_activation_bytes"]),
-        "selective_overhead": sel["overhead"], "full_overhead": full["overhead"],
+        **with_interval("selective_overhead", sel["overhead"], sel["overhead_low"], sel["overhead_high"]),
+        **with_interval("full_overhead", full["overhead"], full["overhead_low"], full["overhead_high"]),
         "dominance": dom,
     }
 
@@ -218,17 +246,16 @@ def compile_investigation(quick: bool) -> list[dict]:
                 tracker_peak = tracker.report().peak_bytes
                 tracker_saved = tracker.report().saved_activation_bytes
             report, _ = allocator_step_memory(step, model, opt, batch, torch.device("cpu"))
-            t0 = time.perf_counter()
-            for _ in range(3):
-                step()
-            ms = (time.perf_counter() - t0) / 3 * 1e3
+            timing = time_steps(step, steps=5, warmup=0)  # alone, not compared: its interval only
         # Where in backward is the peak? Fraction of backward's allocator events before it.
         bwd = [(i, v) for i, (ph, v) in enumerate(report.timeline) if ph == "backward"]
         peak_i = max(bwd, key=lambda x: x[1])[0] if bwd else None
         frac = (peak_i - bwd[0][0]) / max(1, len(bwd)) if bwd else None
         rows.append({"policy": policy, "tracker_peak": tracker_peak, "allocator_peak": report.peak_bytes,
                      "tracker_saved": tracker_saved, "allocator_saved": report.saved_activation_bytes,
-                     "peak_phase": report.peak_phase, "peak_at_backward_fraction": frac, "step_ms": ms,
+                     "peak_phase": report.peak_phase, "peak_at_backward_fraction": frac,
+                     "step_ms": timing.step_ms["step"], "step_ms_low": timing.step_ms_low["step"],
+                     "step_ms_high": timing.step_ms_high["step"],
                      # bytes the backward materialises above what forward left for it
                      "backward_rise": report.peak_bytes - report.start_bytes - (report.saved_activation_bytes or 0)})
     return rows
@@ -302,12 +329,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller grid (CI smoke run)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds for the frontier")
+    parser.add_argument("--target-ci", type=float, default=0.02,
+                        help="frontier timing: stop when every time ratio's interval is within ±this")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="frontier timing: or after this many seconds (default 30 with --quick, else 120)")
     parser.add_argument("--out", default=None, help="write every table as JSON here")
     parser.add_argument("--skip-compile", action="store_true", help="skip torch.compile runs (slow on CPU)")
     parser.add_argument("--sections", default="1,2,3,4", help="which sections to run, e.g. 2,4")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared machine)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.max_seconds is None:
+        args.max_seconds = 30 if args.quick else 120
+    check_timing_options(args.target_ci, args.max_seconds)
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads} is invalid: allowed is an integer >= 1")
+    torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     result = {}
     sections = set(args.sections.split(","))
@@ -344,31 +380,48 @@ def section_prediction(args, result) -> None:
 
 
 def section_frontier(args, result) -> None:
-    print(f"\n== 2. measured frontier: gpt-tiny b={args.batch} s={args.seq}, fp32, step time = fastest step over "
-          f"{args.rounds} interleaved rounds (the machine is shared: the minimum is the least disturbed) ==")
-    rows, ctx = frontier(args.quick, args.batch, args.seq, args.rounds)
-    if args.skip_compile:
-        rows = [r for r in rows if r["kind"] != "compile"]
+    print(f"\n== 2. measured frontier: gpt-tiny b={args.batch} s={args.seq}, fp32, every policy timed together: "
+          "median step time and time ratio to none (paired per round), each with its 95% interval ==")
+    rows, ctx = frontier(args.quick, args.batch, args.seq, args.target_ci, args.max_seconds, not args.skip_compile)
     for name, plan in ctx["plans"].items():
         print(f"{name}:\n{plan}")
-    print(format_table(rows, [
+    t = ctx["timing"]
+    print(f"{t['rounds']} interleaved rounds, stopped by {t['timing_stopped']} (widest interval "
+          f"±{t['timing_ci_half_width']:.1%}, target ±{t['timing_target_ci']:.1%}), {t['threads']} threads, "
+          f"load {t['load_before']:.1f} -> {t['load_after']:.1f}{' (busy)' if t['busy'] else ''}")
+    shown = [{**r, "step": interval(r, "step_ms", "{:.1f}"), "overhead_ci": interval(r, "overhead", "{:+.1%}")}
+             for r in rows]
+    print(format_table(shown, [
         ("policy", "policy", str), ("from", "from", str), ("peak", "peak_bytes", mib),
         ("predicted", "predicted_peak_bytes", mib), ("error", "error", pct),
-        ("saved", "saved_activation_bytes", mib), ("step ms", "step_ms", lambda v: "-" if v is None else f"{v:.1f}"),
-        ("overhead", "overhead", pct), ("pareto", "pareto", lambda v: "*" if v else "")]))
+        ("saved", "saved_activation_bytes", mib), ("step ms [95% CI]", "step", str),
+        ("overhead [95% CI]", "overhead_ci", str), ("pareto", "pareto", lambda v: "*" if v else ""),
+        ("status", "status", str)]))
     summary = frontier_summary(rows)
-    result["frontier"], result["frontier_summary"] = rows, summary
-    print(format_table(summary["dominance"], [
-        ("uniform", "uniform", str), ("peak", "uniform_peak", mib), ("ms", "uniform_ms", lambda v: f"{v:.1f}"),
+    result["frontier"], result["frontier_summary"], result["frontier_timing"] = rows, summary, t
+    dominance = [{**d, "uniform_ci": interval(d, "uniform", "{:.3f}", value="uniform_ratio"),
+                  "plan_ci": interval(d, "plan", "{:.3f}", value="plan_ratio")} for d in summary["dominance"]]
+    print(format_table(dominance, [
+        ("uniform", "uniform", str), ("peak", "uniform_peak", mib), ("time / none [95% CI]", "uniform_ci", str),
         ("best plan with <= peak", "best_plan", str), ("peak", "plan_peak", mib),
-        ("ms", "plan_ms", lambda v: "-" if v is None else f"{v:.1f}"), ("plan faster", "dominated", str)]))
-    sp = summary["speedup_at_full_peak"]
-    print(f"at the peak of full: best plan {summary['best_plan_at_full_peak']} is "
-          f"{'-' if sp is None else f'{sp:.0%}'} faster than full")
+        ("time / none [95% CI]", "plan_ci", str), ("plan vs uniform", "verdict", str)]))
+    if summary["best_plan_at_full_peak"] is None:
+        print("at the peak of full: no plan reaches it")
+    else:
+        print(f"at the peak of full: best plan {summary['best_plan_at_full_peak']}, full's time over the plan's "
+              f"(paired) - 1: {interval(summary, 'speedup_at_full_peak', '{:+.1%}')}: {summary['speedup_verdict']}")
     print(f"selective gets {summary['selective_fraction_of_full_peak_savings']:.0%} of full's peak savings "
           f"({summary['selective_fraction_of_full_saved_bytes']:.0%} of its saved-activation savings) at "
-          f"{summary['selective_overhead']:+.0%} overhead (full: {summary['full_overhead']:+.0%})")
+          f"{interval(summary, 'selective_overhead', '{:+.1%}')} overhead "
+          f"(full: {interval(summary, 'full_overhead', '{:+.1%}')})")
 
+
+def interval(row: dict, name: str, fmt: str, value: str | None = None) -> str:
+    """`value [low, high]` from row[value or name], row[name_low], row[name_high]; "-" where not timed."""
+    v = row.get(value or name)
+    if v is None:
+        return "-"
+    return f"{fmt.format(v)} [{fmt.format(row[f'{name}_low'])}, {fmt.format(row[f'{name}_high'])}]"
 
 
 def section_fits(args, result) -> None:
@@ -391,12 +444,13 @@ def section_compile(args, result) -> None:
         print("\n== 4. compile:budget on mlp-chain (4 x 64, b=32, s=256): allocator-level accounting ==")
         comp = compile_investigation(args.quick)
         result["compile"] = comp
-        print(format_table(comp, [
+        shown = [{**r, "step": interval(r, "step_ms", "{:.1f}")} for r in comp]
+        print(format_table(shown, [
             ("policy", "policy", str), ("tracker peak", "tracker_peak", mib), ("allocator peak", "allocator_peak", mib),
             ("tracker saved", "tracker_saved", mib), ("allocator saved", "allocator_saved", mib),
             ("backward rise", "backward_rise", mib), ("peak in", "peak_phase", str),
             ("peak at % of bwd", "peak_at_backward_fraction", lambda v: "-" if v is None else f"{v:.0%}"),
-            ("step ms", "step_ms", lambda v: f"{v:.1f}")]))
+            ("step ms [95% CI]", "step", str)]))
         order = backward_graph_order()
         result["compile_bw_order"] = order
         for budget, o in order.items():
