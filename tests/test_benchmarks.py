@@ -1,0 +1,86 @@
+"""The benchmarks' verdicts follow their intervals: the wrapper-overhead verdict of
+benchmarks/overhead.py and the plan-against-uniform claims of benchmarks/predict_and_plan.py, on
+intervals and per-round times with a known answer; and overhead.py end to end at a tiny shape."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+overhead = load("overhead")
+predict_and_plan = load("predict_and_plan")
+
+
+@pytest.mark.parametrize("low, high, difference, target", [
+    (0.99, 1.01, "no difference", "within the +2% target"),
+    (0.99, 1.03, "no difference", "target is not shown"),
+    (1.005, 1.015, "slower", "within the +2% target"),
+    (1.01, 1.05, "slower", "target is not shown"),
+    (1.03, 1.05, "slower", "beyond the +2% target"),
+    (0.95, 0.98, "faster", "within the +2% target"),
+])
+def test_wrapper_verdict_says_only_what_the_interval_shows(low, high, difference, target):
+    verdict = overhead.wrapper_verdict(low, high)
+    assert verdict.startswith(difference) and target in verdict
+
+
+def row(policy, kind, peak, rounds_ms, none_ms):
+    """A timed frontier row: its time ratio to none from the given per-round times (a spread of
+    ratios gives the interval)."""
+    ratios = sorted(r / n for r, n in zip(rounds_ms, none_ms))
+    ratio = ratios[len(ratios) // 2]
+    return {"policy": policy, "kind": kind, "status": "ok", "peak_bytes": peak, "saved_activation_bytes": peak // 2,
+            "round_ms": rounds_ms, "time_ratio": ratio, "time_ratio_low": ratios[0], "time_ratio_high": ratios[-1],
+            "overhead": ratio - 1, "overhead_low": ratios[0] - 1, "overhead_high": ratios[-1] - 1}
+
+
+def test_a_plan_dominates_only_beyond_both_intervals():
+    none_ms = [100.0] * 5
+    rows = [
+        row("none", "uniform", 100, none_ms, none_ms),
+        row("full", "uniform", 40, [150.0, 151, 152, 153, 154], none_ms),
+        row("selective", "uniform", 60, [140.0, 141, 142, 143, 144], none_ms),
+        row("density=0.5", "uniform", 70, [120.0, 122, 124, 126, 128], none_ms),
+        row("plan=fkkk", "plan", 70, [110.0, 111, 112, 113, 114], none_ms),     # below density=0.5's interval
+        row("plan=fffs", "plan", 40, [149.0, 150, 151, 152, 153], none_ms),     # overlaps full's
+        row("compile:budget=0.0", "compile", 10, [50.0] * 5, none_ms),          # never a plan
+    ]
+    summary = predict_and_plan.frontier_summary(rows)
+    verdicts = {d["uniform"]: d for d in summary["dominance"]}
+    assert verdicts["density=0.5"]["best_plan"] == "plan=fkkk" and verdicts["density=0.5"]["dominated"]
+    assert verdicts["full"]["verdict"] == predict_and_plan.NO_DIFFERENCE and not verdicts["full"]["dominated"]
+    assert verdicts["selective"]["best_plan"] == "plan=fffs" and verdicts["selective"]["verdict"] == "plan slower"
+    # full over fffs, round by round: 150/149 .. 154/153, all just above 1 (paired, so significant).
+    assert summary["best_plan_at_full_peak"] == "plan=fffs" and summary["speedup_verdict"] == "faster"
+    assert 0 < summary["speedup_at_full_peak_low"] <= summary["speedup_at_full_peak"] <= summary[
+        "speedup_at_full_peak_high"] < 0.01
+    assert summary["full_overhead_low"] == pytest.approx(0.5) and summary["full_overhead_high"] == pytest.approx(0.54)
+
+
+def test_overhead_benchmark_prints_every_time_with_its_interval(capsys):
+    overhead.main(["--batch", "1", "--seq", "8", "--max-seconds", "0.5"])
+    lines = capsys.readouterr().out.splitlines()
+    table = {line[:17].strip(): line for line in lines[3:7]}
+    assert set(table) == {"none", "ckptlab full", "manual full", "forward (no grad)"}
+    assert all(line.count("[") == 2 for line in table.values())
+    wrapper = next(line for line in lines if line.startswith("(a)"))
+    assert "[" in wrapper and ("no difference" in wrapper or "slower" in wrapper or "faster" in wrapper)
+    assert "threads=1" in lines[0] and "interleaved rounds" in lines[1]
+
+
+def test_overhead_benchmark_refuses_a_bad_option_before_any_work(capsys):
+    with pytest.raises(ValueError, match="target_ci=0"):
+        overhead.main(["--target-ci", "0"])
+    with pytest.raises(SystemExit):
+        overhead.main(["--model", "mlp-chain"])
+    assert "--model 'mlp-chain' is invalid: allowed is a GPT workload" in capsys.readouterr().err
