@@ -467,8 +467,9 @@ def section_compile(args, result) -> None:
         for budget, o in order.items():
             rc = o["recompute_positions"]
             print(f"budget {budget}: backward graph of {o['bw_ops']} ops re-runs {len(rc)} forward ops"
-                  + (f" at positions {rc[0]}..{rc[-1]}, before the first relu gradient (position "
-                     f"{o['first_relu_grad']})" if rc else ""))
+                  + (f" at positions {rc[0]}..{rc[-1]}, "
+                     f"{'all before the first relu gradient at' if rc[-1] < o['first_relu_grad'] else 'the first relu gradient at'} position "
+                     f"{o['first_relu_grad']}" if rc else ""))
         drop = compile_dropout_check()
         result["compile_dropout"] = drop
         print("gpt-tiny with dropout, max |grad(compile:budget=0.5) - grad(compile:budget=1.0)|: "
