@@ -12,7 +12,7 @@ import torch
 
 from ckptlab import compare, get_workload
 from ckptlab.apps.cli import main
-from ckptlab.report.plots import compare_plot
+from ckptlab.report.plots import compare_plot, policy_style
 
 # A shape where recomputation is clearly measurable (full adds ~60% to a step of a few dozen ms),
 # so that an interval of a few rounds is narrow enough to tell `full` from `none`.
@@ -150,6 +150,11 @@ def test_compare_plot_draws_error_bars():
     ax = compare_plot(df).axes[0]
     segments = [seg for coll in ax.collections for seg in coll.get_segments()]
     assert any(abs(seg[0][0] - 1.2) < 1e-9 and abs(seg[1][0] - 1.4) < 1e-9 for seg in segments)
+    # Colour is the policy's (as in every figure), the marker the row's source.
+    points = {tuple(line.get_xdata()): line for line in ax.lines if line.get_marker() in ("o", "s", "D") and len(line.get_xdata())}
+    assert points[(1.3,)].get_color() == policy_style("hf")["color"] and points[(1.3,)].get_marker() == "s"
+    assert points[(1.0,)].get_color() == policy_style("none")["color"] and points[(1.0,)].get_marker() == "o"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["ckptlab policy", "anchor (framework knob)"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

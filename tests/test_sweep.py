@@ -193,3 +193,22 @@ def test_measure_gradient_accumulation_record():
     assert r["saved_activation_bytes"] == one["saved_activation_bytes"]
     with pytest.raises(ValueError, match="accum_steps=0"):
         measure("mlp-chain", 2, 8, accum_steps=0)
+
+
+def test_source_commit_names_ckptlabs_own_repository_only(tmp_path):
+    from ckptlab.run.provenance import source_commit
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "vendored" / "ckptlab").mkdir(parents=True)
+    (tmp_path / "vendored" / "ckptlab" / "__init__.py").write_text("")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    assert source_commit(tmp_path / "vendored") is None        # ckptlab inside another repository
+    commit = source_commit(tmp_path)
+    assert len(commit) == 40
+    (tmp_path / "vendored" / "ckptlab" / "__init__.py").write_text("# edited\n")
+    assert source_commit(tmp_path) == commit + "-dirty"
+    assert source_commit(tmp_path.parent / "no-such-folder") is None

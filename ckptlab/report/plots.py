@@ -427,23 +427,26 @@ def memory_timeline(timelines: dict, path=None):
 
 def compare_plot(df: pd.DataFrame, path=None):
     """Peak memory against time ratio (to the first row's policy) for a `ckptlab.compare` table,
-    the 95% interval of each ratio as a horizontal error bar; ckptlab's own rows filled, anchors
-    (the other frameworks' knobs) as squares, plans at an anchor's peak as diamonds."""
+    the 95% interval of each ratio as a horizontal error bar. The marker says where a row comes
+    from — ckptlab's policies circles, anchors (the other frameworks' knobs) squares, plans at an
+    anchor's peak diamonds — and the colour is the policy's, as in every figure."""
     fig, ax = plt.subplots(figsize=(8, 5))
     rows = df[(df["status"] == "ok") & df["time_ratio"].notna()] if len(df) else df
     if not len(rows):
         return _save(_empty(fig, ax, "no timed configurations to plot"), path)
-    for kind, marker, colour in (("ckptlab", "o", "C0"), ("anchor", "s", "C3"), ("plan", "D", "C2")):
+    sources = {"ckptlab": ("o", "ckptlab policy"), "anchor": ("s", "anchor (framework knob)"),
+               "plan": ("D", "ckptlab plan at an anchor's peak")}
+    for kind, (marker, label) in sources.items():
         part = rows[rows["source"].map(_source_kind) == kind]
         if not len(part):
             continue
-        err = [part["time_ratio"] - part["time_ratio_low"], part["time_ratio_high"] - part["time_ratio"]]
-        ax.errorbar(part["time_ratio"], part["peak_bytes"] / MiB, xerr=err, fmt=marker, color=colour, capsize=3,
-                    label={"ckptlab": "ckptlab policy", "anchor": "anchor (framework knob)",
-                           "plan": "ckptlab plan at an anchor's peak"}[kind])
         for r in part.itertuples():
+            err = [[r.time_ratio - r.time_ratio_low], [r.time_ratio_high - r.time_ratio]]
+            ax.errorbar([r.time_ratio], [r.peak_bytes / MiB], xerr=err, fmt=marker, capsize=3,
+                        color=policy_style(r.policy)["color"], markeredgecolor="0.2")
             ax.annotate(r.policy, (r.time_ratio, r.peak_bytes / MiB), fontsize=7, xytext=(4, 3),
                         textcoords="offset points")
+        ax.plot([], [], marker, color="0.5", markeredgecolor="0.2", label=label)   # one legend entry per source
     ax.axvline(1.0, color="0.6", lw=0.8, ls="--")
     first = rows.iloc[0]
     ax.set(xlabel=f"time ratio to {rows['timing_baseline'].iloc[0]} (median, 95% interval)",

@@ -30,7 +30,7 @@ def run_metadata(config: SweepConfig, previous: Optional[dict] = None) -> dict:
     return {
         "run": config.out.name,
         "ckptlab_version": __version__,
-        "git_commit": _git_commit(),
+        "git_commit": source_commit(),
         "config": saved,
         "memory_limit": format_bytes(config.memory_limit) if config.memory_limit else None,
         "started_at": (previous or {}).get("started_at", started),
@@ -72,17 +72,21 @@ def _ram_bytes() -> Optional[int]:
         return None
 
 
-def _git_commit() -> Optional[str]:
-    root = Path(__file__).resolve().parents[2]
+def source_commit(root: Path = Path(__file__).resolve().parents[2]) -> Optional[str]:
+    """The git commit of the ckptlab source in `root` (the folder holding ckptlab/), "-dirty" when
+    tracked files differ from it; None when `root` is not the top of a git work tree — an installed
+    copy inside someone else's repository must not report that repository's commit."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        top = git("rev-parse", "--show-toplevel")
+        if not top or Path(top).resolve() != Path(root).resolve():
+            return None
+        commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
     return (commit + ("-dirty" if dirty else "")) or None
 
 
-
-__all__ = ["environment", "run_metadata"]
+__all__ = ["environment", "run_metadata", "source_commit"]
