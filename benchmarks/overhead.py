@@ -57,7 +57,7 @@ def wrapper_verdict(low: float, high: float) -> str:
     elif low > WRAPPER_TARGET:
         target = f"beyond the {WRAPPER_TARGET - 1:+.0%} target"
     else:
-        target = f"the {WRAPPER_TARGET - 1:+.0%} target is not shown (the interval reaches above it): run longer"
+        target = f"the {WRAPPER_TARGET - 1:+.0%} target is not shown (the interval reaches above it): time longer or to a smaller --target-ci"
     return f"{difference}; {target}"
 
 
