@@ -88,9 +88,8 @@ def prediction_table(quick: bool) -> list[dict]:
 
 def frontier(quick: bool, batch: int, seq: int, target_ci: float, max_seconds: float,
              with_compile: bool) -> tuple[list[dict], dict]:
-    """Every eager policy measured, then all timed together (`measure_together`): interleaved
-    rounds, each row's time ratio to `none` paired round by round, with its 95% interval. Each
-    compile:budget is timed with its own `none`, a quarter of the time budget each."""
+    """Every policy measured, then all timed together (`measure_together`): interleaved rounds,
+    each row's time ratio to `none` paired round by round, with its 95% interval."""
     workload = get_workload("gpt-tiny")
     uniform = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
                "selective", "selective=alt", "selective=attn"]
@@ -105,18 +104,10 @@ def frontier(quick: bool, batch: int, seq: int, target_ci: float, max_seconds: f
             print(f"  {b}: {exc}")
     planned = [f"plan={p.letters}" for p in plans.values()]
     compiled = [f"compile:budget={cb}" for cb in ([1.0, 0.0] if quick else [1.0, 0.5, 0.0])] if with_compile else []
-    records = measure_together(workload, batch, seq, list(dict.fromkeys(uniform + planned)), target_ci=target_ci,
-                               max_seconds=max_seconds)
+    records = measure_together(workload, batch, seq, list(dict.fromkeys(uniform + planned + compiled)),
+                               target_ci=target_ci, max_seconds=max_seconds)
     if records[0]["status"] != "ok":
         raise RuntimeError(f"the baseline `none` did not run: {records[0]['message']}")
-    for r in records:
-        r["timed_with"] = "eager rows"
-    # One budget per run, timed with its own `none`: dynamo hands a second compiled GPT the graph
-    # it compiled for the first, whatever activation_memory_budget is in force, so two budgets in
-    # one run would both get the first budget's graph.
-    for p in compiled:
-        records.append({**measure_together(workload, batch, seq, ["none", p], target_ci=target_ci,
-                                           max_seconds=max_seconds / 4)[1], "timed_with": "its own none"})
     rows = []
     for rec in records:
         p = rec["policy"]
@@ -125,7 +116,7 @@ def frontier(quick: bool, batch: int, seq: int, target_ci: float, max_seconds: f
         row = {"policy": p, "from": next((b for b, pl in plans.items() if f"plan={pl.letters}" == p), ""),
                "kind": kind, "status": rec["status"], "message": rec["message"], "peak_bytes": rec["peak_bytes"],
                "predicted_peak_bytes": pred, "error": None if pred is None else prediction_error(pred, rec["peak_bytes"]),
-               "saved_activation_bytes": rec["saved_activation_bytes"], "timed_with": rec["timed_with"]}
+               "saved_activation_bytes": rec["saved_activation_bytes"]}
         if rec["status"] == "ok":
             row.update({k: rec[k] for k in ("step_ms", "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low",
                                             "time_ratio_high", "round_ms", "rounds")})
@@ -406,7 +397,7 @@ def section_frontier(args, result) -> None:
         ("policy", "policy", str), ("from", "from", str), ("peak", "peak_bytes", mib),
         ("predicted", "predicted_peak_bytes", mib), ("error", "error", pct),
         ("saved", "saved_activation_bytes", mib), ("step ms [95% CI]", "step", str),
-        ("overhead [95% CI]", "overhead_ci", str), ("timed with", "timed_with", str),
+        ("overhead [95% CI]", "overhead_ci", str),
         ("pareto", "pareto", lambda v: "*" if v else ""), ("status", "status", str)]))
     summary = frontier_summary(rows)
     result["frontier"], result["frontier_summary"], result["frontier_timing"] = rows, summary, t

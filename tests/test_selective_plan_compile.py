@@ -124,19 +124,16 @@ def test_compiled_budget_gradients_and_allocator_accounting():
     scale (a wrong recompute gives O(1) differences). mlp-chain has no dropout; with dropout see
     the benchmark (compile:budget<1 vs 1 is bitwise equal under inductor's own RNG)."""
     import torch._dynamo
-    import torch._functorch.config as functorch_config
+
+    from ckptlab.probe.measure import compile_with_budget
 
     workload = get_workload("mlp-chain", n_layer=3, n_embd=16)
     batch = workload.batch(2, 16)
 
     def grads(budget):
         model = workload.build().train()
-        run = model
-        if budget is not None:
-            torch._dynamo.reset()
-            run = torch.compile(model)
-        with functorch_config.patch(activation_memory_budget=1.0 if budget is None else budget):
-            workload.loss(run, batch).backward()
+        run = model if budget is None else compile_with_budget(model, budget)
+        workload.loss(run, batch).backward()
         torch._dynamo.reset()
         return {n: p.grad for n, p in model.named_parameters()}
 
@@ -148,6 +145,20 @@ def test_compiled_budget_gradients_and_allocator_accounting():
     assert rec["status"] == "ok", rec["message"]
     assert rec["allocator_peak_bytes"] == rec["peak_bytes"] > 0
     assert "allocator" in rec["note"]
+
+
+def test_two_compile_budgets_timed_together_each_keep_their_own_graph():
+    # dynamo hands a second model of one class the graph compiled for the first unless their
+    # backends differ: without a backend per budget both rows would show the first budget.
+    from ckptlab.probe.compare import measure_together
+
+    workload = get_workload("mlp-chain", n_layer=3, n_embd=16)
+    policies = ["compile:budget=1.0", "compile:budget=0.0"]
+    alone = {p: measure(workload, 2, 16, p, steps=1, warmup=0)["saved_activation_bytes"] for p in policies}
+    assert alone["compile:budget=0.0"] < alone["compile:budget=1.0"]
+    for order in (policies, policies[::-1]):
+        together = measure_together(workload, 2, 16, order, steps=2, warmup=0, max_seconds=0.5)
+        assert {r["policy"]: r["saved_activation_bytes"] for r in together} == alone
 
 
 @pytest.mark.parametrize("policy", ["none", "full"])

@@ -23,7 +23,6 @@ and the reason.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from typing import Callable, Optional, Sequence
 import pandas as pd
 import torch
 import torch._dynamo
-import torch._functorch.config as functorch_config
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..checkpoint.blocks import find_blocks
@@ -42,7 +40,15 @@ from ..core.records import new_record
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .measure import MAX_ROUNDS, check_policy_applies, failures_recorded, policy_applier, prepare_step, resolve_policy
+from .measure import (
+    MAX_ROUNDS,
+    check_policy_applies,
+    compile_with_budget,
+    failures_recorded,
+    policy_applier,
+    prepare_step,
+    resolve_policy,
+)
 from .plan import plan_budget
 from .step import DTYPES, device_name, resolve_device
 from .timing import bootstrap_median, check_timing_options, time_interleaved
@@ -60,13 +66,11 @@ CKPTLAB = "ckptlab"
 class Config:
     """One row of the comparison: a label, where it comes from, and how to apply it to a model
     (`apply(model, record) -> (model to run, compiled?, handle or None)`, as `prepare_step`
-    takes it). `compile_budget` is the activation memory budget a compiled model needs in force
-    whenever it (re)compiles."""
+    takes it; None for a ckptlab policy, resolved when it is measured)."""
 
     policy: str
     source: str
     apply: Optional[Callable] = None
-    compile_budget: Optional[float] = None
     anchor: bool = False
 
 
@@ -180,8 +184,7 @@ def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_second
 
 def _ckptlab_config(text: str) -> Config:
     policy = parse_policy(text)
-    budget = (1.0 if policy.value is None else policy.value) if policy.kind == "compile" else None
-    return Config(str(policy), CKPTLAB, None, budget)
+    return Config(str(policy), CKPTLAB)
 
 
 def anchor_configs(workload: Workload) -> list[Config]:
@@ -189,7 +192,7 @@ def anchor_configs(workload: Workload) -> list[Config]:
     configs = [
         Config("torch.utils.checkpoint per block", "torch.utils.checkpoint", _per_block_checkpoint, anchor=True),
         Config(f"torch.compile activation_memory_budget={COMPILE_ANCHOR_BUDGET}", "torch.compile",
-               _compiled, COMPILE_ANCHOR_BUDGET, anchor=True),
+               _compiled, anchor=True),
     ]
     if _is_transformers(workload):
         configs += [
@@ -222,7 +225,7 @@ def _per_block_checkpoint(model, record):
 
 def _compiled(model, record):
     record["note"] = "torch.compile: peak from the profiler's allocator events"
-    return torch.compile(model), True, None
+    return compile_with_budget(model, COMPILE_ANCHOR_BUDGET), True, None
 
 
 def _sac_ops() -> list:
@@ -262,12 +265,6 @@ def _checkpointed(record: dict, n_blocks: int, blocks) -> None:
 
 # ----------------------------------------------------------------------------- measuring
 
-def _budget(config: Config):
-    if config.compile_budget is None:
-        return contextlib.nullcontext()
-    return functorch_config.patch(activation_memory_budget=config.compile_budget)
-
-
 def _new_record(shape: Shape, policy: str, source: str) -> dict:
     return new_record(shape.workload.label, shape.batch_size, shape.seq_len, shape.accum_steps, policy=policy,
                       device=str(shape.dev), device_name=device_name(shape.dev), dtype=shape.dtype,
@@ -280,24 +277,14 @@ def _prepare(config: Config, shape: Shape, rows, steps) -> None:
     """Build, apply and measure the memory of one configuration; keep its step for timing."""
     record = _new_record(shape, config.policy, config.source)
     dev = shape.dev
-    with failures_recorded(record, dev), _budget(config):
+    with failures_recorded(record, dev):
         if config.apply is None:
             policy = resolve_policy(record, shape.workload, parse_policy(config.policy), dev, shape.dtype,
                                     shape.optimizer)
             config.apply = policy_applier(policy)
         step, _ = prepare_step(record, shape.workload, config.apply, dev, shape.dtype, shape.limit, shape.optimizer)
-        steps[config.policy] = _within_budget(step, config) if step is not None else None
+        steps[config.policy] = step
     rows.append(record)
-
-
-def _within_budget(step, config: Config):
-    if config.compile_budget is None:
-        return step
-
-    def step_with_budget():
-        with _budget(config):
-            return step()
-    return step_with_budget
 
 
 PLAN_SOURCE = "ckptlab plan"
@@ -359,10 +346,9 @@ def _verify(rows, configs, shape: Shape) -> None:
             continue
         model = workload.build(dev).train()
         try:
-            with _budget(config):
-                runner, _, _ = config.apply(model, {})
-                loss, grads = step_gradients(model, workload, batch, workload.seed, runner=runner,
-                                             autocast_dtype=autocast)
+            runner, _, _ = config.apply(model, {})
+            loss, grads = step_gradients(model, workload, batch, workload.seed, runner=runner,
+                                         autocast_dtype=autocast)
         except Exception as exc:  # noqa: BLE001 - the row keeps its measurements and says why
             r["message"] = f"gradient check failed: {type(exc).__name__}: {exc}"
             continue

@@ -82,7 +82,7 @@ def measure(
                         device_name=device_name(dev), dtype=dtype, optimizer=optimizer, steps=steps, warmup=warmup,
                         memory_limit_bytes=limit, model_hash=workload.spec_hash, loss_fn=workload.loss_name)
     report = None
-    with failures_recorded(record, dev), compile_config(policy):
+    with failures_recorded(record, dev), fresh_compiler_cache(policy):
         report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer, target_ci,
                       max_seconds)
     return (record, report) if with_report else record
@@ -127,9 +127,25 @@ def policy_applier(policy):
             effective_density=handle.effective_density,
             checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
         )
-        compiled = policy.kind == "compile"
-        return (torch.compile(model) if compiled else model), compiled, handle
+        if policy.kind != "compile":
+            return model, False, handle
+        return compile_with_budget(model, 1.0 if policy.value is None else policy.value), True, handle
     return apply
+
+
+def compile_with_budget(model: torch.nn.Module, budget: float):
+    """`torch.compile(model)` with PyTorch's `activation_memory_budget` = `budget` in force while
+    it compiles (the min-cut partitioner reads it then). Each call gets a backend of its own:
+    dynamo hands a second model of the same class the graph it compiled for the first unless
+    the backend differs, so two budgets compiled side by side would otherwise share one graph."""
+    import torch._functorch.config as functorch_config  # noqa: PLC0415 - the compiler stack is heavy
+    from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415 - as above
+
+    def inductor_with_budget(graph, example_inputs):
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(graph, example_inputs)
+
+    return torch.compile(model, backend=inductor_with_budget)
 
 
 def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dtype: str, limit: Optional[int],
@@ -209,20 +225,17 @@ def resolve_policy(record, workload, policy, dev, dtype, optimizer_name):
 
 
 @contextlib.contextmanager
-def compile_config(policy):
-    """For compile policies: a fresh dynamo cache and, for compile:budget=B,
-    `torch._functorch.config.activation_memory_budget = B` for the whole measurement."""
+def fresh_compiler_cache(policy):
+    """For compile policies: dynamo's cache emptied before and after, so no graph of an earlier
+    measurement is reused and none outlives this one."""
     if getattr(policy, "kind", None) != "compile":
         yield
         return
     import torch._dynamo  # noqa: PLC0415 - the compiler stack is heavy; only compile policies load it
-    import torch._functorch.config as functorch_config  # noqa: PLC0415 - as above
 
     torch._dynamo.reset()
-    budget = 1.0 if policy.value is None else policy.value
     try:
-        with functorch_config.patch(activation_memory_budget=budget):
-            yield
+        yield
     finally:
         torch._dynamo.reset()
 
@@ -263,5 +276,5 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["allocator_step_memory", "check_policy_applies", "compile_config", "failures_recorded", "measure", "policy_applier",
+__all__ = ["allocator_step_memory", "check_policy_applies", "compile_with_budget", "failures_recorded", "fresh_compiler_cache", "measure", "policy_applier",
            "prepare_step", "resolve_policy", "training_step", "make_optimizer", "resolve_device"]
