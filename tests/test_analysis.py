@@ -10,6 +10,7 @@ from ckptlab.report.analysis import (
     config_label,
     fits_from_run,
     format_summary,
+    guide_verdict,
     largest_fitting,
     overhead,
     pareto,
@@ -210,3 +211,11 @@ def test_compare_note_names_real_differences_and_a_busy_machine():
     assert "Not distinguishable from none at 95%: density=0.0." in note
     assert "busy (load 3.0 -> 3.5" in note
     assert "busy" not in compare_note(df.assign(busy=False))
+
+
+@pytest.mark.parametrize("low, high, verdict", [
+    (-0.05, 0.30, "no difference from no checkpointing"), (0.25, 0.40, "more than the guide's ~20%"),
+    (0.02, 0.10, "less than the guide's ~20%"), (0.10, 0.30, "consistent with the guide's ~20%"),
+])
+def test_the_guides_twenty_percent_is_judged_by_the_interval(low, high, verdict):
+    assert guide_verdict(low, high).startswith(verdict)

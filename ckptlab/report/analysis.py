@@ -421,6 +421,18 @@ def _unpaired_overhead(times, baseline, is_baseline: bool) -> tuple[float, float
 GUIDE_SLOWDOWN = 0.2   # the transformers guide: "Training will be ~20% slower"
 
 
+def guide_verdict(overhead_low: float, overhead_high: float) -> str:
+    """An overhead's 95% interval against the transformers guide's "~20% slower": no difference
+    from no checkpointing when it includes 0, else more, less, or consistent (it includes 20%)."""
+    if overhead_low <= 0 <= overhead_high:
+        return "no difference from no checkpointing: the interval includes 0 (inside the noise of these steps)"
+    if overhead_low > GUIDE_SLOWDOWN:
+        return "more than the guide's ~20%"
+    if overhead_high < GUIDE_SLOWDOWN:
+        return "less than the guide's ~20%"
+    return "consistent with the guide's ~20% (the interval includes it)"
+
+
 def slowdown_answer(summary) -> str:
     """The guide's "Training will be ~20% slower", answered from `trainer_summary`'s numbers: per
     run the overhead with its 95% interval. An interval that includes 0 is reported as no
@@ -436,14 +448,7 @@ def slowdown_answer(summary) -> str:
             interval = ""
         else:
             interval = f" [95% CI {r.overhead_low:+.0%}, {r.overhead_high:+.0%}]"
-            if not r.significant:
-                verdict = "no difference from no checkpointing: the interval includes 0 (inside the noise of these steps)"
-            elif r.overhead_low > GUIDE_SLOWDOWN:
-                verdict = "more than the guide's ~20%"
-            elif r.overhead_high < GUIDE_SLOWDOWN:
-                verdict = "less than the guide's ~20%"
-            else:
-                verdict = "consistent with the guide's ~20% (the interval includes it)"
+            verdict = guide_verdict(r.overhead_low, r.overhead_high)
         memory = "" if pd.isna(r.memory_saved_frac) else f", {r.memory_saved_frac:.0%} less peak memory"
         parts.append(f"{r.run}: {r.overhead:+.0%} step time{interval} (median {r.step_ms:.0f} ms{_ms_interval(r)})"
                      f"{memory} — {verdict}")
@@ -459,5 +464,5 @@ def _ms_interval(r) -> str:
 
 
 __all__ = ["BUSY_SPREAD", "GUIDE_SLOWDOWN", "SHAPE", "compare_note", "config_label", "fit_note", "format_summary",
-           "largest_fitting", "line_fit", "ok", "overhead", "pareto", "plans_vs_uniform", "policy_label", "slowdown_answer", "summary",
+           "guide_verdict", "largest_fitting", "line_fit", "ok", "overhead", "pareto", "plans_vs_uniform", "policy_label", "slowdown_answer", "summary",
            "timing_note", "trainer_summary", "fits_from_run"]
