@@ -430,12 +430,13 @@ def compare_plot(df: pd.DataFrame, path=None):
     the 95% interval of each ratio as a horizontal error bar. The marker says where a row comes
     from — ckptlab's policies circles, anchors (the other frameworks' knobs) squares, plans at an
     anchor's peak diamonds — and the colour is the policy's, as in every figure."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9.5, 5.5))
     rows = df[(df["status"] == "ok") & df["time_ratio"].notna()] if len(df) else df
     if not len(rows):
         return _save(_empty(fig, ax, "no timed configurations to plot"), path)
     sources = {"ckptlab": ("o", "ckptlab policy"), "anchor": ("s", "anchor (framework knob)"),
                "plan": ("D", "ckptlab plan at an anchor's peak")}
+    points, texts = [], []
     for kind, (marker, label) in sources.items():
         part = rows[rows["source"].map(_source_kind) == kind]
         if not len(part):
@@ -444,8 +445,8 @@ def compare_plot(df: pd.DataFrame, path=None):
             err = [[r.time_ratio - r.time_ratio_low], [r.time_ratio_high - r.time_ratio]]
             ax.errorbar([r.time_ratio], [r.peak_bytes / MiB], xerr=err, fmt=marker, capsize=3,
                         color=policy_style(r.policy)["color"], markeredgecolor="0.2")
-            ax.annotate(r.policy, (r.time_ratio, r.peak_bytes / MiB), fontsize=7, xytext=(4, 3),
-                        textcoords="offset points")
+            points.append((r.time_ratio, r.peak_bytes / MiB))
+            texts.append(r.policy)
         ax.plot([], [], marker, color="0.5", markeredgecolor="0.2", label=label)   # one legend entry per source
     ax.axvline(1.0, color="0.6", lw=0.8, ls="--")
     first = rows.iloc[0]
@@ -453,9 +454,11 @@ def compare_plot(df: pd.DataFrame, path=None):
            ylabel="peak memory (MiB)",
            title=f"{first['model']} b={first['batch_size']} s={first['seq_len']} {first['dtype']}: "
                  f"{int(first['rounds'])} interleaved rounds" + (" (busy machine)" if first["busy"] else ""))
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(alpha=0.3)
+    ax.margins(x=0.15, y=0.08)
     fig.tight_layout()
+    place_labels(ax, points, texts, ["k"] * len(points))
     return _save(fig, path)
 
 
