@@ -7,12 +7,12 @@ context_fn) and the planner's plan at each anchor's measured peak, all timed tog
 anchor, the fastest ckptlab configuration (policy or plan) whose measured peak is at or below the
 anchor's, and its time against the anchor's: the paired per-round ratio with its 95% interval.
 
-    python benchmarks/frontier.py --shapes small --max-seconds 90 --out results/frontier
-    python benchmarks/frontier.py --shapes medium --seq 128 --max-seconds 60
+    python benchmarks/frontier.py --shapes small --max-seconds 600 --out results/frontier
+    python benchmarks/frontier.py --shapes medium --max-seconds 900 --out results/frontier
 
-On 2 CPU cores shared with other jobs (load 7-11) one thread, `small` took 21 min and `medium` at
-seq 128 took 19 min (most of it torch.compile and the planner's profile); `medium` at its full
-seq 512 needs several times that, so run it on an idle machine or a GPU.
+On an idle 2-core CPU, one thread: `small` took 691 s (43 rounds) and `medium` 1181 s (12
+rounds), about a third of it torch.compile and the planner's profile. A loaded machine (load
+7-11) made the same steps up to 7x slower and left 5 rounds with intervals of ±50%.
 """
 
 from __future__ import annotations
