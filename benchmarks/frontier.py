@@ -11,8 +11,9 @@ anchor's, and its time against the anchor's: the paired per-round ratio with its
     python benchmarks/frontier.py --shapes medium --max-seconds 900 --out results/frontier
 
 On an idle 2-core CPU, one thread: `small` took 691 s (43 rounds) and `medium` 1181 s (12
-rounds), about a third of it torch.compile and the planner's profile. A loaded machine (load
-7-11) made the same steps up to 7x slower and left 5 rounds with intervals of ±50%.
+rounds): the timing budget, the round that ran past it, and before them the memory
+measurements, torch.compile and the planner's profile. A loaded machine (load 7-11) made the
+same steps up to 7x slower and left 5 rounds with intervals of up to ±50%.
 """
 
 from __future__ import annotations
