@@ -9,7 +9,7 @@ import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 
-from ckptlab import apply_checkpointing, find_blocks, get_workload, measure  # noqa: E402
+from ckptlab import apply_checkpointing, find_blocks, get_workload, measure, predict  # noqa: E402
 from ckptlab.checkpoint.hf import hf_capabilities, hf_layers  # noqa: E402
 
 TINY = ["hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny"]
@@ -290,3 +290,15 @@ def test_a_training_step_logs_and_warns_nothing(capfd):
                 step(workload, policy)
     captured = capfd.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+def test_prediction_of_a_checkpointed_llama_is_exact_to_the_byte():
+    # transformers reads position_ids to detect packed sequences; a fake step cannot, and would
+    # build a (batch, 1, seq, seq) mask that the real step never builds, held by every checkpoint.
+    workload = get_workload("hf-llama-tiny", num_hidden_layers=2, hidden_size=128, intermediate_size=344,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+    for policy in ("full", "plan=fk"):
+        predicted = predict(workload, 2, 256, policy)
+        measured = measure(workload, 2, 256, policy, steps=1, warmup=0, max_seconds=0.1)
+        assert (predicted.peak_bytes, predicted.saved_activation_bytes) == (
+            measured["peak_bytes"], measured["saved_activation_bytes"]), policy

@@ -1,10 +1,20 @@
 """The training step `measure` runs, under FakeTensorMode: shapes, dtypes and storage sizes with
-no data, so a step's memory can be tracked for shapes far beyond this machine."""
+no data, so a step's memory can be tracked for shapes far beyond this machine.
+
+Where a library decides from tensor data what to allocate, a fake step cannot read the data and
+the library takes its cautious branch, which the real step does not. The one such decision
+known here: transformers reads `position_ids` to detect several sequences packed into one row;
+unable to read fake ones it assumes packing and builds a (batch, 1, seq, seq) attention mask
+that the real step never builds (it lets SDPA apply causality). A prediction therefore takes
+the answer the real check gives for ckptlab's batches: one sequence per row
+(`sequences_unpacked`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -95,13 +105,30 @@ def fake_model(workload: Workload, fake_mode: FakeTensorMode) -> nn.Module:
 
 
 @contextlib.contextmanager
+def sequences_unpacked():
+    """While inside, transformers' packed-sequence detection answers "one sequence per row"
+    without reading `position_ids` (see the module docstring). Nothing is imported: without
+    transformers loaded there is nothing to answer for."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    detect = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = detect
+
+
+@contextlib.contextmanager
 def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
                        dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1):
     """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
     optimizer, step) after one untracked warm-up step — the state `measure` tracks from."""
     fake_mode = fake_modes()
     model = fake_model(workload, fake_mode)  # as Workload.build, minus the device move
-    with fake_mode:
+    with fake_mode, sequences_unpacked():
         model.train()
         handle = apply_checkpointing(model, policy)
         gen = torch.Generator().manual_seed(workload.seed + 1)
@@ -126,4 +153,4 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
         return tracker.report(), handle
 
 
-__all__ = ["Prediction", "fake_memory", "fake_model", "fake_modes", "fake_training_step"]
+__all__ = ["Prediction", "fake_memory", "fake_model", "fake_modes", "fake_training_step", "sequences_unpacked"]
