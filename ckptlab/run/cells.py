@@ -57,7 +57,7 @@ def run_cells(config: SweepConfig, writer: RunWriter, done: list[dict]) -> list[
         records.append(record)
         bar.update(1)
 
-    oom = OomInference(config, config.infer_oom, done)
+    oom = OomInference(config, done)
     try:
         if not config.isolate and config.nproc == 1:  # in this process: the policies of one shape timed together
             for group in timing_groups(todo):
@@ -125,10 +125,10 @@ def measure_together_cells(config: SweepConfig, cells: list[dict], keep: Callabl
 class OomInference:
     """Memory only grows with the batch: once batch b of a (seq, dtype, accum, policy) group
     really ran out of memory, larger batches of that group are recorded as `oom`, inferred,
-    without running (when `enabled`). `records`: what is already known (a resumed run)."""
+    without running (when `config.infer_oom`). `records`: what is already known (a resumed run)."""
 
-    def __init__(self, config: SweepConfig, enabled: bool = True, records: Iterable[dict] = ()):
-        self.config, self.enabled = config, enabled
+    def __init__(self, config: SweepConfig, records: Iterable[dict] = ()):
+        self.config = config
         self.oom_at: dict[tuple, int] = {}   # group -> smallest batch that really ran out of memory
         for record in records:
             self.note(record)
@@ -145,7 +145,7 @@ class OomInference:
     def infer(self, cell: dict) -> Optional[dict]:
         """The inferred record for `cell`, or None when it must be measured."""
         oom_batch = self.oom_at.get(self.group(cell))
-        if not self.enabled or oom_batch is None or cell["batch_size"] <= oom_batch:
+        if not self.config.infer_oom or oom_batch is None or cell["batch_size"] <= oom_batch:
             return None
         return inferred_oom_record(self.config, cell, oom_batch)
 

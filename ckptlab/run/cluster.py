@@ -93,7 +93,7 @@ def run_job(config: dict, cells: list[dict], partial: str, measure=None) -> list
             os.fsync(f.fileno())
             records.append(record)
 
-        measure_cells(config, cells, measure, keep, OomInference(config, config.infer_oom))
+        measure_cells(config, cells, measure, keep, OomInference(config))
     return records
 
 
@@ -108,7 +108,7 @@ def run_as_jobs(config: SweepConfig, writer, done: list[dict]) -> list[dict]:
     records = list(done)
     finished = {r.get("cell_id") for r in done}
     options = config.job_options()
-    oom = OomInference(config, config.infer_oom, done)
+    oom = OomInference(config, done)
     cells = config.cells()
     bar = tqdm(total=len(cells), initial=len(finished & {cell_id(c) for c in cells}), disable=not config.progress,
                desc=f"sweep {config.model} (submitit)", unit="cell")
