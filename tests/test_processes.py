@@ -62,22 +62,31 @@ def kill(pid: int) -> None:
         pass
 
 
+def child_gone_after_parent_killed(parent: subprocess.Popen, marker: str, ready=lambda: True) -> bool:
+    """Find `parent`'s child running `marker`, wait until `ready()`, SIGKILL the parent; whether
+    the child is gone within 2 s. Nothing is left running either way."""
+    child = None
+    try:
+        child = wait_for_child(parent, marker)
+        deadline = time.time() + 30
+        while not ready() and time.time() < deadline:
+            time.sleep(0.02)
+        parent.kill()
+        parent.wait()
+        return gone_within(child, 2.0)
+    finally:
+        parent.kill()
+        if child is not None:
+            kill(child)
+
+
 def test_isolated_cell_dies_when_its_sweep_is_killed(tmp_path):
     # A cell long enough to be still running when its sweep is killed.
     code = ("from ckptlab.run.config import SweepConfig; from ckptlab.run.sweep import run_sweep; "
             "run_sweep(SweepConfig(model='mlp-chain', batch_sizes=[1], seq_lens=[8], policies=['none'], "
             f"steps=10**7, warmup=0, isolate=True, progress=False, out={str(tmp_path / 'run')!r}))")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    child = None
-    try:
-        child = wait_for_child(parent, "child_main")
-        parent.kill()
-        parent.wait()
-        assert gone_within(child, 2.0), "the isolated cell outlived its sweep"
-    finally:
-        parent.kill()
-        if child is not None:
-            kill(child)
+    assert child_gone_after_parent_killed(parent, "child_main"), "the isolated cell outlived its sweep"
 
 
 def test_child_notices_a_dead_parent_without_the_kernels_help(tmp_path):
@@ -91,19 +100,8 @@ def test_child_notices_a_dead_parent_without_the_kernels_help(tmp_path):
     parent_code = ("import subprocess, sys, time; "
                    f"subprocess.Popen([sys.executable, '-c', {child_code!r}, 'orphan-watch']); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", parent_code], stderr=subprocess.PIPE)
-    child = None
-    try:
-        child = wait_for_child(parent, "orphan-watch")
-        deadline = time.time() + 30
-        while not (tmp_path / "watching").exists() and time.time() < deadline:
-            time.sleep(0.02)
-        parent.kill()
-        parent.wait()
-        assert gone_within(child, 2.0), "the orphaned child kept running"
-    finally:
-        parent.kill()
-        if child is not None:
-            kill(child)
+    assert child_gone_after_parent_killed(parent, "orphan-watch", (tmp_path / "watching").exists), \
+        "the orphaned child kept running"
 
 
 def test_isolated_cells_have_a_default_timeout(monkeypatch, tmp_path):
