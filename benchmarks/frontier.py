@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 import torch
+from ckptlab.run.compare import paired_ratio
 
 from ckptlab import compare, get_workload
 from ckptlab.core.units import format_bytes
-from ckptlab.probe.compare import paired_ratio
 
 # Llama blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention) at two widths; the vocabulary is
 # kept small so that the blocks, not the logits, hold most activation memory.

@@ -28,12 +28,12 @@ import time
 
 import numpy as np
 import torch
+from ckptlab import measure_together
+from ckptlab.estimate.predict import prediction_error
+from ckptlab.plan.budget import plan_budget
 
 from ckptlab import closed_form, get_workload, measure, predict, predict_fits
 from ckptlab.core.units import format_bytes
-from ckptlab.probe.compare import measure_together
-from ckptlab.probe.estimate import prediction_error
-from ckptlab.probe.plan import plan_budget
 from ckptlab.probe.timing import bootstrap_median, check_timing_options, time_steps
 from ckptlab.report.tables import format_table
 
@@ -189,7 +189,8 @@ def frontier_summary(rows: list[dict]) -> dict:
 LLAMA = """
 import json, resource, time
 t = time.perf_counter()
-from ckptlab.probe.estimate import llama7b_shape, predict
+from ckptlab.estimate.predict import llama7b_shape
+from ckptlab.plan.budget import predict
 out = {}
 for policy in ("none", "full", "selective"):
     p = predict(llama7b_shape(), 8, 4096, policy, dtype="bf16")

@@ -11,7 +11,7 @@ from pathlib import Path
 from ckptlab import sweep
 
 GRID = dict(model="gpt-tiny", batch_sizes=[1, 2, 4], seq_lens=[64], policies=["none", "density=0.5", "full"],
-            steps=3, warmup=1, progress=False, plots=False)   # the sweep() defaults, spelled out
+            steps=3, warmup=1, progress=False)   # the sweep() defaults, spelled out
 
 
 def timed(isolate: bool, out: Path) -> tuple[float, int]:

@@ -1,41 +1,57 @@
 """ckptlab: measure what activation checkpointing saves and costs, and choose what to recompute.
 
 The package is layered in the order of the flow (docs/design.md); this module only re-exports.
+Figures, analysis and the explorer load when first used, so `import ckptlab` loads no plotting
+or notebook library.
 """
 
-import sys
+import importlib
+from typing import TYPE_CHECKING
 
-from .apps import notebooks
-from .checkpoint.blocks import CheckpointHandle, find_blocks, find_stacks
+from .checkpoint.blocks import CheckpointHandle, find_blocks
 from .checkpoint.wrap import apply_checkpointing
 from .core.meta import __version__
 from .core.policy import Policy, parse_policy
-from .core.units import format_bytes, parse_bytes
-from .probe.compare import compare
-from .probe.estimate import Prediction, closed_form, llama7b_shape, predict, predict_fits
-from .probe.measure import measure
+from .core.units import format_bytes
+from .estimate.closed_form import closed_form
+from .estimate.fake_step import Prediction
+from .estimate.predict import add_predictions, predict_fits
+from .plan.budget import Plan, measure, plan_budget, predict
 from .probe.memory import MemoryReport, track_memory
-from .probe.plan import Plan, plan_budget, profile_blocks
-from .probe.timing import time_interleaved, time_steps
 from .probe.verify import compare_gradients
-from .report import analysis, plots
-from .report.sweeps import equal_batch_sweep, sweep
-from .run import store
+from .run.compare import compare, measure_together
 from .run.config import SweepConfig
 from .run.store import RunLockedError, load_run
+from .run.sweep import equal_batch_sweep, sweep
 from .workloads.base import Workload
 from .workloads.registry import get_workload
 
-# The short public paths users and notebooks import (`ckptlab.analysis`, `ckptlab.plots`,
-# `ckptlab.store`, `ckptlab.notebooks`) name the layered modules themselves: one module object
-# under two names, so attributes and monkeypatches are shared.
-for _alias, _module in {"analysis": analysis, "plots": plots, "store": store, "notebooks": notebooks}.items():
-    sys.modules[f"{__name__}.{_alias}"] = _module
+if TYPE_CHECKING:  # what IDEs and type checkers see of the names loaded on first use
+    from .apps.explorer import Explorer
+    from .report import analysis as analysis
+    from .report import plots as plots
+
+# name -> (module, attribute or None for the module itself), imported on first access
+_LAZY = {
+    "analysis": ("ckptlab.report.analysis", None),
+    "plots": ("ckptlab.report.plots", None),
+    "Explorer": ("ckptlab.apps.explorer", "Explorer"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ckptlab' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
-    "CheckpointHandle", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "SweepConfig", "Workload", "__version__",
-    "apply_checkpointing", "closed_form", "compare", "compare_gradients", "equal_batch_sweep", "find_blocks",
-    "find_stacks", "format_bytes",
-    "get_workload", "llama7b_shape", "load_run", "measure", "parse_bytes", "parse_policy", "plan_budget",
-    "predict", "profile_blocks", "sweep", "time_interleaved", "time_steps", "track_memory", "predict_fits",
+    "CheckpointHandle", "Explorer", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "SweepConfig",
+    "Workload", "__version__", "add_predictions", "apply_checkpointing", "closed_form", "compare", "compare_gradients",
+    "equal_batch_sweep", "find_blocks", "format_bytes", "get_workload", "load_run", "measure", "measure_together",
+    "parse_policy", "plan_budget", "predict", "predict_fits", "sweep", "track_memory",
 ]

@@ -13,6 +13,7 @@ from ckptlab import analysis, plots
 from ckptlab.apps.cli import main
 from ckptlab.apps.notebook_exec import RUN_MARKER, fresh_run_folder
 from ckptlab.apps.notebooks import check_parameters, find_notebook, run_notebooks
+from ckptlab.core.units import parse_bytes
 from ckptlab.core.validate import no_credential, output_folder, run_name, size_bytes, size_label
 from ckptlab.run.store import load_run, read_meta
 from ckptlab.workloads.base import Workload
@@ -114,9 +115,9 @@ API_CASES = [
     (lambda tmp: ckptlab.get_workload("gpt-tiny", n_embd=-128), "override n_embd=-128 is invalid"),
     (lambda tmp: ckptlab.get_workload("gpt-tiny", dropout=1.5), "override dropout=1.5 is invalid"),
     (lambda tmp: ckptlab.get_workload("gpt-tiny", bias="yes"), "override bias='yes' is invalid: allowed is true or false"),
-    (lambda tmp: ckptlab.parse_bytes("1e400"), "memory_limit='1e400' is invalid"),
-    (lambda tmp: ckptlab.parse_bytes(float("inf")), "memory_limit=inf is invalid"),
-    (lambda tmp: ckptlab.parse_bytes("0.5B"), "memory_limit='0.5B' is invalid"),
+    (lambda tmp: parse_bytes("1e400"), "memory_limit='1e400' is invalid"),
+    (lambda tmp: parse_bytes(float("inf")), "memory_limit=inf is invalid"),
+    (lambda tmp: parse_bytes("0.5B"), "memory_limit='0.5B' is invalid"),
     (lambda tmp: ckptlab.parse_policy("budget=1e400"), "budget=1e400 is invalid"),
     (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, "layers=99"), "layers=99 is invalid for a model with 4 blocks"),
     (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, "plan=kk"), "plan=kk is invalid for a model with 4 blocks"),

@@ -17,7 +17,7 @@ from ckptlab.run.config import job_options  # noqa: E402
 from ckptlab.run.store import read_records  # noqa: E402
 
 TINY = dict(model="gpt-tiny", model_overrides=dict(n_layer=4, n_embd=32, n_head=2, vocab_size=64),
-            batch_sizes=[2], seq_lens=[16], steps=1, warmup=0, max_seconds=0.2, progress=False, plots=False)
+            batch_sizes=[2], seq_lens=[16], steps=1, warmup=0, max_seconds=0.2, progress=False)
 POLICIES = ["none", "density=0.5", "full"]
 # Columns that do not depend on timing or on which process measured them.
 DETERMINISTIC = ["peak_bytes", "saved_activation_bytes", "effective_density", "status", "recompute_count",
@@ -130,7 +130,7 @@ def test_auto_cluster_is_slurm_where_srun_exists_else_local_processes(tmp_path):
 def test_cli_executor_flags_reach_the_job_options(monkeypatch, tmp_path):
     seen = {}
 
-    def fake_sweep(config, plots=True):
+    def fake_sweep(config):
         seen.update(config.to_dict())
         raise ValueError("stop here")
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import ckptlab
-from ckptlab import Workload, compare_gradients, find_stacks, get_workload, measure, predict
+from ckptlab import Workload, compare_gradients, get_workload, measure, predict
+from ckptlab.checkpoint.blocks import find_stacks
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.workloads.specs import file_hash
 
@@ -121,7 +122,7 @@ def test_isolated_cells_recreate_the_spec_and_a_changed_file_is_refused_on_resum
     shutil.copy(ROOT / "tests/custom_model.py", model_file)
     spec = f"{model_file}:factory"
     options = dict(model=spec, batch_sizes=[2], seq_lens=[8], policies=["full"], steps=1, warmup=0,
-                   out=tmp_path / "run", progress=False, plots=False, model_overrides={"depth": 2})
+                   out=tmp_path / "run", progress=False, model_overrides={"depth": 2})
     df = ckptlab.sweep(isolate=True, **options)
     assert df.status.tolist() == ["ok"], df.message.tolist()
     assert df.isolated.tolist() == [True] and df.block_stacks.tolist() == ["layers[2]"]
@@ -145,7 +146,7 @@ def test_fsdp_ranks_recreate_the_spec():
 def test_a_submitit_job_recreates_the_spec(tmp_path):
     pytest.importorskip("submitit")
     df = ckptlab.sweep(model=SPEC, batch_sizes=[2], seq_lens=[8], policies=["full"], steps=1, warmup=0,
-                       progress=False, plots=False, out=tmp_path / "run", executor="submitit", cluster="local")
+                       progress=False, out=tmp_path / "run", executor="submitit", cluster="local")
     assert df.status.tolist() == ["ok"], df.message.tolist()
     assert (df.executor.tolist(), df.block_stacks.tolist()) == (["submitit"], ["layers[4]"])
 

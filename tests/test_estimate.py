@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import pytest
+from ckptlab.estimate.closed_form import gpt_block_bytes
+from ckptlab.estimate.predict import llama7b_shape, prediction_error
 
 from ckptlab import closed_form, get_workload, measure, predict, predict_fits
-from ckptlab.probe.estimate import gpt_block_bytes, llama7b_shape, prediction_error
 
 GPT_POLICIES = ["none", "full", "density=0.5", "every=2", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfsk", "density=0.5+offload"]
@@ -56,7 +57,8 @@ def test_prediction_of_shapes_that_do_not_fit_here_is_fast():
 LLAMA = """
 import json, resource, time
 t = time.perf_counter()
-from ckptlab.probe.estimate import llama7b_shape, predict
+from ckptlab.estimate.predict import llama7b_shape
+from ckptlab.plan.budget import predict
 p = predict(llama7b_shape(), 8, 4096, "full", dtype="bf16")
 print(json.dumps({"s": time.perf_counter() - t, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "peak": p.peak_bytes, "params": p.peak_by_category["parameters"]}))

@@ -5,9 +5,12 @@ import itertools
 import random
 
 import pytest
+from ckptlab.core.policy import PLAN_OPTIONS as OPTIONS
+from ckptlab.plan.profile import Profile
+from ckptlab.plan.solve import brute_force, min_peak, model_peak, plan_cost, solve
 
-from ckptlab import get_workload, plan_budget, predict, profile_blocks
-from ckptlab.probe.plan import OPTIONS, Profile, brute_force, min_peak, model_peak, plan_cost, solve
+from ckptlab import get_workload, plan_budget, predict
+from ckptlab.plan.profile import profile_blocks
 
 
 def _random_profile(n: int, rng: random.Random) -> Profile:

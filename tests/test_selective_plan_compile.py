@@ -150,7 +150,7 @@ def test_compiled_budget_gradients_and_allocator_accounting():
 def test_two_compile_budgets_timed_together_each_keep_their_own_graph():
     # dynamo hands a second model of one class the graph compiled for the first unless their
     # backends differ: without a backend per budget both rows would show the first budget.
-    from ckptlab.probe.compare import measure_together
+    from ckptlab import measure_together
 
     workload = get_workload("mlp-chain", n_layer=3, n_embd=16)
     policies = ["compile:budget=1.0", "compile:budget=0.0"]

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptlab import RunLockedError, load_run, measure, sweep
+from ckptlab import RunLockedError, load_run, measure, plots, sweep
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.run.store import RunWriter
 
-FAST = dict(steps=1, warmup=0, max_seconds=0.2, progress=False, plots=False)
+FAST = dict(steps=1, warmup=0, max_seconds=0.2, progress=False)
 EXPECTED_COLUMNS = {
     "model", "batch_size", "seq_len", "accum_steps", "effective_batch_size", "tokens", "policy",
     "effective_density", "dtype", "device", "peak_bytes", "peak_activations_bytes", "saved_activation_bytes",
@@ -48,6 +48,7 @@ def test_small_sweep_every_record_and_figures(tmp_path):
     assert (df["timing_baseline"] == "none").all()
     assert (df["time_ratio_low"] <= df["time_ratio"]).all() and (df["time_ratio"] <= df["time_ratio_high"]).all()
     assert (df["step_ms_low"] <= df["step_ms"]).all() and (df["step_ms"] <= df["step_ms_high"]).all()
+    plots.redraw_all(df.attrs["run_dir"])   # a sweep returns its run; figures are drawn on request
     figures = sorted(p.name for p in (out / "figures").iterdir())
     assert len(figures) == 8 and all(p.stat().st_size > 1000 for p in (out / "figures").iterdir())
     meta = json.loads((out / "run.json").read_text())
@@ -105,7 +106,7 @@ def test_sigkill_mid_run_then_resume_loses_and_duplicates_nothing(tmp_path):
     out = tmp_path / "killed"
     grid = dict(model="gpt-tiny", model_overrides=dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64),
                 batch_sizes=[1, 2, 3], seq_lens=[16, 32], policies=["none", "density=0.5", "full"])
-    code = f"from ckptlab import sweep; sweep(out={str(out)!r}, steps=1, warmup=1, max_seconds=0.2, progress=False, plots=False, **{grid!r})"
+    code = f"from ckptlab import sweep; sweep(out={str(out)!r}, steps=1, warmup=1, max_seconds=0.2, progress=False, **{grid!r})"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     records = out / "records.jsonl"
     deadline = time.time() + 300   # a loaded machine is slow; the kill must still land mid-run
@@ -123,7 +124,7 @@ def test_sigkill_mid_run_then_resume_loses_and_duplicates_nothing(tmp_path):
     with pytest.warns(RuntimeWarning, match="torn"):
         assert len(load_run(out)) == len(before)  # a torn line never breaks loading
     with pytest.warns(RuntimeWarning, match="torn"):
-        df = sweep(out=out, steps=1, warmup=1, max_seconds=0.2, progress=False, plots=False, **grid)
+        df = sweep(out=out, steps=1, warmup=1, max_seconds=0.2, progress=False, **grid)
     assert len(df) == 18 and df["cell_id"].is_unique
     after = df.set_index("cell_id")
     for r in before:

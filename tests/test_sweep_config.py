@@ -46,7 +46,7 @@ def test_yaml_file_and_flags_make_the_same_config(tmp_path):
 
     seen = {}
 
-    def fake_sweep(config, plots=True):
+    def fake_sweep(config):
         seen["config"] = config
         raise ValueError("stop here")
 
@@ -83,7 +83,7 @@ def test_sweep_takes_a_config_or_fields_not_both(tmp_path):
     config = SweepConfig(**TINY, out=tmp_path / "run", progress=False)
     with pytest.raises(ValueError, match=r"steps=\.\.\. is invalid together with config="):
         sweep(config, steps=2)
-    df = sweep(config, plots=False)
+    df = sweep(config)
     assert list(df["status"]) == ["ok"]
     saved = json.loads((tmp_path / "run" / "run.json").read_text())["config"]
     assert saved["batch_sizes"] == [1] and "out" not in saved    # no paths in run.json
@@ -92,15 +92,15 @@ def test_sweep_takes_a_config_or_fields_not_both(tmp_path):
 def test_a_run_folder_from_before_the_config_resumes(tmp_path):
     # run.json once held the grid under "grid", the limit as memory_limit_bytes.
     out = tmp_path / "run"
-    sweep(**TINY, out=out, progress=False, plots=False)
+    sweep(**TINY, out=out, progress=False)
     meta = json.loads((out / "run.json").read_text())
     saved = meta.pop("config")
     saved["memory_limit_bytes"] = saved.pop("memory_limit")
     (out / "run.json").write_text(json.dumps({**meta, "grid": saved}))
-    df = sweep(**{**TINY, "policies": ["none", "full"]}, out=out, progress=False, plots=False)
+    df = sweep(**{**TINY, "policies": ["none", "full"]}, out=out, progress=False)
     assert len(df) == 2
     with pytest.raises(ValueError, match=r"memory_limit=1024 is invalid for resuming"):
-        sweep(**TINY, memory_limit=1024, out=out, progress=False, plots=False)
+        sweep(**TINY, memory_limit=1024, out=out, progress=False)
 
 
 def test_a_restored_config_refuses_a_model_file_that_changed(tmp_path):

@@ -22,18 +22,18 @@ from ..core.parsing import attribute_docs, split_list, yaml_mapping
 from ..core.policy import parse_policy
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer, integer_list, number, output_folder, run_name
-from ..probe.compare import compare, measure_together
-from ..probe.estimate import closed_form, predict
+from ..estimate.closed_form import closed_form
+from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
-from ..probe.plan import plan_budget
 from ..probe.step import DTYPES, OPTIMIZERS
 from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary
 from ..report.plots import compare_plot, redraw_all
-from ..report.sweeps import sweep
 from ..report.tables import format_table
+from ..run.compare import compare, measure_together
 from ..run.config import SweepConfig
 from ..run.store import RunLockedError
+from ..run.sweep import sweep
 from ..workloads.models import PRESETS
 from ..workloads.registry import get_workload
 from .notebooks import find_notebook, notebook_parameters, run_notebooks
@@ -184,15 +184,15 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-
     config = config_from_arguments(SweepConfig, args)
     try:
-        df = sweep(config, plots=not args.no_plots)
+        df = sweep(config)
     except RunLockedError as exc:  # another sweep is writing there: refuse, do not interleave
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    if not config.progress:  # sweep() prints the summary itself when it shows progress
-        print(format_summary(df))
+    if not args.no_plots:
+        redraw_all(config.out)
+    print(format_summary(df))
     print(f"run folder: {config.out}")
     return 1 if (df["status"] == "error").any() else 0
 

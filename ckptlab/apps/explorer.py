@@ -21,10 +21,10 @@ import pandas as pd
 
 from ..core.policy import parse_policy
 from ..core.units import format_bytes, parse_bytes
-from ..probe.compare import measure_together
-from ..probe.measure import measure
+from ..plan.budget import measure
 from ..probe.timing import check_timing_options
 from ..report.plots import peak_breakdown
+from ..run.compare import measure_together
 from ..workloads.base import Workload
 from ..workloads.models import PRESETS
 from ..workloads.registry import get_workload

@@ -18,10 +18,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ..probe.measure import measure
+from ..plan.budget import measure
 from ..probe.memory import cuda_memory_snapshot
 from ..report.analysis import format_summary
-from ..report.sweeps import sweep
+from ..report.plots import redraw_all
+from ..run.sweep import sweep
 
 GRID = dict(model="gpt2-small", batch_sizes=[1, 2, 4, 8, 16], seq_lens=[1024],
             policies=["none", "density=0.25", "density=0.5", "full"], dtypes=["fp32", "bf16"],
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None, results: str = "results") -> int:
 
     out = Path(results) / run_dir_name(torch.cuda.get_device_name(0))
     df = sweep(device="cuda", out=out, resume=True, progress=True, **GRID)
+    redraw_all(out)
+    print(format_summary(df))
     ratios = allocator_ratios(df)
     ratios.to_csv(out / "allocator_ratio.csv", index=False)
     print("\ntracker peak / torch.cuda.max_memory_allocated per cell:")

@@ -46,6 +46,7 @@ from .validate import size_bytes, size_label
 KINDS = ("none", "full", "density", "every", "layers", "segments", "selective", "plan", "budget", "compile")
 SELECTIVE_VARIANTS = ("mm", "alt", "attn")
 PLAN_LETTERS = {"k": "keep", "s": "selective", "f": "full"}
+PLAN_OPTIONS = tuple(PLAN_LETTERS.values())   # a plan's per-block options, in order of memory kept
 
 POLICY_HELP = (
     "one of: none | full | density=D (0<=D<=1) | every=K (K>=1) | "
@@ -166,6 +167,21 @@ class Policy:
 
 
 SIZE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def plan_policy(options, offload: bool = False) -> Policy:
+    """The `plan=` policy of one option (keep | selective | full) per block."""
+    letter = {option: k for k, option in PLAN_LETTERS.items()}
+    return Policy("plan", "".join(letter[o] for o in options), offload=offload)
+
+
+def policy_label(policy: str) -> str:
+    """A policy as tables and figures name it (`Policy.label`: budget=42.7MiB); text that does
+    not parse as a policy is shown as it is."""
+    try:
+        return parse_policy(policy).label
+    except ValueError:
+        return str(policy)
 
 
 def readable_size(n_bytes: int) -> str:

@@ -1,1 +1,2 @@
-"""Probes of one training step: memory (tracked, predicted), time, gradients, plans, sharded runs."""
+"""What is measured: one training step, the live-tensor tracker and allocator counters, the timing
+protocol, `measure`, `compare_gradients`, and sharded (FSDP2) measurement."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from typing import Optional
 
 import torch
@@ -25,9 +26,8 @@ from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
-from ..workloads.registry import get_workload
+from ..workloads.registry import as_workload
 from .memory import allocator_peak, cuda_allocator_stats, track_memory
-from .plan import plan_budget
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
 from .timing import check_timing_options, time_interleaved
 
@@ -60,12 +60,29 @@ def measure(
     capacity. `accum_steps` > 1 runs that many forward+backward micro-batches of `batch_size`
     before one optimizer step (gradient accumulation): effective batch = batch_size * accum_steps.
     """
-    workload = get_workload(workload) if isinstance(workload, str) else workload
+    record, workload, policy, dev, limit = measurement_record(
+        workload, batch_size, seq_len, policy, device=device, dtype=dtype, steps=steps, warmup=warmup,
+        memory_limit=memory_limit, optimizer=optimizer, accum_steps=accum_steps, target_ci=target_ci,
+        max_seconds=max_seconds)
+    if policy.kind == "budget":
+        raise ValueError(f"policy={policy} is invalid here: this measures a concrete policy; ckptlab.measure "
+                         "resolves a budget to its plan first")
+    report = None
+    with failures_recorded(record, dev), fresh_compiler_cache(policy):
+        report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer, target_ci,
+                      max_seconds)
+    return (record, report) if with_report else record
+
+
+def measurement_record(workload: Workload | str, batch_size: int, seq_len: int, policy, *, device: str = "cpu",
+                       dtype: str = "fp32", steps: int = 5, warmup: int = 2, memory_limit=None,
+                       optimizer: str = "adamw", accum_steps: int = 1, target_ci: float = 0.02,
+                       max_seconds: float = 1.0):
+    """Check every input of `measure` (ValueError naming the first bad one) and start its record.
+    Returns (record, workload, policy, device, memory limit in bytes or None)."""
+    workload = as_workload(workload)
     policy = parse_policy(policy)
-    integer("batch_size", batch_size, 1)
-    integer("seq_len", seq_len, 1)
-    if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
+    workload.check_shape(batch_size, seq_len)
     integer("steps", steps, 1)
     integer("warmup", warmup, 0)
     integer("accum_steps", accum_steps, 1)
@@ -77,15 +94,10 @@ def measure(
     check_policy_applies(workload, policy)
     if dev.type == "cuda" and limit is None:
         limit = torch.cuda.get_device_properties(dev).total_memory
-
     record = new_record(workload.label, batch_size, seq_len, accum_steps, policy=str(policy), device=str(dev),
                         device_name=device_name(dev), dtype=dtype, optimizer=optimizer, steps=steps, warmup=warmup,
                         memory_limit_bytes=limit, model_hash=workload.spec_hash, loss_fn=workload.loss_name)
-    report = None
-    with failures_recorded(record, dev), fresh_compiler_cache(policy):
-        report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer, target_ci,
-                      max_seconds)
-    return (record, report) if with_report else record
+    return record, workload, policy, dev, limit
 
 
 @contextlib.contextmanager
@@ -106,7 +118,7 @@ def failures_recorded(record: dict, dev: torch.device):
 
 
 def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name, target_ci, max_seconds):
-    policy = resolve_policy(record, workload, policy, dev, dtype, optimizer_name)
+    policy_notes(record, policy, dev)
     step, report = prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, optimizer_name)
     if step is None:
         return report
@@ -205,23 +217,15 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
     return step, report
 
 
-def resolve_policy(record, workload, policy, dev, dtype, optimizer_name):
-    """budget=... becomes the per-block plan `ckptlab.probe.plan.plan_budget` chooses (recorded);
-    offload on CPU is noted as a no-op; compile is noted as measured by allocator events."""
+def policy_notes(record, policy, dev):
+    """Offload on CPU is noted as a no-op; compile is noted as measured by allocator events."""
     notes = []
-    if policy.kind == "budget":
-        plan = plan_budget(workload, record["batch_size"], record["seq_len"], policy, dtype=dtype,
-                           optimizer=optimizer_name)
-        record["plan"] = plan.letters
-        notes.append(f"plan {plan.letters} (predicted peak {plan.predicted_peak_bytes} B <= budget {plan.budget_bytes} B)")
-        policy = type(policy)("plan", plan.letters, offload=policy.offload)
     if policy.offload and dev.type == "cpu":
         notes.append("offload is a no-op on CPU: activations already live in host memory")
     if policy.kind == "compile":
         notes.append("torch.compile: peak from the profiler's allocator events (categories and "
                      "recompute count not visible inside compiled graphs)")
     record["note"] = "; ".join(notes)
-    return policy
 
 
 @contextlib.contextmanager
@@ -238,6 +242,13 @@ def fresh_compiler_cache(policy):
         yield
     finally:
         torch._dynamo.reset()
+
+
+def reset_compiler_cache() -> None:
+    """Empty dynamo's cache if the compiler was ever loaded (if it was not, nothing is cached)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
 
 
 def allocator_step_memory(step, model, optimizer, batch, dev):
@@ -277,4 +288,4 @@ def _first_line(exc: BaseException) -> str:
 
 
 __all__ = ["allocator_step_memory", "check_policy_applies", "compile_with_budget", "failures_recorded", "fresh_compiler_cache", "measure", "policy_applier",
-           "prepare_step", "resolve_policy", "training_step", "make_optimizer", "resolve_device"]
+           "measurement_record", "policy_notes", "prepare_step", "reset_compiler_cache", "training_step", "make_optimizer", "resolve_device"]

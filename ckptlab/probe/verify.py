@@ -15,7 +15,7 @@ import torch
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import Policy
 from ..workloads.base import Workload
-from ..workloads.registry import get_workload
+from ..workloads.registry import as_workload
 
 
 @dataclass
@@ -48,7 +48,7 @@ def compare_gradients(
     same RNG seed; returns the largest absolute difference. `apply_options` go to
     `apply_checkpointing` (e.g. use_reentrant=True). `workload` is a Workload or any spec
     `get_workload` takes."""
-    workload = get_workload(workload) if isinstance(workload, str) else workload
+    workload = as_workload(workload)
     batch = workload.batch(batch_size, seq_len, device)
 
     def run(checkpoint_policy):

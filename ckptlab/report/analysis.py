@@ -19,9 +19,10 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from ..core.policy import parse_policy
+from ..core.policy import policy_label
 from ..core.units import CARD_LIMITS, format_bytes
 from ..probe.timing import bootstrap_median, unpaired_median_ratio
+from ..run.sweep import config_label
 from .tables import format_table
 
 SHAPE = ["model", "batch_size", "seq_len", "dtype", "accum_steps"]   # what a baseline must share
@@ -194,22 +195,6 @@ def largest_fitting(intercept: float, slope: float, limit: float) -> Optional[in
     while x >= 1 and round(intercept + slope * x) > limit:
         x -= 1
     return x if x >= 1 else None
-
-
-def policy_label(policy: str) -> str:
-    """A policy as tables and figures name it (`Policy.label`: budget=42.7MiB); text that does
-    not parse as a policy is shown as it is."""
-    try:
-        return parse_policy(policy).label
-    except ValueError:
-        return str(policy)
-
-
-def config_label(df: pd.DataFrame) -> pd.Series:
-    """A row's configuration in words: the policy (as `policy_label`), plus the dtype unless fp32, plus the
-    accumulation unless 1 — e.g. "full bf16", "none accum=4"."""
-    return (df["policy"].map(policy_label) + df["dtype"].map(lambda d: "" if d == "fp32" else f" {d}")
-            + df["accum_steps"].map(lambda k: "" if k == 1 else f" accum={k}"))
 
 
 BUSY_SPREAD = 1.5  # max/min step time within one cell above which timings are not to be trusted

@@ -17,10 +17,10 @@ from tqdm.auto import tqdm
 
 from ..core.children import die_with_parent, exit_when_orphaned
 from ..core.records import new_record
-from ..probe.compare import measure_together
+from ..plan.budget import measure
 from ..probe.distributed import measure_sharded
-from ..probe.measure import measure
 from ..workloads.registry import get_workload
+from .compare import measure_together
 from .config import SweepConfig
 from .store import RunWriter
 

@@ -19,7 +19,12 @@ running them (memory only grows with the batch).
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Optional, Sequence
 
+import pandas as pd
+
+from ..core.policy import policy_label
 from .cells import now, run_cells
 from .cluster import run_as_jobs
 from .config import RESUME_MUST_MATCH, SweepConfig
@@ -29,7 +34,7 @@ from .store import RunWriter, load_run, read_meta, read_records
 
 def run_sweep(config: SweepConfig):
     """Measure every cell of `config` that its run folder has no record of; return all of the
-    run's records as a pandas DataFrame (`ckptlab.sweep` takes the fields as keywords).
+    run's records as a pandas DataFrame (`sweep` takes the fields as keywords).
 
     Timing: in-process cells (not isolated, one rank) of one (batch, seq, dtype, accum) are
     timed together with the interleaved protocol (`ckptlab.probe.timing`): their records carry
@@ -60,6 +65,49 @@ def run_sweep(config: SweepConfig):
     df = load_run(out)
     df.attrs["run_dir"] = str(out)
     return df
+
+
+def sweep(config: Optional[SweepConfig] = None, **options) -> pd.DataFrame:
+    """Run a sweep: `config`, or a `SweepConfig` made of `options` (its fields: the grid, the
+    timing, the run folder, the runner; each documented there). Returns the run: its records as
+    a DataFrame, the folder in `df.attrs["run_dir"]`. Figures are drawn by whoever asks for them
+    (`ckptlab.report.plots.redraw_all(df.attrs["run_dir"])`)."""
+    if config is None:
+        config = SweepConfig.from_dict(options, source="sweep")
+    elif options:
+        raise ValueError(f"{next(iter(options))}=... is invalid together with config=: allowed is one of them "
+                         "(set the field in the SweepConfig)")
+    return run_sweep(config)
+
+
+def equal_batch_sweep(out: str | Path, batch_size: int, policies: Sequence[str] = ("none", "full"),
+                      accum_steps: Sequence[int] = (), dtypes: Sequence[str] = (), **options) -> pd.DataFrame:
+    """Checkpointing against its alternatives at one effective batch: `policies` at `batch_size`;
+    for each k in `accum_steps`, no checkpointing at micro-batch batch_size // k accumulated k
+    times; for each dtype in `dtypes`, none and full in that dtype. Each part is a sweep in its
+    own subfolder of `out` (policies/, accum<k>/, dtypes/); returns them as one DataFrame with a
+    `config` label per row. `options` go to every `sweep` (model, seq_lens, device, steps, ...)."""
+    out = Path(out)
+    for k in accum_steps:
+        if batch_size // int(k) < 1:
+            raise ValueError(f"accum_steps={k} is invalid for batch_size={batch_size}: allowed is 1..{batch_size}")
+    parts = [sweep(batch_sizes=[batch_size], policies=policies, out=out / "policies", **options)]
+    for k in accum_steps:
+        parts.append(sweep(batch_sizes=[batch_size // k], accum_steps=[k], policies=["none"],
+                           out=out / f"accum{k}", **options))
+    if dtypes:
+        parts.append(sweep(batch_sizes=[batch_size], dtypes=dtypes, policies=["none", "full"],
+                           out=out / "dtypes", **options))
+    df = pd.concat(parts, ignore_index=True)
+    df["config"] = config_label(df)
+    return df
+
+
+def config_label(df: pd.DataFrame) -> pd.Series:
+    """A row's configuration in words: the policy (as `policy_label`), plus the dtype unless fp32,
+    plus the accumulation unless 1 — e.g. "full bf16", "none accum=4"."""
+    return (df["policy"].map(policy_label) + df["dtype"].map(lambda d: "" if d == "fp32" else f" {d}")
+            + df["accum_steps"].map(lambda k: "" if k == 1 else f" accum={k}"))
 
 
 # What a run.json written before a field existed, or under its earlier name, meant.

@@ -11,6 +11,8 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from ..core.validate import integer
+
 
 @dataclass
 class Workload:
@@ -135,6 +137,15 @@ class Workload:
         if self.seq_len_limit is not None:
             return self.seq_len_limit
         return getattr(self.config, "block_size", None)
+
+    def check_shape(self, batch_size: int, seq_len: int, min_seq_len: int = 1) -> None:
+        """ValueError naming the value and what is allowed when the model cannot take this batch shape."""
+        integer("batch_size", batch_size, 1)
+        integer("seq_len", seq_len, 1)
+        limit = self.max_seq_len
+        if seq_len < min_seq_len or (limit is not None and seq_len > limit):
+            allowed = f"{min_seq_len}..{limit}" if limit is not None else f">= {min_seq_len}"
+            raise ValueError(f"seq_len={seq_len} is invalid for model={self.label!r}: allowed is {allowed}")
 
     @property
     def n_params(self) -> int:

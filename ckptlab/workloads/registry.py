@@ -38,4 +38,9 @@ def get_workload(name: str, seed: int = 0, **overrides) -> Workload:
     return build_preset(name, seed, **overrides)
 
 
-__all__ = ["SPEC_FORMS", "get_workload"]
+def as_workload(workload: Workload | str) -> Workload:
+    """A Workload as given, or the one a spec names."""
+    return get_workload(workload) if isinstance(workload, str) else workload
+
+
+__all__ = ["SPEC_FORMS", "as_workload", "get_workload"]

@@ -32,9 +32,9 @@ from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import Policy
 from ..core.records import CATEGORIES
 from ..core.units import format_bytes
+from ..probe.memory import track_memory
+from ..probe.step import make_optimizer, training_step
 from ..workloads.base import Workload
-from .memory import track_memory
-from .step import make_optimizer, training_step
 
 
 @dataclass

@@ -31,28 +31,28 @@ from typing import Callable, Optional, Sequence
 
 import pandas as pd
 import torch
-import torch._dynamo
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..checkpoint.blocks import find_blocks
-from ..core.policy import parse_policy
+from ..core.policy import parse_policy, plan_policy
 from ..core.records import new_record
 from ..core.validate import choice, integer
-from ..workloads.base import Workload
-from ..workloads.registry import get_workload
-from .measure import (
+from ..plan.budget import plan_budget
+from ..probe.measure import (
     MAX_ROUNDS,
     check_policy_applies,
     compile_with_budget,
     failures_recorded,
     policy_applier,
+    policy_notes,
     prepare_step,
-    resolve_policy,
+    reset_compiler_cache,
 )
-from .plan import plan_budget
-from .step import DTYPES, device_name, resolve_device
-from .timing import bootstrap_median, check_timing_options, time_interleaved
-from .verify import gradient_difference, step_gradients
+from ..probe.step import DTYPES, device_name, resolve_device
+from ..probe.timing import bootstrap_median, check_timing_options, time_interleaved
+from ..probe.verify import gradient_difference, step_gradients
+from ..workloads.base import Workload
+from ..workloads.registry import as_workload
 
 COLUMNS = ["policy", "source", "effective_density", "peak_bytes", "saved_activation_bytes", "step_ms",
            "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high", "significant",
@@ -106,7 +106,7 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     max_seconds of timing); `verify=True` adds `max_grad_diff` (the largest absolute difference of
     loss and parameter gradients against no checkpointing, same weights, batch and seed);
     `out=DIR` writes compare.csv and compare.json there (`ckptlab.report.plots.compare_plot` draws them)."""
-    workload = get_workload(workload) if isinstance(workload, str) else workload
+    workload = as_workload(workload)
     policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
     policies = list(dict.fromkeys(str(parse_policy(p)) if isinstance(p, str) and p else p for p in policies))
     _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
@@ -144,7 +144,7 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
 
 def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None) -> list[dict]:
     rows, steps = [], {}
-    torch._dynamo.reset()
+    reset_compiler_cache()
     try:
         for config in configs:
             _prepare(config, shape, rows, steps)
@@ -155,7 +155,7 @@ def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, 
             after_timing(rows)
     finally:
         steps.clear()
-        torch._dynamo.reset()
+        reset_compiler_cache()
     return rows
 
 
@@ -279,8 +279,13 @@ def _prepare(config: Config, shape: Shape, rows, steps) -> None:
     dev = shape.dev
     with failures_recorded(record, dev):
         if config.apply is None:
-            policy = resolve_policy(record, shape.workload, parse_policy(config.policy), dev, shape.dtype,
-                                    shape.optimizer)
+            policy = parse_policy(config.policy)
+            if policy.kind == "budget":
+                plan = plan_budget(shape.workload, shape.batch_size, shape.seq_len, policy, dtype=shape.dtype,
+                                   optimizer=shape.optimizer)
+                record["plan"] = plan.letters
+                policy = plan_policy(plan.options, policy.offload)
+            policy_notes(record, policy, dev)
             config.apply = policy_applier(policy)
         step, _ = prepare_step(record, shape.workload, config.apply, dev, shape.dtype, shape.limit, shape.optimizer)
         steps[config.policy] = step

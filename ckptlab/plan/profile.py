@@ -1,45 +1,22 @@
-"""Choosing a checkpoint plan for a memory budget.
+"""The planner's input: for each block and option (keep, selective, full), what it keeps and
+what its recompute costs. `profile_blocks` measures it once per workload / shape / dtype:
 
-For each block ckptlab picks one of three options — keep (save everything), selective (op-level:
-keep matmul and attention outputs, recompute the rest), full (keep only the block input) — to
-minimise the recompute time subject to the predicted peak <= budget.
-
-1. Profile (`profile_blocks`, once per workload/shape/dtype):
-   - memory, from three fake-tensor training steps (`ckptlab.probe.fake_step`), all blocks keep, all
-     selective, all full, instrumented at block boundaries: for every block j and option o, the
-     bytes its forward leaves alive for backward (kept[j][o]) and the peak of live bytes while its
-     backward runs (bwd_peak[j][o]); the peak before the first block's backward (forward + loss
-     head) and after the last (embedding backward + optimizer);
-   - time: measured, an option's cost is what it adds to the block's forward + backward (the
-     fastest of interleaved repeats of each option, minus keep's), framework overhead included;
-     roofline (shapes that do not fit here), the FLOPs and bytes of the ops it recomputes (all of
-     them for full, those the selective policy does not save for selective) on an assumed
-     accelerator.
-2. Peak model of a plan o_0..o_{N-1} (d_i(o) = kept[i][o] - kept[i][keep]):
-       head   = max_o (head_o - sum_i d_i(o)) + sum_i d_i(o_i)
-       block j = bwd_peak[j][o_j] - sum_{i<j} d_i(o_j) + sum_{i<j} d_i(o_i)
-       tail   = max_o tail_o
-       peak   = max(head, max_j block j, tail)
-   While block j runs backward, the blocks after it have freed their activations and the blocks
-   before it still hold what their option kept; that is the only way the others' choices enter.
-3. Solve exactly (`solve`): dynamic programming over the blocks in order, the state being the
-   prefix sum D_j = sum_{i<j} d_i(o_i); feasibility later depends only on D (smaller is never
-   worse) and the cost is additive, so keeping the Pareto front of (D, cost) is exact — a
-   knapsack with prefix constraints. `brute_force` enumerates all 3^N plans (N <= 10) to check it.
-4. Verify: the chosen plan's peak is predicted again by a fake run of the real plan; if the model
-   was optimistic the budget is tightened by the excess and the plan re-solved.
-
-An infeasible budget raises ValueError stating the minimum achievable peak (`min_peak`).
+- memory, from three fake-tensor training steps (`ckptlab.estimate.fake_step`): all blocks keep,
+  all selective, all full, instrumented at block boundaries: for every block j and option o, the
+  bytes its forward leaves alive for backward (kept[j][o]) and the peak of live bytes while its
+  backward runs (bwd_peak[j][o]); the peak before the first block's backward (forward + loss head)
+  and after the last (embedding backward + optimizer);
+- time: measured (what an option adds to the block's forward + backward, framework overhead
+  included), or roofline for shapes that do not fit here (the FLOPs and bytes of the ops it
+  recomputes, on an assumed accelerator).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 from torch.utils import benchmark
@@ -50,16 +27,14 @@ from torch.utils.flop_counter import flop_registry
 
 from ..checkpoint.blocks import find_blocks, hidden_state
 from ..checkpoint.wrap import selective_context_fn, selective_policy_fn
-from ..core.policy import Policy, parse_policy
-from ..core.units import format_bytes, parse_bytes
+from ..core.policy import PLAN_OPTIONS as OPTIONS
+from ..core.policy import plan_policy
+from ..estimate.fake_step import fake_model, fake_modes, fake_training_step
+from ..probe.memory import track_memory
+from ..probe.step import DTYPES
 from ..workloads.base import Workload
-from ..workloads.registry import get_workload
-from .fake_step import fake_memory, fake_model, fake_modes, fake_training_step
-from .memory import track_memory
-from .step import DTYPES
+from ..workloads.registry import as_workload
 
-OPTIONS = ("keep", "selective", "full")
-LETTERS = {"keep": "k", "selective": "s", "full": "f"}
 # Roofline for shapes too large to time here: a modern accelerator's realistic dense throughput
 # and memory bandwidth (stated assumptions, not measurements).
 ROOFLINE_FLOPS = 400e12
@@ -84,101 +59,6 @@ class Profile:
         return self.kept[j][option] - self.kept[j]["keep"]
 
 
-# --------------------------------------------------------------------------- peak model + solvers
-
-def _consts(profile: Profile):
-    n = profile.n_blocks
-    head = max(profile.head[o] - sum(profile.delta(i, o) for i in range(n)) for o in OPTIONS)
-    tail = max(profile.tail.values())
-    # block j's backward peak with the blocks before it at option o removed: m[j][o]
-    m = [{o: profile.bwd_peak[j][o] - sum(profile.delta(i, o) for i in range(j)) for o in OPTIONS}
-         for j in range(n)]
-    return head, tail, m
-
-
-def model_peak(profile: Profile, options: Sequence[str]) -> int:
-    """The peak model (module docstring, step 2) for one plan."""
-    head, tail, m = _consts(profile)
-    peak, prefix = tail, 0
-    for j, o in enumerate(options):
-        peak = max(peak, m[j][o] + prefix)
-        prefix += profile.delta(j, o)
-    return max(peak, head + prefix)
-
-
-def plan_cost(profile: Profile, options: Sequence[str]) -> float:
-    return sum(profile.cost_ms[j][o] for j, o in enumerate(options))
-
-
-def solve(profile: Profile, budget_bytes: int) -> Optional[list[str]]:
-    """Exact minimum-cost plan with model_peak <= budget_bytes (None if none exists).
-
-    Pareto front of (prefix bytes D, cost) over the blocks; ties go to the smaller peak."""
-    head, tail, m = _consts(profile)
-    if tail > budget_bytes:
-        return None
-    front: list[tuple[int, float, tuple]] = [(0, 0.0, ())]
-    for j in range(profile.n_blocks):
-        nxt = []
-        for d, cost, choice in front:
-            for o in OPTIONS:
-                if m[j][o] + d <= budget_bytes:
-                    nxt.append((d + profile.delta(j, o), cost + profile.cost_ms[j][o], choice + (o,)))
-        front = _pareto(nxt)
-        if not front:
-            return None
-    feasible = [(cost, d, choice) for d, cost, choice in front if head + d <= budget_bytes]
-    if not feasible:
-        return None
-    best = min(cost for cost, _, _ in feasible)
-    ties = [c for c in feasible if c[0] <= best + 1e-12]
-    return list(min(ties, key=lambda c: (model_peak(profile, c[2]), c[2]))[2])
-
-
-def _pareto(states):
-    states.sort(key=lambda s: (s[0], s[1]))
-    out, best_cost = [], math.inf
-    for s in states:
-        if s[1] < best_cost - 1e-12:
-            out.append(s)
-            best_cost = s[1]
-    return out
-
-
-def min_peak(profile: Profile) -> tuple[int, list[str]]:
-    """The smallest model peak any plan reaches, and a plan reaching it (exact: Pareto front of
-    (prefix bytes, running peak))."""
-    head, tail, m = _consts(profile)
-    front = [(0, tail, ())]
-    for j in range(profile.n_blocks):
-        nxt = [(d + profile.delta(j, o), max(run, m[j][o] + d), choice + (o,))
-               for d, run, choice in front for o in OPTIONS]
-        nxt.sort(key=lambda s: (s[0], s[1]))
-        front, best = [], math.inf
-        for s in nxt:
-            if s[1] < best:
-                front.append(s)
-                best = s[1]
-    peak, choice = min(((max(run, head + d), choice) for d, run, choice in front), key=lambda x: x[0])
-    return peak, list(choice)
-
-
-def brute_force(profile: Profile, budget_bytes: int) -> Optional[list[str]]:
-    """All 3^N plans (N <= 10): the minimum-cost one within the budget, ties to the smaller peak."""
-    if profile.n_blocks > 10:
-        raise ValueError(f"n_blocks={profile.n_blocks} is invalid for brute_force: allowed is <= 10")
-    best = None
-    for options in itertools.product(OPTIONS, repeat=profile.n_blocks):
-        peak = model_peak(profile, options)
-        if peak <= budget_bytes:
-            key = (round(plan_cost(profile, options), 9), peak, options)
-            if best is None or key < best:
-                best = key
-    return list(best[2]) if best else None
-
-
-# --------------------------------------------------------------------------- profiling
-
 class _Marker(torch.autograd.Function):
     """Identity whose backward calls `fn`: marks when a block's backward begins/ends."""
 
@@ -196,9 +76,8 @@ class _Marker(torch.autograd.Function):
 def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, option: str, dtype: str,
                         optimizer: str) -> dict:
     """One instrumented fake training step with every block at `option`."""
-    letters = LETTERS[option]
     n = len(_blocks_of(workload))
-    policy = Policy("plan", letters * n)
+    policy = plan_policy([option] * n)
     with fake_training_step(workload, batch_size, seq_len, policy, dtype, optimizer) as (model, handle, batch, opt, step):
         blocks = handle.blocks
         marks = {"fwd_pre": [None] * n, "fwd_post": [None] * n, "bwd_start": [None] * n, "bwd_end": [None] * n}
@@ -406,7 +285,7 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
     """The planner's per-block profile (module docstring, step 1). `cost`: measured (per-op wall
     time of a real forward, CPU), roofline (FLOPs and bytes of a fake forward, for shapes that do
     not fit here) or auto (measured if the uniform keep peak is under 4 GiB). Cached per shape."""
-    workload = get_workload(workload) if isinstance(workload, str) else workload
+    workload = as_workload(workload)
     if cost not in ("auto", "measured", "roofline"):
         raise ValueError(f"cost={cost!r} is invalid: allowed are auto, measured, roofline")
     key = (workload.identity, batch_size, seq_len, dtype, optimizer, cost)
@@ -434,110 +313,4 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
     return profile
 
 
-# --------------------------------------------------------------------------- the plan
-
-@dataclass
-class Plan:
-    """A chosen plan: one option per block, with what it is predicted to cost and hold."""
-
-    options: list[str]
-    budget_bytes: int
-    predicted_peak_bytes: int          # a fake-run prediction of the real plan
-    model_peak_bytes: int              # the planner's peak model
-    recompute_ms: float                # sum of the chosen options' recompute cost
-    full_recompute_ms: float           # the same for full checkpointing, for scale
-    none_peak_bytes: int               # uniform keep (no checkpointing)
-    full_peak_bytes: int               # uniform full
-    cost_basis: str
-    iterations: int = 1
-    loss_fn: str = ""                  # the training step's loss the plan was made for (its memory counts)
-
-    @property
-    def letters(self) -> str:
-        return "".join(LETTERS[o] for o in self.options)
-
-    @property
-    def policy(self) -> Policy:
-        return Policy("plan", self.letters)
-
-    def record(self) -> dict:
-        return {"plan": self.letters, "plan_budget_bytes": self.budget_bytes,
-                "plan_predicted_peak_bytes": self.predicted_peak_bytes,
-                "plan_model_peak_bytes": self.model_peak_bytes, "plan_recompute_ms": self.recompute_ms,
-                "plan_cost_basis": self.cost_basis, "plan_loss_fn": self.loss_fn}
-
-    def __str__(self) -> str:
-        counts = {o: self.options.count(o) for o in OPTIONS}
-        lines = [
-            f"plan {self.letters}  (k keep, s selective, f full): "
-            f"{counts['keep']} keep, {counts['selective']} selective, {counts['full']} full",
-            f"  budget {format_bytes(self.budget_bytes)}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
-            f"(none {format_bytes(self.none_peak_bytes)}, full {format_bytes(self.full_peak_bytes)})",
-            f"  recompute {self.recompute_ms:.2f} ms/step ({self.cost_basis}) vs "
-            f"{self.full_recompute_ms:.2f} ms for full checkpointing",
-            f"  made for the training step with loss {self.loss_fn}: another loss keeps other tensors",
-        ]
-        return "\n".join(lines)
-
-
-def resolve_budget(budget, none_peak: int) -> int:
-    """A budget policy/str/number -> bytes: a fraction in (0, 1] of the no-checkpointing peak, or
-    a size."""
-    if isinstance(budget, Policy):
-        if budget.kind != "budget":
-            raise ValueError(f"policy={budget} is invalid here: expected budget=...")
-        value = budget.value
-    elif isinstance(budget, str):
-        value = parse_policy(budget if budget.startswith("budget") else f"budget={budget}").value
-    elif isinstance(budget, float) and 0 < budget <= 1:
-        value = budget
-    else:
-        value = parse_bytes(budget, "budget")
-    return int(value * none_peak) if isinstance(value, float) else int(value)
-
-
-def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
-                optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4) -> Plan:
-    """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
-    `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
-    achievable peak, if no plan fits."""
-    workload = get_workload(workload) if isinstance(workload, str) else workload
-    profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost)
-    budget_bytes = resolve_budget(budget, profile.peak["keep"])
-    target = budget_bytes
-    for iteration in range(1, max_iterations + 1):
-        options = solve(profile, target)
-        if options is None:
-            lowest, lowest_plan = min_peak(profile)
-            verified = fake_memory(workload, batch_size, seq_len, _plan_policy(lowest_plan), dtype,
-                               optimizer)[0].peak_bytes
-            raise ValueError(
-                f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
-                f"{workload.label} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
-                f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
-                f"{''.join(LETTERS[o] for o in lowest_plan)}); allowed is a budget >= that"
-            )
-        predicted = fake_memory(workload, batch_size, seq_len, _plan_policy(options), dtype,
-                            optimizer)[0].peak_bytes
-        if predicted <= budget_bytes:
-            break
-        target -= predicted - budget_bytes  # the model was optimistic: tighten and re-solve
-    else:
-        raise ValueError(f"budget={format_bytes(budget_bytes)} could not be met after {max_iterations} "
-                         f"re-plans (last predicted peak {format_bytes(predicted)}); try a larger budget")
-    n = profile.n_blocks
-    return Plan(
-        options=options, budget_bytes=budget_bytes, predicted_peak_bytes=predicted,
-        model_peak_bytes=model_peak(profile, options), recompute_ms=plan_cost(profile, options),
-        full_recompute_ms=plan_cost(profile, ["full"] * n), none_peak_bytes=profile.peak["keep"],
-        full_peak_bytes=profile.peak["full"], cost_basis=profile.cost_basis, iterations=iteration,
-        loss_fn=workload.loss_name,
-    )
-
-
-def _plan_policy(options: Sequence[str]) -> Policy:
-    return Policy("plan", "".join(LETTERS[o] for o in options))
-
-
-__all__ = ["OPTIONS", "Plan", "Profile", "brute_force", "min_peak", "model_peak", "plan_budget",
-           "plan_cost", "profile_blocks", "resolve_budget", "solve"]
+__all__ = ["Profile", "profile_blocks"]

@@ -1,0 +1,165 @@
+"""Budgets become plans here, and only here: `plan_budget` chooses the minimum-recompute plan of
+{keep, selective, full} per block whose predicted peak fits a budget, verifies it by a fake run
+of the real plan (re-solving with a tightened target when the peak model was optimistic), and
+`measure` / `predict` resolve a `budget=` policy to that plan before the probe and the
+estimator, which see only concrete policies. An infeasible budget raises ValueError stating the
+minimum achievable peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..core.policy import PLAN_OPTIONS as OPTIONS
+from ..core.policy import Policy, parse_policy, plan_policy
+from ..core.units import format_bytes, parse_bytes
+from ..estimate.fake_step import Prediction, fake_memory
+from ..estimate.predict import check_prediction
+from ..estimate.predict import predict as predict_concrete
+from ..probe.measure import measure as measure_concrete
+from ..probe.measure import measurement_record
+from ..workloads.base import Workload
+from ..workloads.registry import as_workload
+from .profile import profile_blocks
+from .solve import min_peak, model_peak, plan_cost, solve
+
+
+@dataclass
+class Plan:
+    """A chosen plan: one option per block, with what it is predicted to cost and hold."""
+
+    options: list[str]
+    budget_bytes: int
+    predicted_peak_bytes: int          # a fake-run prediction of the real plan
+    model_peak_bytes: int              # the planner's peak model
+    recompute_ms: float                # sum of the chosen options' recompute cost
+    full_recompute_ms: float           # the same for full checkpointing, for scale
+    none_peak_bytes: int               # uniform keep (no checkpointing)
+    full_peak_bytes: int               # uniform full
+    cost_basis: str
+    iterations: int = 1
+    loss_fn: str = ""                  # the training step's loss the plan was made for (its memory counts)
+
+    @property
+    def policy(self) -> Policy:
+        return plan_policy(self.options)
+
+    @property
+    def letters(self) -> str:
+        return self.policy.value
+
+    def record(self) -> dict:
+        return {"plan": self.letters, "plan_budget_bytes": self.budget_bytes,
+                "plan_predicted_peak_bytes": self.predicted_peak_bytes,
+                "plan_model_peak_bytes": self.model_peak_bytes, "plan_recompute_ms": self.recompute_ms,
+                "plan_cost_basis": self.cost_basis, "plan_loss_fn": self.loss_fn}
+
+    def __str__(self) -> str:
+        counts = {o: self.options.count(o) for o in OPTIONS}
+        lines = [
+            f"plan {self.letters}  (k keep, s selective, f full): "
+            f"{counts['keep']} keep, {counts['selective']} selective, {counts['full']} full",
+            f"  budget {format_bytes(self.budget_bytes)}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
+            f"(none {format_bytes(self.none_peak_bytes)}, full {format_bytes(self.full_peak_bytes)})",
+            f"  recompute {self.recompute_ms:.2f} ms/step ({self.cost_basis}) vs "
+            f"{self.full_recompute_ms:.2f} ms for full checkpointing",
+            f"  made for the training step with loss {self.loss_fn}: another loss keeps other tensors",
+        ]
+        return "\n".join(lines)
+
+
+def resolve_budget(budget, none_peak: int) -> int:
+    """A budget policy/str/number -> bytes: a fraction in (0, 1] of the no-checkpointing peak, or
+    a size."""
+    if isinstance(budget, Policy):
+        if budget.kind != "budget":
+            raise ValueError(f"policy={budget} is invalid here: expected budget=...")
+        value = budget.value
+    elif isinstance(budget, str):
+        value = parse_policy(budget if budget.startswith("budget") else f"budget={budget}").value
+    elif isinstance(budget, float) and 0 < budget <= 1:
+        value = budget
+    else:
+        value = parse_bytes(budget, "budget")
+    return int(value * none_peak) if isinstance(value, float) else int(value)
+
+
+def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
+                optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4) -> Plan:
+    """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
+    `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
+    achievable peak, if no plan fits."""
+    workload = as_workload(workload)
+    profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost)
+    budget_bytes = resolve_budget(budget, profile.peak["keep"])
+    target = budget_bytes
+    for iteration in range(1, max_iterations + 1):
+        options = solve(profile, target)
+        if options is None:
+            lowest, lowest_plan = min_peak(profile)
+            verified = fake_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
+                               optimizer)[0].peak_bytes
+            raise ValueError(
+                f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
+                f"{workload.label} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
+                f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
+                f"{plan_policy(lowest_plan).value}); allowed is a budget >= that"
+            )
+        predicted = fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype,
+                            optimizer)[0].peak_bytes
+        if predicted <= budget_bytes:
+            break
+        target -= predicted - budget_bytes  # the model was optimistic: tighten and re-solve
+    else:
+        raise ValueError(f"budget={format_bytes(budget_bytes)} could not be met after {max_iterations} "
+                         f"re-plans (last predicted peak {format_bytes(predicted)}); try a larger budget")
+    n = profile.n_blocks
+    return Plan(
+        options=options, budget_bytes=budget_bytes, predicted_peak_bytes=predicted,
+        model_peak_bytes=model_peak(profile, options), recompute_ms=plan_cost(profile, options),
+        full_recompute_ms=plan_cost(profile, ["full"] * n), none_peak_bytes=profile.peak["keep"],
+        full_peak_bytes=profile.peak["full"], cost_basis=profile.cost_basis, iterations=iteration,
+        loss_fn=workload.loss_name,
+    )
+
+
+def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
+            **options):
+    """`ckptlab.probe.measure.measure` (same arguments, same record) for any policy: a `budget=`
+    is first resolved to the plan `plan_budget` chooses for this shape, and the record keeps the
+    budget as its policy and the plan in `plan`. An infeasible budget is this configuration's
+    result (status "error", the minimum achievable peak in the message), not bad input."""
+    workload, policy = as_workload(workload), parse_policy(policy)
+    if policy.kind != "budget":
+        return measure_concrete(workload, batch_size, seq_len, policy, **options)
+    with_report = options.pop("with_report", False)
+    record = measurement_record(workload, batch_size, seq_len, policy, **options)[0]
+    try:
+        plan = plan_budget(workload, batch_size, seq_len, policy, dtype=record["dtype"], optimizer=record["optimizer"])
+    except ValueError as exc:
+        record.update(status="error", message=f"ValueError: {exc}")
+        return (record, None) if with_report else record
+    result = measure_concrete(workload, batch_size, seq_len, plan_policy(plan.options, policy.offload),
+                              with_report=with_report, **options)
+    measured = result[0] if with_report else result
+    planned = f"plan {plan.letters} (predicted peak {plan.predicted_peak_bytes} B <= budget {plan.budget_bytes} B)"
+    measured.update(policy=str(policy), plan=plan.letters,
+                    note="; ".join(filter(None, [planned, measured.get("note")])))
+    return result
+
+
+def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
+            dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1) -> Prediction:
+    """`ckptlab.estimate.predict.predict` for any policy: a `budget=` is first resolved to the plan
+    `plan_budget` chooses; the prediction names the budget as its policy and the plan in `plan`."""
+    workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
+    if policy.kind != "budget":
+        return predict_concrete(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
+    plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer)
+    prediction = predict_concrete(workload, batch_size, seq_len, plan_policy(plan.options, policy.offload), dtype,
+                                  optimizer, accum_steps)
+    return dataclasses.replace(prediction, policy=str(policy), plan=plan.letters)
+
+
+__all__ = ["Plan", "measure", "plan_budget", "predict", "resolve_budget"]
