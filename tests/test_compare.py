@@ -86,6 +86,7 @@ def test_one_row_per_policy_with_memory_time_and_interval_columns(tmp_path):
     assert (df["time_ratio_low"] <= df["time_ratio"]).all() and (df["time_ratio"] <= df["time_ratio_high"]).all()
     assert (df["rounds"] >= 5).all() and (df["threads"] == 1).all()
     assert (df["max_grad_diff"] == 0).all()  # checkpointing never changes gradients (dropout on)
+    assert (df["gradients"] == "exact").all()
     saved = pd.read_csv(tmp_path / "compare.csv")
     assert list(saved["policy"]) == list(df["policy"])
     assert json.loads((tmp_path / "compare.json").read_text())[2]["policy"] == "full"

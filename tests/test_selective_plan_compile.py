@@ -121,11 +121,11 @@ def test_compiled_budget_gradients_and_allocator_accounting():
 
     Gradients: inductor fuses and reorders fp32 arithmetic, so compiled gradients differ from
     eager by rounding: measured ~2e-7 relative; the bound is 1e-5 relative to each gradient's
-    scale (a wrong recompute gives O(1) differences). mlp-chain has no dropout; with dropout see
-    the benchmark (compile:budget<1 vs 1 is bitwise equal under inductor's own RNG)."""
+    scale (a wrong recompute gives O(1) differences). mlp-chain has no dropout, so a budget
+    below 1 is right here; with dropout it is not (tests/test_compile_policies.py)."""
     import torch._dynamo
 
-    from ckptlab.probe.measure import compile_with_budget
+    from ckptlab.checkpoint.compiled import compile_with_budget
 
     workload = get_workload("mlp-chain", n_layer=3, n_embd=16)
     batch = workload.batch(2, 16)

@@ -286,8 +286,9 @@ def format_compare(df: pd.DataFrame) -> str:
                ("peak", "peak_bytes", lambda v: "-" if v is None or v != v else format_bytes(v)),
                ("step ms", "step_ms", value(".1f")), ("time ratio [95% CI]", "ratio_text", str),
                ("status", "status", str)]
-    if "max_grad_diff" in df:
-        columns.insert(-1, ("max grad diff", "max_grad_diff", value(".2g")))
+    if "gradients" in df:
+        columns.insert(-1, ("gradients", "gradients", lambda v: v if isinstance(v, str) else "-"))
+        columns.insert(-1, ("max grad rel diff", "max_grad_rel_diff", value(".2g")))
     lines = [format_table(rows, columns)]
     ok = df[df["status"] == "ok"]
     if len(ok):
@@ -510,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors", action="store_true",
                    help="add torch.utils.checkpoint, torch.compile and (transformers models) transformers' own "
                         "checkpointing, and planner plans at each anchor's peak")
-    p.add_argument("--verify", action="store_true", help="add max_grad_diff against no checkpointing")
+    p.add_argument("--verify", action="store_true", help="add each row's gradient verdict against the eager un-checkpointed model (exact | within tolerance | wrong)")
     p.add_argument("--target-ci", type=float, default=0.02, help="stop timing at this interval half-width (0.02: ±2%%)")
     p.add_argument("--max-seconds", type=float, default=120, help="time budget for the timing rounds")
     p.add_argument("--threads", type=int, default=None,

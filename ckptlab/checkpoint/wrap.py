@@ -166,14 +166,20 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
         out = None
         for i, forward in enumerate(originals):
             # Counted before running: early stop ends a recompute inside the block.
-            handle._region_block_runs += 1
+            if not torch.compiler.is_compiling():
+                handle._region_block_runs += 1
             out = forward(*args, **kwargs) if i == 0 else forward(hidden_state(out), *args[1:], **kwargs)
         return out
 
     def region_forward(*args, **kwargs):
         if torch.is_grad_enabled():
-            handle._forward_block_runs += len(region)
-            with set_checkpoint_early_stop(early_stop):
+            # Under torch.compile the checkpoint is traced into the graph, without the recompute
+            # counters (Python state a graph cannot hold) or early stop (an option of eager
+            # recompute that dynamo does not trace): either would break the graph there.
+            compiling = torch.compiler.is_compiling()
+            if not compiling:
+                handle._forward_block_runs += len(region)
+            with contextlib.nullcontext() if compiling else set_checkpoint_early_stop(early_stop):
                 if kwargs and options["use_reentrant"]:
                     # Reentrant checkpoint takes no keyword arguments (Hugging Face layers get
                     # masks and RoPE tables so): bind them, as transformers does. No gradient

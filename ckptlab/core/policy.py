@@ -27,6 +27,12 @@ Policies are written as strings because notebook parameters and CLI flags are st
     P+offload       any policy above with saved activations moved to host memory
                     (`torch.autograd.graph.save_on_cpu`, pinned on CUDA); `offload` alone is
                     none+offload. A no-op on CPU, where activations already live in host memory.
+    P+compile       any ckptlab policy above, then `torch.compile` of the whole model: P's
+                    checkpoint regions are traced into the one compiled graph (`none+compile` is
+                    `compile`). A plan may then also give a block a compile budget, a digit d
+                    for activation_memory_budget=d/10 (plan=00kf+compile): such a plan is compiled
+                    block by block (regional compilation), since one graph holds one budget.
+                    Not with offload: dynamo cannot trace `save_on_cpu`.
     hf              transformers models only (`ckptlab.checkpoint.hf`): Hugging Face's own checkpointing,
     hf:every_n_layers=K  `activation_checkpointing_enable()` (non-reentrant) on every layer, on
     hf:offload      layers 0, K, 2K, ..., or with offload=True, where the installed version has it.
@@ -52,7 +58,7 @@ POLICY_HELP = (
     "one of: none | full | density=D (0<=D<=1) | every=K (K>=1) | "
     "layers=i,j,... (block indices) | segments=S (S>=1) | segments=sqrt | selective[=mm|alt|attn] | "
     "plan=<k|s|f per block> | budget=<size like 6GiB, or fraction like 0.5> | compile | "
-    "compile:budget=B (0<=B<=1); any of them +offload"
+    "compile:budget=B (0<=B<=1); any of them +offload, any but compile +compile"
     "; transformers models also: hf | hf:every_n_layers=K (K>=1) | hf:offload"
 )
 
@@ -62,11 +68,13 @@ class Policy:
     """A parsed policy. `value` is None for none/full, a float for density, an int for every,
     a tuple of ints for layers, an int or "sqrt" for segments, a variant name for selective, a
     string of k/s/f letters for plan, bytes (int) or a fraction (float) for budget, and the
-    activation memory budget (float, None for the default) for compile. `offload` composes."""
+    activation memory budget (float, None for the default) for compile. `offload` and
+    `compiled` (P+compile) compose."""
 
     kind: str
     value: object = None
     offload: bool = False
+    compiled: bool = False
 
     def __str__(self) -> str:
         if self.value is None or (self.kind == "selective" and self.value == "mm"):
@@ -81,7 +89,20 @@ class Policy:
             text = f"{self.kind}={self.value}"
         if self.offload:
             return "offload" if self.kind == "none" else text + "+offload"
-        return text
+        return text + "+compile" if self.compiled else text
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the model runs under torch.compile: compile, compile:budget=B or P+compile."""
+        return self.kind == "compile" or self.compiled
+
+    def compile_budgets(self, n_blocks: int) -> list[float] | None:
+        """Per block, the activation_memory_budget its own compiled graph holds, for a plan with
+        budget digits (compiled block by block); None when the model compiles as one graph."""
+        if self.kind != "plan" or not any(c.isdigit() for c in self.value):
+            return None
+        self.regions(n_blocks)  # validates the length
+        return [int(c) / 10 if c.isdigit() else 1.0 for c in self.value]
 
     @property
     def label(self) -> str:
@@ -89,14 +110,14 @@ class Policy:
         size (budget=42.7MiB); `str` stays exact, so that it parses back to the same policy."""
         if self.kind == "budget" and isinstance(self.value, int):
             text = f"budget={readable_size(self.value)}"
-            return text + "+offload" if self.offload else text
+            return text + ("+offload" if self.offload else "+compile" if self.compiled else "")
         return str(self)
 
     def modes(self, n_blocks: int) -> list[str]:
         """Per block: "keep", "full" or "selective[=V]" (what wrap applies to each block)."""
         if self.kind == "plan":
             self.regions(n_blocks)  # validates the length
-            return [PLAN_LETTERS[c] for c in self.value]
+            return [PLAN_LETTERS.get(c, "keep") for c in self.value]  # a budget digit checkpoints nothing
         chosen = set(self.checkpointed_blocks(n_blocks))
         mode = "selective" if self.kind == "selective" and self.value == "mm" else (
             f"selective={self.value}" if self.kind == "selective" else "full")
@@ -122,7 +143,7 @@ class Policy:
                     f"plan={self.value} is invalid for a model with {n_blocks} blocks: allowed is "
                     f"exactly {n_blocks} letters (k keep, s selective, f full), one per block"
                 )
-            return [(i, i + 1) for i, c in enumerate(self.value) if c != "k"]
+            return [(i, i + 1) for i, c in enumerate(self.value) if c in "sf"]
         if self.kind == "budget":
             raise ValueError(
                 f"policy={self} needs the workload's shapes to become a per-block plan: use "
@@ -169,10 +190,10 @@ class Policy:
 SIZE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
-def plan_policy(options, offload: bool = False) -> Policy:
+def plan_policy(options, offload: bool = False, compiled: bool = False) -> Policy:
     """The `plan=` policy of one option (keep | selective | full) per block."""
     letter = {option: k for k, option in PLAN_LETTERS.items()}
-    return Policy("plan", "".join(letter[o] for o in options), offload=offload)
+    return Policy("plan", "".join(letter[o] for o in options), offload=offload, compiled=compiled)
 
 
 def policy_label(policy: str) -> str:
@@ -216,6 +237,8 @@ def parse_policy(text: str | Policy) -> Policy:
         raise ValueError(f"policy={text!r} is invalid: expected a string, {POLICY_HELP}")
     if "+" in text:
         parts = [p.strip().lower() for p in text.split("+")]
+        if "compile" in parts:
+            return _parse_compiled(text, parts)
         if "offload" not in parts or parts.count("offload") > 1 or len(parts) > 2 or "" in parts:
             raise ValueError(
                 f"policy={text!r} is invalid: '+' composes one policy with offload only, "
@@ -250,7 +273,8 @@ def parse_policy(text: str | Policy) -> Policy:
     if name == "plan":
         bad = sorted(set(arg) - set(PLAN_LETTERS))
         if bad:
-            raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed; allowed are "
+            digit = " (a compile budget digit needs +compile: plan=...+compile)" if bad[0] in COMPILE_DIGITS else ""
+            raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed{digit}; allowed are "
                              "k (keep), s (selective), f (full), one per block")
         return Policy("plan", arg)
     if name == "budget":
@@ -309,6 +333,38 @@ def _parse_compile(text: str, spec: str) -> Policy:
     if not (0.0 <= budget <= 1.0) or math.isnan(budget):
         raise ValueError(f"compile:budget={arg.strip()} is invalid: allowed is a number in [0, 1]")
     return Policy("compile", budget + 0.0)
+
+
+COMPILE_DIGITS = "0123456789"   # in a compiled plan: that block's activation_memory_budget, in tenths
+
+
+def _parse_compiled(text: str, parts: list[str]) -> Policy:
+    """P+compile: P is any ckptlab policy but compile itself; not with offload or hf policies."""
+    if "offload" in parts:
+        raise ValueError(f"policy={text!r} is invalid: offload does not compose with compile (dynamo cannot "
+                         "trace save_on_cpu); allowed is P+offload or P+compile")
+    if parts.count("compile") > 1 or len(parts) != 2 or "" in parts:
+        raise ValueError(f"policy={text!r} is invalid: '+compile' composes one policy with compilation, "
+                         "e.g. full+compile or plan=ffkk+compile")
+    base_text = next(p for p in parts if p != "compile")
+    name, _, letters = base_text.partition("=")
+    letters = letters.strip()
+    if name.strip() == "plan" and set(letters) & set(COMPILE_DIGITS):  # a budget per block
+        bad = sorted(set(letters) - set(PLAN_LETTERS) - set(COMPILE_DIGITS))
+        if bad:
+            raise ValueError(f"plan={letters} is invalid: letter {bad[0]!r} is not allowed; allowed are k (keep), "
+                             "s (selective), f (full), or a digit d (compile budget d/10), one per block")
+        return Policy("plan", letters, compiled=True)
+    base = parse_policy(base_text)
+    if base.kind == "compile":
+        raise ValueError(f"policy={text!r} is invalid: compile is given twice; allowed is compile, "
+                         "compile:budget=B or P+compile")
+    if base.kind in HF_KINDS:
+        raise ValueError(f"policy={text!r} is invalid: '+compile' composes with ckptlab's policies, "
+                         "not the hf ones")
+    if base.kind == "none":
+        return Policy("compile")
+    return Policy(base.kind, base.value, compiled=True)
 
 
 HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")

@@ -77,7 +77,7 @@ def closed_form(workload: Workload | str, batch_size: int, seq_len: int, policy:
     per = gpt_block_bytes(cfg, batch_size, seq_len, dtype)
     E, R = _elem_bytes(dtype)
     T, h, V = batch_size * seq_len, cfg.n_embd, cfg.vocab_size
-    if policy.kind in ("budget", "compile"):
+    if policy.kind == "budget" or policy.compiles:
         raise ValueError(f"policy={policy} is invalid for closed_form: resolve a budget to a plan first")
     if policy.kind == "segments":  # a segment keeps only its input and recomputes all its blocks
         kept = [per["keep"]] * n

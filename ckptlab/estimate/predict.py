@@ -42,7 +42,7 @@ def predict(
     without allocating: peak bytes (total, by category, phase) and saved-activation bytes.
 
     The policy is concrete: `ckptlab.predict` resolves a `budget=` to its plan first.
-    `compile` policies cannot be predicted (the compiler's partitioner decides inside the graph):
+    Policies that compile cannot be predicted (the compiler's partitioner decides inside the graph):
     ValueError. Offload is predicted as its base policy (CPU: a no-op), and says so in `note`.
     """
     workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
@@ -70,7 +70,7 @@ def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, po
     integer("accum_steps", accum_steps, 1)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
-    if policy.kind == "compile":
+    if policy.compiles:
         raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
                          "what to save inside the compiled graph; measure it instead")
     return workload, policy
@@ -150,7 +150,7 @@ def add_predictions(df, closed_form_too: bool = True):
     rows = []
     for r in df.to_dict("records"):
         policy = parse_policy(r["policy"])
-        if r.get("status") != "ok" or policy.kind == "compile":
+        if r.get("status") != "ok" or policy.compiles:
             rows.append(r)
             continue
         if isinstance(r.get("plan"), str):  # (a DataFrame turns a missing plan into NaN)

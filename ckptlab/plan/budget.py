@@ -140,7 +140,7 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     except ValueError as exc:
         record.update(status="error", message=f"ValueError: {exc}")
         return (record, None) if with_report else record
-    result = measure_concrete(workload, batch_size, seq_len, plan_policy(plan.options, policy.offload),
+    result = measure_concrete(workload, batch_size, seq_len, plan_policy(plan.options, policy.offload, policy.compiled),
                               with_report=with_report, **options)
     measured = result[0] if with_report else result
     planned = f"plan {plan.letters} (predicted peak {plan.predicted_peak_bytes} B <= budget {plan.budget_bytes} B)"

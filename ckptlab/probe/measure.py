@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.blocks import find_blocks
-from ..checkpoint.wrap import apply_checkpointing
+from ..checkpoint.compiled import apply_policy
 from ..core.policy import HF_KINDS, parse_policy
 from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
@@ -132,40 +132,24 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
 def policy_applier(policy):
     """`apply(model, record)` for `prepare_step` from a resolved ckptlab policy (no budget=)."""
     def apply(model, record):
-        handle = apply_checkpointing(model, policy)
+        runner, handle, compiled = apply_policy(model, policy)
         record.update(
             n_blocks=handle.n_blocks,
             block_stacks=handle.stacks_found,
             effective_density=handle.effective_density,
             checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)),
         )
-        if policy.kind != "compile":
-            return model, False, handle
-        return compile_with_budget(model, 1.0 if policy.value is None else policy.value), True, handle
+        return runner, compiled or False, handle
     return apply
-
-
-def compile_with_budget(model: torch.nn.Module, budget: float):
-    """`torch.compile(model)` with PyTorch's `activation_memory_budget` = `budget` in force while
-    it compiles (the min-cut partitioner reads it then). Each call gets a backend of its own:
-    dynamo hands a second model of the same class the graph it compiled for the first unless
-    the backend differs, so two budgets compiled side by side would otherwise share one graph."""
-    import torch._functorch.config as functorch_config  # noqa: PLC0415 - the compiler stack is heavy
-    from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415 - as above
-
-    def inductor_with_budget(graph, example_inputs):
-        with functorch_config.patch(activation_memory_budget=budget):
-            return compile_fx(graph, example_inputs)
-
-    return torch.compile(model, backend=inductor_with_budget)
 
 
 def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dtype: str, limit: Optional[int],
                  optimizer_name: str):
     """Everything of a measurement but the timing: build the model on `dev`, apply checkpointing
-    with `apply(model, record) -> (model to run, compiled?, handle or None)` (which fills the
-    record's checkpointing columns), run one warm-up step and one step under the live-tensor
-    tracker (allocator events for compiled models), and fill `record`'s memory columns.
+    with `apply(model, record) -> (model to run, Compiled or False, handle or None)` (which fills
+    the record's checkpointing columns), run one warm-up step and one step under the live-tensor
+    tracker (allocator events for compiled models), and fill `record`'s memory columns. A compiled
+    model records `compiled_graphs`, the graphs its backends compiled; none is an error (it ran eager).
     Returns (step closure, MemoryReport); the step is None when the peak exceeds the emulated
     CPU limit (status "oom")."""
     # Configurations timed together live side by side: on CUDA the allocator's peak counts the
@@ -190,8 +174,10 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
     if handle is not None:
         handle.reset_counts()
     if compiled:  # a dispatch-mode tracker cannot see inside compiled graphs
+        if not compiled.graphs:
+            raise RuntimeError("torch.compile compiled no graph for this model: it ran eager")
         report, loss = allocator_step_memory(step, model, optimizer, batch, dev)
-        record["allocator_peak_bytes"] = report.peak_bytes
+        record.update(allocator_peak_bytes=report.peak_bytes, compiled_graphs=compiled.graphs)
     else:
         with track_memory(model, optimizer, inputs=batch, device=dev) as tracker:
             loss = step(tracker)
@@ -201,7 +187,7 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
         **{f"peak_{c}_bytes": report.peak_by_category.get(c) for c in CATEGORIES},
         peak_phase=report.peak_phase,
         saved_activation_bytes=report.saved_activation_bytes,
-        recompute_count=None if handle is None else handle.recompute_count,
+        recompute_count=None if handle is None or compiled else handle.recompute_count,
         loss=float(loss),
     )
     if dev.type == "cuda":
@@ -222,7 +208,7 @@ def policy_notes(record, policy, dev):
     notes = []
     if policy.offload and dev.type == "cpu":
         notes.append("offload is a no-op on CPU: activations already live in host memory")
-    if policy.kind == "compile":
+    if policy.compiles:
         notes.append("torch.compile: peak from the profiler's allocator events (categories and "
                      "recompute count not visible inside compiled graphs)")
     record["note"] = "; ".join(notes)
@@ -232,7 +218,7 @@ def policy_notes(record, policy, dev):
 def fresh_compiler_cache(policy):
     """For compile policies: dynamo's cache emptied before and after, so no graph of an earlier
     measurement is reused and none outlives this one."""
-    if getattr(policy, "kind", None) != "compile":
+    if not getattr(policy, "compiles", False):
         yield
         return
     import torch._dynamo  # noqa: PLC0415 - the compiler stack is heavy; only compile policies load it
@@ -287,5 +273,5 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["allocator_step_memory", "check_policy_applies", "compile_with_budget", "failures_recorded", "fresh_compiler_cache", "measure", "policy_applier",
+__all__ = ["allocator_step_memory", "check_policy_applies", "failures_recorded", "fresh_compiler_cache", "measure", "policy_applier",
            "measurement_record", "policy_notes", "prepare_step", "reset_compiler_cache", "training_step", "make_optimizer", "resolve_device"]

@@ -1,21 +1,35 @@
-"""Checkpointing must never change what training computes: compare a checkpointed model's loss
-and parameter gradients with the un-checkpointed model's, same weights, same batch, same RNG.
+"""Checkpointing must never change what training computes: compare a checkpointed (or compiled)
+model's loss and parameter gradients with the un-checkpointed eager model's, same weights, same
+batch, same RNG.
 
     >>> cmp = compare_gradients(get_workload("gpt-tiny"), "density=0.5")
-    >>> cmp.exact
-    True
+    >>> cmp.verdict
+    'exact'
+
+Eager checkpointing replays the same operations, so its gradients are exact. A compiled model
+runs other kernels, which add and multiply in another order: in fp32 its gradients differ from
+eager ones by float rounding only, far below `RELATIVE_TOLERANCE`. A difference above it is a
+wrong gradient: torch 2.13's partitioner under activation_memory_budget < 1 redraws dropout's
+random numbers in backward (docs/measurements.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.wrap import apply_checkpointing
-from ..core.policy import Policy
+from ..checkpoint.compiled import apply_policy, eager_random
+from ..core.policy import Policy, parse_policy
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
+
+# The largest difference, relative to the parameter's largest reference gradient, that float
+# rounding explains: measured at <= 1.4e-6 for compiled fp32 models (bf16 autocast rounds to 8
+# bits of mantissa, 3.9e-3 per operation); wrong gradients measured at >= 0.37.
+RELATIVE_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
+EXACT, WITHIN_TOLERANCE, WRONG = "exact", "within tolerance", "wrong"
 
 
 @dataclass
@@ -26,6 +40,8 @@ class GradientComparison:
     max_abs_diff: float             # over the loss and every parameter gradient
     worst_parameter: str | None     # where max_abs_diff was found (None: the loss, or no diff)
     missing_gradients: list[str]    # parameters with a reference gradient but none here
+    max_rel_diff: float = 0.0       # per parameter: largest difference / largest reference gradient
+    tolerance: float = RELATIVE_TOLERANCE["fp32"]
 
     @property
     def exact(self) -> bool:
@@ -33,6 +49,13 @@ class GradientComparison:
 
     def within(self, atol: float) -> bool:
         return self.max_abs_diff <= atol and not self.missing_gradients
+
+    @property
+    def verdict(self) -> str:
+        """exact, within tolerance (float rounding: `max_rel_diff` <= `tolerance`) or wrong."""
+        if self.exact:
+            return EXACT
+        return WITHIN_TOLERANCE if not self.missing_gradients and self.max_rel_diff <= self.tolerance else WRONG
 
 
 def compare_gradients(
@@ -45,24 +68,36 @@ def compare_gradients(
     **apply_options,
 ) -> GradientComparison:
     """One forward + backward with and without `policy`, in train mode (dropout on), from the
-    same RNG seed; returns the largest absolute difference. `apply_options` go to
-    `apply_checkpointing` (e.g. use_reentrant=True). `workload` is a Workload or any spec
-    `get_workload` takes."""
+    same RNG seed; returns the largest absolute and relative differences and a verdict. A policy
+    that compiles is compiled here, with inductor drawing random numbers as eager does.
+    `apply_options` go to `apply_checkpointing` (e.g. use_reentrant=True). `workload` is a
+    Workload or any spec `get_workload` takes."""
     workload = as_workload(workload)
+    policy = parse_policy(policy)
     batch = workload.batch(batch_size, seq_len, device)
+    reference = step_gradients(workload.build(device).train(), workload, batch, seed)
+    model = workload.build(device).train()
+    runner, handle, _ = apply_policy(model, policy, **apply_options)
+    with like_eager(policy.compiles):
+        got = step_gradients(model, workload, batch, seed, runner=runner)
+    handle.remove()
+    return GradientComparison(str(policy), reference[0].item(), got[0].item(), *gradient_difference(*reference, *got))
 
-    def run(checkpoint_policy):
-        model = workload.build(device).train()
-        handle = apply_checkpointing(model, checkpoint_policy, **apply_options) if checkpoint_policy else None
-        result = step_gradients(model, workload, batch, seed)
-        if handle is not None:
-            handle.remove()
-        return result
 
-    loss_ref, grads_ref = run(None)
-    loss, grads = run(policy)
-    max_diff, worst, missing = gradient_difference(loss_ref, grads_ref, loss, grads)
-    return GradientComparison(str(policy), loss_ref.item(), loss.item(), max_diff, worst, missing)
+@contextlib.contextmanager
+def like_eager(compiles: bool = True):
+    """For a model that compiles (on its first call, inside): a fresh dynamo cache before and
+    after (no graph of another model reused, none kept), inductor's random numbers drawn as eager
+    draws them."""
+    if not compiles:
+        yield
+        return
+    torch._dynamo.reset()
+    try:
+        with eager_random():
+            yield
+    finally:
+        torch._dynamo.reset()
 
 
 def step_gradients(model: torch.nn.Module, workload: Workload, batch: tuple, seed: int = 0,
@@ -83,8 +118,10 @@ def step_gradients(model: torch.nn.Module, workload: Workload, batch: tuple, see
 
 def gradient_difference(loss_ref, grads_ref: dict, loss, grads: dict):
     """(largest absolute difference over the loss and every gradient, the parameter where it was
-    found or None, parameters with a reference gradient but none here)."""
+    found or None, parameters with a reference gradient but none here, largest relative
+    difference: per parameter, its largest difference over its largest reference gradient)."""
     max_diff, worst = (loss - loss_ref).abs().item(), None
+    max_rel = max_diff / max(abs(loss_ref.item()), torch.finfo(torch.float32).tiny)
     missing = []
     for name, g_ref in grads_ref.items():
         g = grads.get(name)
@@ -94,6 +131,8 @@ def gradient_difference(loss_ref, grads_ref: dict, loss, grads: dict):
             missing.append(name)
             continue
         diff = (g.float() - g_ref.float()).abs().max().item()
+        scale = g_ref.float().abs().max().item()
+        max_rel = max(max_rel, diff / scale if scale else (0.0 if diff == 0 else float("inf")))
         if diff > max_diff:
             max_diff, worst = diff, name
-    return max_diff, worst, missing
+    return max_diff, worst, missing, max_rel

@@ -44,7 +44,7 @@ OTHER_STYLE = ("#7f7f7f", ".")
 def policy_style(policy: str) -> dict:
     """How a policy is drawn in every figure: `color` and `marker` from its kind, the colour
     shaded by the policy's value (density=0.25 lighter than density=0.75, every=4 lighter than
-    every=2), `linestyle` dashed for +offload. A function of the policy text alone, so the same
+    every=2), `linestyle` dashed for +offload, dotted for +compile. A function of the policy text alone, so the same
     policy looks the same in every figure whatever else is drawn beside it."""
     try:
         parsed = parse_policy(policy)
@@ -56,7 +56,7 @@ def policy_style(policy: str) -> dict:
     # Mix towards white: strength 1 is the kind's own colour, 0 is 60% white.
     rgb = np.array(to_rgb(color))
     shaded = rgb + (1 - rgb) * 0.6 * (1 - strength)
-    return {"color": to_hex(shaded), "marker": marker, "linestyle": "--" if parsed.offload else "-"}
+    return {"color": to_hex(shaded), "marker": marker, "linestyle": "--" if parsed.offload else ":" if parsed.compiled else "-"}
 
 
 def _strength(policy) -> float:
@@ -69,7 +69,7 @@ def _strength(policy) -> float:
     if policy.kind in ("every", "hf:every_n_layers"):
         return 1.0 / value
     if policy.kind == "plan":
-        return sum(c != "k" for c in value) / len(value)
+        return sum(c in "sf" or c.isdigit() and c != "9" for c in value) / len(value)
     if policy.kind == "selective":
         return {"mm": 1.0, "alt": 0.66, "attn": 0.33}[value]
     # layers, segments, budget sizes: no natural order, a stable shade from the text
@@ -429,7 +429,8 @@ def compare_plot(df: pd.DataFrame, path=None):
     """Peak memory against time ratio (to the first row's policy) for a `ckptlab.compare` table,
     the 95% interval of each ratio as a horizontal error bar. The marker says where a row comes
     from — ckptlab's policies circles, anchors (the other frameworks' knobs) squares, plans at an
-    anchor's peak diamonds — and the colour is the policy's, as in every figure."""
+    anchor's peak diamonds — and the colour is the policy's, as in every figure. A row whose
+    gradients are wrong (`compare(..., verify=True)`) is crossed out and its label says so."""
     fig, ax = plt.subplots(figsize=(9.5, 5.5))
     rows = df[(df["status"] == "ok") & df["time_ratio"].notna()] if len(df) else df
     if not len(rows):
@@ -446,7 +447,10 @@ def compare_plot(df: pd.DataFrame, path=None):
             ax.errorbar([r.time_ratio], [r.peak_bytes / MiB], xerr=err, fmt=marker, capsize=3,
                         color=policy_style(r.policy)["color"], markeredgecolor="0.2")
             points.append((r.time_ratio, r.peak_bytes / MiB))
-            texts.append(r.policy)
+            wrong = getattr(r, "gradients", None) == "wrong"
+            if wrong:
+                ax.plot([r.time_ratio], [r.peak_bytes / MiB], "x", color="red", markersize=14, mew=2)
+            texts.append(f"{r.policy} (WRONG gradients)" if wrong else r.policy)
         ax.plot([], [], marker, color="0.5", markeredgecolor="0.2", label=label)   # one legend entry per source
     ax.axvline(1.0, color="0.6", lw=0.8, ls="--")
     first = rows.iloc[0]

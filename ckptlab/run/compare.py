@@ -34,6 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..checkpoint.blocks import find_blocks
+from ..checkpoint.compiled import Compiled, compile_with_budget
 from ..core.policy import parse_policy, plan_policy
 from ..core.records import new_record
 from ..core.validate import choice, integer
@@ -41,7 +42,6 @@ from ..plan.budget import plan_budget
 from ..probe.measure import (
     MAX_ROUNDS,
     check_policy_applies,
-    compile_with_budget,
     failures_recorded,
     policy_applier,
     policy_notes,
@@ -50,7 +50,7 @@ from ..probe.measure import (
 )
 from ..probe.step import DTYPES, device_name, resolve_device
 from ..probe.timing import bootstrap_median, check_timing_options, time_interleaved
-from ..probe.verify import gradient_difference, step_gradients
+from ..probe.verify import RELATIVE_TOLERANCE, GradientComparison, gradient_difference, like_eager, step_gradients
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
 
@@ -103,8 +103,9 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     """One row per configuration (module docstring); the first policy is the time baseline.
 
     `target_ci`/`max_seconds` control the timing protocol (stop at ±target_ci or after
-    max_seconds of timing); `verify=True` adds `max_grad_diff` (the largest absolute difference of
-    loss and parameter gradients against no checkpointing, same weights, batch and seed);
+    max_seconds of timing); `verify=True` adds `gradients`, each row's verdict against the
+    un-checkpointed eager model (exact | within tolerance | wrong, `ckptlab.probe.verify`), and
+    the largest absolute and relative differences it judged (`max_grad_diff`, `max_grad_rel_diff`);
     `out=DIR` writes compare.csv and compare.json there (`ckptlab.report.plots.compare_plot` draws them)."""
     workload = as_workload(workload)
     policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
@@ -225,7 +226,8 @@ def _per_block_checkpoint(model, record):
 
 def _compiled(model, record):
     record["note"] = "torch.compile: peak from the profiler's allocator events"
-    return compile_with_budget(model, COMPILE_ANCHOR_BUDGET), True, None
+    compiled = Compiled()
+    return compile_with_budget(model, COMPILE_ANCHOR_BUDGET, compiled), compiled, None
 
 
 def _sac_ops() -> list:
@@ -338,7 +340,10 @@ def _time_together(rows, steps, shape: Shape, target_ci, max_seconds) -> None:
 
 
 def _verify(rows, configs, shape: Shape) -> None:
-    """max_grad_diff per row: fresh models from the workload's seed, one forward + backward."""
+    """Per row, its gradients against the un-checkpointed eager model's: fresh models from the
+    workload's seed, one forward + backward, compiled ones drawing random numbers as eager does
+    (`ckptlab.probe.verify`). `gradients` is the verdict (exact | within tolerance | wrong),
+    `max_grad_diff` and `max_grad_rel_diff` the differences it judged."""
     workload, dev = shape.workload, shape.dev
     batch = workload.batch(shape.batch_size, shape.seq_len, dev)
     autocast = DTYPES[shape.dtype]
@@ -346,18 +351,21 @@ def _verify(rows, configs, shape: Shape) -> None:
     by_label = {c.policy: c for c in configs}
     for r in rows:
         config = by_label.get(r["policy"])
-        r["max_grad_diff"] = None
+        r.update(gradients=None, max_grad_diff=None, max_grad_rel_diff=None)
         if r["status"] != "ok" or config is None or config.apply is None:
             continue
         model = workload.build(dev).train()
         try:
-            runner, _, _ = config.apply(model, {})
-            loss, grads = step_gradients(model, workload, batch, workload.seed, runner=runner,
-                                         autocast_dtype=autocast)
+            runner, compiled, _ = config.apply(model, {})
+            with like_eager(bool(compiled)):
+                loss, grads = step_gradients(model, workload, batch, workload.seed, runner=runner,
+                                             autocast_dtype=autocast)
         except Exception as exc:  # noqa: BLE001 - the row keeps its measurements and says why
             r["message"] = f"gradient check failed: {type(exc).__name__}: {exc}"
             continue
-        r["max_grad_diff"] = gradient_difference(*reference, loss, grads)[0]
+        check = GradientComparison(r["policy"], reference[0].item(), loss.item(),
+                                   *gradient_difference(*reference, loss, grads), RELATIVE_TOLERANCE[shape.dtype])
+        r.update(gradients=check.verdict, max_grad_diff=check.max_abs_diff, max_grad_rel_diff=check.max_rel_diff)
 
 
 # ----------------------------------------------------------------------------- output

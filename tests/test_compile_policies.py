@@ -1,0 +1,105 @@
+"""Policies composed with torch.compile (`P+compile`), their gradients verified against the eager
+un-checkpointed model, and the compile anchor whose gradients are wrong.
+
+Compilation takes seconds per graph on a 2-core CPU: one tiny model of our own (3 residual MLP
+blocks with dropout, width 32) and as few compiled models as the claims need."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ckptlab import Workload, compare, compare_gradients, parse_policy
+from ckptlab.checkpoint.compiled import apply_policy
+from ckptlab.probe.measure import measure
+
+BATCH, SEQ = 4, 32
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self, n_blocks=3, width=32):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(n_blocks))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def dropout_mlp(n_blocks=3):
+    return Workload.custom(f"dropout-mlp-{n_blocks}", lambda: Net(n_blocks),
+                           lambda batch, seq, generator: (torch.randn(batch, seq, 32, generator=generator),),
+                           lambda model, batch: model(batch[0]).pow(2).mean())
+
+
+def test_compile_composes_with_any_ckptlab_policy_and_refuses_what_it_cannot():
+    for text in ("full+compile", "selective=alt+compile", "plan=ffkk+compile", "budget=0.6+compile",
+                 "plan=05kf+compile", "segments=2+compile"):
+        policy = parse_policy(text)
+        assert policy.compiles and parse_policy(str(policy)) == policy, text
+    assert parse_policy("none+compile") == parse_policy("compile")
+    assert parse_policy("plan=ffkk+compile").compile_budgets(4) is None          # one graph
+    assert parse_policy("plan=05kf+compile").compile_budgets(4) == [0.0, 0.5, 1.0, 1.0]  # a graph per block
+    assert parse_policy("plan=05kf+compile").checkpointed_blocks(4) == [3]
+    for bad, says in (("plan=05kf", r"needs \+compile"), ("full+compile+offload", "offload does not compose"),
+                      ("compile:budget=0.5+compile", "compile is given twice"), ("hf+compile", "not the hf")):
+        with pytest.raises(ValueError, match=says):
+            parse_policy(bad)
+
+
+def test_checkpointed_blocks_compile_into_one_graph_without_a_break():
+    # Eager checkpoint's early stop and ckptlab's recompute counters would each break the graph
+    # at every checkpointed block, which then ran eager.
+    workload = dropout_mlp()
+    for policy in ("full", "selective", "plan=fks", "segments=2"):
+        model = workload.build().train()
+        apply_policy(model, policy)
+        explanation = torch._dynamo.explain(model)(*workload.batch(BATCH, SEQ))
+        assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), (policy, explanation.break_reasons)
+    torch._dynamo.reset()
+
+
+def test_compile_gradients_within_tolerance_and_budget_zero_wrong():
+    workload = dropout_mlp()
+    right = compare_gradients(workload, "compile", BATCH, SEQ)
+    assert right.verdict == "within tolerance" and 0 < right.max_rel_diff <= right.tolerance, right
+    wrong = compare_gradients(workload, "compile:budget=0.0", BATCH, SEQ)
+    assert wrong.verdict == "wrong" and wrong.max_rel_diff > 100 * wrong.tolerance, wrong
+    assert wrong.loss == right.loss  # the forward is right; the backward redraws dropout
+    assert compare_gradients(workload, "full", BATCH, SEQ).verdict == "exact"
+
+
+def test_full_compile_holds_less_than_compile_with_right_gradients_and_the_wrong_anchor_is_marked():
+    workload = dropout_mlp()
+    df = compare(workload, BATCH, SEQ, ["compile", "full+compile"], anchors=True, verify=True, max_seconds=0.5)
+    rows = df.set_index("policy")
+    assert (rows.loc[["compile", "full+compile"], "status"] == "ok").all(), df[["policy", "status", "message"]]
+    assert rows.loc["full+compile", "peak_bytes"] < rows.loc["compile", "peak_bytes"]
+    assert rows.loc["compile", "compiled_graphs"] == rows.loc["full+compile", "compiled_graphs"] == 1  # ran compiled
+    assert rows.loc["full+compile", "gradients"] == rows.loc["compile", "gradients"] == "within tolerance"
+    assert rows.loc["torch.compile activation_memory_budget=0.5", "gradients"] == "wrong"
+    assert rows.loc["torch.utils.checkpoint per block", "gradients"] == "exact"
+
+
+def test_a_budget_per_block_compiles_each_block_and_never_silently_runs_eager():
+    # 9 blocks of one class, each with a backend of its own: past dynamo's default recompile
+    # limit (8), which would have run the 9th block eager without a word.
+    workload = dropout_mlp(9)
+    rec = measure(workload, 2, 8, "plan=" + "k" * 8 + "5+compile", steps=1, warmup=0, max_seconds=0.1)
+    assert rec["status"] == "ok", rec["message"]
+    assert rec["compiled_graphs"] == 9 and rec["recompute_count"] is None
+    assert torch._dynamo.config.fail_on_recompile_limit_hit
