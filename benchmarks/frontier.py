@@ -6,6 +6,9 @@ transformers' own checkpointing full / every_n_layers=2 / 4, SAC through transfo
 context_fn) and the planner's plan at each anchor's measured peak, all timed together. Then, per
 anchor, the fastest ckptlab configuration (policy or plan) whose measured peak is at or below the
 anchor's, and its time against the anchor's: the paired per-round ratio with its 95% interval.
+ckptlab's policies run eager and compiled (`P+compile`); every row's gradients are verified
+against the eager un-checkpointed model (`verify=True`), a row whose gradients are wrong is never
+a candidate, and an anchor whose gradients are wrong is reported as such, not as faster.
 
     python benchmarks/frontier.py --shapes small --max-seconds 600 --out results/frontier
     python benchmarks/frontier.py --shapes medium --max-seconds 900 --out results/frontier
@@ -39,19 +42,21 @@ SHAPES = {
                                   num_key_value_heads=4, vocab_size=2048, max_position_embeddings=512),
                    batch_size=2, seq_len=512),
 }
-POLICIES = ["none", "every=4", "every=2", "density=0.5", "selective", "full"]
+POLICIES = ["none", "every=4", "every=2", "density=0.5", "selective", "full",
+            "compile", "every=2+compile", "selective+compile", "full+compile"]
 CKPTLAB_SOURCES = ("ckptlab", "ckptlab plan")
 
 
 def best_per_anchor(df):
     """Per anchor that ran: the fastest ckptlab row at or below its peak, and the paired ratio."""
     ok = df[df["status"] == "ok"]
-    ours = ok[ok["source"].isin(CKPTLAB_SOURCES)]
+    ours = ok[ok["source"].isin(CKPTLAB_SOURCES) & (ok.get("gradients") != "wrong")]
     out = []
     for anchor in ok[~ok["source"].isin(CKPTLAB_SOURCES)].itertuples():
         fitting = ours[ours["peak_bytes"] <= anchor.peak_bytes]
         row = {"anchor": anchor.policy, "anchor_peak": anchor.peak_bytes, "anchor_ratio": anchor.time_ratio,
-               "anchor_low": anchor.time_ratio_low, "anchor_high": anchor.time_ratio_high}
+               "anchor_low": anchor.time_ratio_low, "anchor_high": anchor.time_ratio_high,
+               "anchor_gradients": getattr(anchor, "gradients", None)}
         if not len(fitting):
             out.append({**row, "ckptlab": None})
             continue
@@ -71,14 +76,15 @@ def print_report(name, df, best) -> None:
     print(f"{int(first['rounds'])} interleaved rounds, {int(first['threads'])} threads, load "
           f"{first['load_before']:.1f} -> {first['load_after']:.1f}{' (busy)' if first['busy'] else ''}; "
           f"time ratios to `none`, 95% intervals\n")
-    print("| configuration | source | peak | step ms | time ratio [95% CI] |")
-    print("|---|---|---|---|---|")
+    print("| configuration | source | peak | step ms | time ratio [95% CI] | gradients |")
+    print("|---|---|---|---|---|---|")
     for r in df.itertuples():
         if r.status != "ok":
-            print(f"| {r.policy} | {r.source} | - | - | {r.status}: {str(r.message)[:80]} |")
+            print(f"| {r.policy} | {r.source} | - | - | {r.status}: {str(r.message)[:80]} | - |")
             continue
         print(f"| {r.policy} | {r.source} | {format_bytes(r.peak_bytes)} | {r.step_ms:.0f} | "
-              f"{r.time_ratio:.3f} [{r.time_ratio_low:.3f}, {r.time_ratio_high:.3f}] |")
+              f"{r.time_ratio:.3f} [{r.time_ratio_low:.3f}, {r.time_ratio_high:.3f}] | "
+              f"{getattr(r, 'gradients', None) or '-'} |")
     print("\n| anchor | its peak | its time ratio | best ckptlab at or below that peak | its peak | "
           "ckptlab time / anchor time [95% CI] |")
     print("|---|---|---|---|---|---|")
@@ -88,7 +94,9 @@ def print_report(name, df, best) -> None:
         if b["ckptlab"] is None:
             print(anchor + " none fits | - | - |")
             continue
-        verdict = ("faster" if b["vs_anchor_high"] < 1 else "slower" if b["vs_anchor_low"] > 1 else "no difference")
+        verdict = ("the anchor's gradients are wrong" if b["anchor_gradients"] == "wrong"
+                   else "faster" if b["vs_anchor_high"] < 1 else "slower" if b["vs_anchor_low"] > 1
+                   else "no difference")
         print(anchor + f" {b['ckptlab']} | {format_bytes(b['ckptlab_peak'])} | {b['vs_anchor']:.3f} "
                        f"[{b['vs_anchor_low']:.3f}, {b['vs_anchor_high']:.3f}] ({verdict}) |")
 
@@ -110,7 +118,7 @@ def main(argv=None) -> int:
         shape = SHAPES[name]
         workload = get_workload("hf-llama-tiny", **shape["overrides"])
         t0 = time.perf_counter()
-        df = compare(workload, shape["batch_size"], args.seq or shape["seq_len"], POLICIES, anchors=True,
+        df = compare(workload, shape["batch_size"], args.seq or shape["seq_len"], POLICIES, anchors=True, verify=True,
                      max_seconds=args.max_seconds, out=Path(args.out) / name if args.out else None)
         print_report(name, df, best_per_anchor(df))
         print(f"\n({time.perf_counter() - t0:.0f} s for this shape)")
