@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ckptlab import Workload, compare, compare_gradients, parse_policy
 from ckptlab.checkpoint.compiled import apply_policy
 from ckptlab.probe.measure import measure
+from ckptlab.run.compiled_plan import _compositions, plan_compiled
 
 BATCH, SEQ = 4, 32
 
@@ -52,7 +53,7 @@ def test_compile_composes_with_any_ckptlab_policy_and_refuses_what_it_cannot():
         policy = parse_policy(text)
         assert policy.compiles and parse_policy(str(policy)) == policy, text
     assert parse_policy("none+compile") == parse_policy("compile")
-    assert parse_policy("plan=ffkk+compile").compile_budgets(4) is None          # one graph
+    assert parse_policy("layers=0,1+compile").compile_budgets(4) is None          # one graph
     assert parse_policy("plan=05kf+compile").compile_budgets(4) == [0.0, 0.5, 1.0, 1.0]  # a graph per block
     assert parse_policy("plan=05kf+compile").checkpointed_blocks(4) == [3]
     for bad, says in (("plan=05kf", r"needs \+compile"), ("full+compile+offload", "offload does not compose"),
@@ -65,7 +66,7 @@ def test_checkpointed_blocks_compile_into_one_graph_without_a_break():
     # Eager checkpoint's early stop and ckptlab's recompute counters would each break the graph
     # at every checkpointed block, which then ran eager.
     workload = dropout_mlp()
-    for policy in ("full", "selective", "plan=fks", "segments=2"):
+    for policy in ("full", "plan=fks", "segments=2"):
         model = workload.build().train()
         apply_policy(model, policy)
         explanation = torch._dynamo.explain(model)(*workload.batch(BATCH, SEQ))
@@ -103,3 +104,21 @@ def test_a_budget_per_block_compiles_each_block_and_never_silently_runs_eager():
     assert rec["status"] == "ok", rec["message"]
     assert rec["compiled_graphs"] == 9 and rec["recompute_count"] is None
     assert torch._dynamo.config.fail_on_recompile_limit_hit
+
+
+def test_compiled_plan_counts_and_bad_input():
+    assert sorted(_compositions(3, 2)) == [(0, 3), (1, 2), (2, 1), (3, 0)]
+    for bad, says in (({"options": "fx"}, "options='fx'"), ({"options": "f0"}, "k included"),
+                      ({"budget": "lots"}, "budget=lots")):
+        with pytest.raises(ValueError, match=says):
+            plan_compiled(dropout_mlp(2), 2, 8, **{"budget": 0.5, **bad})
+
+
+@pytest.mark.slow  # compiles about ten models: minutes on 2 cores
+def test_compiled_plan_choice_rests_on_measurements_and_is_verified_by_one():
+    plan = plan_compiled(dropout_mlp(2), 8, 64, 0.8, options="kf0", max_seconds=0.3)
+    costing = plan.costing.set_index("policy")
+    assert costing.loc["plan=00+compile", "gradients"] == "wrong" and "0" not in plan.options  # never chosen
+    assert set(plan.letters) <= set("kf") and plan.letters != "kk"
+    assert plan.peak_bytes == plan.verification.set_index("policy").loc[plan.policy, "peak_bytes"]  # measured
+    assert plan.fits and plan.gradients == "within tolerance"

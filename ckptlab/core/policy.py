@@ -29,10 +29,11 @@ Policies are written as strings because notebook parameters and CLI flags are st
                     none+offload. A no-op on CPU, where activations already live in host memory.
     P+compile       any ckptlab policy above, then `torch.compile` of the whole model: P's
                     checkpoint regions are traced into the one compiled graph (`none+compile` is
-                    `compile`). A plan may then also give a block a compile budget, a digit d
-                    for activation_memory_budget=d/10 (plan=00kf+compile): such a plan is compiled
-                    block by block (regional compilation), since one graph holds one budget.
-                    Not with offload: dynamo cannot trace `save_on_cpu`.
+                    `compile`). A plan is compiled block by block instead (regional compilation:
+                    each block its own graph, the rest of the model eager), so that a block may
+                    hold a compile budget of its own: a digit d is activation_memory_budget=d/10
+                    (plan=00kf+compile), k is the default budget. Not with offload: dynamo cannot
+                    trace `save_on_cpu`.
     hf              transformers models only (`ckptlab.checkpoint.hf`): Hugging Face's own checkpointing,
     hf:every_n_layers=K  `activation_checkpointing_enable()` (non-reentrant) on every layer, on
     hf:offload      layers 0, K, 2K, ..., or with offload=True, where the installed version has it.
@@ -97,9 +98,9 @@ class Policy:
         return self.kind == "compile" or self.compiled
 
     def compile_budgets(self, n_blocks: int) -> list[float] | None:
-        """Per block, the activation_memory_budget its own compiled graph holds, for a plan with
-        budget digits (compiled block by block); None when the model compiles as one graph."""
-        if self.kind != "plan" or not any(c.isdigit() for c in self.value):
+        """Per block, the activation_memory_budget its own compiled graph holds, for a compiled
+        plan (compiled block by block); None when the model compiles as one graph."""
+        if self.kind != "plan" or not self.compiled:
             return None
         self.regions(n_blocks)  # validates the length
         return [int(c) / 10 if c.isdigit() else 1.0 for c in self.value]
