@@ -144,6 +144,8 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
                               with_report=with_report, **options)
     measured = result[0] if with_report else result
     planned = f"plan {plan.letters} (predicted peak {plan.predicted_peak_bytes} B <= budget {plan.budget_bytes} B)"
+    if policy.compiled:
+        planned += ", predicted for the eager model: compiled, only the measured peak holds"
     measured.update(policy=str(policy), plan=plan.letters,
                     note="; ".join(filter(None, [planned, measured.get("note")])))
     return result
