@@ -133,9 +133,10 @@ def test_bad_input_is_refused_before_any_work(kwargs, match):
 
 def test_cli_prints_the_table_and_draws_the_figure(tmp_path, capsys):
     assert main(["compare", "--batch", "1", "--seq", "16", "--policy", "none,full", "--max-seconds", "0.5",
-                 "--out", str(tmp_path)]) == 0
+                 "--verify", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "time ratio [95% CI]" in text and "interleaved rounds" in text and "full" in text
+    assert "gradients" in text and "exact" in text
     assert (tmp_path / "figures" / "compare.png").stat().st_size > 0
 
 
@@ -156,6 +157,10 @@ def test_compare_plot_draws_error_bars():
     assert points[(1.3,)].get_color() == policy_style("hf")["color"] and points[(1.3,)].get_marker() == "s"
     assert points[(1.0,)].get_color() == policy_style("none")["color"] and points[(1.0,)].get_marker() == "o"
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["ckptlab policy", "anchor (framework knob)"]
+    # A row whose gradients are wrong is crossed out and says so.
+    wrong = compare_plot(df.assign(gradients=["exact", "wrong"])).axes[0]
+    assert any(line.get_marker() == "x" and tuple(line.get_xdata()) == (1.3,) for line in wrong.lines)
+    assert any("hf (WRONG gradients)" in t.get_text() for t in wrong.texts)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
