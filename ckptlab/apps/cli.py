@@ -55,6 +55,7 @@ POLICY_EXAMPLES = [
     ("budget=6GiB", "the planner picks keep/selective/full per block to fit (budget=0.5: of none's peak)"),
     ("compile", "torch.compile (compile:budget=0.5 sets PyTorch's activation_memory_budget)"),
     ("full+offload", "any policy with saved activations in host memory (offload alone: none+offload)"),
+    ("full+compile", "any policy, then torch.compile (plan=00kf+compile: a compile budget per block)"),
     ("hf", "transformers models: their own checkpointing (hf:every_n_layers=2, hf:offload)"),
 ]
 
