@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .validate import size_bytes, size_label
+from .units import format_bytes, size_bytes, size_label
 
 KINDS = ("none", "full", "density", "every", "layers", "segments", "selective", "plan", "budget", "compile")
 SELECTIVE_VARIANTS = ("mm", "alt", "attn")
@@ -88,7 +88,7 @@ class Policy:
         """The policy for a figure or a table: as `str`, but a budget in bytes reads as a rounded
         size (budget=42.7MiB); `str` stays exact, so that it parses back to the same policy."""
         if self.kind == "budget" and isinstance(self.value, int):
-            text = f"budget={readable_size(self.value)}"
+            text = f"budget={format_bytes(self.value, compact=True)}"
             return text + "+offload" if self.offload else text
         return str(self)
 
@@ -166,9 +166,6 @@ class Policy:
         return len(self.checkpointed_blocks(n_blocks)) / n_blocks
 
 
-SIZE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-
-
 def plan_policy(options, offload: bool = False) -> Policy:
     """The `plan=` policy of one option (keep | selective | full) per block."""
     letter = {option: k for k, option in PLAN_LETTERS.items()}
@@ -182,16 +179,6 @@ def policy_label(policy: str) -> str:
         return parse_policy(policy).label
     except ValueError:
         return str(policy)
-
-
-def readable_size(n_bytes: int) -> str:
-    """A size rounded to about 3 significant figures, as a label: 44777048 -> 42.7MiB."""
-    for unit, scale in SIZE_UNITS:
-        if n_bytes >= scale:
-            value = n_bytes / scale
-            text = f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f}"
-            return (text.rstrip("0").rstrip(".") if "." in text else text) + unit
-    return f"{n_bytes}B"
 
 
 def spread_evenly(k: int, n: int) -> list[int]:
