@@ -321,6 +321,7 @@ def cuda_allocator_stats(device: torch.device | str) -> dict[str, int]:
     stats = torch.cuda.memory_stats(device)
     return {
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "cuda_max_requested_bytes": stats.get("requested_bytes.all.peak"),
         "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
         "cuda_alloc_retries": stats.get("num_alloc_retries", 0),
         "cuda_ooms": stats.get("num_ooms", 0),
