@@ -249,3 +249,50 @@ def test_the_configured_cells_and_groups_are_valid_before_a_gpu_sees_them():
     with pytest.raises(ValueError, match="anchors='torch.checkpoint' is invalid: allowed are"):
         chosen_anchors(llama, ["torch.checkpoint"])
     assert gpu_check.run_dir_name("NVIDIA H200") == "gpu-check-nvidia-h200"
+
+
+@pytest.fixture
+def tiny_check(monkeypatch):
+    """The check's stages at a tiny size on CPU, the CUDA-only probes stubbed: the data flow from
+    measurements to claims runs here before it runs on a GPU."""
+    monkeypatch.setattr(gpu_check, "MEMORY", dict(gpu_check.MEMORY, model="gpt-tiny", batch_size=2, seq_len=32,
+                                                  policies=("full",)))
+    monkeypatch.setattr(gpu_check, "FRONTIER", dict(model="gpt-tiny", batch_size=2, seq_len=32, dtype="fp32"))
+    monkeypatch.setattr(gpu_check, "GROUPS", (("tiny", ("none", "full"), ("torch.utils.checkpoint per block",)),))
+    monkeypatch.setattr(gpu_check, "COMPARE_TIMING_S", 0.5)
+    monkeypatch.setattr(gpu_check, "OVERHEAD_TIMING_S", 1.0)
+    monkeypatch.setattr(gpu_check, "OVERHEAD_ARGS", ["--batch", "1", "--seq", "8"])
+    monkeypatch.setattr(gpu_check, "TRAINER", dict(model="hf-llama-tiny", batch_size=2, seq_len=16, accum_steps=1,
+                                                   max_steps=4, track_steps=1))
+    for name in ("fresh_allocator", "library_workspace_bytes", "rng_state_bytes"):
+        monkeypatch.setattr(gpu_check, name, lambda dev: 0)
+    return gpu_check.TimeBudget(600)
+
+
+def test_the_memory_and_frontier_stages_run_end_to_end_on_cpu(tiny_check, tmp_path):
+    cpu = torch.device("cpu")
+    notes = []
+    measured, predicted = gpu_check.memory_stage(tmp_path, cpu, tiny_check, notes)
+    assert measured.status == gv.FAIL and "no cell was measured on CUDA" in measured.summary   # CPU has no allocator counters
+    assert predicted.status == gv.PASS, predicted.summary   # CPU measured against CPU predicted: the same kernels
+    assert "with dropout: 1 cells" in predicted.summary
+    cells = pd.read_csv(tmp_path / "memory" / "cells.csv")
+    assert len(cells) == 2 and set(cells["dropout"]) == {0.0, 0.1}
+    frontier = gpu_check.frontier_stage(tmp_path, cpu, tiny_check)
+    rows = pd.read_csv(tmp_path / "compare" / "frontier.csv")
+    assert set(rows["group"]) == {"tiny"} and "torch.utils.checkpoint per block" in set(rows["policy"])
+    assert "ckptlab plan" in set(rows["source"])   # the plan at the anchor's peak
+    assert frontier.status in (gv.PASS, gv.FAIL) and "comparisons" in frontier.summary
+    assert (rows[rows["status"] == "ok"]["grad_verdict"] == "equal").all(), rows[["policy", "grad_verdict"]]
+    assert (tmp_path / "compare" / "tiny" / "figures" / "compare.png").exists()
+
+
+def test_the_overhead_and_trainer_stages_run_end_to_end_on_cpu(tiny_check, tmp_path):
+    cpu = torch.device("cpu")
+    overhead = gpu_check.overhead_stage(tmp_path, cpu, tiny_check)
+    assert overhead.name == gv.OVERHEAD_CLAIM and "ckptlab full / manual full" in overhead.summary
+    assert (tmp_path / "overhead" / "overhead.txt").read_text().startswith("gpt-tiny")
+    pytest.importorskip("transformers")
+    trainer = gpu_check.trainer_stage(tmp_path, cpu)
+    assert trainer.name == gv.TRAINER_CLAIM and not trainer.counts and "timed steps" in trainer.summary
+    assert (tmp_path / "trainer" / "summary.csv").exists()
