@@ -185,7 +185,8 @@ def frontier_rows(df: pd.DataFrame, factor: float = NOISE_FACTOR) -> pd.DataFram
     The gradient's noise floor is the baseline's own `max_grad_diff` (the un-checkpointed model
     run twice: what nondeterministic kernels alone change). An eager row is "equal" within
     `factor` x the floor (exactly equal when the floor is 0), else "differs"; a compiled row runs
-    other kernels, whose rounding differs, and is "compiled: reported"."""
+    other kernels, whose rounding differs, and is "compiled: reported". Every row of a group
+    compared without `verify` (no `max_grad_diff` at all) is "not verified"."""
     df = df.copy()
     if "group" not in df:
         df["group"] = 0
@@ -194,12 +195,12 @@ def frontier_rows(df: pd.DataFrame, factor: float = NOISE_FACTOR) -> pd.DataFram
     df["time_verdict"] = [
         time_verdict(r["time_ratio_low"], r["time_ratio_high"]) if _known(r.get("time_ratio_low")) else "no interval"
         for r in df.to_dict("records")]
-    verdicts = []
+    verdicts = {}
     for _, g in df.groupby("group", sort=False):
-        floor = g["max_grad_diff"].iloc[0]
-        for r in g.to_dict("records"):
-            verdicts.append(_grad_verdict(r, floor, factor))
-    df["grad_verdict"] = verdicts
+        floor, verified = g["max_grad_diff"].iloc[0], g["max_grad_diff"].notna().any()
+        for i, r in zip(g.index, g.to_dict("records")):
+            verdicts[i] = _grad_verdict(r, floor, factor) if verified else "not verified"
+    df["grad_verdict"] = pd.Series(verdicts)
     front = pareto(df, group=("group",))
     df["pareto_optimal"] = front["pareto_optimal"].reindex(df.index).fillna(False).astype(bool)
     return df
@@ -208,10 +209,10 @@ def frontier_rows(df: pd.DataFrame, factor: float = NOISE_FACTOR) -> pd.DataFram
 def _grad_verdict(r: dict, floor, factor: float) -> str:
     if r["status"] != "ok":
         return "not run"
-    if not _known(r["max_grad_diff"]):
-        return "not checked"
     if is_compiled(r):
         return "compiled: reported"
+    if not _known(r["max_grad_diff"]):
+        return "not checked"
     if not _known(floor):
         return "no noise floor"
     return "equal" if r["max_grad_diff"] <= factor * floor else "differs"
@@ -234,9 +235,12 @@ def frontier_claim(rows: pd.DataFrame, not_run: Sequence[str] = ()) -> Claim:
     problems = [f"{len(frame)} {what}" for frame, what in (
         (failed, "ckptlab rows did not run"), (no_interval, "timed rows without an interval"),
         (differs, "rows whose gradients differ or were not checked")) if len(frame)]
+    unverified = sorted(set(rows.loc[rows["grad_verdict"] == "not verified", "group"].astype(str)))
     stopped = ", ".join(sorted(set(rows["timing_stopped"].dropna().astype(str)))) if "timing_stopped" in rows else "-"
     summary = (f"{len(rows)} rows in {rows['group'].nunique()} comparisons, "
                f"{int(rows['pareto_optimal'].sum())} on the frontier; timing stopped by: {stopped}")
+    if unverified:
+        summary += f"; gradients not verified in: {', '.join(unverified)}"
     if problems:
         summary += "; " + "; ".join(problems)
     status = FAIL if problems else SKIPPED if not_run else PASS
