@@ -303,3 +303,44 @@ def test_the_overhead_and_trainer_stages_run_end_to_end_on_cpu(tiny_check, tmp_p
     trainer = gpu_check.trainer_stage(tmp_path, cpu)
     assert trainer.name == gv.TRAINER_CLAIM and not trainer.counts and "timed steps" in trainer.summary
     assert (tmp_path / "trainer" / "summary.csv").exists()
+
+
+def test_arguments_are_refused_with_one_line(capsys):
+    assert gpu_check.main(["--fast"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "arguments='--fast' are invalid" in err
+
+
+def test_the_alarm_stops_a_stage_and_the_stages_after_it_are_skipped(tmp_path, monkeypatch):
+    def endless(*args):
+        while True:
+            pass
+
+    ran = []
+    monkeypatch.setattr(gpu_check, "memory_stage", endless)
+    monkeypatch.setattr(gpu_check, "overhead_stage", lambda *a: ran.append("overhead"))
+    with gpu_check.budget_alarm(0.2):
+        claims, notes = gpu_check.run_check(tmp_path, torch.device("cpu"), gpu_check.TimeBudget(600))
+    assert ran == []
+    assert [c.summary for c in claims[:2]] == ["not tested: stopped by the time budget while it ran"] * 2
+    assert all("spent by an earlier stage" in c.summary for c in claims[2:])
+    assert gv.exit_status(claims) == 3
+
+
+def test_a_stage_that_crashes_fails_its_claim_and_the_others_run(tmp_path, monkeypatch):
+    def crash(*args):
+        raise RuntimeError("CUDA error: an illegal memory access\nmore")
+
+    monkeypatch.setattr(gpu_check, "memory_stage", crash)
+    monkeypatch.setattr(gpu_check, "overhead_stage", lambda *a: gv.overhead_claim(1.0, 0.995, 1.005))
+    monkeypatch.setattr(gpu_check, "trainer_stage", crash)
+    monkeypatch.setattr(gpu_check, "frontier_stage", lambda *a: gv.skipped(gv.FRONTIER_CLAIM, "test"))
+    monkeypatch.setattr(gpu_check, "snapshot_stage", lambda *a: None)
+    budget = gpu_check.TimeBudget(600)
+    claims, notes = gpu_check.run_check(tmp_path, torch.device("cpu"), budget)
+    assert [c.status for c in claims] == [gv.FAIL, gv.FAIL, gv.PASS, gv.FAIL, gv.SKIPPED]
+    assert claims[0].summary == "RuntimeError: CUDA error: an illegal memory access (errors.txt)"
+    assert "Traceback" in (tmp_path / "errors.txt").read_text()
+    assert gpu_check.finish(tmp_path, claims, notes, "Fake GPU", budget, {"torch": "x"}) == 1
+    assert (tmp_path / "report.md").read_text().startswith("# GPU validation on Fake GPU: FAIL")
+    assert '"device": "Fake GPU"' in (tmp_path / "claims.json").read_text()

@@ -346,7 +346,26 @@ def run_check(out: Path, dev: torch.device, budget: TimeBudget) -> tuple[list[Cl
     return claims, notes
 
 
+@contextlib.contextmanager
+def budget_alarm(seconds: float):
+    """BudgetExceeded raised in this (the main) thread after `seconds`, wherever it is then."""
+    def alarm(signum, frame):
+        raise BudgetExceeded()
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def main(argv: list[str] | None = None, results: str = "results") -> int:
+    if argv:
+        print(f"gpu-check: arguments={' '.join(argv)!r} are invalid: allowed is none (the check is fixed: "
+              "python -m ckptlab.apps.gpu_check)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device is available on this machine (torch.cuda.is_available() is False); "
               "this check needs one NVIDIA GPU: run `make gpu-check` on a GPU machine.", file=sys.stderr)
@@ -357,21 +376,18 @@ def main(argv: list[str] | None = None, results: str = "results") -> int:
     out.mkdir(parents=True, exist_ok=True)
     budget = TimeBudget(BUDGET_S)
     print(f"gpu-check on {name}: budget {BUDGET_S:.0f} s; writing {out}", flush=True)
-
-    def alarm(signum, frame):
-        raise BudgetExceeded()
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, BUDGET_S - REPORT_RESERVE_S)
-    try:
+    with budget_alarm(BUDGET_S - REPORT_RESERVE_S):
         claims, notes = run_check(out, dev, budget)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    meta = {"device": name, "budget_s": BUDGET_S, "elapsed_s": budget.elapsed(), "commit": source_commit(),
-            "environment": environment(str(dev)), "claims": [vars(c) for c in claims]}
+    return finish(out, claims, notes, name, budget, environment(str(dev)))
+
+
+def finish(out: Path, claims: list[Claim], notes: list[str], device: str, budget: TimeBudget, env: dict) -> int:
+    """report.md and claims.json (every claim, the environment, the commit) into `out`; the report
+    printed; the exit status returned."""
+    meta = {"device": device, "budget_s": budget.seconds, "elapsed_s": budget.elapsed(), "commit": source_commit(),
+            "environment": env, "claims": [vars(c) for c in claims]}
     (out / "claims.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
-    report = report_markdown(claims, name, BUDGET_S, budget.elapsed(), notes)
+    report = report_markdown(claims, device, budget.seconds, budget.elapsed(), notes)
     (out / "report.md").write_text(report)
     print(report)
     status = exit_status(claims)
