@@ -112,7 +112,8 @@ def test_prediction_errors_per_cell_and_the_ops_named_where_kernels_differ():
 def compare_row(policy, source="ckptlab", peak=0, step=100.0, ratio=(1.0, 1.0, 1.0), diff=0.0, status="ok", group="g"):
     return dict(group=group, policy=policy, source=source, peak_bytes=peak, step_ms=step, step_ms_low=step - 1,
                 step_ms_high=step + 1, time_ratio=ratio[0], time_ratio_low=ratio[1], time_ratio_high=ratio[2],
-                max_grad_diff=diff, status=status, timing_stopped="target", model="m", seq_len=2048,
+                max_grad_diff=diff, status=status, timing_stopped="target", model="m", seq_len=2048, batch_size=4,
+                dtype="bf16",
                 effective_batch_size=4)
 
 
@@ -137,6 +138,7 @@ def test_frontier_rows_read_intervals_gradients_and_the_frontier():
     assert r.loc["compile", "pareto_optimal"] and not r.loc["none", "pareto_optimal"]
 
     claim = gv.frontier_claim(rows)
+    assert claim.summary.startswith("m b=4 s=2048 bf16: 6 rows in 1 comparisons")
     assert claim.status == gv.FAIL and "1 rows whose gradients differ" in claim.summary
     assert "1.300 [1.280, 1.320]" in claim.details
 

@@ -343,6 +343,8 @@ def run_check(out: Path, dev: torch.device, budget: TimeBudget) -> tuple[list[Cl
                          "density=0.5 bf16), for https://pytorch.org/memory_viz.")
         except BudgetExceeded:
             notes.append("No memory snapshot: the time budget ran out while it was taken.")
+        except Exception as exc:  # noqa: BLE001 - a diagnosis only: its failure is noted, the report still written
+            notes.append(f"No memory snapshot: {type(exc).__name__}: {exc}")
     return claims, notes
 
 

@@ -237,7 +237,9 @@ def frontier_claim(rows: pd.DataFrame, not_run: Sequence[str] = ()) -> Claim:
         (differs, "rows whose gradients differ or were not checked")) if len(frame)]
     unverified = sorted(set(rows.loc[rows["grad_verdict"] == "not verified", "group"].astype(str)))
     stopped = ", ".join(sorted(set(rows["timing_stopped"].dropna().astype(str)))) if "timing_stopped" in rows else "-"
-    summary = (f"{len(rows)} rows in {rows['group'].nunique()} comparisons, "
+    shapes = ", ".join(dict.fromkeys(f"{r.get('model')} b={r.get('batch_size')} s={r.get('seq_len')} {r.get('dtype')}"
+                                     for r in rows.to_dict("records")))
+    summary = (f"{shapes}: {len(rows)} rows in {rows['group'].nunique()} comparisons, "
                f"{int(rows['pareto_optimal'].sum())} on the frontier; timing stopped by: {stopped}")
     if unverified:
         summary += f"; gradients not verified in: {', '.join(unverified)}"
