@@ -12,9 +12,11 @@ claim. The verdicts are computed by `ckptlab.report.gpu_validation` (tested on C
 4. the seed's claim: transformers' Trainer (fp32, hf-llama-1b), gradient_checkpointing against
    none, with the interval of the step-time ratio (reported, not counted in the exit status).
 5. time and the frontier: `compare --verify` at hf-llama-1b bf16, every ckptlab policy, the
-   anchors with the plans at their peaks, eager and compiled. Every configuration of a comparison
-   keeps its model and AdamW state on the card (about 14 GiB each at this size), so they run in
-   groups of at most six, each with `none` as its time baseline and gradient noise floor.
+   anchors with the plans at their peaks, eager and compiled, at batch 4 x seq 2048 (`none`:
+   43.8 GiB predicted peak). Every configuration of a comparison keeps its fp32 weights and AdamW
+   state on the card (13.8 GiB each), so they run in groups of at most five, each with `none` as
+   its time baseline and gradient noise floor: 5 x 13.8 GiB + the gradient check's fresh model,
+   gradients and activations (about 44 GiB) = about 113 GiB of the H200's 139 GiB.
 
 Time budget: BUDGET_S = 450 s on one H200, so that the command, interpreter start included, ends
 within 8 minutes. Before each stage (each memory cell, each comparison group) the check compares
