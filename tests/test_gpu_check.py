@@ -14,6 +14,8 @@ from ckptlab.core.records import new_record
 from ckptlab.report import gpu_validation as gv
 from ckptlab.report.analysis import trainer_summary
 
+from .conftest import requires_cuda
+
 
 def block(n: int) -> int:
     """What the CUDA caching allocator hands out for n bytes: whole 512-byte blocks."""
@@ -346,3 +348,16 @@ def test_a_stage_that_crashes_fails_its_claim_and_the_others_run(tmp_path, monke
     assert gpu_check.finish(tmp_path, claims, notes, "Fake GPU", budget, {"torch": "x"}) == 1
     assert (tmp_path / "report.md").read_text().startswith("# GPU validation on Fake GPU: FAIL")
     assert '"device": "Fake GPU"' in (tmp_path / "claims.json").read_text()
+
+
+@requires_cuda
+def test_the_cuda_probes_measure_what_the_libraries_hold():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    workspace = gpu_check.library_workspace_bytes(dev)
+    assert workspace >= 0 and workspace % 512 == 0
+    assert gpu_check.library_workspace_bytes(dev) == workspace      # the same on a second look
+    assert gpu_check.rng_state_bytes(dev) >= 0
+    gpu_check.fresh_allocator(dev)
+    x = torch.empty(1000, device=dev)
+    assert torch.cuda.memory_stats(dev)["requested_bytes.all.current"] <= torch.cuda.memory_allocated(dev)
+    del x
