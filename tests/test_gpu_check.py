@@ -289,6 +289,9 @@ def test_the_memory_and_frontier_stages_run_end_to_end_on_cpu(tiny_check, tmp_pa
     assert "with dropout: 1 cells" in predicted.summary
     cells = pd.read_csv(tmp_path / "memory" / "cells.csv")
     assert len(cells) == 2 and set(cells["dropout"]) == {0.0, 0.1}
+    by_node = pd.read_csv(tmp_path / "memory" / "saved_by_node.csv")   # CPU real against CPU fake: the same
+    assert set(by_node["dropout"]) == {0.0, 0.1} and (by_node["predicted_bytes"] == by_node["measured_bytes"]).all()
+    assert "dropout 0.1): the same at every node" in predicted.details
     frontier = gpu_check.frontier_stage(tmp_path, cpu, tiny_check)
     rows = pd.read_csv(tmp_path / "compare" / "frontier.csv")
     assert set(rows["group"]) == {"tiny"} and "torch.utils.checkpoint per block" in set(rows["policy"])
@@ -361,3 +364,38 @@ def test_the_cuda_probes_measure_what_the_libraries_hold():
     x = torch.empty(1000, device=dev)
     assert torch.cuda.memory_stats(dev)["requested_bytes.all.current"] <= torch.cuda.memory_allocated(dev)
     del x
+
+
+def test_saved_bytes_by_node_on_a_hand_counted_model_real_and_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ckptlab.probe.memory import saved_bytes_by_node
+
+    def saved():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+        return saved_bytes_by_node(model(torch.randn(4, 8)).sum())
+
+    # addmm keeps its input for the weight's gradient (4 x 8 fp32), relu its output (4 x 16 fp32)
+    assert saved() == {"AddmmBackward0": 4 * 8 * 4, "ReluBackward0": 4 * 16 * 4}
+    with FakeTensorMode():
+        assert saved() == {"AddmmBackward0": 128, "ReluBackward0": 256}
+
+
+def test_saved_differences_name_the_nodes_whose_bytes_differ():
+    cpu = {"AddmmBackward0": 100, "ScaledDotProductFlashAttentionForCpuBackward0": 40, "MulBackward0": 64}
+    cuda = {"AddmmBackward0": 100, "ScaledDotProductFlashAttentionBackward0": 36, "NativeDropoutBackward0": 16}
+    diff = gv.saved_differences(cpu, cuda)
+    assert diff["node"].tolist() == ["MulBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
+                                     "ScaledDotProductFlashAttentionBackward0", "NativeDropoutBackward0"]
+    assert diff["difference_bytes"].tolist() == [64, 40, -36, -16]
+    assert gv.saved_differences(cpu, dict(cpu)).empty
+    mib = 2**20
+    cells = pd.DataFrame([cell("none", 100 * mib, 104 * mib, dropout=0.1, saved_activation_bytes=50 * mib,
+                               predicted_peak_bytes=130 * mib, predicted_saved_bytes=80 * mib)])
+    errors = gv.prediction_errors(cells, differences={0.1: diff})
+    assert errors["cpu_vs_cuda"].iloc[0].startswith("MulBackward0, ScaledDotProductFlashAttentionForCpuBackward0")
+    claim = gv.memory_predicted_claim(pd.concat([errors, gv.prediction_errors(cells.assign(dropout=0.0))]),
+                                      differences={0.1: diff, 0.0: diff.iloc[0:0]})
+    assert "policy none, dropout 0.1" in claim.details and "NativeDropoutBackward0" in claim.details
+    assert "dropout 0): the same at every node" in claim.details

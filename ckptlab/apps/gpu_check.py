@@ -47,9 +47,12 @@ import torch
 from torch.utils.checkpoint import get_device_states
 
 from ..core.children import child_environment, die_with_parent
+from ..core.policy import parse_policy
+from ..estimate.fake_step import fake_training_step
 from ..estimate.predict import predict
 from ..probe.measure import measure
-from ..probe.memory import cuda_memory_snapshot
+from ..probe.memory import cuda_memory_snapshot, saved_bytes_by_node
+from ..probe.step import DTYPES
 from ..report.gpu_validation import (
     FAIL,
     FRONTIER_CLAIM,
@@ -67,6 +70,7 @@ from ..report.gpu_validation import (
     overhead_claim,
     prediction_errors,
     report_markdown,
+    saved_differences,
     skipped,
     trainer_claim,
 )
@@ -199,6 +203,20 @@ def memory_cell(workload, policy: str, dropout: float, dev: torch.device) -> dic
     return record
 
 
+def saved_by_node(workload, dev: torch.device) -> dict[str, int]:
+    """What one forward at the memory cells' shape leaves for backward, by autograd node, without
+    checkpointing: on `dev` for real, or (dev None) predicted on CPU fake tensors."""
+    b, s, dtype = MEMORY["batch_size"], MEMORY["seq_len"], DTYPES[MEMORY["dtype"]]
+    if dev is None:
+        with fake_training_step(workload, b, s, parse_policy("none"), MEMORY["dtype"], "none") as (model, _, batch, _, _):
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                return saved_bytes_by_node(workload.loss(model, batch))
+    model = workload.build(dev).train()
+    batch = workload.batch(b, s, dev)
+    with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+        return saved_bytes_by_node(workload.loss(model, batch))
+
+
 def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[str]) -> list[Claim]:
     """Claims 1 and 2 from the same cells: each measured on CUDA and predicted on CPU."""
     workspace, rng = library_workspace_bytes(dev), rng_state_bytes(dev)
@@ -217,6 +235,19 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
             notes.append("Memory: the time budget ran out during a cell; the claims use the cells before it.")
             break
         per_cell = time.monotonic() - t0
+    differences, by_node = {}, []
+    for dropout in MEMORY["dropouts"]:   # which op keeps what, side by side, where time allows
+        if not budget.fits(per_cell + REPORT_RESERVE_S):
+            break
+        try:
+            workload = get_workload(MEMORY["model"], dropout=dropout)
+            fresh_allocator(dev)
+            on_cuda, on_cpu = saved_by_node(workload, dev), saved_by_node(workload, None)
+        except BudgetExceeded:
+            break
+        differences[dropout] = saved_differences(on_cpu, on_cuda)
+        by_node += [dict(dropout=dropout, node=n, predicted_bytes=on_cpu.get(n, 0), measured_bytes=on_cuda.get(n, 0))
+                    for n in dict.fromkeys([*on_cpu, *on_cuda])]
     (out / "memory").mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame(cells)
     df.to_csv(out / "memory" / "cells.csv", index=False)
@@ -226,9 +257,10 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
     with_prediction = df[df["status"] == "ok"] if len(df) else df
     if "predicted_peak_bytes" not in with_prediction or with_prediction.empty:
         return [measured, Claim(MEMORY_PREDICTED_CLAIM, FAIL, "no cell was measured ok on CUDA")]
-    errors = prediction_errors(with_prediction)
+    pd.DataFrame(by_node).to_csv(out / "memory" / "saved_by_node.csv", index=False)
+    errors = prediction_errors(with_prediction, differences=differences)
     errors.to_csv(out / "memory" / "prediction_errors.csv", index=False)
-    return [measured, memory_predicted_claim(errors)]
+    return [measured, memory_predicted_claim(errors, differences=differences)]
 
 
 def overhead_stage(out: Path, dev: torch.device, budget: TimeBudget) -> Claim:

@@ -129,24 +129,45 @@ def memory_measured_claim(gaps: pd.DataFrame, limit: float = UNEXPLAINED_LIMIT) 
 
 # ----------------------------------------------------------------------------- memory, predicted
 
-def prediction_errors(cells: pd.DataFrame, target: float = PREDICTION_TARGET) -> pd.DataFrame:
+def saved_differences(predicted: dict[str, int], measured: dict[str, int]) -> pd.DataFrame:
+    """The autograd nodes whose saved bytes differ between a CPU prediction and the CUDA step
+    (`probe.memory.saved_bytes_by_node` of each; a node on one side only has 0 on the other):
+    node, predicted_bytes, measured_bytes, difference_bytes (predicted - measured), largest
+    difference first."""
+    rows = [{"node": node, "predicted_bytes": predicted.get(node, 0), "measured_bytes": measured.get(node, 0)}
+            for node in dict.fromkeys([*predicted, *measured])]
+    df = pd.DataFrame(rows, columns=["node", "predicted_bytes", "measured_bytes"])
+    df["difference_bytes"] = df["predicted_bytes"] - df["measured_bytes"]
+    df = df[df["difference_bytes"] != 0]
+    return df.iloc[df["difference_bytes"].abs().argsort()[::-1]].reset_index(drop=True)
+
+
+def prediction_errors(cells: pd.DataFrame, target: float = PREDICTION_TARGET,
+                      differences: Optional[dict[float, pd.DataFrame]] = None) -> pd.DataFrame:
     """Per cell with a CUDA measurement (`peak_bytes`, `saved_activation_bytes`,
     `cuda_max_allocated_bytes`) and a CPU prediction (`predicted_peak_bytes`,
     `predicted_saved_bytes`) and its `dropout`: the relative errors, whether the peak's is within
-    ±`target`, and the ops whose CPU kernels keep other tensors than CUDA's (dropout > 0)."""
+    ±`target`, and in `cpu_vs_cuda` the ops whose CPU kernels keep other tensors than CUDA's: the
+    nodes of `differences[dropout]` (`saved_differences`) where measured, else for dropout > 0
+    the ops known to differ (CPU_VS_CUDA_WITH_DROPOUT)."""
     out = cells.copy()
     out["cell"] = [cell_label(r) for r in cells.to_dict("records")]
     out["peak_error"] = out["predicted_peak_bytes"] / out["peak_bytes"] - 1
     out["saved_error"] = out["predicted_saved_bytes"] / out["saved_activation_bytes"] - 1
     out["allocator_error"] = out["predicted_peak_bytes"] / out["cuda_max_allocated_bytes"] - 1
     out["within_target"] = out["peak_error"].abs() <= target
-    out["cpu_vs_cuda"] = ["; ".join(CPU_VS_CUDA_WITH_DROPOUT) if d > 0 else "" for d in out["dropout"]]
+    differences = differences or {}
+    out["cpu_vs_cuda"] = [", ".join(differences[d]["node"]) if d in differences
+                          else "; ".join(CPU_VS_CUDA_WITH_DROPOUT) if d > 0 else "" for d in out["dropout"]]
     return out
 
 
-def memory_predicted_claim(errors: pd.DataFrame, target: float = PREDICTION_TARGET) -> Claim:
+def memory_predicted_claim(errors: pd.DataFrame, target: float = PREDICTION_TARGET,
+                           differences: Optional[dict[float, pd.DataFrame]] = None) -> Claim:
     """Pass when every cell without dropout (the same kernels' tensors on both sides) is within
-    ±`target`; cells with dropout are reported with the ops that differ, not judged."""
+    ±`target`; cells with dropout are reported with the ops that differ, not judged. The details
+    list every cell, and for each dropout in `differences` the autograd nodes whose saved bytes
+    differ (policy none)."""
     name = MEMORY_PREDICTED_CLAIM
     same_kernels = errors[errors["dropout"] == 0]
     if same_kernels.empty:
@@ -168,6 +189,12 @@ def memory_predicted_claim(errors: pd.DataFrame, target: float = PREDICTION_TARG
     if len(with_dropout):
         details += "\n\nWith dropout the CPU kernels keep other tensors than CUDA's:\n" + "\n".join(
             f"- {op}" for op in CPU_VS_CUDA_WITH_DROPOUT)
+    for dropout, diff in (differences or {}).items():
+        details += (f"\n\nSaved for backward, by autograd node, CPU prediction against CUDA (policy none, dropout "
+                    f"{dropout:g}): " + ("the same at every node" if diff.empty else "\n" + format_table(
+                        diff.to_dict("records"), [("node", "node", str), ("predicted", "predicted_bytes", _bytes),
+                                                  ("CUDA", "measured_bytes", _bytes),
+                                                  ("difference", "difference_bytes", _bytes)])))
     return Claim(name, FAIL if bad else PASS, summary, details)
 
 
@@ -360,4 +387,4 @@ __all__ = ["CPU_VS_CUDA_WITH_DROPOUT", "Claim", "FAIL", "FRONTIER_CLAIM", "MEMOR
            "MEMORY_PREDICTED_CLAIM", "NOISE_FACTOR", "OVERHEAD_CLAIM", "OVERHEAD_TARGET", "PASS", "PREDICTION_TARGET",
            "SKIPPED", "TRAINER_CLAIM", "UNEXPLAINED_LIMIT", "allocator_gap", "cell_label", "exit_status", "frontier_claim",
            "frontier_rows", "is_compiled", "memory_measured_claim", "memory_predicted_claim", "overhead_claim",
-           "prediction_errors", "report_markdown", "skipped", "trainer_claim"]
+           "prediction_errors", "report_markdown", "saved_differences", "skipped", "trainer_claim"]
