@@ -7,7 +7,9 @@ claim. The verdicts are computed by `ckptlab.report.gpu_validation` (tested on C
    allocator's rounding (allocated - requested), the libraries' workspaces (measured here) and
    the RNG states checkpoint saves (measured here); fails beyond 1% unexplained.
 2. memory, predicted: `predict` on CPU fake tensors for the same cells against the CUDA
-   measurement; ±2% where both sides' kernels keep the same tensors (no dropout).
+   measurement; ±2% where both sides' kernels keep the same tensors (no dropout). What one
+   forward keeps for backward, by autograd node, on CUDA and predicted, names the ops where the
+   CPU kernels keep other tensors than CUDA's (memory/saved_by_node.csv).
 3. overhead: benchmarks/overhead.py on CUDA: ckptlab full / a hand-written loop, interval <= +1%.
 4. the seed's claim: transformers' Trainer (fp32, hf-llama-1b), gradient_checkpointing against
    none, with the interval of the step-time ratio (reported, not counted in the exit status).
