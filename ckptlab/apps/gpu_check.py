@@ -275,8 +275,11 @@ def overhead_stage(out: Path, dev: torch.device, budget: TimeBudget) -> Claim:
     timing_s = max(1.0, min(OVERHEAD_TIMING_S, budget.left() - REPORT_RESERVE_S - 30))
     args = [sys.executable, str(script), *OVERHEAD_ARGS, "--device", str(dev), "--max-seconds", f"{timing_s:.0f}",
             "--json", str(folder / "overhead.json")]
-    proc = subprocess.run(args, capture_output=True, text=True, env=child_environment(), preexec_fn=die_with_parent(),
-                          timeout=max(10.0, budget.left() - REPORT_RESERVE_S))
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, env=child_environment(),
+                              preexec_fn=die_with_parent(), timeout=max(10.0, budget.left() - REPORT_RESERVE_S))
+    except subprocess.TimeoutExpired:
+        return skipped(OVERHEAD_CLAIM, "benchmarks/overhead.py did not finish in the time left")
     (folder / "overhead.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return Claim(OVERHEAD_CLAIM, FAIL, f"benchmarks/overhead.py exited {proc.returncode}: see overhead/overhead.txt")
