@@ -35,6 +35,7 @@ FIELDS: dict[str, object] = {
     "peak_phase": None,
     "saved_activation_bytes": None,
     "cuda_max_allocated_bytes": None,
+    "cuda_max_requested_bytes": None,  # the sizes asked of the allocator, before its rounding
     "cuda_max_reserved_bytes": None,
     "cuda_alloc_retries": None,
     "cuda_ooms": None,

@@ -170,11 +170,12 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
     CPU limit (status "oom")."""
     # Configurations timed together live side by side: on CUDA the allocator's peak counts the
     # others' resident memory too, which is taken out again below.
-    resident = 0
+    resident = resident_requested = 0
     if dev.type == "cuda":
         capacity = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / capacity), dev)
         resident = torch.cuda.memory_allocated(dev)
+        resident_requested = torch.cuda.memory_stats(dev).get("requested_bytes.all.current", 0)
     model = workload.build(dev)
     model.train()
     runner, compiled, handle = apply(model, record)
@@ -208,6 +209,8 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
         torch.cuda.synchronize(dev)
         record.update(cuda_allocator_stats(dev))
         record["cuda_max_allocated_bytes"] -= resident
+        if record["cuda_max_requested_bytes"] is not None:
+            record["cuda_max_requested_bytes"] -= resident_requested
     peak = max(report.peak_bytes, record["cuda_max_allocated_bytes"] or 0)
     if limit is not None:
         record["fits"] = peak <= limit

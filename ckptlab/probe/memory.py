@@ -21,6 +21,7 @@ allocator-level count from the profiler (`profiler_peak_bytes`) sit beside it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from dataclasses import dataclass, field
@@ -252,6 +253,32 @@ def track_memory(
         tracker.live.clear()
 
 
+def saved_bytes_by_node(loss: torch.Tensor) -> dict[str, int]:
+    """What the autograd graph behind `loss` holds for backward, by node: {"AddmmBackward0":
+    bytes, ...}, each storage once, under the first node that holds it walking back from the loss.
+    Call it after forward, before backward frees what it holds. Real and fake tensors alike, so a
+    CUDA step and its CPU prediction can be held side by side op by op: where the kernels differ,
+    the node names differ (a CPU attention node against a CUDA one)."""
+    by_node: dict[str, int] = {}
+    seen, done = set(), set()
+    todo = collections.deque([loss.grad_fn])
+    while todo:
+        node = todo.popleft()
+        if node is None or node in done:
+            continue
+        done.add(node)
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            value = getattr(node, attr)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+                    seen.add(t.untyped_storage()._cdata)
+                    by_node[node.name()] = by_node.get(node.name(), 0) + t.untyped_storage().nbytes()
+        todo.extend(f for f, _ in node.next_functions)
+    return by_node
+
+
 # --------------------------------------------------------------------------- independent counts
 
 def allocator_peak(run: Callable[[object], object], device: torch.device | str = "cpu",
@@ -321,6 +348,7 @@ def cuda_allocator_stats(device: torch.device | str) -> dict[str, int]:
     stats = torch.cuda.memory_stats(device)
     return {
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "cuda_max_requested_bytes": stats.get("requested_bytes.all.peak"),
         "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
         "cuda_alloc_retries": stats.get("num_alloc_retries", 0),
         "cuda_ooms": stats.get("num_ooms", 0),

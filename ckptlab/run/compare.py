@@ -100,9 +100,13 @@ class Shape:
 
 def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: Sequence[str] | str, *,
             dtype: str = "fp32", device: str = "cpu", target_ci: float = 0.02, max_seconds: float = 120,
-            anchors: bool = False, verify: bool = False, out: Optional[str | Path] = None) -> pd.DataFrame:
+            anchors: bool | Sequence[str] = False, verify: bool = False,
+            out: Optional[str | Path] = None) -> pd.DataFrame:
     """One row per configuration (module docstring); the first policy is the time baseline.
 
+    `anchors` is True for every anchor of this workload, or a list of anchor labels (as
+    `anchor_configs` names them) for those only: configurations timed together share the
+    device's memory, so a large model's comparison may be split into groups.
     `target_ci`/`max_seconds` control the timing protocol (stop at ±target_ci or after
     max_seconds of timing); `verify=True` adds `max_grad_diff` (the largest absolute difference of
     loss and parameter gradients against no checkpointing, same weights, batch and seed);
@@ -111,10 +115,9 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
     policies = list(dict.fromkeys(str(parse_policy(p)) if isinstance(p, str) and p else p for p in policies))
     _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
+    chosen = chosen_anchors(workload, anchors)
     dev = resolve_device(device)
-    configs = [_ckptlab_config(p) for p in policies]
-    if anchors:
-        configs += anchor_configs(workload)
+    configs = [_ckptlab_config(p) for p in policies] + chosen
 
     shape = Shape(workload, batch_size, seq_len, dtype, dev)
 
@@ -198,6 +201,19 @@ def anchor_configs(workload: Workload) -> list[Config]:
                    _transformers_checkpointing(selective=True), anchor=True),
         ]
     return configs
+
+
+def chosen_anchors(workload: Workload, anchors: bool | Sequence[str]) -> list[Config]:
+    """`anchor_configs(workload)` for anchors=True, none for False, or the ones a list names
+    (ValueError naming one that is not an anchor of this workload)."""
+    if isinstance(anchors, bool):
+        return anchor_configs(workload) if anchors else []
+    anchors = [anchors] if isinstance(anchors, str) else list(anchors)
+    available = anchor_configs(workload)
+    labels = [c.policy for c in available]
+    for label in anchors:
+        choice("anchors", label, labels)
+    return [c for c in available if c.policy in anchors]
 
 
 def _is_transformers(workload: Workload) -> bool:
@@ -356,4 +372,4 @@ def write(df: pd.DataFrame, out: str | Path) -> Path:
     return out
 
 
-__all__ = ["anchor_configs", "compare", "measure_together", "write"]
+__all__ = ["anchor_configs", "chosen_anchors", "compare", "measure_together", "write"]
