@@ -12,8 +12,8 @@ import torch
 import ckptlab
 from ckptlab import Workload, compare_gradients, get_workload, measure, predict
 from ckptlab.apps.cli import main as cli_main
-from ckptlab.checkpoint.blocks import find_stacks
 from ckptlab.workloads.specs import file_hash
+from ckptlab.workloads.stacks import find_stacks
 
 pytest.importorskip("transformers")
 

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
 
-from ..checkpoint.blocks import find_blocks, hidden_state
+from ..checkpoint.blocks import hidden_state
 from ..checkpoint.wrap import selective_context_fn, selective_policy_fn
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import plan_policy
@@ -34,6 +34,7 @@ from ..probe.memory import track_memory
 from ..probe.step import DTYPES
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
+from ..workloads.stacks import find_blocks
 
 # Roofline for shapes too large to time here: a modern accelerator's realistic dense throughput
 # and memory bandwidth (stated assumptions, not measurements).

@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import HF_KINDS, parse_policy
 from ..core.records import CATEGORIES, new_record
@@ -27,6 +26,7 @@ from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
+from ..workloads.stacks import find_blocks
 from .memory import allocator_peak, cuda_allocator_stats, track_memory
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
 from .timing import check_timing_options, time_interleaved

@@ -17,12 +17,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.parsing import split_list
 from ..core.policy import parse_policy
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
+from ..workloads.stacks import find_blocks
 from .distributed import combine, measure_sharded_many, rank_spec
 from .memory import allocator_peak
 from .step import device_name, make_optimizer, training_step

@@ -33,7 +33,6 @@ import pandas as pd
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import matmul_and_attention_ops
 from ..core.policy import parse_policy, plan_policy
 from ..core.records import new_record
@@ -54,6 +53,7 @@ from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import gradient_difference, step_gradients
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
+from ..workloads.stacks import find_blocks
 
 COLUMNS = ["policy", "source", "effective_density", "peak_bytes", "saved_activation_bytes", "step_ms",
            "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high", "significant",
