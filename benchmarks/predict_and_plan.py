@@ -43,8 +43,6 @@ MLP_POLICIES = ["none", "full", "density=0.5", "every=3", "segments=sqrt", "sele
                 "plan=kfskkfsk", "budget=mid"]
 
 
-
-
 def pct(v):
     return "-" if v is None else f"{v:+.2%}"
 
@@ -372,7 +370,6 @@ def section_prediction(args, result) -> None:
           f"saved-activation error {min(r['cf_saved_error'] for r in cf):+.1%}..{max(r['cf_saved_error'] for r in cf):+.1%}")
 
 
-
 def section_frontier(args, result) -> None:
     print(f"\n== 2. measured frontier: gpt-tiny b={args.batch} s={args.seq}, fp32, every policy timed together: "
           "median step time and time ratio to none (paired per round), each with its 95% interval ==")
@@ -430,7 +427,6 @@ def section_fits(args, result) -> None:
     print("Llama-7B-shaped GPT (6.7B) at batch 8, seq 4096, bf16, fresh process: "
           + ", ".join(f"{p} peak {mib(llama[p]['peak'])} ({llama[p]['s']:.1f} s)" for p in ("none", "full", "selective"))
           + f"; whole process {llama['total_s']:.1f} s incl. import, max RSS {mib(llama['max_rss'])}")
-
 
 
 def section_compile(args, result) -> None:

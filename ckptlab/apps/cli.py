@@ -325,7 +325,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-
     for path in redraw_all(args.run_dir):
         print(path)
     return 0
@@ -346,8 +345,6 @@ def _literal(text: str):
 
 
 def cmd_notebooks_run(args: argparse.Namespace) -> int:
-
-
     output_folder("--out", args.out)
     if args.name is not None:
         run_name("--name", args.name)
@@ -373,7 +370,6 @@ def cmd_notebooks_run(args: argparse.Namespace) -> int:
 
 
 def cmd_notebooks_params(args: argparse.Namespace) -> int:
-
     path = find_notebook(args.name)
     params = list(notebook_parameters(path).values())
     print(f"{path.stem} parameters:")
@@ -420,7 +416,6 @@ PREDICT_COLUMNS = [
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside."""
-
     workload = get_workload(args.model, **_model_overrides(args.set))
     rows = []
     for batch in int_list("--batch", args.batch):
@@ -440,7 +435,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Choose keep/selective/full per block for a memory budget; print the plan."""
-
     workload = get_workload(args.model, **_model_overrides(args.set))
     plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost)
     if args.format != "table":

@@ -108,7 +108,6 @@ class Explorer:
         return "\n".join(lines)
 
     def figure(self):
-
         limit = parse_bytes(self.config["memory_limit"])
         return peak_breakdown(self.records if self.records is not None else pd.DataFrame(), limit_bytes=limit)
 

@@ -130,6 +130,5 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-
 __all__ = ["ROOT", "RUN_MARKER", "NotebookRun", "check_replaceable", "execute", "fresh_run_folder", "now", "relative",
            "shorten_paths", "write_json"]

@@ -65,5 +65,4 @@ def _notebook_job(path: str, run_dir: str, values: dict, param_set: str, timeout
     return execute(Path(path), Path(run_dir), values, param_set, timeout_s)
 
 
-
 __all__ = ["run_notebooks_as_jobs"]

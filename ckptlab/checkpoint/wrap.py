@@ -112,7 +112,6 @@ def selective_policy_fn(variant: str = "mm") -> Callable:
     attn: keep only attention outputs.
     Random ops (dropout) are recomputed under checkpoint's preserved RNG state, so masks match.
     """
-
     if variant not in ("mm", "alt", "attn"):
         raise ValueError(f"selective variant {variant!r} is invalid: allowed are mm, alt, attn")
     sdpa, matmuls = _sdpa_ops(), _matmul_ops()

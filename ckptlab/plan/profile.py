@@ -165,7 +165,6 @@ class _OpTimer(TorchDispatchMode):
 
 
 def _roofline_ms(func, args, kwargs, out) -> float:
-
     flops = 0
     formula = flop_registry.get(getattr(func, "_overloadpacket", None))
     if formula is not None:
@@ -181,8 +180,6 @@ def _roofline_ms(func, args, kwargs, out) -> float:
 def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str, cost: str,
                   reps: int = 5) -> list[dict[str, float]]:
     """Recompute time per block and option, from a per-op pass over each block's forward."""
-
-
     fake = cost == "roofline"
     mode = fake_modes() if fake else contextlib.nullcontext()
     if fake:

@@ -159,7 +159,6 @@ def rank_spec(workload, batch_size, seq_len, policies, nproc, device, dtype, ste
 def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> str:
     """Start nproc rank processes and wait; '' on success, else why not. Each rank is a fresh
     `python -c` process with the environment torchrun would give it (RANK, WORLD_SIZE, ...)."""
-
     Path(out_dir, "spec.json").write_text(json.dumps(spec))
     port = _free_port()
     procs = []

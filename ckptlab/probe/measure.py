@@ -260,7 +260,6 @@ def allocator_step_memory(step, model, optimizer, batch, dev):
     which see allocations inside compiled graphs that a dispatch-mode tracker cannot. Returns a
     MemoryReport (peak = bytes held when the step began + the allocator's high-water mark above
     it; saved activations = bytes the forward left allocated) and the loss."""
-
     start = {}
     for t in list(model.parameters()) + list(batch) + [
             t for st in (optimizer.state.values() if optimizer else []) for t in st.values()

@@ -76,8 +76,6 @@ def _strength(policy) -> float:
     return 0.35 + 0.65 * (zlib.crc32(str(policy).encode()) % 1000) / 999
 
 
-
-
 def _save(fig, path: Optional[str | Path]):
     if path is not None:
         path = Path(path)

@@ -272,4 +272,3 @@ __all__ = ["job_done", "job_state", "make_executor", "poll_jobs", "run_as_jobs",
            "wait_for_local_results"]
 
 
-
