@@ -168,5 +168,5 @@ def add_predictions(df, closed_form_too: bool = True):
     return pd.DataFrame(rows)
 
 
-__all__ = ["CAPACITIES_GIB", "Prediction", "add_predictions", "check_prediction", "llama7b_shape", "predict",
+__all__ = ["CAPACITIES_GIB", "add_predictions", "check_prediction", "llama7b_shape", "predict",
            "predict_fits", "prediction_error"]

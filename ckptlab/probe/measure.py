@@ -290,4 +290,4 @@ def _first_line(exc: BaseException) -> str:
 
 
 __all__ = ["allocator_step_memory", "check_policy_applies", "compile_with_budget", "failures_recorded", "fresh_compiler_cache", "measure", "policy_applier",
-           "measurement_record", "policy_notes", "prepare_step", "reset_compiler_cache", "training_step", "make_optimizer", "resolve_device"]
+           "measurement_record", "policy_notes", "prepare_step", "reset_compiler_cache"]

@@ -506,5 +506,5 @@ def _source_kind(source: str) -> str:
 
 
 __all__ = ["CATEGORY_COLORS", "FIGURES", "KIND_STYLES", "MiB", "compare_plot", "heatmaps", "memory_time_vs_density",
-           "memory_timeline", "pareto_plot", "peak_breakdown", "place_labels", "policy_label", "policy_style", "redraw_all",
+           "memory_timeline", "pareto_plot", "peak_breakdown", "place_labels", "policy_style", "redraw_all",
            "trainer_plot", "what_fits_plot"]
