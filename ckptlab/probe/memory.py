@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import sys
+import tempfile
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -299,7 +302,7 @@ def allocator_peak(run: Callable[[object], object], device: torch.device | str =
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - marks.base
         return MemoryReport(start_bytes + peak, {}, "unknown", start_bytes, marks.at_backward), result
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _cpu_profiler() as prof:
         result = run(_ProfilerMarks())
     # The raw allocator records (signed bytes, timestamps): the aggregated FunctionEvents net
     # out allocations freed inside one op, which would hide transient peaks.
@@ -318,6 +321,46 @@ def allocator_peak(run: Callable[[object], object], device: torch.device | str =
         if current > peak:
             peak, peak_phase = current, phase
     return MemoryReport(start_bytes + peak, {}, peak_phase, start_bytes, at_backward, timeline), result
+
+
+# What the profiler's C++ side (Kineto) writes to the process's stderr at every start and stop,
+# whatever KINETO_LOG_LEVEL says: `USDT: ... profiler_start` and `USDT: ... profiler_stop`.
+KINETO_LOG_PREFIXES = ("USDT:",)
+
+
+@contextlib.contextmanager
+def _cpu_profiler():
+    """The CPU profiler with allocator events, started and stopped without Kineto's log lines
+    reaching the terminal: the step itself runs with stderr untouched."""
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_log_dropped():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _native_log_dropped():
+            prof.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _native_log_dropped():
+    """While inside, what native code writes to file descriptor 2 goes to a temporary file;
+    afterwards every line but Kineto's log lines is written on to stderr, so no error is lost."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(KINETO_LOG_PREFIXES)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def profiler_peak_bytes(fn: Callable[[], object]) -> int:
