@@ -280,7 +280,7 @@ _PROFILE_CACHE: dict = {}
 
 def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtype: str = "fp32",
                    optimizer: str = "adamw", cost: str = "auto") -> Profile:
-    """The planner's per-block profile (module docstring, step 1). `cost`: measured (per-op wall
+    """The planner's per-block profile (module docstring). `cost`: measured (per-op wall
     time of a real forward, CPU), roofline (FLOPs and bytes of a fake forward, for shapes that do
     not fit here) or auto (measured if the uniform keep peak is under 4 GiB). Cached per shape."""
     workload = as_workload(workload)

@@ -1,22 +1,9 @@
-"""Memory probes.
-
-The ground truth is `track_memory()`: a live-tensor tracker that works on any device, CPU
-included. It sees every tensor an ATen op creates (a TorchDispatchMode), keys it by its storage,
-and learns when the storage is freed from a weak reference to it — so views are counted once and
-the peak is the true high-water mark of bytes held in live tensor storages. Saved-tensor hooks
-alone are not enough (under checkpointing or op-level caching they miss what is held elsewhere);
-here they only *label* storages as activations.
-
-Categories at the peak:
-    parameters        the model's parameters
-    gradients         tensors that became a parameter's .grad
-    optimizer_state   tensors in optimizer.state
-    activations       tensors held for backward: packed by autograd, or allocated in forward and
-                      still alive when forward ends (checkpoint inputs, logits)
-    temporaries       everything else: transient forward/backward buffers, recomputed activations
-
-The CUDA allocator view (`cuda_allocator_stats`, `cuda_memory_snapshot`) and an independent
-allocator-level count from the profiler (`profiler_peak_bytes`) sit beside it.
+"""Memory probes. The ground truth is `track_memory()`, a live-tensor tracker that works on any
+device, CPU included, and reports the peak by category (parameters, gradients, optimizer_state,
+activations, temporaries); how it counts, and what each category holds: docs/design.md, note
+"The live-tensor tracker". Beside it: the CUDA allocator's view (`cuda_allocator_stats`,
+`cuda_memory_snapshot`) and an allocator-level count from the profiler (`allocator_peak`,
+`profiler_peak_bytes`), which also sees inside compiled graphs.
 """
 
 from __future__ import annotations

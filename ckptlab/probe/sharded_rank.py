@@ -84,7 +84,8 @@ def _gradients_rank(spec: dict, policy: str, rank: int, world: int, dev: torch.d
 
 
 def shard_model(model: torch.nn.Module, policy, world: int, device_type: str):
-    """Checkpoint, then fully_shard each block, then the root (see the module docstring)."""
+    """Checkpoint, then fully_shard each block, then the root (docs/design.md, note "Checkpointing
+    under FSDP2")."""
     handle = apply_checkpointing(model, policy)
     mesh = init_device_mesh(device_type, (world,))
     for block in find_blocks(model):

@@ -2,23 +2,11 @@
 
     df = ckptlab.compare("gpt-tiny", 4, 64, ["none", "density=0.5", "full"], anchors=True)
 
-Each configuration's model is built once and its memory measured once with the live-tensor
-tracker (as `measure` does); then all of them are timed together with the interleaved protocol of
-`ckptlab.probe.timing`, so every row's `time_ratio` (to the first policy) carries a 95% interval and
-`significant` says whether that interval excludes 1.
-
-Anchors (`anchors=True`) are applied with their own framework's API, not through ckptlab:
-
-    torch.utils.checkpoint        `checkpoint(block.forward, ..., use_reentrant=False)` per block
-    torch.compile                 `torch.compile` with `activation_memory_budget=0.5`
-    transformers (its models)     `activation_checkpointing_enable()` (or the older
-                                  `gradient_checkpointing_enable()`): every layer, and
-                                  `every_n_layers=2` / `4`, and PyTorch op-level SAC handed in as
-                                  its `context_fn` (matmul and attention outputs saved)
-
-and for each anchor that ran, the planner's plan (`plan_budget`) at that anchor's measured peak.
-An anchor that cannot run here (no compiler, an old transformers) is a row with status "error"
-and the reason.
+Each configuration's memory is measured once with the live-tensor tracker (as `measure` does);
+then all are timed together in interleaved rounds (`ckptlab.probe.timing`), so every row's
+`time_ratio` to the first policy has a 95% interval and `significant` says whether it excludes 1.
+`anchors=True` adds other frameworks' knobs, each applied through its own API, and the planner's
+plan at each anchor's measured peak (docs/design.md, note "Anchors").
 """
 
 from __future__ import annotations
@@ -102,7 +90,7 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
             dtype: str = "fp32", device: str = "cpu", target_ci: float = 0.02, max_seconds: float = 120,
             anchors: bool | Sequence[str] = False, verify: bool = False,
             out: Optional[str | Path] = None) -> pd.DataFrame:
-    """One row per configuration (module docstring); the first policy is the time baseline.
+    """One row per configuration; the first policy is the time baseline.
 
     `anchors` is True for every anchor of this workload, or a list of anchor labels (as
     `anchor_configs` names them) for those only: configurations timed together share the
@@ -184,7 +172,7 @@ def _ckptlab_config(text: str) -> Config:
 
 
 def anchor_configs(workload: Workload) -> list[Config]:
-    """The knobs a user would use instead of ckptlab, for this workload (module docstring)."""
+    """The knobs a user would use instead of ckptlab, for this workload (docs/design.md, note "Anchors")."""
     configs = [
         Config("torch.utils.checkpoint per block", "torch.utils.checkpoint", _per_block_checkpoint, anchor=True),
         Config(f"torch.compile activation_memory_budget={COMPILE_ANCHOR_BUDGET}", "torch.compile",
