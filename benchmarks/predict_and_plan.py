@@ -29,6 +29,7 @@ import time
 import torch
 
 from ckptlab import closed_form, get_workload, measure, measure_together, predict, predict_fits
+from ckptlab.core.policy import policy_label
 from ckptlab.core.units import format_bytes
 from ckptlab.estimate.predict import prediction_error
 from ckptlab.plan.budget import plan_budget
@@ -358,13 +359,13 @@ def section_prediction(args, result) -> None:
     pred_rows = prediction_table(args.quick)
     result["prediction"] = pred_rows
     print(format_table(pred_rows, [
-        ("model", "model", str), ("b", "batch", str), ("s", "seq", str), ("policy", "policy", str),
+        ("model", "model", str), ("b", "batch", str), ("s", "seq", str), ("policy", "policy", policy_label),
         ("dtype", "dtype", str), ("measured", "measured_peak", mib), ("predicted", "predicted_peak", mib),
         ("error", "error", pct), ("saved err", "saved_error", pct), ("closed form err", "cf_error", pct),
         ("cf saved err", "cf_saved_error", pct), ("predict s", "predict_s", lambda v: f"{v:.2f}")]))
     worst = max(pred_rows, key=lambda r: abs(r["error"]))
     cf = [r for r in pred_rows if r["cf_error"] is not None]
-    print(f"worst prediction error: {worst['error']:+.3%} ({worst['policy']} b={worst['batch']} s={worst['seq']}) "
+    print(f"worst prediction error: {worst['error']:+.3%} ({policy_label(worst['policy'])} b={worst['batch']} s={worst['seq']}) "
           f"over {len(pred_rows)} configurations; closed form: peak error "
           f"{min(r['cf_error'] for r in cf):+.1%}..{max(r['cf_error'] for r in cf):+.1%}, "
           f"saved-activation error {min(r['cf_saved_error'] for r in cf):+.1%}..{max(r['cf_saved_error'] for r in cf):+.1%}")
@@ -383,7 +384,7 @@ def section_frontier(args, result) -> None:
     shown = [{**r, "step": interval(r, "step_ms", "{:.1f}"), "overhead_ci": interval(r, "overhead", "{:+.1%}")}
              for r in rows]
     print(format_table(shown, [
-        ("policy", "policy", str), ("from", "from", str), ("peak", "peak_bytes", mib),
+        ("policy", "policy", policy_label), ("from", "from", policy_label), ("peak", "peak_bytes", mib),
         ("predicted", "predicted_peak_bytes", mib), ("error", "error", pct),
         ("saved", "saved_activation_bytes", mib), ("step ms [95% CI]", "step", str),
         ("overhead [95% CI]", "overhead_ci", str),
