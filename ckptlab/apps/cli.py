@@ -19,7 +19,7 @@ import yaml
 
 from ..core.meta import __version__
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
-from ..core.policy import parse_policy
+from ..core.policy import parse_policy, policy_label
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
@@ -130,7 +130,7 @@ def print_rows(rows: list[dict], columns: list, fmt: str, heading: str = "") -> 
 
 
 MEASURE_COLUMNS = [
-    ("policy", "policy", str),
+    ("policy", "policy", policy_label),
     ("density", "effective_density", _num(".2f")),
     ("batch", "batch_size", str),
     ("seq", "seq_len", str),
@@ -281,7 +281,7 @@ def format_compare(df: pd.DataFrame) -> str:
         return lambda v: "-" if v is None or v != v else format(v, fmt)
 
     rows = [dict(r, ratio_text=ratio(r)) for r in df.to_dict("records")]
-    columns = [("policy", "policy", str), ("source", "source", str),
+    columns = [("policy", "policy", policy_label), ("source", "source", str),
                ("density", "effective_density", value(".2f")),
                ("peak", "peak_bytes", lambda v: "-" if v is None or v != v else format_bytes(v)),
                ("step ms", "step_ms", value(".1f")), ("time ratio [95% CI]", "ratio_text", str),
@@ -401,7 +401,7 @@ def _model_overrides(pairs) -> dict:
 
 
 PREDICT_COLUMNS = [
-    ("policy", "policy", str),
+    ("policy", "policy", policy_label),
     ("batch", "batch_size", str),
     ("seq", "seq_len", str),
     ("predicted peak", "predicted_peak_bytes", format_bytes),
