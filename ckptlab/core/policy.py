@@ -2,9 +2,9 @@
 
 Policies are strings, because notebook parameters and CLI flags are strings: none, full,
 density=D, every=K, layers=0,3,5, segments=S, selective[=V], plan=kfsk, budget=B,
-compile[:budget=B], P+offload and transformers' own hf, hf:every_n_layers=K, hf:offload. What each recomputes, and
-which framework knob it matches: docs/guide/policies.md (or `ckptlab --help`). Each kind's
-names, parsing, canonical spelling and regions are one entry of `KINDS`.
+compile[:budget=B], P+offload and transformers' own hf, hf:every_n_layers=K, hf:offload. What each
+recomputes, and which framework knob it matches: docs/guide/policies.md (or `ckptlab --help`).
+Each kind's names, parsing, canonical spelling and regions are one entry of `KINDS`.
 
 `parse_policy` only checks the syntax; anything that depends on N (layers out of range, more
 segments than blocks) is checked by `Policy.regions(n_blocks)`, which `apply_checkpointing`
