@@ -1,30 +1,7 @@
 """GPU validation (`make gpu-check`): ckptlab's claims about a GPU, tested in one command within
-a stated time budget, into results/gpu-check-<device>/ with a report.md that says pass or fail per
-claim. The verdicts are computed by `ckptlab.report.gpu_validation` (tested on CPU):
-
-1. memory, measured: gpt2-small cells (bf16, dropout 0 and 0.1, none/selective/density=0.5/full):
-   the tracker's peak against `torch.cuda.max_memory_allocated`, the difference explained by the
-   allocator's rounding (allocated - requested), the libraries' workspaces (measured here) and
-   the RNG states checkpoint saves (measured here); fails beyond 1% unexplained.
-2. memory, predicted: `predict` on CPU fake tensors for the same cells against the CUDA
-   measurement; ±2% where both sides' kernels keep the same tensors (no dropout). What one
-   forward keeps for backward, by autograd node, on CUDA and predicted, names the ops where the
-   CPU kernels keep other tensors than CUDA's (memory/saved_by_node.csv).
-3. overhead: benchmarks/overhead.py on CUDA: ckptlab full / a hand-written loop, interval <= +1%.
-4. the seed's claim: transformers' Trainer (fp32, hf-llama-1b), gradient_checkpointing against
-   none, with the interval of the step-time ratio (reported, not counted in the exit status).
-5. time and the frontier: `compare --verify` at hf-llama-1b bf16, every ckptlab policy, the
-   anchors with the plans at their peaks, eager and compiled, at batch 4 x seq 2048 (`none`:
-   43.8 GiB predicted peak). Every configuration of a comparison keeps its fp32 weights and AdamW
-   state on the card (13.8 GiB each), so they run in groups of at most five, each with `none` as
-   its time baseline and gradient noise floor: 5 x 13.8 GiB + the gradient check's fresh model,
-   gradients and activations (about 44 GiB) = about 113 GiB of the H200's 139 GiB.
-
-Time budget: BUDGET_S = 450 s on one H200, so that the command, interpreter start included, ends
-within 8 minutes. Before each stage (each memory cell, each comparison group) the check compares
-what it needs (the prior estimates below until one of its kind has run, then what that took) with
-the time left, and skips it, saying so in report.md, when it does not fit; timing rounds have caps
-that fit; an alarm stops whatever still runs at the budget, and the claims use what was measured.
+a stated time budget (BUDGET_S), into results/gpu-check-<device>/ with a report.md that says pass
+or fail per claim. The verdicts are computed by `ckptlab.report.gpu_validation` (tested on CPU);
+the claims, and how the budget is kept: docs/design.md, note "The GPU check".
 
 Without a CUDA device it exits with status 2 and one line; it never pretends to pass. Exit status
 on a GPU: 0 every claim passed, 1 one failed, 3 one was skipped for time (not tested).
