@@ -8,7 +8,7 @@
      all timed together in interleaved rounds (`measure_together`): each time ratio to `none` is
      paired round by round and carries its 95% interval. The Pareto frontier; whether budget
      plans dominate the uniform policies (no more memory and a time interval entirely below the
-     uniform's; overlapping intervals are no difference); at the peak of `full`, the best plan's
+     uniform's, paired round by round; an interval that contains 1 is no difference); at the peak of `full`, the best plan's
      time against full's; what fraction of full's savings selective gets, at what overhead;
   3. what fits on 24/40/80/141 GiB cards, by prediction, and the cost of predicting a
      Llama-7B-shaped GPT at batch 8, seq 4096;
@@ -26,15 +26,15 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import torch
-from ckptlab import measure_together
+
+from ckptlab import closed_form, get_workload, measure, measure_together, predict, predict_fits
+from ckptlab.core.policy import policy_label
+from ckptlab.core.units import format_bytes
 from ckptlab.estimate.predict import prediction_error
 from ckptlab.plan.budget import plan_budget
-
-from ckptlab import closed_form, get_workload, measure, predict, predict_fits
-from ckptlab.core.units import format_bytes
-from ckptlab.probe.timing import bootstrap_median, check_timing_options, time_steps
+from ckptlab.probe.timing import check_timing_options, time_steps, time_verdict
+from ckptlab.report.analysis import paired_ratio
 from ckptlab.report.tables import format_table
 
 GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
@@ -42,9 +42,6 @@ GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", 
                  "budget=mid"]
 MLP_POLICIES = ["none", "full", "density=0.5", "every=3", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfskkfsk", "budget=mid"]
-
-
-NO_DIFFERENCE = "no difference (inside the noise)"
 
 
 def pct(v):
@@ -134,11 +131,6 @@ def frontier(quick: bool, batch: int, seq: int, target_ci: float, max_seconds: f
     return rows, {"plans": plans, "none": none_p, "full": full_p, "timing": timing}
 
 
-def paired(a: dict, b: dict) -> tuple[float, float, float]:
-    """a's time over b's, paired round by round (both timed in the same rounds): median, 95% interval."""
-    return bootstrap_median(np.asarray(a["round_ms"]) / np.asarray(b["round_ms"]))
-
-
 def with_interval(name: str, value: float, low: float, high: float) -> dict:
     return {name: value, f"{name}_low": low, f"{name}_high": high}
 
@@ -149,16 +141,14 @@ def frontier_summary(rows: list[dict]) -> dict:
     plans = [r for r in by.values() if r["kind"] == "plan"]
     at_full = [r for r in plans if r["peak_bytes"] <= full["peak_bytes"]]
     best_at_full = min(at_full, key=lambda r: r["time_ratio"], default=None)
-    # A plan dominates a uniform policy only with no more memory and a time interval entirely below
-    # the uniform's; overlapping intervals cannot be told apart (compile rows are not plans).
+    # A plan dominates a uniform policy only with no more memory and a paired time ratio whose
+    # interval lies below 1 (compile rows are not plans).
     dom = []
     for u in (r for r in by.values() if r["kind"] == "uniform" and r["policy"] != "none"):
         best = min((p for p in plans if p["peak_bytes"] <= u["peak_bytes"]), key=lambda r: r["time_ratio"],
                    default=None)
-        verdict = "-" if best is None else (
-            "plan faster" if best["time_ratio_high"] < u["time_ratio_low"]
-            else "plan slower" if best["time_ratio_low"] > u["time_ratio_high"]
-            else NO_DIFFERENCE)
+        verdict = "-" if best is None else time_verdict(*paired_ratio(best, u)[1:])
+        verdict = f"plan {verdict}" if verdict in ("faster", "slower") else verdict
         dom.append({"uniform": u["policy"], "uniform_peak": u["peak_bytes"], "uniform_ratio": u["time_ratio"],
                     "uniform_low": u["time_ratio_low"], "uniform_high": u["time_ratio_high"],
                     "best_plan": best["policy"] if best else "-", "plan_peak": best["peak_bytes"] if best else None,
@@ -169,9 +159,9 @@ def frontier_summary(rows: list[dict]) -> dict:
     speedup = {"speedup_at_full_peak": None, "speedup_at_full_peak_low": None, "speedup_at_full_peak_high": None,
                "speedup_verdict": None}
     if best_at_full is not None:
-        ratio, low, high = paired(full, best_at_full)  # full over the plan: above 1, the plan is faster
+        ratio, low, high = paired_ratio(full, best_at_full)  # full over the plan: above 1, the plan is faster
         speedup = {**with_interval("speedup_at_full_peak", ratio - 1, low - 1, high - 1),
-                   "speedup_verdict": "faster" if low > 1 else "slower" if high < 1 else NO_DIFFERENCE}
+                   "speedup_verdict": time_verdict(1 / high, 1 / low)}
     saved_total = none["peak_bytes"] - full["peak_bytes"]
     return {
         "best_plan_at_full_peak": best_at_full["policy"] if best_at_full else None, **speedup,
@@ -369,17 +359,16 @@ def section_prediction(args, result) -> None:
     pred_rows = prediction_table(args.quick)
     result["prediction"] = pred_rows
     print(format_table(pred_rows, [
-        ("model", "model", str), ("b", "batch", str), ("s", "seq", str), ("policy", "policy", str),
+        ("model", "model", str), ("b", "batch", str), ("s", "seq", str), ("policy", "policy", policy_label),
         ("dtype", "dtype", str), ("measured", "measured_peak", mib), ("predicted", "predicted_peak", mib),
         ("error", "error", pct), ("saved err", "saved_error", pct), ("closed form err", "cf_error", pct),
         ("cf saved err", "cf_saved_error", pct), ("predict s", "predict_s", lambda v: f"{v:.2f}")]))
     worst = max(pred_rows, key=lambda r: abs(r["error"]))
     cf = [r for r in pred_rows if r["cf_error"] is not None]
-    print(f"worst prediction error: {worst['error']:+.3%} ({worst['policy']} b={worst['batch']} s={worst['seq']}) "
+    print(f"worst prediction error: {worst['error']:+.3%} ({policy_label(worst['policy'])} b={worst['batch']} s={worst['seq']}) "
           f"over {len(pred_rows)} configurations; closed form: peak error "
           f"{min(r['cf_error'] for r in cf):+.1%}..{max(r['cf_error'] for r in cf):+.1%}, "
           f"saved-activation error {min(r['cf_saved_error'] for r in cf):+.1%}..{max(r['cf_saved_error'] for r in cf):+.1%}")
-
 
 
 def section_frontier(args, result) -> None:
@@ -395,7 +384,7 @@ def section_frontier(args, result) -> None:
     shown = [{**r, "step": interval(r, "step_ms", "{:.1f}"), "overhead_ci": interval(r, "overhead", "{:+.1%}")}
              for r in rows]
     print(format_table(shown, [
-        ("policy", "policy", str), ("from", "from", str), ("peak", "peak_bytes", mib),
+        ("policy", "policy", policy_label), ("from", "from", policy_label), ("peak", "peak_bytes", mib),
         ("predicted", "predicted_peak_bytes", mib), ("error", "error", pct),
         ("saved", "saved_activation_bytes", mib), ("step ms [95% CI]", "step", str),
         ("overhead [95% CI]", "overhead_ci", str),
@@ -439,7 +428,6 @@ def section_fits(args, result) -> None:
     print("Llama-7B-shaped GPT (6.7B) at batch 8, seq 4096, bf16, fresh process: "
           + ", ".join(f"{p} peak {mib(llama[p]['peak'])} ({llama[p]['s']:.1f} s)" for p in ("none", "full", "selective"))
           + f"; whole process {llama['total_s']:.1f} s incl. import, max RSS {mib(llama['max_rss'])}")
-
 
 
 def section_compile(args, result) -> None:

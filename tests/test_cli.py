@@ -39,6 +39,12 @@ def test_predict_and_plan(capsys):
     assert "plan " in capsys.readouterr().out
 
 
+def test_tables_name_a_budget_in_bytes_by_its_size(capsys):
+    assert main(["predict", *TINY, "--batch", "2", "--seq", "16", "--policy", "budget=100000001"]) == 0
+    out = capsys.readouterr().out
+    assert "budget=95.4MiB" in out and "100000001" not in out
+
+
 def test_split_list_keeps_layer_indices_together():
     assert split_list("none,layers=0,2,density=0.5") == ["none", "layers=0,2", "density=0.5"]
     assert split_list("1, 2,4") == ["1", "2", "4"]
@@ -64,7 +70,7 @@ def test_help_lists_presets_policies_with_examples_and_exit_codes(capsys):
         assert f"  {example} " in out
         parse_policy(example)  # every example is a policy that parses
     kinds = {parse_policy(example).kind.split(":")[0] for example, _ in POLICY_EXAMPLES}
-    assert kinds == set(KINDS) | {"hf"}  # one example for each kind of the vocabulary
+    assert kinds == {k.split(":")[0] for k in KINDS}  # one example for each kind of the vocabulary
     table = out[out.index("exit codes:"):].splitlines()[1:]
     assert [line.split()[0] for line in table] == ["0", "1", "2", "3"]
     assert "usage error" in table[2] and "in use" in table[3]

@@ -1,42 +1,12 @@
 """The checkpoint-policy vocabulary: which of a model's N blocks recompute their activations.
 
-Policies are written as strings because notebook parameters and CLI flags are strings:
-
-    none            keep every activation (the baseline)
-    full            recompute every block (Hugging Face `gradient_checkpointing=True`)
-    density=D       round(D * N) blocks, spread evenly (see `spread_evenly`), D in [0, 1]
-    every=K         blocks K-1, 2K-1, ... (every K-th block; HF `every_n_layers`,
-                    torchtitan `selective_ac_option=K`), K >= 1
-    layers=0,3,5    exactly these block indices
-    segments=S      `torch.utils.checkpoint.checkpoint_sequential(blocks, S)`: the blocks are cut
-    segments=sqrt   into S contiguous segments; every segment but the last is ONE checkpoint
-                    region that keeps only its input; the last runs normally, as in PyTorch,
-                    because its backward starts right after forward. `sqrt` means round(sqrt(N)).
-    selective       op-level selective checkpointing in every block
-    selective=V     (`torch.utils.checkpoint.create_selective_checkpoint_contexts`): keep the
-                    outputs of some ops, recompute the rest. V picks what is kept: `mm` (default:
-                    every matmul and attention output), `alt` (every other matmul + attention, as
-                    torchtitan does), `attn` (attention outputs only).
-    plan=kfsk...    one letter per block: k keep, s selective, f full recompute (what the budget
-                    planner chooses; printable and re-appliable)
-    budget=B        let `ckptlab.plan` choose keep/selective/full per block to fit B: a size
-                    (6GiB, 512MiB) or a fraction in (0, 1] of the no-checkpointing peak (0.5).
-                    Needs the workload's shapes, so `measure`/`plan_budget` resolve it to a plan.
-    compile         `torch.compile` the model; `compile:budget=B` (0 <= B <= 1) also sets
-    compile:budget=B  `torch._functorch.config.activation_memory_budget`, PyTorch's own planner.
-    P+offload       any policy above with saved activations moved to host memory
-                    (`torch.autograd.graph.save_on_cpu`, pinned on CUDA); `offload` alone is
-                    none+offload. A no-op on CPU, where activations already live in host memory.
-    P+compile       any ckptlab policy above, then `torch.compile` of the whole model: P's
-                    checkpoint regions are traced into the one compiled graph (`none+compile` is
-                    `compile`). A plan is compiled block by block instead (regional compilation:
-                    each block its own graph, the rest of the model eager), so that a block may
-                    hold a compile budget of its own: a digit d is activation_memory_budget=d/10
-                    (plan=00kf+compile), k is the default budget. Not with offload: dynamo cannot
-                    trace `save_on_cpu`.
-    hf              transformers models only (`ckptlab.checkpoint.hf`): Hugging Face's own checkpointing,
-    hf:every_n_layers=K  `activation_checkpointing_enable()` (non-reentrant) on every layer, on
-    hf:offload      layers 0, K, 2K, ..., or with offload=True, where the installed version has it.
+Policies are strings, because notebook parameters and CLI flags are strings: none, full,
+density=D, every=K, layers=0,3,5, segments=S, selective[=V], plan=kfsk, budget=B,
+compile[:budget=B], P+offload, P+compile and transformers' own hf, hf:every_n_layers=K, hf:offload.
+What each recomputes, and which framework knob it matches: docs/guide/policies.md (or `ckptlab --help`).
+Each kind's names, parsing, canonical spelling and regions are one entry of `KINDS`. P+compile is
+P, then `torch.compile`: the whole model as one graph, or for a plan block by block, where a
+budget digit d gives that block activation_memory_budget=d/10 (plan=00kf+compile).
 
 `parse_policy` only checks the syntax; anything that depends on N (layers out of range, more
 segments than blocks) is checked by `Policy.regions(n_blocks)`, which `apply_checkpointing`
@@ -46,11 +16,11 @@ calls before touching the model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
-from .validate import size_bytes, size_label
+from .units import format_bytes, size_bytes, size_label
 
-KINDS = ("none", "full", "density", "every", "layers", "segments", "selective", "plan", "budget", "compile")
 SELECTIVE_VARIANTS = ("mm", "alt", "attn")
 PLAN_LETTERS = {"k": "keep", "s": "selective", "f": "full"}
 PLAN_OPTIONS = tuple(PLAN_LETTERS.values())   # a plan's per-block options, in order of memory kept
@@ -78,16 +48,7 @@ class Policy:
     compiled: bool = False
 
     def __str__(self) -> str:
-        if self.value is None or (self.kind == "selective" and self.value == "mm"):
-            text = self.kind
-        elif self.kind == "layers":
-            text = "layers=" + ",".join(str(i) for i in self.value)
-        elif self.kind == "compile":
-            text = f"compile:budget={self.value}"
-        elif self.kind == "budget" and isinstance(self.value, int):
-            text = f"budget={size_label(self.value)}"
-        else:
-            text = f"{self.kind}={self.value}"
+        text = KINDS[self.kind].spell(self.value)
         if self.offload:
             return "offload" if self.kind == "none" else text + "+offload"
         return text + "+compile" if self.compiled else text
@@ -110,7 +71,7 @@ class Policy:
         """The policy for a figure or a table: as `str`, but a budget in bytes reads as a rounded
         size (budget=42.7MiB); `str` stays exact, so that it parses back to the same policy."""
         if self.kind == "budget" and isinstance(self.value, int):
-            text = f"budget={readable_size(self.value)}"
+            text = f"budget={format_bytes(self.value, compact=True)}"
             return text + ("+offload" if self.offload else "+compile" if self.compiled else "")
         return str(self)
 
@@ -132,52 +93,7 @@ class Policy:
         """
         if n_blocks < 1:
             raise ValueError(f"n_blocks={n_blocks!r} is invalid: a model needs at least 1 block")
-        if self.kind == "none":
-            return []
-        if self.kind in ("full", "selective"):
-            return [(i, i + 1) for i in range(n_blocks)]
-        if self.kind == "compile":
-            return []  # the compiler decides what to recompute, inside the compiled graph
-        if self.kind == "plan":
-            if len(self.value) != n_blocks:
-                raise ValueError(
-                    f"plan={self.value} is invalid for a model with {n_blocks} blocks: allowed is "
-                    f"exactly {n_blocks} letters (k keep, s selective, f full), one per block"
-                )
-            return [(i, i + 1) for i, c in enumerate(self.value) if c in "sf"]
-        if self.kind == "budget":
-            raise ValueError(
-                f"policy={self} needs the workload's shapes to become a per-block plan: use "
-                "ckptlab.measure(...) or ckptlab.plan_budget(...) and apply the plan it returns"
-            )
-        if self.kind == "density":
-            return [(i, i + 1) for i in spread_evenly(round(self.value * n_blocks), n_blocks)]
-        if self.kind == "every":
-            return [(i, i + 1) for i in range(self.value - 1, n_blocks, self.value)]
-        if self.kind == "layers":
-            bad = [i for i in self.value if i >= n_blocks]
-            if bad:
-                raise ValueError(
-                    f"layers={','.join(map(str, self.value))} is invalid for a model with "
-                    f"{n_blocks} blocks: index {bad[0]} out of range; allowed indices are "
-                    f"0..{n_blocks - 1}"
-                )
-            return [(i, i + 1) for i in self.value]
-        if self.kind == "segments":
-            n_segments = max(1, round(math.sqrt(n_blocks))) if self.value == "sqrt" else self.value
-            if n_segments > n_blocks:
-                raise ValueError(
-                    f"segments={self.value} is invalid for a model with {n_blocks} blocks: "
-                    f"allowed is 1..{n_blocks} segments"
-                )
-            # Same cut as torch.utils.checkpoint.checkpoint_sequential: equal segments of
-            # N // S blocks, the remainder going to the last (uncheckpointed) one.
-            size = n_blocks // n_segments
-            return [(s * size, (s + 1) * size) for s in range(n_segments - 1)]
-        if self.kind in HF_KINDS:  # nominal; ckptlab.checkpoint.hf reports the layers transformers marks
-            step = self.value if self.kind == "hf:every_n_layers" else 1
-            return [(i, i + 1) for i in range(0, n_blocks, step)]
-        raise AssertionError(f"unhandled policy kind {self.kind!r}")
+        return KINDS[self.kind].regions(self, n_blocks)
 
     def checkpointed_blocks(self, n_blocks: int) -> list[int]:
         """Indices of the blocks whose activations are recomputed."""
@@ -186,9 +102,6 @@ class Policy:
     def effective_density(self, n_blocks: int) -> float:
         """Fraction of the n_blocks blocks that recompute: the common axis for every policy."""
         return len(self.checkpointed_blocks(n_blocks)) / n_blocks
-
-
-SIZE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
 def plan_policy(options, offload: bool = False, compiled: bool = False) -> Policy:
@@ -204,16 +117,6 @@ def policy_label(policy: str) -> str:
         return parse_policy(policy).label
     except ValueError:
         return str(policy)
-
-
-def readable_size(n_bytes: int) -> str:
-    """A size rounded to about 3 significant figures, as a label: 44777048 -> 42.7MiB."""
-    for unit, scale in SIZE_UNITS:
-        if n_bytes >= scale:
-            value = n_bytes / scale
-            text = f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f}"
-            return (text.rstrip("0").rstrip(".") if "." in text else text) + unit
-    return f"{n_bytes}B"
 
 
 def spread_evenly(k: int, n: int) -> list[int]:
@@ -252,61 +155,21 @@ def parse_policy(text: str | Policy) -> Policy:
     spec = text.strip().lower()
     if spec == "offload":
         return Policy("none", offload=True)
-    if spec.startswith("compile"):
-        return _parse_compile(text, spec)
-    name, sep, arg = spec.partition("=")
-    name, arg = name.strip(), arg.strip()
-    if name == "hf" or name.startswith("hf:"):  # transformers' own mechanism, applied by ckptlab.checkpoint.hf
-        return _parse_hf(text, name, sep, arg)
-    if name not in KINDS:
-        raise ValueError(f"policy={text!r} is invalid: unknown policy {name!r}; allowed is {POLICY_HELP}")
-    if name == "selective":
-        variant = arg if sep else "mm"
-        if variant not in SELECTIVE_VARIANTS:
-            raise ValueError(f"selective={arg} is invalid: allowed variants are {', '.join(SELECTIVE_VARIANTS)}")
-        return Policy("selective", variant)
-    if name in ("none", "full"):
-        if sep:
-            raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; allowed is {POLICY_HELP}")
-        return Policy(name)
-    if not sep or not arg:
-        raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; allowed is {POLICY_HELP}")
-    if name == "plan":
-        bad = sorted(set(arg) - set(PLAN_LETTERS))
-        if bad:
-            digit = " (a compile budget digit needs +compile: plan=...+compile)" if bad[0] in COMPILE_DIGITS else ""
-            raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed{digit}; allowed are "
-                             "k (keep), s (selective), f (full), one per block")
-        return Policy("plan", arg)
-    if name == "budget":
-        return Policy("budget", _parse_budget(arg))
-    if name == "density":
-        density = _number(text, name, arg, float)
-        if not (0.0 <= density <= 1.0) or math.isnan(density):
-            raise ValueError(f"density={arg} is invalid: allowed is a number in [0, 1]")
-        return Policy("density", density + 0.0)  # -0.0 becomes 0.0: one policy, one cell
-    if name == "every":
-        k = _number(text, name, arg, int)
-        if k < 1:
-            raise ValueError(f"every={arg} is invalid: allowed is an integer >= 1")
-        return Policy("every", k)
-    if name == "layers":
-        indices = tuple(_number(text, name, part.strip(), int) for part in arg.split(","))
-        if any(i < 0 for i in indices):
-            raise ValueError(f"layers={arg} is invalid: allowed are block indices >= 0")
-        if len(set(indices)) != len(indices):
-            raise ValueError(f"layers={arg} is invalid: an index is repeated; allowed are distinct indices")
-        return Policy("layers", tuple(sorted(indices)))
-    # segments
-    if arg == "sqrt":
-        return Policy("segments", "sqrt")
-    n_segments = _number(text, name, arg, int)
-    if n_segments < 1:
-        raise ValueError(f"segments={arg} is invalid: allowed is an integer >= 1 or 'sqrt'")
-    return Policy("segments", n_segments)
+    name, sep, arg = (part.strip() for part in spec.partition("="))
+    kind = next((k for k in KINDS.values() if name in k.names), None)
+    if kind is None:
+        what = "Hugging Face policy" if name.startswith("hf") else "policy"
+        raise ValueError(f"policy={text!r} is invalid: unknown {what} {name!r}; allowed is {POLICY_HELP}")
+    if sep and kind.parse is None:
+        raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; allowed is {kind.help or POLICY_HELP}")
+    if not (sep and arg):
+        if name not in kind.bare:
+            raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; allowed is {kind.help or POLICY_HELP}")
+        return Policy(kind.name, kind.bare[name])
+    return Policy(kind.name, kind.parse(text, name, arg))
 
 
-def _parse_budget(arg: str) -> int | float:
+def _parse_budget(text: str, name: str, arg: str) -> int | float:
     """'0.5' -> 0.5 (a fraction of the no-checkpointing peak); '6GiB', '512MB', '1e9' -> bytes."""
     try:
         number = float(arg)
@@ -323,17 +186,59 @@ def _parse_budget(arg: str) -> int | float:
                          "no-checkpointing peak, or a size such as 6GiB, 512MiB, 2GB") from None
 
 
-def _parse_compile(text: str, spec: str) -> Policy:
-    rest = spec[len("compile"):].strip()
-    if not rest:
-        return Policy("compile")
-    name, sep, arg = rest.lstrip(":").partition("=")
-    if not rest.startswith(":") or name.strip() != "budget" or not sep:
-        raise ValueError(f"policy={text!r} is invalid: allowed is compile or compile:budget=B with 0<=B<=1")
-    budget = _number(text, "compile:budget", arg.strip(), float)
-    if not (0.0 <= budget <= 1.0) or math.isnan(budget):
-        raise ValueError(f"compile:budget={arg.strip()} is invalid: allowed is a number in [0, 1]")
-    return Policy("compile", budget + 0.0)
+def _number(text: str, name: str, arg: str, kind: type):
+    try:
+        return kind(arg)
+    except ValueError:
+        expected = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name}={arg} is invalid in policy={text!r}: expected {expected}") from None
+
+
+def _parse_density(text: str, name: str, arg: str) -> float:
+    density = _number(text, name, arg, float)
+    if not (0.0 <= density <= 1.0) or math.isnan(density):
+        raise ValueError(f"density={arg} is invalid: allowed is a number in [0, 1]")
+    return density + 0.0  # -0.0 becomes 0.0: one policy, one cell
+
+
+def _parse_at_least_one(text: str, name: str, arg: str) -> int:
+    k = _number(text, name, arg, int)
+    if k < 1:
+        raise ValueError(f"{name}={arg} is invalid: allowed is an integer >= 1")
+    return k
+
+
+def _parse_layers(text: str, name: str, arg: str) -> tuple:
+    indices = tuple(_number(text, name, part.strip(), int) for part in arg.split(","))
+    if any(i < 0 for i in indices):
+        raise ValueError(f"layers={arg} is invalid: allowed are block indices >= 0")
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"layers={arg} is invalid: an index is repeated; allowed are distinct indices")
+    return tuple(sorted(indices))
+
+
+def _parse_segments(text: str, name: str, arg: str) -> int | str:
+    if arg == "sqrt":
+        return "sqrt"
+    n_segments = _number(text, name, arg, int)
+    if n_segments < 1:
+        raise ValueError(f"segments={arg} is invalid: allowed is an integer >= 1 or 'sqrt'")
+    return n_segments
+
+
+def _parse_selective(text: str, name: str, arg: str) -> str:
+    if arg not in SELECTIVE_VARIANTS:
+        raise ValueError(f"selective={arg} is invalid: allowed variants are {', '.join(SELECTIVE_VARIANTS)}")
+    return arg
+
+
+def _parse_plan(text: str, name: str, arg: str) -> str:
+    bad = sorted(set(arg) - set(PLAN_LETTERS))
+    if bad:
+        digit = " (a compile budget digit needs +compile: plan=...+compile)" if bad[0] in COMPILE_DIGITS else ""
+        raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed{digit}; allowed are "
+                         "k (keep), s (selective), f (full), one per block")
+    return arg
 
 
 COMPILE_DIGITS = "0123456789"   # in a compiled plan: that block's activation_memory_budget, in tenths
@@ -348,9 +253,8 @@ def _parse_compiled(text: str, parts: list[str]) -> Policy:
         raise ValueError(f"policy={text!r} is invalid: '+compile' composes one policy with compilation, "
                          "e.g. full+compile or plan=ffkk+compile")
     base_text = next(p for p in parts if p != "compile")
-    name, _, letters = base_text.partition("=")
-    letters = letters.strip()
-    if name.strip() == "plan" and set(letters) & set(COMPILE_DIGITS):  # a budget per block
+    name, _, letters = (part.strip() for part in base_text.partition("="))
+    if name == "plan" and set(letters) & set(COMPILE_DIGITS):  # a budget per block
         bad = sorted(set(letters) - set(PLAN_LETTERS) - set(COMPILE_DIGITS))
         if bad:
             raise ValueError(f"plan={letters} is invalid: letter {bad[0]!r} is not allowed; allowed are k (keep), "
@@ -368,28 +272,106 @@ def _parse_compiled(text: str, parts: list[str]) -> Policy:
     return Policy(base.kind, base.value, compiled=True)
 
 
-HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")
+def _parse_compile_budget(text: str, name: str, arg: str) -> float:
+    if name != "compile:budget":
+        raise ValueError(f"policy={text!r} is invalid: allowed is compile or compile:budget=B with 0<=B<=1")
+    budget = _number(text, name, arg, float)
+    if not (0.0 <= budget <= 1.0) or math.isnan(budget):
+        raise ValueError(f"compile:budget={arg} is invalid: allowed is a number in [0, 1]")
+    return budget + 0.0
 
 
-def _parse_hf(text: str, name: str, sep: str, arg: str) -> Policy:
-    allowed = "allowed is hf | hf:every_n_layers=K (K>=1) | hf:offload"
-    if name not in HF_KINDS:
-        raise ValueError(f"policy={text!r} is invalid: unknown Hugging Face policy {name!r}; {allowed}")
-    if name != "hf:every_n_layers":
-        if sep:
-            raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; {allowed}")
-        return Policy(name)
-    if not sep or not arg:
-        raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; {allowed}")
-    k = _number(text, "every_n_layers", arg, int)
-    if k < 1:
-        raise ValueError(f"hf:every_n_layers={arg} is invalid: allowed is an integer >= 1")
-    return Policy(name, k)
+def _every_block(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in range(n_blocks)]
 
 
-def _number(text: str, name: str, arg: str, kind: type):
-    try:
-        return kind(arg)
-    except ValueError:
-        expected = "an integer" if kind is int else "a number"
-        raise ValueError(f"{name}={arg} is invalid in policy={text!r}: expected {expected}") from None
+def _no_region(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    return []
+
+
+def _density_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in spread_evenly(round(policy.value * n_blocks), n_blocks)]
+
+
+def _every_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in range(policy.value - 1, n_blocks, policy.value)]
+
+
+def _layers_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    bad = [i for i in policy.value if i >= n_blocks]
+    if bad:
+        raise ValueError(f"layers={','.join(map(str, policy.value))} is invalid for a model with {n_blocks} blocks: "
+                         f"index {bad[0]} out of range; allowed indices are 0..{n_blocks - 1}")
+    return [(i, i + 1) for i in policy.value]
+
+
+def _segments_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    n_segments = max(1, round(math.sqrt(n_blocks))) if policy.value == "sqrt" else policy.value
+    if n_segments > n_blocks:
+        raise ValueError(f"segments={policy.value} is invalid for a model with {n_blocks} blocks: "
+                         f"allowed is 1..{n_blocks} segments")
+    # Same cut as torch.utils.checkpoint.checkpoint_sequential: equal segments of N // S blocks,
+    # the remainder going to the last (uncheckpointed) one.
+    size = n_blocks // n_segments
+    return [(s * size, (s + 1) * size) for s in range(n_segments - 1)]
+
+
+def _plan_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    if len(policy.value) != n_blocks:
+        raise ValueError(f"plan={policy.value} is invalid for a model with {n_blocks} blocks: allowed is "
+                         f"exactly {n_blocks} letters (k keep, s selective, f full), one per block")
+    return [(i, i + 1) for i, c in enumerate(policy.value) if c in "sf"]  # k and budget digits: none
+
+
+def _budget_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    raise ValueError(f"policy={policy} needs the workload's shapes to become a per-block plan: use "
+                     "ckptlab.measure(...) or ckptlab.plan_budget(...) and apply the plan it returns")
+
+
+def _hf_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    # nominal: ckptlab.checkpoint.hf reports the layers transformers marks
+    step = policy.value if policy.kind == "hf:every_n_layers" else 1
+    return [(i, i + 1) for i in range(0, n_blocks, step)]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of policy, in one place: how it is written (`names`, before any "="), what a name
+    without a value means (`bare`), how a value is parsed and spelled back, and which blocks it
+    recomputes (`regions`)."""
+
+    name: str
+    names: tuple[str, ...]
+    regions: Callable[[Policy, int], list[tuple[int, int]]]
+    parse: Optional[Callable[[str, str, str], object]] = None   # (text, name, arg) -> value; None: no value
+    spell: Callable[[object], str] = str
+    bare: dict = field(default_factory=dict)                     # a name without a value -> its value
+    help: str = ""                                               # what is allowed, where narrower than POLICY_HELP
+
+
+_HF_HELP = "hf | hf:every_n_layers=K (K>=1) | hf:offload"
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("none", ("none",), _no_region, spell=lambda v: "none", bare={"none": None}),
+    Kind("full", ("full",), _every_block, spell=lambda v: "full", bare={"full": None}),
+    Kind("density", ("density",), _density_regions, _parse_density, lambda v: f"density={v}"),
+    Kind("every", ("every",), _every_regions, _parse_at_least_one, lambda v: f"every={v}"),
+    Kind("layers", ("layers",), _layers_regions, _parse_layers, lambda v: "layers=" + ",".join(map(str, v))),
+    Kind("segments", ("segments",), _segments_regions, _parse_segments, lambda v: f"segments={v}"),
+    Kind("selective", ("selective",), _every_block, _parse_selective,
+         lambda v: "selective" if v == "mm" else f"selective={v}", bare={"selective": "mm"}),
+    Kind("plan", ("plan",), _plan_regions, _parse_plan, lambda v: f"plan={v}"),
+    Kind("budget", ("budget",), _budget_regions, _parse_budget,
+         lambda v: f"budget={size_label(v)}" if isinstance(v, int) else f"budget={v}"),
+    # the compiler decides what to recompute, inside the compiled graph: no block regions
+    Kind("compile", ("compile", "compile:budget"), _no_region, _parse_compile_budget,
+         lambda v: "compile" if v is None else f"compile:budget={v}", bare={"compile": None},
+         help="compile | compile:budget=B with 0<=B<=1"),
+    Kind("hf", ("hf",), _hf_regions, spell=lambda v: "hf", bare={"hf": None}, help=_HF_HELP),
+    Kind("hf:every_n_layers", ("hf:every_n_layers",), _hf_regions, _parse_at_least_one,
+         lambda v: f"hf:every_n_layers={v}", help=_HF_HELP),
+    Kind("hf:offload", ("hf:offload",), _hf_regions, spell=lambda v: "hf:offload", bare={"hf:offload": None},
+         help=_HF_HELP),
+)}
+HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")   # transformers' own mechanism (ckptlab.checkpoint.hf)
+

@@ -23,11 +23,11 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.transforms import Bbox
 
-from ..core.policy import parse_policy
+from ..core.policy import parse_policy, policy_label
 from ..core.records import CATEGORIES, PHASES
 from ..run.store import load_run
+from ..run.sweep import config_label
 from . import analysis
-from .analysis import policy_label
 
 MiB = 2**20
 
@@ -74,8 +74,6 @@ def _strength(policy) -> float:
         return {"mm": 1.0, "alt": 0.66, "attn": 0.33}[value]
     # layers, segments, budget sizes: no natural order, a stable shade from the text
     return 0.35 + 0.65 * (zlib.crc32(str(policy).encode()) % 1000) / 999
-
-
 
 
 def _save(fig, path: Optional[str | Path]):
@@ -214,7 +212,7 @@ def pareto_plot(df: pd.DataFrame, path=None):
         line_style = dict(color="0.6", ls=SHAPE_LINESTYLES[k % len(SHAPE_LINESTYLES)], lw=1.2)
         ax.plot(front["peak_bytes"] / MiB, front["step_ms"], zorder=1, **line_style)
         frontiers[f"frontier: s={s} eff. batch={eb}"] = Line2D([], [], **line_style)
-        for (_, r), tag in zip(g.iterrows(), analysis.config_label(g)):
+        for (_, r), tag in zip(g.iterrows(), config_label(g)):
             style = policy_style(r["policy"])
             x, y = r["peak_bytes"] / MiB, r["step_ms"]
             ax.scatter([x], [y], marker=style["marker"], s=45, zorder=3, edgecolors=style["color"],
@@ -512,5 +510,5 @@ def _source_kind(source: str) -> str:
 
 
 __all__ = ["CATEGORY_COLORS", "FIGURES", "KIND_STYLES", "MiB", "compare_plot", "heatmaps", "memory_time_vs_density",
-           "memory_timeline", "pareto_plot", "peak_breakdown", "place_labels", "policy_label", "policy_style", "redraw_all",
+           "memory_timeline", "pareto_plot", "peak_breakdown", "place_labels", "policy_style", "redraw_all",
            "trainer_plot", "what_fits_plot"]

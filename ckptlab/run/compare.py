@@ -2,23 +2,11 @@
 
     df = ckptlab.compare("gpt-tiny", 4, 64, ["none", "density=0.5", "full"], anchors=True)
 
-Each configuration's model is built once and its memory measured once with the live-tensor
-tracker (as `measure` does); then all of them are timed together with the interleaved protocol of
-`ckptlab.probe.timing`, so every row's `time_ratio` (to the first policy) carries a 95% interval and
-`significant` says whether that interval excludes 1.
-
-Anchors (`anchors=True`) are applied with their own framework's API, not through ckptlab:
-
-    torch.utils.checkpoint        `checkpoint(block.forward, ..., use_reentrant=False)` per block
-    torch.compile                 `torch.compile` with `activation_memory_budget=0.5`
-    transformers (its models)     `activation_checkpointing_enable()` (or the older
-                                  `gradient_checkpointing_enable()`): every layer, and
-                                  `every_n_layers=2` / `4`, and PyTorch op-level SAC handed in as
-                                  its `context_fn` (matmul and attention outputs saved)
-
-and for each anchor that ran, the planner's plan (`plan_budget`) at that anchor's measured peak.
-An anchor that cannot run here (no compiler, an old transformers) is a row with status "error"
-and the reason.
+Each configuration's memory is measured once with the live-tensor tracker (as `measure` does);
+then all are timed together in interleaved rounds (`ckptlab.probe.timing`), so every row's
+`time_ratio` to the first policy has a 95% interval and `significant` says whether it excludes 1.
+`anchors=True` adds other frameworks' knobs, each applied through its own API, and the planner's
+plan at each anchor's measured peak (docs/design.md, note "Anchors").
 """
 
 from __future__ import annotations
@@ -33,8 +21,8 @@ import pandas as pd
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ..checkpoint.blocks import find_blocks
 from ..checkpoint.compiled import Compiled, compile_with_budget
+from ..checkpoint.wrap import matmul_and_attention_ops
 from ..core.policy import parse_policy, plan_policy
 from ..core.records import new_record
 from ..core.validate import choice, integer
@@ -49,10 +37,11 @@ from ..probe.measure import (
     reset_compiler_cache,
 )
 from ..probe.step import DTYPES, device_name, resolve_device
-from ..probe.timing import bootstrap_median, check_timing_options, time_interleaved
+from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import RELATIVE_TOLERANCE, GradientComparison, gradient_difference, like_eager, step_gradients
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
+from ..workloads.stacks import find_blocks
 
 COLUMNS = ["policy", "source", "effective_density", "peak_bytes", "saved_activation_bytes", "step_ms",
            "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high", "significant",
@@ -99,9 +88,13 @@ class Shape:
 
 def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: Sequence[str] | str, *,
             dtype: str = "fp32", device: str = "cpu", target_ci: float = 0.02, max_seconds: float = 120,
-            anchors: bool = False, verify: bool = False, out: Optional[str | Path] = None) -> pd.DataFrame:
-    """One row per configuration (module docstring); the first policy is the time baseline.
+            anchors: bool | Sequence[str] = False, verify: bool = False,
+            out: Optional[str | Path] = None) -> pd.DataFrame:
+    """One row per configuration; the first policy is the time baseline.
 
+    `anchors` is True for every anchor of this workload, or a list of anchor labels (as
+    `anchor_configs` names them) for those only: configurations timed together share the
+    device's memory, so a large model's comparison may be split into groups.
     `target_ci`/`max_seconds` control the timing protocol (stop at ±target_ci or after
     max_seconds of timing); `verify=True` adds `gradients`, each row's verdict against the
     un-checkpointed eager model (exact | within tolerance | wrong, `ckptlab.probe.verify`), and
@@ -111,10 +104,9 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
     policies = list(dict.fromkeys(str(parse_policy(p)) if isinstance(p, str) and p else p for p in policies))
     _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
+    chosen = chosen_anchors(workload, anchors)
     dev = resolve_device(device)
-    configs = [_ckptlab_config(p) for p in policies]
-    if anchors:
-        configs += anchor_configs(workload)
+    configs = [_ckptlab_config(p) for p in policies] + chosen
 
     shape = Shape(workload, batch_size, seq_len, dtype, dev)
 
@@ -160,14 +152,6 @@ def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, 
     return rows
 
 
-def paired_ratio(df: pd.DataFrame, policy: str, versus: str, seed: int = 0) -> tuple[float, float, float]:
-    """(median, low, high) of `policy`'s per-round time over `versus`'s, from one comparison's
-    rows (the same rounds): the paired ratio between any two rows, not only against the first."""
-    rows = df.set_index("policy")
-    a, b = (pd.Series(rows.loc[p, "round_ms"], dtype=float).to_numpy() for p in (policy, versus))
-    return bootstrap_median(a / b, seed)
-
-
 def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
     integer("batch_size", batch_size, 1)
     integer("seq_len", seq_len, 1)
@@ -189,7 +173,7 @@ def _ckptlab_config(text: str) -> Config:
 
 
 def anchor_configs(workload: Workload) -> list[Config]:
-    """The knobs a user would use instead of ckptlab, for this workload (module docstring)."""
+    """The knobs a user would use instead of ckptlab, for this workload (docs/design.md, note "Anchors")."""
     configs = [
         Config("torch.utils.checkpoint per block", "torch.utils.checkpoint", _per_block_checkpoint, anchor=True),
         Config(f"torch.compile activation_memory_budget={COMPILE_ANCHOR_BUDGET}", "torch.compile",
@@ -206,6 +190,19 @@ def anchor_configs(workload: Workload) -> list[Config]:
                    _transformers_checkpointing(selective=True), anchor=True),
         ]
     return configs
+
+
+def chosen_anchors(workload: Workload, anchors: bool | Sequence[str]) -> list[Config]:
+    """`anchor_configs(workload)` for anchors=True, none for False, or the ones a list names
+    (ValueError naming one that is not an anchor of this workload)."""
+    if isinstance(anchors, bool):
+        return anchor_configs(workload) if anchors else []
+    anchors = [anchors] if isinstance(anchors, str) else list(anchors)
+    available = anchor_configs(workload)
+    labels = [c.policy for c in available]
+    for label in anchors:
+        choice("anchors", label, labels)
+    return [c for c in available if c.policy in anchors]
 
 
 def _is_transformers(workload: Workload) -> bool:
@@ -230,15 +227,6 @@ def _compiled(model, record):
     return compile_with_budget(model, COMPILE_ANCHOR_BUDGET, compiled), compiled, None
 
 
-def _sac_ops() -> list:
-    """What PyTorch's selective-checkpointing docs save: matmul and attention outputs."""
-    aten = torch.ops.aten
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
-    return [aten.mm.default, aten.addmm.default, aten.bmm.default] + [
-        getattr(aten, n).default for n in names if hasattr(aten, n)]
-
-
 def _transformers_checkpointing(every_n_layers: Optional[int] = None, selective: bool = False):
     def apply(model, record):
         from ..checkpoint.hf import checkpointing_methods, hf_capabilities, hf_layers  # noqa: PLC0415 - the hf extra
@@ -251,7 +239,7 @@ def _transformers_checkpointing(every_n_layers: Optional[int] = None, selective:
             options["every_n_layers"] = every_n_layers
         checkpoint_kwargs = {"use_reentrant": False}
         if selective:
-            checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _sac_ops())
+            checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, list(matmul_and_attention_ops()))
         enable(**{kwargs_name: checkpoint_kwargs}, **options)
         layers = hf_layers(model)
         _checkpointed(record, len(layers), [i for i, layer in enumerate(layers) if layer.gradient_checkpointing])
@@ -380,4 +368,4 @@ def write(df: pd.DataFrame, out: str | Path) -> Path:
     return out
 
 
-__all__ = ["anchor_configs", "compare", "measure_together", "paired_ratio", "write"]
+__all__ = ["anchor_configs", "chosen_anchors", "compare", "measure_together", "write"]
