@@ -53,7 +53,6 @@ POLICY_LEVERS = {
     "none": "keeps every activation; recomputes nothing",
     "full": "recomputes every block's forward in backward: about one more forward pass per step",
     "selective": "keeps matmul and attention outputs, recomputes the cheap ops (norms, activations, dropout)",
-    "selective=attn": "keeps only attention outputs: recomputes the matmuls too",
     "segments=sqrt": "checkpoint_sequential with sqrt(N) segments: keeps sqrt(N) segment inputs, recomputes the rest",
 }
 LOSS_CHUNKS = 8
@@ -226,12 +225,13 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
     """(kind, sentence): what holds the peak, in words, the known traps first."""
     f = format_bytes
     checkpoints = policy.kind not in ("none", "compile")
-    if checkpoints and pred.recompute_count and pred.block_calls_in_backward and not policy.kind.startswith("hf"):
+    # ckptlab's wrappers recompute a block through its forward, not its __call__: a block called
+    # in backward is the model's own checkpointing recomputing it (transformers' hf policies do so too).
+    if checkpoints and pred.block_calls_in_backward and not policy.kind.startswith("hf"):
         return "double", (
             f"Checkpointing is applied twice: the model already recomputes its blocks itself "
             f"({pred.block_calls_in_backward} block calls ran in backward) and {policy} checkpoints them again "
-            f"({pred.recompute_count} more block forwards in backward). The second layer adds recompute time and "
-            f"saves nothing the first does not; keep one of them.")
+            f"inside that. The second layer adds recompute time and saves nothing the first does not; keep one.")
     if checkpoints and (pred.effective_density == 0 or (pred.recompute_count == 0 and pred.block_calls_in_backward == 0)):
         why = ("it selects none of them at this depth" if pred.effective_density == 0 else
                "they ran no recompute in backward: transformers' checkpointing is off in eval() mode and with use_cache")
