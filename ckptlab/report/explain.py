@@ -36,7 +36,7 @@ from ..core.policy import plan_policy
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer
 from ..estimate.fake_step import Prediction
-from ..estimate.predict import check_prediction
+from ..estimate.predict import check_prediction, prediction_error
 from ..plan.budget import measure as measure_step
 from ..plan.budget import plan_budget, predict
 from ..plan.profile import profile_blocks
@@ -157,7 +157,7 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     breakdown = peak_breakdown(base, frozen_parameter_bytes(workload))
 
     levers = policy_levers(workload, base, applied)
-    floor_lever = floor_plan_lever(workload, base) if base.n_blocks else None
+    floor_lever = floor_plan_lever(workload, base, levers) if base.n_blocks else None
     if floor_lever is not None:
         levers.append(floor_lever)
     if capacity_bytes is not None and base.n_blocks:
@@ -183,11 +183,12 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     )
     explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks)
     if measure:
-        record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, optimizer=optimizer, steps=1, warmup=0)
+        record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, optimizer=optimizer, steps=1,
+                              warmup=0, max_seconds=0.5)
         if record["status"] == "ok":
             explanation.measured_peak_bytes = record["peak_bytes"]
-            error = record["peak_bytes"] / base.peak_bytes - 1
-            explanation.measured_note = f"on {record['device']} (prediction {error:+.1%} off)"
+            error = prediction_error(base.peak_bytes, record["peak_bytes"])
+            explanation.measured_note = f"on {record['device']}: prediction error {error:+.1%}"
         else:
             explanation.measured_note = f"not measured here: {record['status']}: {record['message']}"
     explanation.explain_s = time.perf_counter() - t0
@@ -288,13 +289,18 @@ def policy_levers(workload: Workload, base: Prediction, applied: str) -> list[Le
     return levers
 
 
-def floor_plan_lever(workload: Workload, base: Prediction) -> Lever:
+def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever]) -> Lever:
     """The plan of keep/selective/full per block with the lowest peak (the planner's `min_peak`),
-    its peak predicted by a fake run of that plan."""
+    its peak predicted by a fake run of that plan (or taken from `full`'s lever when it is full
+    everywhere: the same model)."""
     profile = profile_blocks(workload, base.batch_size, base.seq_len, base.dtype, base.optimizer, PLAN_COST)
     _, options = min_peak(profile)
     policy = str(plan_policy(options))
-    peak = predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer).peak_bytes
+    full = next((lv.predicted_peak_bytes for lv in levers if lv.policy == "full"), None)
+    if set(options) == {"full"} and full is not None:
+        peak = full
+    else:
+        peak = predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer).peak_bytes
     return Lever("plan with the lowest peak", peak, policy,
                  f"{options.count('full')} full, {options.count('selective')} selective, "
                  f"{options.count('keep')} kept blocks: the planner's lowest peak")
