@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 
 import torch
-from ckptlab.run.compare import paired_ratio
 
 from ckptlab import compare, get_workload
 from ckptlab.core.units import format_bytes
+from ckptlab.probe.timing import time_verdict
+from ckptlab.report.analysis import paired_ratio
 
 # Llama blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention) at two widths; the vocabulary is
 # kept small so that the blocks, not the logits, hold most activation memory.
@@ -56,7 +57,7 @@ def best_per_anchor(df):
             out.append({**row, "ckptlab": None})
             continue
         best = fitting.loc[fitting["time_ratio"].idxmin()]
-        ratio, low, high = paired_ratio(df, best["policy"], anchor.policy)
+        ratio, low, high = paired_ratio(best, anchor._asdict())
         out.append({**row, "ckptlab": best["policy"], "ckptlab_peak": best["peak_bytes"],
                     "ckptlab_ratio": best["time_ratio"], "vs_anchor": ratio, "vs_anchor_low": low,
                     "vs_anchor_high": high})
@@ -88,7 +89,7 @@ def print_report(name, df, best) -> None:
         if b["ckptlab"] is None:
             print(anchor + " none fits | - | - |")
             continue
-        verdict = ("faster" if b["vs_anchor_high"] < 1 else "slower" if b["vs_anchor_low"] > 1 else "no difference")
+        verdict = time_verdict(b["vs_anchor_low"], b["vs_anchor_high"])
         print(anchor + f" {b['ckptlab']} | {format_bytes(b['ckptlab_peak'])} | {b['vs_anchor']:.3f} "
                        f"[{b['vs_anchor_low']:.3f}, {b['vs_anchor_high']:.3f}] ({verdict}) |")
 

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload
 from ckptlab.probe.step import make_optimizer, resolve_device, training_step
-from ckptlab.probe.timing import bootstrap_median, check_timing_options, time_interleaved
+from ckptlab.probe.timing import NO_DIFFERENCE, bootstrap_median, check_timing_options, time_interleaved, time_verdict
 
 WRAPPER_TARGET = 1.02   # ckptlab full may take at most 2% longer than the hand-written loop
 
@@ -46,18 +46,13 @@ def manual_full(model: torch.nn.Module) -> None:
 
 def wrapper_verdict(low: float, high: float) -> str:
     """What the interval of ckptlab full / manual full shows, and nothing more."""
-    if low > 1:
-        difference = "slower than the hand-written loop"
-    elif high < 1:
-        difference = "faster than the hand-written loop"
-    else:
-        difference = "no difference from the hand-written loop (the interval contains 1)"
-    if high <= WRAPPER_TARGET:
-        target = f"within the {WRAPPER_TARGET - 1:+.0%} target"
-    elif low > WRAPPER_TARGET:
-        target = f"beyond the {WRAPPER_TARGET - 1:+.0%} target"
-    else:
-        target = f"the {WRAPPER_TARGET - 1:+.0%} target is not shown (the interval reaches above it): time longer or to a smaller --target-ci"
+    difference = {"slower": "slower than the hand-written loop", "faster": "faster than the hand-written loop",
+                  NO_DIFFERENCE: "no difference from the hand-written loop (the interval contains 1)"}[
+        time_verdict(low, high)]
+    target = {"faster": f"within the {WRAPPER_TARGET - 1:+.0%} target",
+              "slower": f"beyond the {WRAPPER_TARGET - 1:+.0%} target",
+              NO_DIFFERENCE: f"the {WRAPPER_TARGET - 1:+.0%} target is not shown (the interval reaches above it): "
+                             "time longer or to a smaller --target-ci"}[time_verdict(low, high, WRAPPER_TARGET)]
     return f"{difference}; {target}"
 
 

@@ -8,7 +8,7 @@
      all timed together in interleaved rounds (`measure_together`): each time ratio to `none` is
      paired round by round and carries its 95% interval. The Pareto frontier; whether budget
      plans dominate the uniform policies (no more memory and a time interval entirely below the
-     uniform's; overlapping intervals are no difference); at the peak of `full`, the best plan's
+     uniform's, paired round by round; an interval that contains 1 is no difference); at the peak of `full`, the best plan's
      time against full's; what fraction of full's savings selective gets, at what overhead;
   3. what fits on 24/40/80/141 GiB cards, by prediction, and the cost of predicting a
      Llama-7B-shaped GPT at batch 8, seq 4096;
@@ -26,15 +26,14 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import torch
-from ckptlab import measure_together
+
+from ckptlab import closed_form, get_workload, measure, measure_together, predict, predict_fits
+from ckptlab.core.units import format_bytes
 from ckptlab.estimate.predict import prediction_error
 from ckptlab.plan.budget import plan_budget
-
-from ckptlab import closed_form, get_workload, measure, predict, predict_fits
-from ckptlab.core.units import format_bytes
-from ckptlab.probe.timing import bootstrap_median, check_timing_options, time_steps
+from ckptlab.probe.timing import check_timing_options, time_steps, time_verdict
+from ckptlab.report.analysis import paired_ratio
 from ckptlab.report.tables import format_table
 
 GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
@@ -44,7 +43,6 @@ MLP_POLICIES = ["none", "full", "density=0.5", "every=3", "segments=sqrt", "sele
                 "plan=kfskkfsk", "budget=mid"]
 
 
-NO_DIFFERENCE = "no difference (inside the noise)"
 
 
 def pct(v):
@@ -134,11 +132,6 @@ def frontier(quick: bool, batch: int, seq: int, target_ci: float, max_seconds: f
     return rows, {"plans": plans, "none": none_p, "full": full_p, "timing": timing}
 
 
-def paired(a: dict, b: dict) -> tuple[float, float, float]:
-    """a's time over b's, paired round by round (both timed in the same rounds): median, 95% interval."""
-    return bootstrap_median(np.asarray(a["round_ms"]) / np.asarray(b["round_ms"]))
-
-
 def with_interval(name: str, value: float, low: float, high: float) -> dict:
     return {name: value, f"{name}_low": low, f"{name}_high": high}
 
@@ -149,16 +142,14 @@ def frontier_summary(rows: list[dict]) -> dict:
     plans = [r for r in by.values() if r["kind"] == "plan"]
     at_full = [r for r in plans if r["peak_bytes"] <= full["peak_bytes"]]
     best_at_full = min(at_full, key=lambda r: r["time_ratio"], default=None)
-    # A plan dominates a uniform policy only with no more memory and a time interval entirely below
-    # the uniform's; overlapping intervals cannot be told apart (compile rows are not plans).
+    # A plan dominates a uniform policy only with no more memory and a paired time ratio whose
+    # interval lies below 1 (compile rows are not plans).
     dom = []
     for u in (r for r in by.values() if r["kind"] == "uniform" and r["policy"] != "none"):
         best = min((p for p in plans if p["peak_bytes"] <= u["peak_bytes"]), key=lambda r: r["time_ratio"],
                    default=None)
-        verdict = "-" if best is None else (
-            "plan faster" if best["time_ratio_high"] < u["time_ratio_low"]
-            else "plan slower" if best["time_ratio_low"] > u["time_ratio_high"]
-            else NO_DIFFERENCE)
+        verdict = "-" if best is None else time_verdict(*paired_ratio(best, u)[1:])
+        verdict = f"plan {verdict}" if verdict in ("faster", "slower") else verdict
         dom.append({"uniform": u["policy"], "uniform_peak": u["peak_bytes"], "uniform_ratio": u["time_ratio"],
                     "uniform_low": u["time_ratio_low"], "uniform_high": u["time_ratio_high"],
                     "best_plan": best["policy"] if best else "-", "plan_peak": best["peak_bytes"] if best else None,
@@ -169,9 +160,9 @@ def frontier_summary(rows: list[dict]) -> dict:
     speedup = {"speedup_at_full_peak": None, "speedup_at_full_peak_low": None, "speedup_at_full_peak_high": None,
                "speedup_verdict": None}
     if best_at_full is not None:
-        ratio, low, high = paired(full, best_at_full)  # full over the plan: above 1, the plan is faster
+        ratio, low, high = paired_ratio(full, best_at_full)  # full over the plan: above 1, the plan is faster
         speedup = {**with_interval("speedup_at_full_peak", ratio - 1, low - 1, high - 1),
-                   "speedup_verdict": "faster" if low > 1 else "slower" if high < 1 else NO_DIFFERENCE}
+                   "speedup_verdict": time_verdict(1 / high, 1 / low)}
     saved_total = none["peak_bytes"] - full["peak_bytes"]
     return {
         "best_plan_at_full_peak": best_at_full["policy"] if best_at_full else None, **speedup,

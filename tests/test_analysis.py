@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 
 from ckptlab.core.units import GiB
+from ckptlab.probe.timing import time_verdict
 from ckptlab.report.analysis import (
     compare_note,
-    config_label,
     fits_from_run,
     format_summary,
     guide_verdict,
@@ -18,6 +18,7 @@ from ckptlab.report.analysis import (
     summary,
     timing_note,
 )
+from ckptlab.run.sweep import config_label
 
 
 def rec(policy, density, batch, peak, ms, status="ok", seq=64, accum=1, dtype="fp32", limit=None, **kw):
@@ -154,14 +155,28 @@ def test_plans_against_the_fastest_uniform_policy_at_no_more_memory():
                        rec("every=2", 0.5, 4, 75, 12.0),
                        rec("budget=0.8", 0.25, 4, 80, 11.0, plan="fkkk"),
                        rec("budget=0.4", 1.0, 4, 40, 15.0, plan="ffff")])
+    # Per-round times of one timing group: the plan is 11/12 of every-2 in every round but one.
+    rounds = {"none": [10.0] * 6, "full": [14.0] * 6, "every=2": [12.0] * 6, "budget=0.8": [11.0] * 5 + [12.5],
+              "budget=0.4": [15.0] * 6}
+    df["round_ms"] = df["policy"].map(rounds)
     out = plans_vs_uniform(df).set_index("policy")
     assert out.loc["budget=0.8", "best_uniform"] == "every=2"
-    assert out.loc["budget=0.8", "vs_best_uniform"] == pytest.approx(11 / 12 - 1)
+    assert out.loc["budget=0.8", "vs_best_uniform"] == pytest.approx(11 / 12 - 1)   # the paired median
+    assert out.loc["budget=0.8", "verdict"] == "faster"
     assert pd.isna(out.loc["budget=0.4", "best_uniform"])  # nothing uniform reaches 40
-    timed = df.assign(step_ms_low=df["step_ms"] - 0.5, step_ms_high=df["step_ms"] + 0.5)
-    plan = plans_vs_uniform(timed).set_index("policy").loc["budget=0.8"]
-    assert (plan["vs_best_uniform_low"], plan["vs_best_uniform_high"]) == pytest.approx((10.5 / 12.5 - 1, 11.5 / 11.5 - 1))
-    assert not plan["distinguishable"]  # 11 +- 0.5 against 12 +- 0.5: the intervals touch
+    # Drift that moves both members of a round cancels in the paired ratio.
+    df["round_ms"] = [[t * (1 + r) for r, t in enumerate(times)] for times in df["round_ms"]]
+    assert plans_vs_uniform(df).set_index("policy").loc["budget=0.8", "verdict"] == "faster"
+    # Rounds where the plan is as often faster as slower: no difference.
+    df["round_ms"] = df["policy"].map({**rounds, "budget=0.8": [11.0, 13.0] * 3})
+    assert plans_vs_uniform(df).set_index("policy").loc["budget=0.8", "verdict"] == "no difference"
+
+
+@pytest.mark.parametrize("low, high, reference, verdict", [
+    (0.9, 0.99, 1.0, "faster"), (1.01, 1.2, 1.0, "slower"), (0.95, 1.05, 1.0, "no difference"),
+    (float("nan"), float("nan"), 1.0, "no difference"), (0.25, 0.4, 0.2, "slower"), (-0.1, 0.1, 0.0, "no difference")])
+def test_one_verdict_from_an_interval(low, high, reference, verdict):
+    assert time_verdict(low, high, reference) == verdict
 
 
 def test_timing_note_warns_on_a_busy_machine():

@@ -11,11 +11,10 @@ import pytest
 import ckptlab
 from ckptlab import analysis, plots
 from ckptlab.apps.cli import main
-from ckptlab.apps.notebook_exec import RUN_MARKER, fresh_run_folder
 from ckptlab.apps.notebooks import check_parameters, find_notebook, run_notebooks
-from ckptlab.core.units import parse_bytes
-from ckptlab.core.validate import no_credential, output_folder, run_name, size_bytes, size_label
-from ckptlab.run.store import load_run, read_meta
+from ckptlab.core.units import parse_bytes, size_bytes, size_label
+from ckptlab.core.validate import no_credential, output_folder, run_name
+from ckptlab.run.store import RUN_MARKER, fresh_run_folder, load_run, read_meta
 from ckptlab.workloads.base import Workload
 
 FAKE_TOKEN = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123"

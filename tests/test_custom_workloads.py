@@ -11,8 +11,8 @@ import torch
 
 import ckptlab
 from ckptlab import Workload, compare_gradients, get_workload, measure, predict
-from ckptlab.checkpoint.blocks import find_stacks
 from ckptlab.apps.cli import main as cli_main
+from ckptlab.checkpoint.blocks import find_stacks
 from ckptlab.workloads.specs import file_hash
 
 pytest.importorskip("transformers")

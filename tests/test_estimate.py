@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from ckptlab.estimate.closed_form import gpt_block_bytes
-from ckptlab.estimate.predict import llama7b_shape, prediction_error
 
 from ckptlab import closed_form, get_workload, measure, predict, predict_fits
+from ckptlab.estimate.closed_form import gpt_block_bytes
+from ckptlab.estimate.predict import llama7b_shape, prediction_error
 
 GPT_POLICIES = ["none", "full", "density=0.5", "every=2", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfsk", "density=0.5+offload"]

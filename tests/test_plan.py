@@ -5,12 +5,11 @@ import itertools
 import random
 
 import pytest
-from ckptlab.core.policy import PLAN_OPTIONS as OPTIONS
-from ckptlab.plan.profile import Profile
-from ckptlab.plan.solve import brute_force, min_peak, model_peak, plan_cost, solve
 
 from ckptlab import get_workload, plan_budget, predict
-from ckptlab.plan.profile import profile_blocks
+from ckptlab.core.policy import PLAN_OPTIONS as OPTIONS
+from ckptlab.plan.profile import Profile, profile_blocks
+from ckptlab.plan.solve import brute_force, min_peak, model_peak, plan_cost, solve
 
 
 def _random_profile(n: int, rng: random.Random) -> Profile:

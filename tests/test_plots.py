@@ -13,6 +13,7 @@ matplotlib.use("agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ckptlab.core.policy import policy_label  # noqa: E402
 from ckptlab.probe.memory import CATEGORIES  # noqa: E402
 from ckptlab.report import plots  # noqa: E402
 from ckptlab.report.analysis import fits_from_run  # noqa: E402
@@ -94,7 +95,7 @@ def test_every_figure_colours_a_policy_the_same_way(run):
         "what_fits": plots.what_fits_plot(run).axes[0].get_legend(),
         "timeline": plots.memory_timeline(timelines).axes[0].get_legend(),
     }
-    expected = {plots.policy_label(p): policy_style(p)["color"] for p in POLICIES}
+    expected = {policy_label(p): policy_style(p)["color"] for p in POLICIES}
     for name, legend in legends.items():
         colors = {label.split(" (")[0]: c for label, c in legend_colors(legend).items()}
         for label, color in expected.items():
@@ -108,7 +109,7 @@ def test_every_figure_colours_a_policy_the_same_way(run):
 
 
 def test_budget_is_labelled_as_a_size(run):
-    assert plots.policy_label(BUDGET) == "budget=42.7MiB"
+    assert policy_label(BUDGET) == "budget=42.7MiB"
     texts = legend_texts(plots.pareto_plot(run).axes[0].get_legend())
     assert "budget=42.7MiB" in texts and not any("44777048" in t for t in texts)
 

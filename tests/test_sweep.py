@@ -158,6 +158,7 @@ def test_no_secret_or_absolute_path_in_the_run_folder(tmp_path, monkeypatch):
     out = tmp_path / "secret-run"
     sweep(model="mlp-chain", batch_sizes=[1], seq_lens=[8], policies=["none"], out=out,
           isolate=True, steps=1, warmup=0, max_seconds=0.2, progress=False)  # isolated: the child sees the environment too
+    plots.redraw_all(out)
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) >= 10
     for p in files:

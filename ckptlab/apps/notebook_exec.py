@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -17,11 +16,10 @@ from pathlib import Path
 import yaml
 
 from ..core.children import die_with_parent
-from ..core.validate import output_folder
 from ..run.provenance import environment
+from ..run.store import RUN_MARKER, check_replaceable, fresh_run_folder
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository (or site-packages) holding ckptlab/
-RUN_MARKER = ".ckptlab-run"   # in every run folder the runner made; only those are ever replaced
 
 
 @dataclass
@@ -31,28 +29,6 @@ class NotebookRun:
     status: str          # ok | failed | timeout
     seconds: float
     error: str = ""
-
-
-def check_replaceable(run_dir: Path) -> None:
-    """A run folder may be created, or replaced when the runner made it (it holds RUN_MARKER);
-    any other folder at that place is the user's and is never touched."""
-    output_folder("run folder", run_dir)
-    if run_dir.is_symlink() or (run_dir.exists() and not (run_dir / RUN_MARKER).is_file()):
-        raise ValueError(f"run folder {str(run_dir)!r} is invalid: it exists and was not made by ckptlab "
-                         f"(no {RUN_MARKER} file in it), so it is never replaced; allowed is another "
-                         "--name or --out, or move that folder away yourself")
-
-
-def fresh_run_folder(run_dir: Path) -> Path:
-    """An empty run folder marked as the runner's: a new execution of the same notebook and run
-    name replaces the old one."""
-    check_replaceable(run_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / RUN_MARKER).write_text("Made by `ckptlab notebooks run`, which replaces this folder when the same "
-                                      "notebook runs again under the same name.\n")
-    return run_dir
 
 
 def execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s: float) -> NotebookRun:

@@ -28,7 +28,8 @@ from ..core import validate
 from ..core.extras import require
 from ..core.parsing import yaml_mapping
 from ..core.policy import parse_policy
-from ..core.validate import choice, integer, no_credential, non_empty, number, size_bytes
+from ..core.units import size_bytes
+from ..core.validate import choice, integer, no_credential, non_empty, number
 from ..probe.measure import check_policy_applies
 from ..probe.step import DTYPES, resolve_device
 from ..run.store import read_meta

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -95,6 +96,11 @@ def _matmul_ops() -> set:
     return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 
 
+def matmul_and_attention_ops() -> set:
+    """What selective checkpointing saves by default, as PyTorch's docs do: matmul and attention outputs."""
+    return _sdpa_ops() | _matmul_ops()
+
+
 def selective_policy_fn(variant: str = "mm") -> Callable:
     """A `create_selective_checkpoint_contexts` policy for one checkpoint call.
 
@@ -153,6 +159,16 @@ def _patch_offload(handle: CheckpointHandle, blocks: list[nn.Module]) -> None:
         block.forward = offload_forward
 
 
+@dataclass
+class _SegmentRun:
+    """A segment's output, held for its following blocks to hand back, and what they must match."""
+
+    output: object
+    other_args: tuple         # the first block's arguments besides the hidden state
+    kwargs: dict
+    blocks_done: int = 1
+
+
 def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: dict, early_stop: bool) -> None:
     """One checkpoint region. A single block recomputes itself. A segment (several consecutive
     blocks) is one region: its first block runs the whole segment under one checkpoint and returns
@@ -160,7 +176,7 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
     model to call the blocks in order, feeding each one's output to the next, as every
     transformer layer loop does; anything else is detected and refused."""
     originals = [block.forward for block in region]  # bound class methods
-    stash: list = []
+    stash: list[_SegmentRun] = []   # the segment run in progress, if any
 
     def run_region(*args, **kwargs):
         out = None
@@ -185,16 +201,17 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
             with _paused(handle):
                 out = run_region(*args, **kwargs)
         if len(region) > 1:
-            stash[:] = [out, 1, args[1:], kwargs]
+            stash[:] = [_SegmentRun(out, args[1:], kwargs)]
         return out
 
     def follower_forward(hidden, *args, **kwargs):
-        if not stash or hidden_state(stash[0]) is not hidden:
+        if not stash or hidden_state(stash[0].output) is not hidden:
             raise RuntimeError(
                 "segments policy: blocks were not called in order with each block's output fed to "
                 "the next; use a per-block policy (full, density, every, layers) for this model"
             )
-        if not _same_arguments((args, kwargs), (stash[2], stash[3])):
+        run = stash[0]
+        if not _same_arguments((args, kwargs), (run.other_args, run.kwargs)):
             # The segment ran this block with the first block's other arguments (T5 hands layer
             # 0's position bias to the later layers): its output would be wrong.
             stash.clear()
@@ -204,11 +221,10 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
                 "arguments would change the result; use a per-block policy (full, density, every, "
                 "layers) for this model"
             )
-        out = stash[0]
-        stash[1] += 1
-        if stash[1] == len(region):
+        run.blocks_done += 1
+        if run.blocks_done == len(region):
             stash.clear()
-        return out
+        return run.output
 
     region_forward._ckptlab_handle = handle
     region[0].forward = region_forward

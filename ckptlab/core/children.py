@@ -19,10 +19,21 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Callable, Optional
 
 PR_SET_PDEATHSIG = 1          # from <linux/prctl.h>
 PARENT_POLL_S = 0.5           # how often an orphaned child notices at the latest
+
+
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])   # the folder holding ckptlab/
+
+
+def child_environment(**variables: str) -> dict:
+    """This process's environment for a child that must import this same ckptlab, installed or
+    not (the folder holding it first on PYTHONPATH), plus `variables`."""
+    pythonpath = os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=pythonpath, **variables)
 
 
 def die_with_parent() -> Optional[Callable[[], None]]:

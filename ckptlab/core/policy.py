@@ -39,11 +39,11 @@ calls before touching the model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
-from .validate import size_bytes, size_label
+from .units import format_bytes, size_bytes, size_label
 
-KINDS = ("none", "full", "density", "every", "layers", "segments", "selective", "plan", "budget", "compile")
 SELECTIVE_VARIANTS = ("mm", "alt", "attn")
 PLAN_LETTERS = {"k": "keep", "s": "selective", "f": "full"}
 PLAN_OPTIONS = tuple(PLAN_LETTERS.values())   # a plan's per-block options, in order of memory kept
@@ -69,16 +69,7 @@ class Policy:
     offload: bool = False
 
     def __str__(self) -> str:
-        if self.value is None or (self.kind == "selective" and self.value == "mm"):
-            text = self.kind
-        elif self.kind == "layers":
-            text = "layers=" + ",".join(str(i) for i in self.value)
-        elif self.kind == "compile":
-            text = f"compile:budget={self.value}"
-        elif self.kind == "budget" and isinstance(self.value, int):
-            text = f"budget={size_label(self.value)}"
-        else:
-            text = f"{self.kind}={self.value}"
+        text = KINDS[self.kind].spell(self.value)
         if self.offload:
             return "offload" if self.kind == "none" else text + "+offload"
         return text
@@ -88,7 +79,7 @@ class Policy:
         """The policy for a figure or a table: as `str`, but a budget in bytes reads as a rounded
         size (budget=42.7MiB); `str` stays exact, so that it parses back to the same policy."""
         if self.kind == "budget" and isinstance(self.value, int):
-            text = f"budget={readable_size(self.value)}"
+            text = f"budget={format_bytes(self.value, compact=True)}"
             return text + "+offload" if self.offload else text
         return str(self)
 
@@ -110,52 +101,7 @@ class Policy:
         """
         if n_blocks < 1:
             raise ValueError(f"n_blocks={n_blocks!r} is invalid: a model needs at least 1 block")
-        if self.kind == "none":
-            return []
-        if self.kind in ("full", "selective"):
-            return [(i, i + 1) for i in range(n_blocks)]
-        if self.kind == "compile":
-            return []  # the compiler decides what to recompute, inside the compiled graph
-        if self.kind == "plan":
-            if len(self.value) != n_blocks:
-                raise ValueError(
-                    f"plan={self.value} is invalid for a model with {n_blocks} blocks: allowed is "
-                    f"exactly {n_blocks} letters (k keep, s selective, f full), one per block"
-                )
-            return [(i, i + 1) for i, c in enumerate(self.value) if c != "k"]
-        if self.kind == "budget":
-            raise ValueError(
-                f"policy={self} needs the workload's shapes to become a per-block plan: use "
-                "ckptlab.measure(...) or ckptlab.plan_budget(...) and apply the plan it returns"
-            )
-        if self.kind == "density":
-            return [(i, i + 1) for i in spread_evenly(round(self.value * n_blocks), n_blocks)]
-        if self.kind == "every":
-            return [(i, i + 1) for i in range(self.value - 1, n_blocks, self.value)]
-        if self.kind == "layers":
-            bad = [i for i in self.value if i >= n_blocks]
-            if bad:
-                raise ValueError(
-                    f"layers={','.join(map(str, self.value))} is invalid for a model with "
-                    f"{n_blocks} blocks: index {bad[0]} out of range; allowed indices are "
-                    f"0..{n_blocks - 1}"
-                )
-            return [(i, i + 1) for i in self.value]
-        if self.kind == "segments":
-            n_segments = max(1, round(math.sqrt(n_blocks))) if self.value == "sqrt" else self.value
-            if n_segments > n_blocks:
-                raise ValueError(
-                    f"segments={self.value} is invalid for a model with {n_blocks} blocks: "
-                    f"allowed is 1..{n_blocks} segments"
-                )
-            # Same cut as torch.utils.checkpoint.checkpoint_sequential: equal segments of
-            # N // S blocks, the remainder going to the last (uncheckpointed) one.
-            size = n_blocks // n_segments
-            return [(s * size, (s + 1) * size) for s in range(n_segments - 1)]
-        if self.kind in HF_KINDS:  # nominal; ckptlab.checkpoint.hf reports the layers transformers marks
-            step = self.value if self.kind == "hf:every_n_layers" else 1
-            return [(i, i + 1) for i in range(0, n_blocks, step)]
-        raise AssertionError(f"unhandled policy kind {self.kind!r}")
+        return KINDS[self.kind].regions(self, n_blocks)
 
     def checkpointed_blocks(self, n_blocks: int) -> list[int]:
         """Indices of the blocks whose activations are recomputed."""
@@ -164,9 +110,6 @@ class Policy:
     def effective_density(self, n_blocks: int) -> float:
         """Fraction of the n_blocks blocks that recompute: the common axis for every policy."""
         return len(self.checkpointed_blocks(n_blocks)) / n_blocks
-
-
-SIZE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
 def plan_policy(options, offload: bool = False) -> Policy:
@@ -182,16 +125,6 @@ def policy_label(policy: str) -> str:
         return parse_policy(policy).label
     except ValueError:
         return str(policy)
-
-
-def readable_size(n_bytes: int) -> str:
-    """A size rounded to about 3 significant figures, as a label: 44777048 -> 42.7MiB."""
-    for unit, scale in SIZE_UNITS:
-        if n_bytes >= scale:
-            value = n_bytes / scale
-            text = f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f}"
-            return (text.rstrip("0").rstrip(".") if "." in text else text) + unit
-    return f"{n_bytes}B"
 
 
 def spread_evenly(k: int, n: int) -> list[int]:
@@ -228,60 +161,21 @@ def parse_policy(text: str | Policy) -> Policy:
     spec = text.strip().lower()
     if spec == "offload":
         return Policy("none", offload=True)
-    if spec.startswith("compile"):
-        return _parse_compile(text, spec)
-    name, sep, arg = spec.partition("=")
-    name, arg = name.strip(), arg.strip()
-    if name == "hf" or name.startswith("hf:"):  # transformers' own mechanism, applied by ckptlab.checkpoint.hf
-        return _parse_hf(text, name, sep, arg)
-    if name not in KINDS:
-        raise ValueError(f"policy={text!r} is invalid: unknown policy {name!r}; allowed is {POLICY_HELP}")
-    if name == "selective":
-        variant = arg if sep else "mm"
-        if variant not in SELECTIVE_VARIANTS:
-            raise ValueError(f"selective={arg} is invalid: allowed variants are {', '.join(SELECTIVE_VARIANTS)}")
-        return Policy("selective", variant)
-    if name in ("none", "full"):
-        if sep:
-            raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; allowed is {POLICY_HELP}")
-        return Policy(name)
-    if not sep or not arg:
-        raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; allowed is {POLICY_HELP}")
-    if name == "plan":
-        bad = sorted(set(arg) - set(PLAN_LETTERS))
-        if bad:
-            raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed; allowed are "
-                             "k (keep), s (selective), f (full), one per block")
-        return Policy("plan", arg)
-    if name == "budget":
-        return Policy("budget", _parse_budget(arg))
-    if name == "density":
-        density = _number(text, name, arg, float)
-        if not (0.0 <= density <= 1.0) or math.isnan(density):
-            raise ValueError(f"density={arg} is invalid: allowed is a number in [0, 1]")
-        return Policy("density", density + 0.0)  # -0.0 becomes 0.0: one policy, one cell
-    if name == "every":
-        k = _number(text, name, arg, int)
-        if k < 1:
-            raise ValueError(f"every={arg} is invalid: allowed is an integer >= 1")
-        return Policy("every", k)
-    if name == "layers":
-        indices = tuple(_number(text, name, part.strip(), int) for part in arg.split(","))
-        if any(i < 0 for i in indices):
-            raise ValueError(f"layers={arg} is invalid: allowed are block indices >= 0")
-        if len(set(indices)) != len(indices):
-            raise ValueError(f"layers={arg} is invalid: an index is repeated; allowed are distinct indices")
-        return Policy("layers", tuple(sorted(indices)))
-    # segments
-    if arg == "sqrt":
-        return Policy("segments", "sqrt")
-    n_segments = _number(text, name, arg, int)
-    if n_segments < 1:
-        raise ValueError(f"segments={arg} is invalid: allowed is an integer >= 1 or 'sqrt'")
-    return Policy("segments", n_segments)
+    name, sep, arg = (part.strip() for part in spec.partition("="))
+    kind = next((k for k in KINDS.values() if name in k.names), None)
+    if kind is None:
+        what = "Hugging Face policy" if name.startswith("hf") else "policy"
+        raise ValueError(f"policy={text!r} is invalid: unknown {what} {name!r}; allowed is {POLICY_HELP}")
+    if sep and kind.parse is None:
+        raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; allowed is {kind.help or POLICY_HELP}")
+    if not (sep and arg):
+        if name not in kind.bare:
+            raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; allowed is {kind.help or POLICY_HELP}")
+        return Policy(kind.name, kind.bare[name])
+    return Policy(kind.name, kind.parse(text, name, arg))
 
 
-def _parse_budget(arg: str) -> int | float:
+def _parse_budget(text: str, name: str, arg: str) -> int | float:
     """'0.5' -> 0.5 (a fraction of the no-checkpointing peak); '6GiB', '512MB', '1e9' -> bytes."""
     try:
         number = float(arg)
@@ -298,41 +192,160 @@ def _parse_budget(arg: str) -> int | float:
                          "no-checkpointing peak, or a size such as 6GiB, 512MiB, 2GB") from None
 
 
-def _parse_compile(text: str, spec: str) -> Policy:
-    rest = spec[len("compile"):].strip()
-    if not rest:
-        return Policy("compile")
-    name, sep, arg = rest.lstrip(":").partition("=")
-    if not rest.startswith(":") or name.strip() != "budget" or not sep:
-        raise ValueError(f"policy={text!r} is invalid: allowed is compile or compile:budget=B with 0<=B<=1")
-    budget = _number(text, "compile:budget", arg.strip(), float)
-    if not (0.0 <= budget <= 1.0) or math.isnan(budget):
-        raise ValueError(f"compile:budget={arg.strip()} is invalid: allowed is a number in [0, 1]")
-    return Policy("compile", budget + 0.0)
-
-
-HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")
-
-
-def _parse_hf(text: str, name: str, sep: str, arg: str) -> Policy:
-    allowed = "allowed is hf | hf:every_n_layers=K (K>=1) | hf:offload"
-    if name not in HF_KINDS:
-        raise ValueError(f"policy={text!r} is invalid: unknown Hugging Face policy {name!r}; {allowed}")
-    if name != "hf:every_n_layers":
-        if sep:
-            raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; {allowed}")
-        return Policy(name)
-    if not sep or not arg:
-        raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; {allowed}")
-    k = _number(text, "every_n_layers", arg, int)
-    if k < 1:
-        raise ValueError(f"hf:every_n_layers={arg} is invalid: allowed is an integer >= 1")
-    return Policy(name, k)
-
-
 def _number(text: str, name: str, arg: str, kind: type):
     try:
         return kind(arg)
     except ValueError:
         expected = "an integer" if kind is int else "a number"
         raise ValueError(f"{name}={arg} is invalid in policy={text!r}: expected {expected}") from None
+
+
+def _parse_density(text: str, name: str, arg: str) -> float:
+    density = _number(text, name, arg, float)
+    if not (0.0 <= density <= 1.0) or math.isnan(density):
+        raise ValueError(f"density={arg} is invalid: allowed is a number in [0, 1]")
+    return density + 0.0  # -0.0 becomes 0.0: one policy, one cell
+
+
+def _parse_at_least_one(text: str, name: str, arg: str) -> int:
+    k = _number(text, name, arg, int)
+    if k < 1:
+        raise ValueError(f"{name}={arg} is invalid: allowed is an integer >= 1")
+    return k
+
+
+def _parse_layers(text: str, name: str, arg: str) -> tuple:
+    indices = tuple(_number(text, name, part.strip(), int) for part in arg.split(","))
+    if any(i < 0 for i in indices):
+        raise ValueError(f"layers={arg} is invalid: allowed are block indices >= 0")
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"layers={arg} is invalid: an index is repeated; allowed are distinct indices")
+    return tuple(sorted(indices))
+
+
+def _parse_segments(text: str, name: str, arg: str) -> int | str:
+    if arg == "sqrt":
+        return "sqrt"
+    n_segments = _number(text, name, arg, int)
+    if n_segments < 1:
+        raise ValueError(f"segments={arg} is invalid: allowed is an integer >= 1 or 'sqrt'")
+    return n_segments
+
+
+def _parse_selective(text: str, name: str, arg: str) -> str:
+    if arg not in SELECTIVE_VARIANTS:
+        raise ValueError(f"selective={arg} is invalid: allowed variants are {', '.join(SELECTIVE_VARIANTS)}")
+    return arg
+
+
+def _parse_plan(text: str, name: str, arg: str) -> str:
+    bad = sorted(set(arg) - set(PLAN_LETTERS))
+    if bad:
+        raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed; allowed are "
+                         "k (keep), s (selective), f (full), one per block")
+    return arg
+
+
+def _parse_compile_budget(text: str, name: str, arg: str) -> float:
+    if name != "compile:budget":
+        raise ValueError(f"policy={text!r} is invalid: allowed is compile or compile:budget=B with 0<=B<=1")
+    budget = _number(text, name, arg, float)
+    if not (0.0 <= budget <= 1.0) or math.isnan(budget):
+        raise ValueError(f"compile:budget={arg} is invalid: allowed is a number in [0, 1]")
+    return budget + 0.0
+
+
+def _every_block(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in range(n_blocks)]
+
+
+def _no_region(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    return []
+
+
+def _density_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in spread_evenly(round(policy.value * n_blocks), n_blocks)]
+
+
+def _every_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in range(policy.value - 1, n_blocks, policy.value)]
+
+
+def _layers_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    bad = [i for i in policy.value if i >= n_blocks]
+    if bad:
+        raise ValueError(f"layers={','.join(map(str, policy.value))} is invalid for a model with {n_blocks} blocks: "
+                         f"index {bad[0]} out of range; allowed indices are 0..{n_blocks - 1}")
+    return [(i, i + 1) for i in policy.value]
+
+
+def _segments_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    n_segments = max(1, round(math.sqrt(n_blocks))) if policy.value == "sqrt" else policy.value
+    if n_segments > n_blocks:
+        raise ValueError(f"segments={policy.value} is invalid for a model with {n_blocks} blocks: "
+                         f"allowed is 1..{n_blocks} segments")
+    # Same cut as torch.utils.checkpoint.checkpoint_sequential: equal segments of N // S blocks,
+    # the remainder going to the last (uncheckpointed) one.
+    size = n_blocks // n_segments
+    return [(s * size, (s + 1) * size) for s in range(n_segments - 1)]
+
+
+def _plan_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    if len(policy.value) != n_blocks:
+        raise ValueError(f"plan={policy.value} is invalid for a model with {n_blocks} blocks: allowed is "
+                         f"exactly {n_blocks} letters (k keep, s selective, f full), one per block")
+    return [(i, i + 1) for i, c in enumerate(policy.value) if c != "k"]
+
+
+def _budget_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    raise ValueError(f"policy={policy} needs the workload's shapes to become a per-block plan: use "
+                     "ckptlab.measure(...) or ckptlab.plan_budget(...) and apply the plan it returns")
+
+
+def _hf_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    # nominal: ckptlab.checkpoint.hf reports the layers transformers marks
+    step = policy.value if policy.kind == "hf:every_n_layers" else 1
+    return [(i, i + 1) for i in range(0, n_blocks, step)]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of policy, in one place: how it is written (`names`, before any "="), what a name
+    without a value means (`bare`), how a value is parsed and spelled back, and which blocks it
+    recomputes (`regions`)."""
+
+    name: str
+    names: tuple[str, ...]
+    regions: Callable[[Policy, int], list[tuple[int, int]]]
+    parse: Optional[Callable[[str, str, str], object]] = None   # (text, name, arg) -> value; None: no value
+    spell: Callable[[object], str] = str
+    bare: dict = field(default_factory=dict)                     # a name without a value -> its value
+    help: str = ""                                               # what is allowed, where narrower than POLICY_HELP
+
+
+_HF_HELP = "hf | hf:every_n_layers=K (K>=1) | hf:offload"
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("none", ("none",), _no_region, spell=lambda v: "none", bare={"none": None}),
+    Kind("full", ("full",), _every_block, spell=lambda v: "full", bare={"full": None}),
+    Kind("density", ("density",), _density_regions, _parse_density, lambda v: f"density={v}"),
+    Kind("every", ("every",), _every_regions, _parse_at_least_one, lambda v: f"every={v}"),
+    Kind("layers", ("layers",), _layers_regions, _parse_layers, lambda v: "layers=" + ",".join(map(str, v))),
+    Kind("segments", ("segments",), _segments_regions, _parse_segments, lambda v: f"segments={v}"),
+    Kind("selective", ("selective",), _every_block, _parse_selective,
+         lambda v: "selective" if v == "mm" else f"selective={v}", bare={"selective": "mm"}),
+    Kind("plan", ("plan",), _plan_regions, _parse_plan, lambda v: f"plan={v}"),
+    Kind("budget", ("budget",), _budget_regions, _parse_budget,
+         lambda v: f"budget={size_label(v)}" if isinstance(v, int) else f"budget={v}"),
+    # the compiler decides what to recompute, inside the compiled graph: no block regions
+    Kind("compile", ("compile", "compile:budget"), _no_region, _parse_compile_budget,
+         lambda v: "compile" if v is None else f"compile:budget={v}", bare={"compile": None},
+         help="compile | compile:budget=B with 0<=B<=1"),
+    Kind("hf", ("hf",), _hf_regions, spell=lambda v: "hf", bare={"hf": None}, help=_HF_HELP),
+    Kind("hf:every_n_layers", ("hf:every_n_layers",), _hf_regions, _parse_at_least_one,
+         lambda v: f"hf:every_n_layers={v}", help=_HF_HELP),
+    Kind("hf:offload", ("hf:offload",), _hf_regions, spell=lambda v: "hf:offload", bare={"hf:offload": None},
+         help=_HF_HELP),
+)}
+HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")   # transformers' own mechanism (ckptlab.checkpoint.hf)
+

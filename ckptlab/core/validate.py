@@ -14,10 +14,6 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-SIZE_HELP = "a positive size such as 24GiB, 512MiB, 2GB or a number of bytes (at least 1 byte)"
-
 
 def integer(name: str, value, minimum: int) -> int:
     """An int (not a bool, not a float such as 2.0) >= minimum."""
@@ -65,35 +61,6 @@ def non_empty(name: str, values) -> list:
     if not values:
         raise ValueError(f"{name}={_show(values)} is invalid: allowed is a non-empty list")
     return values
-
-
-def size_bytes(name: str, value) -> int:
-    """'24GiB', '512MB', '1.5e9' or a number -> whole bytes, at least 1. Units: B, KB, MB, GB,
-    TB (powers of 10) and KiB, MiB, GiB, TiB (powers of 2), any case."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        amount, unit = float(value), "b"
-    elif isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(digits):] or "b"
-        try:
-            amount = float(digits)
-        except ValueError:
-            amount = math.nan
-    else:
-        amount, unit = math.nan, "b"
-    if unit not in SIZE_UNITS or not math.isfinite(amount) or amount * SIZE_UNITS[unit] < 1:
-        raise ValueError(f"{name}={value!r} is invalid: allowed is {SIZE_HELP}")
-    return int(amount * SIZE_UNITS[unit])
-
-
-def size_label(n_bytes: int) -> str:
-    """Whole bytes as the largest unit that divides them exactly: 6442450944 -> '6GiB',
-    10**9 -> '1GB', 1000 -> '1KB', 1500 -> '1500B'; read back by `size_bytes`."""
-    for unit in ("TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "KB"):
-        if n_bytes % SIZE_UNITS[unit.lower()] == 0:
-            return f"{n_bytes // SIZE_UNITS[unit.lower()]}{unit}"
-    return f"{n_bytes}B"
 
 
 def output_folder(name: str, path) -> Path:
@@ -191,4 +158,4 @@ def _fmt(x: float) -> str:
 
 
 __all__ = ["choice", "integer", "integer_list", "no_credential", "non_empty", "number", "output_folder",
-           "run_name", "size_bytes", "size_label"]
+           "run_name"]

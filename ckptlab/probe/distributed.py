@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from typing import Optional
 
 import torch
 
-from ..core.children import die_with_parent
+from ..core.children import child_environment, die_with_parent
 from ..core.policy import parse_policy
 from ..core.records import new_record
 from ..core.units import parse_bytes
@@ -163,11 +162,10 @@ def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> 
 
     Path(out_dir, "spec.json").write_text(json.dumps(spec))
     port = _free_port()
-    pythonpath = os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
     procs = []
     for rank in range(nproc):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), PYTHONPATH=pythonpath)
+        env = child_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                                LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
         err = open(Path(out_dir, f"rank{rank}.err"), "w")
         procs.append((subprocess.Popen([sys.executable, "-c", _RANK_MAIN, out_dir], env=env,
                                        stdout=subprocess.DEVNULL, stderr=err, preexec_fn=die_with_parent()), err))
@@ -206,7 +204,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])   # the folder holding ckptlab/
 # os._exit once the results are on disk: gloo's C++ threads can abort the interpreter's normal
 # shutdown ("terminate called without an active exception", seen here in the test suite).
 _RANK_MAIN = ("import os, sys; from ckptlab.probe.sharded_rank import rank_main; rank_main(sys.argv[1]); "

@@ -67,6 +67,19 @@ def bootstrap_median(values, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES
     return float(np.median(x)), float(low), float(high)
 
 
+NO_DIFFERENCE = "no difference"
+
+
+def time_verdict(low: float, high: float, reference: float = 1.0) -> str:
+    """What a 95% interval of a time ratio says against `reference` (1: the same time): "faster"
+    when it lies below, "slower" when above, "no difference" when it contains the reference or is
+    unknown (NaN). The one place a verdict is read from an interval."""
+    if high < reference:
+        return "faster"
+    if low > reference:
+        return "slower"
+    return NO_DIFFERENCE
+
 
 def unpaired_median_ratio(values, baseline, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES,
                           confidence: float = CONFIDENCE) -> tuple[float, float, float]:
@@ -129,7 +142,7 @@ class IntervalTiming:
 
     def significant(self, name: str) -> bool:
         """The interval excludes 1: `name` differs in time from the baseline."""
-        return self.ratio_low[name] > 1 or self.ratio_high[name] < 1
+        return time_verdict(self.ratio_low[name], self.ratio_high[name]) != NO_DIFFERENCE
 
     def row(self, name: str) -> dict:
         """The record columns for one configuration (a configuration timed alone has no ratio)."""

@@ -19,10 +19,8 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from ..core.policy import policy_label
 from ..core.units import CARD_LIMITS, format_bytes
-from ..probe.timing import bootstrap_median, unpaired_median_ratio
-from ..run.sweep import config_label
+from ..probe.timing import NO_DIFFERENCE, bootstrap_median, time_verdict, unpaired_median_ratio
 from .tables import format_table
 
 SHAPE = ["model", "batch_size", "seq_len", "dtype", "accum_steps"]   # what a baseline must share
@@ -235,32 +233,40 @@ def compare_note(df: pd.DataFrame) -> str:
     return text
 
 
+def paired_ratio(row, versus, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high): `row`'s time over `versus`'s from their per-round times (`round_ms`),
+    paired round by round; the two were timed in the same interleaved rounds (one `compare`, or
+    one timing group of a sweep). NaN where either has no round times."""
+    a, b = (np.asarray(r.get("round_ms") if isinstance(r.get("round_ms"), list) else [], dtype=float)
+            for r in (row, versus))
+    if len(a) == 0 or len(a) != len(b):
+        return math.nan, math.nan, math.nan
+    return bootstrap_median(a / b, seed)
+
+
+TIMING_GROUP = ["batch_size", "seq_len", "dtype", "accum_steps"]   # the cells of a sweep timed together
+
+
 def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
-    """Each budget plan against the fastest uniform policy whose peak is no higher: the plan's
-    time over that policy's, minus one (negative: the plan is faster); missing where no uniform
-    policy reaches the plan's peak. `vs_best_uniform_low/high`: its interval from the two step
-    times' 95% intervals (unpaired: low over high, high over low), where the records have them;
-    `distinguishable` is False while that interval contains 0."""
+    """Each budget plan against the fastest uniform policy at no more memory, timed in the same
+    rounds: the plan's time over that policy's, minus one (negative: the plan is faster), with the
+    95% interval of the paired per-round ratios and its `verdict` (faster, slower, no
+    difference). Missing where no uniform policy reaches the plan's peak."""
     rows = ok(df)
-    for column in ("step_ms_low", "step_ms_high"):
-        if column not in rows:
-            rows[column] = np.nan
-    uniform, plans = rows[~rows["policy"].str.startswith("budget")], rows[rows["policy"].str.startswith("budget")]
     out = []
-    for r in plans.itertuples():
-        rivals = uniform[uniform["peak_bytes"] <= r.peak_bytes]
-        best = rivals.loc[rivals["step_ms"].idxmin()] if len(rivals) else None
-        out.append({"policy": r.policy, "plan": r.plan, "peak_bytes": r.peak_bytes, "step_ms": r.step_ms,
-                    "best_uniform": None if best is None else best["policy"],
-                    "best_uniform_step_ms": None if best is None else best["step_ms"],
-                    "vs_best_uniform": None if best is None else r.step_ms / best["step_ms"] - 1,
-                    "vs_best_uniform_low": None if best is None else r.step_ms_low / best["step_ms_high"] - 1,
-                    "vs_best_uniform_high": None if best is None else r.step_ms_high / best["step_ms_low"] - 1})
-    table = pd.DataFrame(out)
-    if len(table):
-        low, high = (pd.to_numeric(table[c], errors="coerce") for c in ("vs_best_uniform_low", "vs_best_uniform_high"))
-        table["distinguishable"] = (low > 0) | (high < 0)
-    return table
+    for _, group in rows.groupby([c for c in TIMING_GROUP if c in rows], sort=False):
+        is_plan = group["policy"].str.startswith("budget")
+        uniform, plans = group[~is_plan], group[is_plan]
+        for _, r in plans.iterrows():
+            rivals = uniform[uniform["peak_bytes"] <= r["peak_bytes"]]
+            best = rivals.loc[rivals["step_ms"].idxmin()] if len(rivals) else None
+            ratio, low, high = (math.nan,) * 3 if best is None else paired_ratio(r, best)
+            out.append({"policy": r["policy"], "plan": r.get("plan"), "peak_bytes": r["peak_bytes"],
+                        "step_ms": r["step_ms"], "best_uniform": None if best is None else best["policy"],
+                        "best_uniform_step_ms": None if best is None else best["step_ms"],
+                        "vs_best_uniform": ratio - 1, "vs_best_uniform_low": low - 1, "vs_best_uniform_high": high - 1,
+                        "verdict": None if best is None else time_verdict(low, high)})
+    return pd.DataFrame(out)
 
 
 SUMMARY_COLUMNS = ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms", "step_ms_low",
@@ -386,7 +392,8 @@ def trainer_summary(df):
         b = base.iloc[0]
         overheads = [_unpaired_overhead(timed_ms[run], timed_ms["none"], run == "none") for run in table["run"]]
         table["overhead"], table["overhead_low"], table["overhead_high"] = map(list, zip(*overheads))
-        table["significant"] = (table["overhead_low"] > 0) | (table["overhead_high"] < 0)
+        table["significant"] = [time_verdict(low, high, reference=0.0) != NO_DIFFERENCE
+                                for low, high in zip(table["overhead_low"], table["overhead_high"])]
         table["memory_saved_frac"] = 1 - table["peak_bytes"] / b["peak_bytes"] if b["peak_bytes"] else None
         table["same_losses_as_none"] = [losses == b["losses"] for losses in table["losses"]]
     return table.drop(columns="losses")
@@ -409,13 +416,11 @@ GUIDE_SLOWDOWN = 0.2   # the transformers guide: "Training will be ~20% slower"
 def guide_verdict(overhead_low: float, overhead_high: float) -> str:
     """An overhead's 95% interval against the transformers guide's "~20% slower": no difference
     from no checkpointing when it includes 0, else more, less, or consistent (it includes 20%)."""
-    if overhead_low <= 0 <= overhead_high:
+    if time_verdict(overhead_low, overhead_high, reference=0.0) == NO_DIFFERENCE:
         return "no difference from no checkpointing: the interval includes 0 (inside the noise of these steps)"
-    if overhead_low > GUIDE_SLOWDOWN:
-        return "more than the guide's ~20%"
-    if overhead_high < GUIDE_SLOWDOWN:
-        return "less than the guide's ~20%"
-    return "consistent with the guide's ~20% (the interval includes it)"
+    return {"slower": "more than the guide's ~20%", "faster": "less than the guide's ~20%",
+            NO_DIFFERENCE: "consistent with the guide's ~20% (the interval includes it)"}[
+        time_verdict(overhead_low, overhead_high, reference=GUIDE_SLOWDOWN)]
 
 
 def slowdown_answer(summary) -> str:
@@ -448,6 +453,6 @@ def _ms_interval(r) -> str:
     return "" if pd.isna(r.step_ms_low) else f" [{r.step_ms_low:.0f}, {r.step_ms_high:.0f}]"
 
 
-__all__ = ["BUSY_SPREAD", "GUIDE_SLOWDOWN", "SHAPE", "compare_note", "config_label", "fit_note", "format_summary",
-           "guide_verdict", "largest_fitting", "line_fit", "ok", "overhead", "pareto", "plans_vs_uniform", "policy_label", "slowdown_answer", "summary",
-           "timing_note", "trainer_summary", "fits_from_run"]
+__all__ = ["BUSY_SPREAD", "GUIDE_SLOWDOWN", "SHAPE", "TIMING_GROUP", "compare_note", "fit_note", "fits_from_run",
+           "format_summary", "guide_verdict", "largest_fitting", "line_fit", "ok", "overhead", "paired_ratio", "pareto",
+           "plans_vs_uniform", "slowdown_answer", "summary", "timing_note", "trainer_summary"]

@@ -24,11 +24,11 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.transforms import Bbox
 
-from ..core.policy import parse_policy
+from ..core.policy import parse_policy, policy_label
 from ..core.records import CATEGORIES, PHASES
 from ..run.store import load_run
+from ..run.sweep import config_label
 from . import analysis
-from .analysis import policy_label
 
 MiB = 2**20
 GiB = 2**30
@@ -216,7 +216,7 @@ def pareto_plot(df: pd.DataFrame, path=None):
         line_style = dict(color="0.6", ls=SHAPE_LINESTYLES[k % len(SHAPE_LINESTYLES)], lw=1.2)
         ax.plot(front["peak_bytes"] / MiB, front["step_ms"], zorder=1, **line_style)
         frontiers[f"frontier: s={s} eff. batch={eb}"] = Line2D([], [], **line_style)
-        for (_, r), tag in zip(g.iterrows(), analysis.config_label(g)):
+        for (_, r), tag in zip(g.iterrows(), config_label(g)):
             style = policy_style(r["policy"])
             x, y = r["peak_bytes"] / MiB, r["step_ms"]
             ax.scatter([x], [y], marker=style["marker"], s=45, zorder=3, edgecolors=style["color"],

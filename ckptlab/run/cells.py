@@ -10,16 +10,14 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
-from ..core.children import die_with_parent, exit_when_orphaned
+from ..core.children import child_environment, die_with_parent, exit_when_orphaned
 from ..core.records import new_record
 from ..plan.budget import measure
 from ..probe.distributed import measure_sharded
-from ..workloads.registry import get_workload
 from .compare import measure_together
 from .config import SweepConfig
 from .store import RunWriter
@@ -101,7 +99,7 @@ def measure_together_cells(config: SweepConfig, cells: list[dict], keep: Callabl
     inferred = [oom.infer(cell) for cell in cells]
     todo = [cell for cell, record in zip(cells, inferred) if record is None]
     if len(todo) > 1:
-        workload = get_workload(config.model, seed=config.seed, **config.model_overrides)
+        workload = config.workload()
         first = todo[0]
         measured = measure_together(workload, first["batch_size"], first["seq_len"], [c["policy"] for c in todo],
                                     device=config.device, dtype=first["dtype"], accum_steps=first["accum_steps"],
@@ -165,11 +163,7 @@ def run_cell(config: SweepConfig, cell: dict) -> dict:
                                memory_limit=config.memory_limit, optimizer=config.optimizer,
                                accum_steps=cell["accum_steps"], seed=config.seed, model_overrides=config.model_overrides,
                                target_ci=config.target_ci)
-    workload = get_workload(config.model, seed=config.seed, **config.model_overrides)
-    if workload.spec_hash != config.model_hash:
-        raise ValueError(f"model={config.model!r} changed during the sweep: its file's hash is {workload.spec_hash}, "
-                         f"the sweep started with {config.model_hash}; start a new run for the changed model")
-    return measure(workload, cell["batch_size"], cell["seq_len"], cell["policy"], device=config.device,
+    return measure(config.workload(), cell["batch_size"], cell["seq_len"], cell["policy"], device=config.device,
                    dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
                    memory_limit=config.memory_limit, optimizer=config.optimizer,
                    accum_steps=cell["accum_steps"], target_ci=config.target_ci, max_seconds=config.max_seconds)
@@ -182,10 +176,8 @@ def run_isolated(config: SweepConfig, cell: dict, timeout_s: Optional[float] = N
     process (`ckptlab.core.children`), so a killed sweep leaves nothing computing behind its lock."""
     timeout_s = CELL_TIMEOUT_S if timeout_s is None else timeout_s
     spec = json.dumps({"config": config.to_dict(), "cell": cell, "parent_pid": os.getpid()})
-    # The child must import this same ckptlab, installed or not.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD], input=spec, text=True, env=env,
+        proc = subprocess.run([sys.executable, "-c", _CHILD], input=spec, text=True, env=child_environment(),
                               capture_output=True, timeout=timeout_s, preexec_fn=die_with_parent())
     except subprocess.TimeoutExpired:
         return failed_record(config, cell, f"isolated cell timed out after {timeout_s} s")
@@ -200,9 +192,6 @@ def failed_record(config: SweepConfig, cell: dict, message: str) -> dict:
     record = inferred_oom_record(config, cell, 0)
     record.update(fits=None, status="error", inferred=False, message=message)
     return record
-
-
-_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])   # the folder holding ckptlab/
 
 
 _CHILD = "import sys; from ckptlab.run.cells import child_main; sys.exit(child_main())"

@@ -34,6 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..checkpoint.blocks import find_blocks
+from ..checkpoint.wrap import matmul_and_attention_ops
 from ..core.policy import parse_policy, plan_policy
 from ..core.records import new_record
 from ..core.validate import choice, integer
@@ -49,7 +50,7 @@ from ..probe.measure import (
     reset_compiler_cache,
 )
 from ..probe.step import DTYPES, device_name, resolve_device
-from ..probe.timing import bootstrap_median, check_timing_options, time_interleaved
+from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import gradient_difference, step_gradients
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
@@ -159,14 +160,6 @@ def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, 
     return rows
 
 
-def paired_ratio(df: pd.DataFrame, policy: str, versus: str, seed: int = 0) -> tuple[float, float, float]:
-    """(median, low, high) of `policy`'s per-round time over `versus`'s, from one comparison's
-    rows (the same rounds): the paired ratio between any two rows, not only against the first."""
-    rows = df.set_index("policy")
-    a, b = (pd.Series(rows.loc[p, "round_ms"], dtype=float).to_numpy() for p in (policy, versus))
-    return bootstrap_median(a / b, seed)
-
-
 def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
     integer("batch_size", batch_size, 1)
     integer("seq_len", seq_len, 1)
@@ -228,15 +221,6 @@ def _compiled(model, record):
     return compile_with_budget(model, COMPILE_ANCHOR_BUDGET), True, None
 
 
-def _sac_ops() -> list:
-    """What PyTorch's selective-checkpointing docs save: matmul and attention outputs."""
-    aten = torch.ops.aten
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
-    return [aten.mm.default, aten.addmm.default, aten.bmm.default] + [
-        getattr(aten, n).default for n in names if hasattr(aten, n)]
-
-
 def _transformers_checkpointing(every_n_layers: Optional[int] = None, selective: bool = False):
     def apply(model, record):
         from ..checkpoint.hf import checkpointing_methods, hf_capabilities, hf_layers  # noqa: PLC0415 - the hf extra
@@ -249,7 +233,7 @@ def _transformers_checkpointing(every_n_layers: Optional[int] = None, selective:
             options["every_n_layers"] = every_n_layers
         checkpoint_kwargs = {"use_reentrant": False}
         if selective:
-            checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _sac_ops())
+            checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, list(matmul_and_attention_ops()))
         enable(**{kwargs_name: checkpoint_kwargs}, **options)
         layers = hf_layers(model)
         _checkpointed(record, len(layers), [i for i, layer in enumerate(layers) if layer.gradient_checkpointing])
@@ -372,4 +356,4 @@ def write(df: pd.DataFrame, out: str | Path) -> Path:
     return out
 
 
-__all__ = ["anchor_configs", "compare", "measure_together", "paired_ratio", "write"]
+__all__ = ["anchor_configs", "compare", "measure_together", "write"]

@@ -31,6 +31,7 @@ from ..core.validate import choice, integer, integer_list, no_credential, non_em
 from ..probe.measure import check_policy_applies
 from ..probe.step import DTYPES, OPTIMIZERS, resolve_device
 from ..probe.timing import check_timing_options
+from ..workloads.base import Workload
 from ..workloads.registry import get_workload
 
 EXECUTORS = ("local", "submitit")
@@ -136,14 +137,20 @@ class SweepConfig:
     submitit_folder: Optional[Path] = option(None, "--submitit-folder")
     """submitit: the jobs' files (default <out>/submitit)."""
 
-    def __post_init__(self):
-        self.model_overrides = dict(self.model_overrides or {})
-        no_credential("model_overrides", self.model_overrides)
-        workload = get_workload(self.model, seed=integer("seed", self.seed, 0), **self.model_overrides)
+    def workload(self) -> Workload:
+        """The sweep's model, refused when its file changed since the run started (`model_hash`)."""
+        workload = get_workload(self.model, seed=self.seed, **self.model_overrides)
         if self.model_hash is not None and self.model_hash != workload.spec_hash:
             raise ValueError(f"model={self.model!r} is invalid for this run: its file changed (content hash "
                              f"{workload.spec_hash}, the run started with {self.model_hash}); measure the "
                              "changed model into another out= folder")
+        return workload
+
+    def __post_init__(self):
+        self.model_overrides = dict(self.model_overrides or {})
+        no_credential("model_overrides", self.model_overrides)
+        integer("seed", self.seed, 0)
+        workload = self.workload()
         self.model_hash = workload.spec_hash
         self.batch_sizes = sorted(set(integer_list("batch_sizes", self.batch_sizes, 1)))
         self.seq_lens = sorted(set(integer_list("seq_lens", self.seq_lens, 1)))

@@ -20,16 +20,42 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
 import pandas as pd
 
 from ..core.records import FIELDS
+from ..core.validate import output_folder
 
 RECORDS = "records.jsonl"
 META = "run.json"
 LOCK = ".lock"
+
+
+RUN_MARKER = ".ckptlab-run"   # in every run folder ckptlab made to be replaced; only those ever are
+
+
+def check_replaceable(run_dir: Path) -> None:
+    """A run folder may be created, or replaced when ckptlab made it (it holds RUN_MARKER);
+    any other folder at that place is the user's and is never touched."""
+    output_folder("run folder", run_dir)
+    if run_dir.is_symlink() or (run_dir.exists() and not (run_dir / RUN_MARKER).is_file()):
+        raise ValueError(f"run folder {str(run_dir)!r} is invalid: it exists and was not made by ckptlab "
+                         f"(no {RUN_MARKER} file in it), so it is never replaced; allowed is another "
+                         "--name or --out, or move that folder away yourself")
+
+
+def fresh_run_folder(run_dir: Path) -> Path:
+    """An empty run folder marked as ckptlab's: a new run under the same name replaces the old one."""
+    check_replaceable(run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / RUN_MARKER).write_text("Made by ckptlab, which replaces this folder when the same run (a notebook, "
+                                      "a Trainer run) is made again under the same name.\n")
+    return run_dir
 
 
 class RunLockedError(RuntimeError):

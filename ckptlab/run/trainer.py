@@ -30,7 +30,6 @@ which runs before that hook, falls in backward.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import tempfile
 import time
 from importlib import metadata
@@ -53,13 +52,14 @@ except ImportError:
 from ..checkpoint.hf import HFCheckpointHandle, hf_layers
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import parse_policy
+from ..core.records import new_record
 from ..core.validate import integer
 from ..probe.memory import CATEGORIES, cuda_allocator_stats, track_memory
 from ..probe.step import device_name, resolve_device
-from ..workloads.registry import get_workload
+from ..workloads.registry import as_workload
 from .cells import now
 from .provenance import environment
-from .store import RunWriter, load_run, read_records
+from .store import RunWriter, check_replaceable, fresh_run_folder, load_run, read_records
 
 TRANSFORMERS_FLAG = "gradient_checkpointing"  # run label: TrainingArguments' own checkpointing
 STEP_PHASES = ("forward", "backward", "optimizer")
@@ -237,39 +237,26 @@ class CkptlabCallback(TrainerCallback):
         step, self._step = self._step, None
         losses = [float(l) for l in step["losses"]]
         loss = (sum(losses) if step["loss_spans_batch"] else sum(losses) / len(losses)) if losses else None
-        record = {
-            "model": self._run["model"],
-            "n_blocks": self._run["n_blocks"],
-            "batch_size": step["sequences"] // step["micro_batches"],
-            "seq_len": step["seq_len"],
-            "accum_steps": step["micro_batches"],
-            "effective_batch_size": step["sequences"],
-            "tokens": step["tokens"],
+        record = new_record(
+            self._run["model"], step["sequences"] // step["micro_batches"], step["seq_len"], step["micro_batches"],
+            n_blocks=self._run["n_blocks"], effective_batch_size=step["sequences"], tokens=step["tokens"],
             **{k: self._run[k] for k in ("policy", "mechanism", "effective_density", "checkpointed_blocks",
                                          "device", "device_name", "dtype", "optimizer")},
-            "step": state.global_step,
-            "epoch": state.epoch,
-            "memory_tracked": report is not None,
-            "memory_limit_bytes": None,
-            "peak_bytes": report.peak_bytes if report else None,
+            step=state.global_step,
+            epoch=state.epoch,
+            memory_tracked=report is not None,
+            peak_bytes=report.peak_bytes if report else None,
             **{f"peak_{c}_bytes": report.peak_by_category.get(c) if report else None for c in CATEGORIES},
-            "peak_phase": report.peak_phase if report else None,
+            peak_phase=report.peak_phase if report else None,
             **{f"peak_in_{phase}_bytes": max((b for p, b in report.timeline if p == phase), default=None)
                if report else None for phase in STEP_PHASES},
-            "saved_activation_bytes": report.saved_activation_bytes if report else None,
-            "cuda_max_allocated_bytes": None,
-            "cuda_max_reserved_bytes": None,
-            "cuda_alloc_retries": None,
-            "cuda_ooms": None,
-            "recompute_count": self._applied.recompute_count if self._applied is not None else None,
-            "note": "step time includes the live-tensor tracker's hooks" if report else "",
-            "loss": loss,
-            "step_ms": step_ms,
-            "tokens_per_s": step["tokens"] / (step_ms / 1e3),
-            "fits": None,
-            "status": "ok",
-            "message": "",
-        }
+            saved_activation_bytes=report.saved_activation_bytes if report else None,
+            recompute_count=self._applied.recompute_count if self._applied is not None else None,
+            note="step time includes the live-tensor tracker's hooks" if report else "",
+            loss=loss,
+            step_ms=step_ms,
+            tokens_per_s=step["tokens"] / (step_ms / 1e3),
+        )
         if self._device.type == "cuda":
             record.update(cuda_allocator_stats(self._device))
             record["peak_bytes"] = record["cuda_max_allocated_bytes"]
@@ -350,21 +337,20 @@ def compare_trainer_runs(
         raise ValueError(f"device={device!r} is invalid here: allowed are cpu, cuda (Trainer trains on the first "
                          "visible GPU; choose it with CUDA_VISIBLE_DEVICES)")
     dev = resolve_device(device)
-    workload = get_workload(model) if isinstance(model, str) else model
+    workload = as_workload(model)
     causal = set(transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     if type(workload.build("meta")).__name__ not in causal:
         raise ValueError(f"model={getattr(workload, 'name', model)!r} is invalid here: allowed are transformers causal "
                          "language models (hf-gpt2-tiny, hf-llama-tiny, hf-gpt2, hf-llama-1b)")
-    if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.name!r}: allowed is 2..{workload.max_seq_len}")
+    workload.check_shape(batch_size, seq_len, min_seq_len=2)
+    out = Path(out)
+    for run in runs:
+        check_replaceable(out / run)
 
     dataset = _RandomTokens(workload.config.vocab_size, batch_size * accum_steps * max_steps, seq_len, seed)
-    out = Path(out)
     frames = []
     for run in runs:
-        run_dir = out / run
-        if run_dir.exists():  # a rerun replaces the run, as the notebook runner does
-            shutil.rmtree(run_dir)
+        run_dir = fresh_run_folder(out / run)   # a rerun replaces a run folder ckptlab made, nothing else
         callback = CkptlabCallback(run_dir, policies[run], track_steps=track_steps, model_name=workload.name)
         with tempfile.TemporaryDirectory() as scratch:
             args = TrainingArguments(
