@@ -260,7 +260,7 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
             f"a chunked loss or a smaller micro-batch shrinks the logits.")
     if blocks >= static:
         reach = (f"{floor_policy} brings the peak to {f(floor)}" if floor < pred.peak_bytes else
-                 f"{policy} already reaches the lowest peak checkpointing gets to; a smaller micro-batch lowers it further")
+                 f"{policy} already reaches the lowest peak checkpointing gets to, so only other levers can go below it")
         return "blocks", (
             f"Block activations hold the peak: {f(blocks)} of {f(pred.peak_bytes)}, {where}. Checkpointing is the "
             f"lever: {reach}.")
