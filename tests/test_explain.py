@@ -6,11 +6,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ckptlab import get_workload, predict
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.probe.distributed import measure_sharded
-from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, explain, fsdp_peak, fsdp_units
+from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, chunked_loss, explain, fsdp_peak, fsdp_units
 
 SPEC = "tests/explain_models.py:factory"
 
@@ -117,3 +118,20 @@ def test_cli_refuses_a_bad_capacity_or_shape_in_one_line(capsys, flag, value):
 def test_import_ckptlab_loads_no_plotting_library():
     code = "import sys, ckptlab, ckptlab.report.explain; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_chunked_loss_lever_computes_the_same_loss_and_gradients():
+    workload = get_workload("gpt-tiny", n_layer=1, dropout=0.0)
+    chunked = chunked_loss(workload, chunks=3)
+    model = workload.build()
+    batch = workload.batch(2, 8)
+    results = []
+    for w in (workload, chunked):
+        model.zero_grad()
+        loss = w.loss(model, batch)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b)
