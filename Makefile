@@ -50,8 +50,8 @@ test-browser: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 
-# GPU validation of sweeps (ckptlab/apps/gpu_check.py): a CUDA sweep at gpt2-small shape, tracker vs
-# allocator peaks, one memory snapshot, into results/gpu-check-<device>/. Fails clearly without a GPU.
+# GPU validation (ckptlab/apps/gpu_check.py): every claim ckptlab makes about a GPU, within 8 minutes,
+# into results/gpu-check-<device>/ with report.md (pass or fail per claim). Exits 2 without a GPU.
 gpu-check: $(STAMP)
 	$(BIN)/python -m ckptlab.apps.gpu_check
 

@@ -13,11 +13,16 @@ claimed only when the whole interval is), and (b) full against none beside the f
 `none` step: the ideal recompute cost, since recomputing every block costs about one more forward.
 
     python benchmarks/overhead.py [--model gpt-tiny] [--batch 8] [--seq 128] [--target-ci 0.02] [--max-seconds 120] [--threads 1]
+                                  [--device cuda] [--json overhead.json]
+
+`--json` also writes the numbers (the wrapper ratio with its interval, how the rounds stopped) for
+`make gpu-check`, which reads them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import torch
@@ -69,6 +74,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-seconds", type=float, default=120, help="or when timing has taken this long")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared machine)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
     check_timing_options(args.target_ci, args.max_seconds)
     if args.threads < 1:
@@ -115,6 +121,13 @@ def main(argv=None) -> None:
     share, share_low, share_high = to_none["forward (no grad)"]
     print(f"(b) full vs none: {pct(*to_none['ckptlab full'])};  forward share of a 'none' step (no-grad forward / "
           f"step, paired): {share:.1%} [{share_low:.1%}, {share_high:.1%}] = the ideal recompute cost")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "batch": args.batch, "seq": args.seq, "device": str(device),
+                       "rounds": t.rounds, "stopped": t.stopped, "ci_half_width": t.ci_half_width,
+                       "target_ci": t.target_ci, "wrapper_ratio": wrapper[0], "wrapper_low": wrapper[1],
+                       "wrapper_high": wrapper[2], "step_ms": t.step_ms, "step_ms_low": t.step_ms_low,
+                       "step_ms_high": t.step_ms_high, "full_vs_none": list(to_none["ckptlab full"])}, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -29,6 +29,7 @@ import time
 import torch
 
 from ckptlab import closed_form, get_workload, measure, measure_together, predict, predict_fits
+from ckptlab.core.policy import policy_label
 from ckptlab.core.units import format_bytes
 from ckptlab.estimate.predict import prediction_error
 from ckptlab.plan.budget import plan_budget
@@ -41,8 +42,6 @@ GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", 
                  "budget=mid"]
 MLP_POLICIES = ["none", "full", "density=0.5", "every=3", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfskkfsk", "budget=mid"]
-
-
 
 
 def pct(v):
@@ -360,17 +359,16 @@ def section_prediction(args, result) -> None:
     pred_rows = prediction_table(args.quick)
     result["prediction"] = pred_rows
     print(format_table(pred_rows, [
-        ("model", "model", str), ("b", "batch", str), ("s", "seq", str), ("policy", "policy", str),
+        ("model", "model", str), ("b", "batch", str), ("s", "seq", str), ("policy", "policy", policy_label),
         ("dtype", "dtype", str), ("measured", "measured_peak", mib), ("predicted", "predicted_peak", mib),
         ("error", "error", pct), ("saved err", "saved_error", pct), ("closed form err", "cf_error", pct),
         ("cf saved err", "cf_saved_error", pct), ("predict s", "predict_s", lambda v: f"{v:.2f}")]))
     worst = max(pred_rows, key=lambda r: abs(r["error"]))
     cf = [r for r in pred_rows if r["cf_error"] is not None]
-    print(f"worst prediction error: {worst['error']:+.3%} ({worst['policy']} b={worst['batch']} s={worst['seq']}) "
+    print(f"worst prediction error: {worst['error']:+.3%} ({policy_label(worst['policy'])} b={worst['batch']} s={worst['seq']}) "
           f"over {len(pred_rows)} configurations; closed form: peak error "
           f"{min(r['cf_error'] for r in cf):+.1%}..{max(r['cf_error'] for r in cf):+.1%}, "
           f"saved-activation error {min(r['cf_saved_error'] for r in cf):+.1%}..{max(r['cf_saved_error'] for r in cf):+.1%}")
-
 
 
 def section_frontier(args, result) -> None:
@@ -386,7 +384,7 @@ def section_frontier(args, result) -> None:
     shown = [{**r, "step": interval(r, "step_ms", "{:.1f}"), "overhead_ci": interval(r, "overhead", "{:+.1%}")}
              for r in rows]
     print(format_table(shown, [
-        ("policy", "policy", str), ("from", "from", str), ("peak", "peak_bytes", mib),
+        ("policy", "policy", policy_label), ("from", "from", policy_label), ("peak", "peak_bytes", mib),
         ("predicted", "predicted_peak_bytes", mib), ("error", "error", pct),
         ("saved", "saved_activation_bytes", mib), ("step ms [95% CI]", "step", str),
         ("overhead [95% CI]", "overhead_ci", str),
@@ -430,7 +428,6 @@ def section_fits(args, result) -> None:
     print("Llama-7B-shaped GPT (6.7B) at batch 8, seq 4096, bf16, fresh process: "
           + ", ".join(f"{p} peak {mib(llama[p]['peak'])} ({llama[p]['s']:.1f} s)" for p in ("none", "full", "selective"))
           + f"; whole process {llama['total_s']:.1f} s incl. import, max RSS {mib(llama['max_rss'])}")
-
 
 
 def section_compile(args, result) -> None:

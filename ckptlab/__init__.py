@@ -8,7 +8,7 @@ or notebook library.
 import importlib
 from typing import TYPE_CHECKING
 
-from .checkpoint.blocks import CheckpointHandle, find_blocks
+from .checkpoint.blocks import CheckpointHandle
 from .checkpoint.wrap import apply_checkpointing
 from .core.meta import __version__
 from .core.policy import Policy, parse_policy
@@ -26,6 +26,7 @@ from .run.store import RunLockedError, load_run
 from .run.sweep import equal_batch_sweep, sweep
 from .workloads.base import Workload
 from .workloads.registry import get_workload
+from .workloads.stacks import find_blocks
 
 if TYPE_CHECKING:  # what IDEs and type checkers see of the names loaded on first use
     from .apps.explorer import Explorer

@@ -15,6 +15,7 @@ from ckptlab.report.analysis import (
     overhead,
     pareto,
     plans_vs_uniform,
+    readable,
     summary,
     timing_note,
 )
@@ -119,6 +120,21 @@ def test_summary_best_config_per_limit():
     assert "4 cells: 3 ok, 1 oom (0 inferred), 0 error" in text and "24 GiB" in text
     timed = df.assign(step_ms_low=df["step_ms"] - 1, step_ms_high=df["step_ms"] + 2)
     assert "10.0 [9.0, 12.0]" in format_summary(timed)  # the measured row: none at batch 8
+
+
+def test_tables_for_reading_show_sizes_and_budgets_by_label():
+    budget = f"budget={44777048}B"
+    df = pd.DataFrame([rec("none", 0.0, 4, 81570008, 10.0, saved_activation_bytes=None),
+                       rec(budget, 0.5, 4, 44777048, 12.0, saved_activation_bytes=2 * GiB, limit=48 * 2**20)])
+    shown = readable(df)
+    assert list(shown.policy) == ["none", "budget=42.7MiB"]
+    assert list(shown.peak) == ["77.8 MiB", "42.7 MiB"] and list(shown.saved_activation) == ["-", "2.0 GiB"]
+    assert list(shown.memory_limit) == ["-", "48.0 MiB"] and "peak_bytes" not in shown
+    assert df.peak_bytes.tolist() == [81570008, 44777048] and df.policy[1] == budget   # input untouched
+    assert list(readable(df.set_index("policy")).index) == ["none", "budget=42.7MiB"]
+    # a name already taken keeps its _bytes column, so no two columns share a name
+    assert list(readable(pd.DataFrame({"limit": ["24 GiB"], "limit_bytes": [24 * GiB]})).columns) == ["limit", "limit_bytes"]
+    assert "budget=42.7MiB" in format_summary(df) and "44777048" not in format_summary(df)
 
 
 def test_summary_cards_agree_with_fits_from_run_far_beyond_the_run_limit():

@@ -39,6 +39,12 @@ def test_predict_and_plan(capsys):
     assert "plan " in capsys.readouterr().out
 
 
+def test_tables_name_a_budget_in_bytes_by_its_size(capsys):
+    assert main(["predict", *TINY, "--batch", "2", "--seq", "16", "--policy", "budget=100000001"]) == 0
+    out = capsys.readouterr().out
+    assert "budget=95.4MiB" in out and "100000001" not in out
+
+
 def test_split_list_keeps_layer_indices_together():
     assert split_list("none,layers=0,2,density=0.5") == ["none", "layers=0,2", "density=0.5"]
     assert split_list("1, 2,4") == ["1", "2", "4"]

@@ -12,8 +12,8 @@ import torch
 import ckptlab
 from ckptlab import Workload, compare_gradients, get_workload, measure, predict
 from ckptlab.apps.cli import main as cli_main
-from ckptlab.checkpoint.blocks import find_stacks
 from ckptlab.workloads.specs import file_hash
+from ckptlab.workloads.stacks import find_stacks
 
 pytest.importorskip("transformers")
 
@@ -116,7 +116,6 @@ def test_the_cli_takes_a_spec_and_its_keyword_arguments(capsys):
            "the factory's keyword arguments: width, depth" in capsys.readouterr().err
 
 
-
 def test_isolated_cells_recreate_the_spec_and_a_changed_file_is_refused_on_resume(tmp_path):
     model_file = tmp_path / "my_model.py"
     shutil.copy(ROOT / "tests/custom_model.py", model_file)
@@ -132,7 +131,6 @@ def test_isolated_cells_recreate_the_spec_and_a_changed_file_is_refused_on_resum
         ckptlab.sweep(isolate=False, **options)
 
 
-
 def test_fsdp_ranks_recreate_the_spec():
     from ckptlab.probe.distributed import measure_sharded
 
@@ -142,14 +140,12 @@ def test_fsdp_ranks_recreate_the_spec():
         (SPEC, file_hash(ROOT / "tests/custom_model.py"), 1.0, "layers[2]")
 
 
-
 def test_a_submitit_job_recreates_the_spec(tmp_path):
     pytest.importorskip("submitit")
     df = ckptlab.sweep(model=SPEC, batch_sizes=[2], seq_lens=[8], policies=["full"], steps=1, warmup=0,
                        progress=False, out=tmp_path / "run", executor="submitit", cluster="local")
     assert df.status.tolist() == ["ok"], df.message.tolist()
     assert (df.executor.tolist(), df.block_stacks.tolist()) == (["submitit"], ["layers[4]"])
-
 
 
 def test_a_notebook_takes_a_spec_as_its_model_parameter(tmp_path):

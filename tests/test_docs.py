@@ -21,8 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_PAGES = sorted(p.relative_to(ROOT).with_suffix("") for p in (ROOT / "results").glob("[0-9][0-9]_*/default/*.ipynb"))
 
 
-
-
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
                            "--site-dir", str(site)], cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload, measure, predict  # noqa: E402
 from ckptlab.checkpoint.hf import hf_capabilities, hf_layers  # noqa: E402
+from ckptlab.workloads.hf import TINY_LLAMA  # noqa: E402
 
 TINY = ["hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny"]
 CKPTLAB_POLICIES = ["none", "full", "density=0.5", "every=2", "layers=0,3", "segments=2", "segments=sqrt"]
@@ -290,6 +291,33 @@ def test_a_training_step_logs_and_warns_nothing(capfd):
                 step(workload, policy)
     captured = capfd.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+class _OldStyleLlama(transformers.LlamaForCausalLM):
+    """A model class written before transformers 5.x: it overrides the old method names, which the
+    new ones then call (and transformers warns that they are deprecated)."""
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        if getattr(self, "other_warning", False):
+            warnings.warn("a warning of the model's own", FutureWarning, stacklevel=2)
+        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self):
+        super().gradient_checkpointing_disable()
+
+
+def test_transformers_rename_warning_does_not_reach_the_user_and_nothing_else_is_hidden(capfd):
+    model = _OldStyleLlama(transformers.LlamaConfig(**TINY_LLAMA))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = apply_checkpointing(model, "hf")
+        assert model.is_activation_checkpointing
+        handle.remove()
+    assert not model.is_activation_checkpointing
+    assert capfd.readouterr() == ("", "")
+    model.other_warning = True
+    with pytest.warns(FutureWarning, match="a warning of the model's own"):
+        apply_checkpointing(model, "hf").remove()
 
 
 def test_prediction_of_a_checkpointed_llama_is_exact_to_the_byte():

@@ -105,6 +105,7 @@ def test_cuda_record_has_allocator_stats():
     assert record["status"] == "ok", record["message"]
     assert record["cuda_max_allocated_bytes"] >= record["peak_bytes"] * 0.9
     assert record["cuda_max_reserved_bytes"] >= record["cuda_max_allocated_bytes"]
+    assert record["peak_bytes"] * 0.9 <= record["cuda_max_requested_bytes"] <= record["cuda_max_allocated_bytes"]
     assert record["cuda_ooms"] == 0 and record["fits"] is True
 
 

@@ -1,9 +1,11 @@
+import os
+
 import pytest
 import torch
 
 from ckptlab import apply_checkpointing, get_workload, measure, predict, track_memory
 from ckptlab.core.units import format_bytes, parse_bytes
-from ckptlab.probe.memory import profiler_peak_bytes
+from ckptlab.probe.memory import _native_log_dropped, profiler_peak_bytes
 from ckptlab.probe.step import make_optimizer, training_step
 from ckptlab.workloads.models import mlp_chain_activation_bytes
 
@@ -157,6 +159,21 @@ def test_optimizer_state_made_inside_the_region_is_optimizer_state_at_the_peak()
     assert report.peak_phase == "optimizer"
     assert report.peak_by_category["optimizer_state"] == state_bytes
     assert sum(report.peak_by_category.values()) == report.peak_bytes
+
+
+def test_the_profilers_own_log_lines_do_not_reach_the_terminal(capfd):
+    # Kineto writes "USDT: ... profiler_start" / "profiler_stop" to file descriptor 2 on every run
+    assert profiler_peak_bytes(lambda: torch.ones(1000) * 2) >= 4000
+    out, err = capfd.readouterr()
+    assert "USDT" not in out + err and "profiler_start" not in err
+
+
+def test_what_else_native_code_writes_to_stderr_is_passed_on(capfd):
+    with _native_log_dropped():
+        os.write(2, b"USDT:2026-12-01 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"an error a library printed\n")
+    _, err = capfd.readouterr()
+    assert err == "an error a library printed\n"
 
 
 def test_tensors_a_checkpoint_holds_are_activations_at_a_forward_peak():

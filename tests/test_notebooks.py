@@ -3,6 +3,7 @@
 
 import ast
 import json
+import re
 import sys
 import sysconfig
 from pathlib import Path
@@ -47,6 +48,15 @@ def test_notebooks_in_git_are_clean(path):
         else:
             assert cell.outputs == [], f"volatile output committed in {path.stem}: {cell.source[:60]!r}"
             assert cell.execution_count is None, "executed notebook committed"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_each_notebook_opens_with_the_question_it_answers(path):
+    first = nbformat.read(str(path), as_version=4).cells[0]
+    title, _, rest = first.source.partition("\n\n")
+    assert first.cell_type == "markdown" and title.startswith(f"# {path.stem[:2]} · ")
+    sentence = re.split(r"(?<=[.?!])\s", rest.strip(), maxsplit=1)[0]
+    assert sentence.endswith("?"), f"{path.stem}: the first sentence is not a question: {sentence!r}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

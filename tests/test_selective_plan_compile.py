@@ -116,7 +116,7 @@ def test_budget_policy_in_measure_records_its_plan_and_fits():
     assert bad["status"] == "error" and "minimum achievable peak" in bad["message"]
 
 
-def test_compiled_budget_gradients_and_allocator_accounting():
+def test_compiled_budget_gradients_and_allocator_accounting(capfd):
     """One tiny compiled model (torch.compile takes seconds per graph on 2 cores).
 
     Gradients: inductor fuses and reorders fp32 arithmetic, so compiled gradients differ from
@@ -145,6 +145,7 @@ def test_compiled_budget_gradients_and_allocator_accounting():
     assert rec["status"] == "ok", rec["message"]
     assert rec["allocator_peak_bytes"] == rec["peak_bytes"] > 0
     assert "allocator" in rec["note"]
+    assert "USDT" not in "".join(capfd.readouterr())   # the profiler's own log lines stay off the terminal
 
 
 def test_two_compile_budgets_timed_together_each_keep_their_own_graph():

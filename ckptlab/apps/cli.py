@@ -19,7 +19,7 @@ import yaml
 
 from ..core.meta import __version__
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
-from ..core.policy import parse_policy
+from ..core.policy import parse_policy, policy_label
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
@@ -131,7 +131,7 @@ def print_rows(rows: list[dict], columns: list, fmt: str, heading: str = "") -> 
 
 
 MEASURE_COLUMNS = [
-    ("policy", "policy", str),
+    ("policy", "policy", policy_label),
     ("density", "effective_density", _num(".2f")),
     ("batch", "batch_size", str),
     ("seq", "seq_len", str),
@@ -282,7 +282,7 @@ def format_compare(df: pd.DataFrame) -> str:
         return lambda v: "-" if v is None or v != v else format(v, fmt)
 
     rows = [dict(r, ratio_text=ratio(r)) for r in df.to_dict("records")]
-    columns = [("policy", "policy", str), ("source", "source", str),
+    columns = [("policy", "policy", policy_label), ("source", "source", str),
                ("density", "effective_density", value(".2f")),
                ("peak", "peak_bytes", lambda v: "-" if v is None or v != v else format_bytes(v)),
                ("step ms", "step_ms", value(".1f")), ("time ratio [95% CI]", "ratio_text", str),
@@ -326,7 +326,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-
     for path in redraw_all(args.run_dir):
         print(path)
     return 0
@@ -347,8 +346,6 @@ def _literal(text: str):
 
 
 def cmd_notebooks_run(args: argparse.Namespace) -> int:
-
-
     output_folder("--out", args.out)
     if args.name is not None:
         run_name("--name", args.name)
@@ -374,7 +371,6 @@ def cmd_notebooks_run(args: argparse.Namespace) -> int:
 
 
 def cmd_notebooks_params(args: argparse.Namespace) -> int:
-
     path = find_notebook(args.name)
     params = list(notebook_parameters(path).values())
     print(f"{path.stem} parameters:")
@@ -406,7 +402,7 @@ def _model_overrides(pairs) -> dict:
 
 
 PREDICT_COLUMNS = [
-    ("policy", "policy", str),
+    ("policy", "policy", policy_label),
     ("batch", "batch_size", str),
     ("seq", "seq_len", str),
     ("predicted peak", "predicted_peak_bytes", format_bytes),
@@ -421,7 +417,6 @@ PREDICT_COLUMNS = [
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside."""
-
     workload = get_workload(args.model, **_model_overrides(args.set))
     rows = []
     for batch in int_list("--batch", args.batch):
@@ -441,7 +436,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Choose keep/selective/full per block for a memory budget; print the plan."""
-
     workload = get_workload(args.model, **_model_overrides(args.set))
     plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost)
     if args.format != "table":

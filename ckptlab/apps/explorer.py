@@ -7,7 +7,7 @@ the levers that would lower it, predicted).
     Explorer().show(interactive=False)   # papermill / static: the same views, rendered once
 
 Every view is a real measurement of the chosen configuration, timed together with no
-checkpointing (interleaved rounds, `ckptlab.timing`): step times and the overhead carry their
+checkpointing (interleaved rounds, `ckptlab.probe.timing`): step times and the overhead carry their
 95% intervals. Sliders use
 `continuous_update=False`, so a drag measures once, on release; Run measures again (after
 editing the memory limit, or to re-time). The callbacks are plain methods, tested without a
@@ -70,7 +70,7 @@ class Explorer:
 
     def run(self) -> pd.DataFrame:
         """Measure the chosen policy and the no-checkpointing baseline, timed together (paired
-        rounds, `ckptlab.timing`); returns both rows."""
+        rounds, `ckptlab.probe.timing`); returns both rows."""
         c = self.config
         policies = list(dict.fromkeys(["none", str(parse_policy(c["policy"]))]))
         if len(policies) == 1:
@@ -125,7 +125,6 @@ class Explorer:
         return "\n".join(lines)
 
     def figure(self):
-
         limit = parse_bytes(self.config["memory_limit"])
         return peak_breakdown(self.records if self.records is not None else pd.DataFrame(), limit_bytes=limit)
 

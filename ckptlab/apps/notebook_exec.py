@@ -17,7 +17,6 @@ import yaml
 
 from ..core.children import die_with_parent
 from ..run.provenance import environment
-from ..run.store import RUN_MARKER, check_replaceable, fresh_run_folder
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository (or site-packages) holding ckptlab/
 
@@ -130,6 +129,4 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-
-__all__ = ["ROOT", "RUN_MARKER", "NotebookRun", "check_replaceable", "execute", "fresh_run_folder", "now", "relative",
-           "shorten_paths", "write_json"]
+__all__ = ["ROOT", "NotebookRun", "execute", "now", "relative", "shorten_paths", "write_json"]

@@ -11,7 +11,8 @@ from pathlib import Path
 from ..run.cells import now
 from ..run.cluster import job_state, make_executor, poll_jobs, wait_for_local_results
 from ..run.config import job_options
-from .notebook_exec import NotebookRun, execute, fresh_run_folder, relative, write_json
+from ..run.store import fresh_run_folder
+from .notebook_exec import NotebookRun, execute, relative, write_json
 
 
 def run_notebooks_as_jobs(plan, out: Path, run_name: str, param_set: str, timeout_s: float,
@@ -63,7 +64,6 @@ def run_notebooks_as_jobs(plan, out: Path, run_name: str, param_set: str, timeou
 
 def _notebook_job(path: str, run_dir: str, values: dict, param_set: str, timeout_s: float):
     return execute(Path(path), Path(run_dir), values, param_set, timeout_s)
-
 
 
 __all__ = ["run_notebooks_as_jobs"]

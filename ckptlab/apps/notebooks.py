@@ -32,9 +32,9 @@ from ..core.units import size_bytes
 from ..core.validate import choice, integer, no_credential, non_empty, number
 from ..probe.measure import check_policy_applies
 from ..probe.step import DTYPES, resolve_device
-from ..run.store import read_meta
+from ..run.store import check_replaceable, fresh_run_folder, read_meta
 from ..workloads.registry import get_workload
-from .notebook_exec import ROOT, NotebookRun, check_replaceable, execute, fresh_run_folder, relative
+from .notebook_exec import ROOT, NotebookRun, execute, relative
 
 NOTEBOOKS = ROOT / "notebooks"
 PARAMS = NOTEBOOKS / "params"

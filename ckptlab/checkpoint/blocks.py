@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..core.policy import Policy
-from ..workloads.stacks import BlockStack, describe_stacks, find_blocks, find_stacks
+from ..workloads.stacks import BlockStack, describe_stacks
 
 
 class CheckpointHandle:
@@ -101,6 +101,4 @@ def hidden_state(out):
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
-
-__all__ = ["BlockStack", "CheckpointHandle", "find_blocks", "find_stacks", "hidden_state", "remove_earlier_policies",
-           "split_at_stacks"]
+__all__ = ["CheckpointHandle", "hidden_state", "remove_earlier_policies", "split_at_stacks"]

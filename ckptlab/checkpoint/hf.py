@@ -13,6 +13,7 @@ so records carry the true effective density.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Callable, Sequence
@@ -38,12 +39,28 @@ except ImportError:  # transformers < 4.52 marks layers only by a `gradient_chec
     GradientCheckpointingLayer = None
 
 
+# transformers 5.x renamed gradient_checkpointing_* to activation_checkpointing_*, and its new
+# methods still call a model class's override of an old one, which then warns: a message for the
+# model's author, not for someone measuring it.
+RENAMED_WARNING = r"`gradient_checkpointing_(enable|disable)` is deprecated"
+
+
 def checkpointing_methods(model: nn.Module) -> tuple[Callable, Callable, str]:
-    """(enable, disable, name of the checkpoint-kwargs argument): the 5.x names where present."""
+    """(enable, disable, name of the checkpoint-kwargs argument): the 5.x names where present,
+    called without transformers' rename warning."""
     if hasattr(model, "activation_checkpointing_enable"):
-        return (model.activation_checkpointing_enable, model.activation_checkpointing_disable,
-                "activation_checkpointing_kwargs")
+        return (_without_rename_warning(model.activation_checkpointing_enable),
+                _without_rename_warning(model.activation_checkpointing_disable), "activation_checkpointing_kwargs")
     return model.gradient_checkpointing_enable, model.gradient_checkpointing_disable, "gradient_checkpointing_kwargs"
+
+
+def _without_rename_warning(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=RENAMED_WARNING, category=FutureWarning)
+            return method(*args, **kwargs)
+    return call
 
 
 def hf_capabilities(model: nn.Module | None = None) -> dict[str, bool]:
@@ -141,9 +158,7 @@ def apply_hf_checkpointing(model: nn.Module, policy: str | Policy, blocks: Seque
     remove_earlier_policies(layers)
     enable, disable, kwargs_name = checkpointing_methods(model)
     hooks_before = list(getattr(model, "_require_grads_hooks", None) or [])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* are deprecated in 5.x
-        enable(**{kwargs_name: checkpoint_options}, **options)
+    enable(**{kwargs_name: checkpoint_options}, **options)
     handle = HFCheckpointHandle(policy, model, layers, disable, hooks_before)
     for layer in layers:
         _count_recomputes(layer, handle, early_stop)

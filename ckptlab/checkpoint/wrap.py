@@ -1,4 +1,4 @@
-"""Finding a model's repeated blocks and applying a checkpoint policy to them, reversibly.
+"""Applying a checkpoint policy to a model's repeated blocks (found by `workloads.stacks`), reversibly.
 
 Checkpointing is applied by giving each chosen block an instance-level `forward` that runs the
 original forward under `torch.utils.checkpoint.checkpoint`. Nothing is re-parented, so
@@ -24,7 +24,8 @@ from torch.utils.checkpoint import (
 )
 
 from ..core.policy import Policy, parse_policy
-from .blocks import CheckpointHandle, find_stacks, hidden_state, remove_earlier_policies, split_at_stacks
+from ..workloads.stacks import find_stacks
+from .blocks import CheckpointHandle, hidden_state, remove_earlier_policies, split_at_stacks
 
 
 def apply_checkpointing(
@@ -111,7 +112,6 @@ def selective_policy_fn(variant: str = "mm") -> Callable:
     attn: keep only attention outputs.
     Random ops (dropout) are recomputed under checkpoint's preserved RNG state, so masks match.
     """
-
     if variant not in ("mm", "alt", "attn"):
         raise ValueError(f"selective variant {variant!r} is invalid: allowed are mm, alt, attn")
     sdpa, matmuls = _sdpa_ops(), _matmul_ops()

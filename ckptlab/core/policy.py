@@ -1,35 +1,10 @@
 """The checkpoint-policy vocabulary: which of a model's N blocks recompute their activations.
 
-Policies are written as strings because notebook parameters and CLI flags are strings:
-
-    none            keep every activation (the baseline)
-    full            recompute every block (Hugging Face `gradient_checkpointing=True`)
-    density=D       round(D * N) blocks, spread evenly (see `spread_evenly`), D in [0, 1]
-    every=K         blocks K-1, 2K-1, ... (every K-th block; HF `every_n_layers`,
-                    torchtitan `selective_ac_option=K`), K >= 1
-    layers=0,3,5    exactly these block indices
-    segments=S      `torch.utils.checkpoint.checkpoint_sequential(blocks, S)`: the blocks are cut
-    segments=sqrt   into S contiguous segments; every segment but the last is ONE checkpoint
-                    region that keeps only its input; the last runs normally, as in PyTorch,
-                    because its backward starts right after forward. `sqrt` means round(sqrt(N)).
-    selective       op-level selective checkpointing in every block
-    selective=V     (`torch.utils.checkpoint.create_selective_checkpoint_contexts`): keep the
-                    outputs of some ops, recompute the rest. V picks what is kept: `mm` (default:
-                    every matmul and attention output), `alt` (every other matmul + attention, as
-                    torchtitan does), `attn` (attention outputs only).
-    plan=kfsk...    one letter per block: k keep, s selective, f full recompute (what the budget
-                    planner chooses; printable and re-appliable)
-    budget=B        let `ckptlab.plan` choose keep/selective/full per block to fit B: a size
-                    (6GiB, 512MiB) or a fraction in (0, 1] of the no-checkpointing peak (0.5).
-                    Needs the workload's shapes, so `measure`/`plan_budget` resolve it to a plan.
-    compile         `torch.compile` the model; `compile:budget=B` (0 <= B <= 1) also sets
-    compile:budget=B  `torch._functorch.config.activation_memory_budget`, PyTorch's own planner.
-    P+offload       any policy above with saved activations moved to host memory
-                    (`torch.autograd.graph.save_on_cpu`, pinned on CUDA); `offload` alone is
-                    none+offload. A no-op on CPU, where activations already live in host memory.
-    hf              transformers models only (`ckptlab.checkpoint.hf`): Hugging Face's own checkpointing,
-    hf:every_n_layers=K  `activation_checkpointing_enable()` (non-reentrant) on every layer, on
-    hf:offload      layers 0, K, 2K, ..., or with offload=True, where the installed version has it.
+Policies are strings, because notebook parameters and CLI flags are strings: none, full,
+density=D, every=K, layers=0,3,5, segments=S, selective[=V], plan=kfsk, budget=B,
+compile[:budget=B], P+offload and transformers' own hf, hf:every_n_layers=K, hf:offload. What each
+recomputes, and which framework knob it matches: docs/guide/policies.md (or `ckptlab --help`).
+Each kind's names, parsing, canonical spelling and regions are one entry of `KINDS`.
 
 `parse_policy` only checks the syntax; anything that depends on N (layers out of range, more
 segments than blocks) is checked by `Policy.regions(n_blocks)`, which `apply_checkpointing`

@@ -1,6 +1,8 @@
 """The record: one tidy row per measured configuration, every input and every output a column,
-units in the column names. Every row ckptlab writes — measured, failed, inferred out-of-memory,
-sharded — is made by `new_record`, so every table has the same columns in the same order."""
+units in the column names. Every record — measured, compared, sharded, failed, inferred
+out-of-memory, a Trainer step — is made by `new_record`: the columns of FIELDS first, in this
+order, then any a kind of row adds (a compare row's `source`, a Trainer step's `step`).
+Predictions (`predict`, `predict_fits`) are not records: they have columns of their own."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ FIELDS: dict[str, object] = {
     "peak_phase": None,
     "saved_activation_bytes": None,
     "cuda_max_allocated_bytes": None,
+    "cuda_max_requested_bytes": None,  # the sizes asked of the allocator, before its rounding
     "cuda_max_reserved_bytes": None,
     "cuda_alloc_retries": None,
     "cuda_ooms": None,

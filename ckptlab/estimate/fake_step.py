@@ -147,7 +147,6 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
         yield model, handle, batch, opt, step
 
 
-
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                 optimizer: str = "adamw", accum_steps: int = 1):
     """One tracked fake training step: (MemoryReport, CheckpointHandle)."""

@@ -28,7 +28,6 @@ from .fake_step import Prediction, fake_memory
 CAPACITIES_GIB = tuple(limit // GiB for limit in CARD_LIMITS.values())
 
 
-
 def predict(
     workload: Workload | str,
     batch_size: int,
@@ -148,7 +147,6 @@ def add_predictions(df, closed_form_too: bool = True):
     `closed_form_peak_bytes` and `closed_form_peak_error`. A budget policy is predicted from the
     plan it resolved to in that run (its `plan` column), so both sides describe the same model.
     Rows that did not measure ok, and compile policies, get no prediction."""
-
     rows = []
     for r in df.to_dict("records"):
         policy = parse_policy(r["policy"])
@@ -172,5 +170,5 @@ def add_predictions(df, closed_form_too: bool = True):
     return pd.DataFrame(rows)
 
 
-__all__ = ["CAPACITIES_GIB", "Prediction", "add_predictions", "check_prediction", "llama7b_shape", "predict",
+__all__ = ["CAPACITIES_GIB", "add_predictions", "check_prediction", "llama7b_shape", "predict",
            "predict_fits", "prediction_error"]

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
 
-from ..checkpoint.blocks import find_blocks, hidden_state
+from ..checkpoint.blocks import hidden_state
 from ..checkpoint.wrap import selective_context_fn, selective_policy_fn
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import plan_policy
@@ -34,6 +34,7 @@ from ..probe.memory import track_memory
 from ..probe.step import DTYPES
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
+from ..workloads.stacks import find_blocks
 
 # Roofline for shapes too large to time here: a modern accelerator's realistic dense throughput
 # and memory bandwidth (stated assumptions, not measurements).
@@ -164,7 +165,6 @@ class _OpTimer(TorchDispatchMode):
 
 
 def _roofline_ms(func, args, kwargs, out) -> float:
-
     flops = 0
     formula = flop_registry.get(getattr(func, "_overloadpacket", None))
     if formula is not None:
@@ -180,8 +180,6 @@ def _roofline_ms(func, args, kwargs, out) -> float:
 def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str, cost: str,
                   reps: int = 5) -> list[dict[str, float]]:
     """Recompute time per block and option, from a per-op pass over each block's forward."""
-
-
     fake = cost == "roofline"
     mode = fake_modes() if fake else contextlib.nullcontext()
     if fake:
@@ -282,7 +280,7 @@ _PROFILE_CACHE: dict = {}
 
 def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtype: str = "fp32",
                    optimizer: str = "adamw", cost: str = "auto") -> Profile:
-    """The planner's per-block profile (module docstring, step 1). `cost`: measured (per-op wall
+    """The planner's per-block profile (module docstring). `cost`: measured (per-op wall
     time of a real forward, CPU), roofline (FLOPs and bytes of a fake forward, for shapes that do
     not fit here) or auto (measured if the uniform keep peak is under 4 GiB). Cached per shape."""
     workload = as_workload(workload)

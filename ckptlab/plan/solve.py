@@ -33,7 +33,7 @@ def _consts(profile: Profile):
 
 
 def model_peak(profile: Profile, options: Sequence[str]) -> int:
-    """The peak model (module docstring, step 2) for one plan."""
+    """The peak model (module docstring) for one plan."""
     head, tail, m = _consts(profile)
     peak, prefix = tail, 0
     for j, o in enumerate(options):

@@ -3,38 +3,12 @@
     rec = measure_sharded("gpt-tiny", batch_size=2, seq_len=64, policy="density=0.5", nproc=2)
     rec["world_size"], rec["peak_bytes_per_rank"], rec["peak_bytes"]   # peak = max over ranks
 
-Each rank builds the same seeded model, applies the checkpoint policy to its blocks, then shards
-it, and trains on its own slice of a global batch of `batch_size * nproc` rows (`batch_size` is
-per rank, as in every data-parallel setup). Backend: gloo on CPU, NCCL on CUDA (rank r uses
-cuda:r on one node).
-
-Order — checkpointing first, then `fully_shard(block)` for every block, then `fully_shard(root)`:
-  * one FSDP unit per block puts each checkpointed region *inside* a unit: FSDP's pre-forward
-    all-gather and post-forward reshard hooks run around the block's `__call__`, outside the
-    checkpoint, and in backward FSDP's pre-backward all-gather runs before the block's gradient
-    functions, so the recompute finds the parameters already unsharded (no second all-gather);
-  * `find_blocks` and the policy see the plain model (fully_shard swaps each module's class to an
-    FSDP subclass), and parameter names are unchanged. torchtitan applies AC before FSDP too;
-  * the root call shards what is left (embeddings, final norm, the tied head) as one unit.
-
-Memory: each process measures itself. The live-tensor tracker (`ckptlab.track_memory`) works per
-process, but FSDP2 frees an unsharded parameter by resizing its storage to 0 bytes — invisible to
-a tracker that learns of frees from storages dying — so per-rank peaks come from the allocator:
-the profiler's allocation/free events on CPU (as for torch.compile in `measure`), the caching
-allocator's `max_memory_allocated` on CUDA. Both count what the rank holds at the start of the
-step (its parameter, gradient and optimizer-state shards and its batch) plus the high-water mark
-of allocations during one forward + backward + optimizer step.
-
-Launch: one fresh `python -c` process per rank, started by the caller with the environment
-torchrun gives a rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on a free local port).
-Chosen over `torch.multiprocessing.spawn`, which re-imports the caller's `__main__` in every
-rank (a script without an `if __name__ == "__main__"` guard starts ranks recursively) and pickles
-its arguments, and over a `torchrun` subprocess, whose elastic agent adds start-up seconds on a
-small CPU: plain processes work from scripts, notebooks and pytest alike, the first rank that
-dies ends the group at once with its last stderr line as the reason, and a hung group is killed
-at `timeout_s`. Under `torchrun` (one
-process per rank already started, RANK/WORLD_SIZE set) run `python -m ckptlab.probe.sharded_rank ...`:
-the same per-rank code, rank 0 prints the record.
+Each rank builds the same seeded model, checkpoints its blocks, shards it and trains on its own
+slice of a global batch of `batch_size * nproc` rows (gloo on CPU, NCCL on CUDA: rank r on
+cuda:r). Why checkpointing comes before sharding, and why the peaks come from the allocator:
+docs/design.md, note "Checkpointing under FSDP2". This module starts the ranks (one fresh process
+each: note "Why the sharded rank is its own module"); the first rank that dies ends the group with
+its last stderr line as the reason, and a hung group is killed at `timeout_s`.
 """
 
 from __future__ import annotations
@@ -159,7 +133,6 @@ def rank_spec(workload, batch_size, seq_len, policies, nproc, device, dtype, ste
 def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> str:
     """Start nproc rank processes and wait; '' on success, else why not. Each rank is a fresh
     `python -c` process with the environment torchrun would give it (RANK, WORLD_SIZE, ...)."""
-
     Path(out_dir, "spec.json").write_text(json.dumps(spec))
     port = _free_port()
     procs = []

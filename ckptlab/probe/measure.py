@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import HF_KINDS, parse_policy
 from ..core.records import CATEGORIES, new_record
@@ -27,6 +26,7 @@ from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
+from ..workloads.stacks import find_blocks
 from .memory import allocator_peak, cuda_allocator_stats, track_memory
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
 from .timing import check_timing_options, time_interleaved
@@ -170,11 +170,12 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
     CPU limit (status "oom")."""
     # Configurations timed together live side by side: on CUDA the allocator's peak counts the
     # others' resident memory too, which is taken out again below.
-    resident = 0
+    resident = resident_requested = 0
     if dev.type == "cuda":
         capacity = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / capacity), dev)
         resident = torch.cuda.memory_allocated(dev)
+        resident_requested = torch.cuda.memory_stats(dev).get("requested_bytes.all.current", 0)
     model = workload.build(dev)
     model.train()
     runner, compiled, handle = apply(model, record)
@@ -210,6 +211,8 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
         torch.cuda.synchronize(dev)
         record.update(cuda_allocator_stats(dev))
         record["cuda_max_allocated_bytes"] -= resident
+        if record["cuda_max_requested_bytes"] is not None:
+            record["cuda_max_requested_bytes"] -= resident_requested
     peak = max(report.peak_bytes, record["cuda_max_allocated_bytes"] or 0)
     if limit is not None:
         record["fits"] = peak <= limit
@@ -259,7 +262,6 @@ def allocator_step_memory(step, model, optimizer, batch, dev):
     which see allocations inside compiled graphs that a dispatch-mode tracker cannot. Returns a
     MemoryReport (peak = bytes held when the step began + the allocator's high-water mark above
     it; saved activations = bytes the forward left allocated) and the loss."""
-
     start = {}
     for t in list(model.parameters()) + list(batch) + [
             t for st in (optimizer.state.values() if optimizer else []) for t in st.values()
@@ -290,4 +292,4 @@ def _first_line(exc: BaseException) -> str:
 
 
 __all__ = ["allocator_step_memory", "check_policy_applies", "compile_with_budget", "failures_recorded", "fresh_compiler_cache", "measure", "policy_applier",
-           "measurement_record", "policy_notes", "prepare_step", "reset_compiler_cache", "training_step", "make_optimizer", "resolve_device"]
+           "measurement_record", "policy_notes", "prepare_step", "reset_compiler_cache"]

@@ -1,28 +1,19 @@
-"""Memory probes.
-
-The ground truth is `track_memory()`: a live-tensor tracker that works on any device, CPU
-included. It sees every tensor an ATen op creates (a TorchDispatchMode), keys it by its storage,
-and learns when the storage is freed from a weak reference to it — so views are counted once and
-the peak is the true high-water mark of bytes held in live tensor storages. Saved-tensor hooks
-alone are not enough (under checkpointing or op-level caching they miss what is held elsewhere);
-here they only *label* storages as activations.
-
-Categories at the peak:
-    parameters        the model's parameters
-    gradients         tensors that became a parameter's .grad
-    optimizer_state   tensors in optimizer.state
-    activations       tensors held for backward: packed by autograd, or allocated in forward and
-                      still alive when forward ends (checkpoint inputs, logits)
-    temporaries       everything else: transient forward/backward buffers, recomputed activations
-
-The CUDA allocator view (`cuda_allocator_stats`, `cuda_memory_snapshot`) and an independent
-allocator-level count from the profiler (`profiler_peak_bytes`) sit beside it.
+"""Memory probes. The ground truth is `track_memory()`, a live-tensor tracker that works on any
+device, CPU included, and reports the peak by category (parameters, gradients, optimizer_state,
+activations, temporaries); how it counts, and what each category holds: docs/design.md, note
+"The live-tensor tracker". Beside it: the CUDA allocator's view (`cuda_allocator_stats`,
+`cuda_memory_snapshot`) and an allocator-level count from the profiler (`allocator_peak`,
+`profiler_peak_bytes`), which also sees inside compiled graphs.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import os
+import sys
+import tempfile
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -258,8 +249,8 @@ def track_memory(
     proceeds. With `detect_backward=True` the switch from forward to backward happens by itself
     when autograd's engine starts running backward ops (for training loops that cannot call
     `phase`). `blocks` (a model's repeated blocks) adds to the report what of the peak its
-    blocks' forwards allocated and which block's backward held the peak. Optimizer state is labelled as such at the end, also in the peak's breakdown when
-    the step created it.
+    blocks' forwards allocated and which block's backward held the peak. Optimizer state is
+    labelled as such at the end, also in the peak's breakdown when the step created it.
     """
     if device is None and model is not None:
         first = next(model.parameters(), None)
@@ -303,6 +294,32 @@ def track_memory(
         tracker.live.clear()
 
 
+def saved_bytes_by_node(loss: torch.Tensor) -> dict[str, int]:
+    """What the autograd graph behind `loss` holds for backward, by node: {"AddmmBackward0":
+    bytes, ...}, each storage once, under the first node that holds it walking back from the loss.
+    Call it after forward, before backward frees what it holds. Real and fake tensors alike, so a
+    CUDA step and its CPU prediction can be held side by side op by op: where the kernels differ,
+    the node names differ (a CPU attention node against a CUDA one)."""
+    by_node: dict[str, int] = {}
+    seen, done = set(), set()
+    todo = collections.deque([loss.grad_fn])
+    while todo:
+        node = todo.popleft()
+        if node is None or node in done:
+            continue
+        done.add(node)
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            value = getattr(node, attr)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+                    seen.add(t.untyped_storage()._cdata)
+                    by_node[node.name()] = by_node.get(node.name(), 0) + t.untyped_storage().nbytes()
+        todo.extend(f for f, _ in node.next_functions)
+    return by_node
+
+
 # --------------------------------------------------------------------------- independent counts
 
 def allocator_peak(run: Callable[[object], object], device: torch.device | str = "cpu",
@@ -323,7 +340,7 @@ def allocator_peak(run: Callable[[object], object], device: torch.device | str =
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - marks.base
         return MemoryReport(start_bytes + peak, {}, "unknown", start_bytes, marks.at_backward), result
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _cpu_profiler() as prof:
         result = run(_ProfilerMarks())
     # The raw allocator records (signed bytes, timestamps): the aggregated FunctionEvents net
     # out allocations freed inside one op, which would hide transient peaks.
@@ -342,6 +359,46 @@ def allocator_peak(run: Callable[[object], object], device: torch.device | str =
         if current > peak:
             peak, peak_phase = current, phase
     return MemoryReport(start_bytes + peak, {}, peak_phase, start_bytes, at_backward, timeline), result
+
+
+# What the profiler's C++ side (Kineto) writes to the process's stderr at every start and stop,
+# whatever KINETO_LOG_LEVEL says: `USDT: ... profiler_start` and `USDT: ... profiler_stop`.
+KINETO_LOG_PREFIXES = ("USDT:",)
+
+
+@contextlib.contextmanager
+def _cpu_profiler():
+    """The CPU profiler with allocator events, started and stopped without Kineto's log lines
+    reaching the terminal: the step itself runs with stderr untouched."""
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_log_dropped():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _native_log_dropped():
+            prof.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _native_log_dropped():
+    """While inside, what native code writes to file descriptor 2 goes to a temporary file;
+    afterwards every line but Kineto's log lines is written on to stderr, so no error is lost."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(KINETO_LOG_PREFIXES)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def profiler_peak_bytes(fn: Callable[[], object]) -> int:
@@ -372,6 +429,7 @@ def cuda_allocator_stats(device: torch.device | str) -> dict[str, int]:
     stats = torch.cuda.memory_stats(device)
     return {
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "cuda_max_requested_bytes": stats.get("requested_bytes.all.peak"),
         "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
         "cuda_alloc_retries": stats.get("num_alloc_retries", 0),
         "cuda_ooms": stats.get("num_ooms", 0),

@@ -17,12 +17,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.parsing import split_list
 from ..core.policy import parse_policy
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
+from ..workloads.stacks import find_blocks
 from .distributed import combine, measure_sharded_many, rank_spec
 from .memory import allocator_peak
 from .step import device_name, make_optimizer, training_step
@@ -44,7 +44,6 @@ def run_rank(spec: dict, gather: bool = False):
     environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT: as torchrun or `_spawn` set them). Returns
     this rank's partial records (or, in gradients mode, rank 0's full gradients per policy);
     with `gather`, every rank's partial records, collected over the process group."""
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if spec["device_type"] == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -85,8 +84,8 @@ def _gradients_rank(spec: dict, policy: str, rank: int, world: int, dev: torch.d
 
 
 def shard_model(model: torch.nn.Module, policy, world: int, device_type: str):
-    """Checkpoint, then fully_shard each block, then the root (see the module docstring)."""
-
+    """Checkpoint, then fully_shard each block, then the root (docs/design.md, note "Checkpointing
+    under FSDP2")."""
     handle = apply_checkpointing(model, policy)
     mesh = init_device_mesh(device_type, (world,))
     for block in find_blocks(model):
@@ -105,8 +104,6 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     """This rank's partial record. An exception is not caught: it ends this rank's process, and
     the launcher ends the group (a rank that stopped early would leave the others waiting in a
     collective) and reports the error — an out-of-memory error as status "oom"."""
-
-
     out = {"rank": rank, "world_size": world, "spec": spec, "device_name": device_name(dev)}
     limit = spec["memory_limit_bytes"]
     if dev.type == "cuda" and limit is not None:

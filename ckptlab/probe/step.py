@@ -81,5 +81,4 @@ def device_name(dev: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-
 __all__ = ["DTYPES", "OPTIMIZERS", "device_name", "make_optimizer", "resolve_device", "training_step"]

@@ -3,26 +3,10 @@
     result = time_interleaved({"none": step_none, "full": step_full}, device="cpu")
     result.ratio["full"], result.ratio_low["full"], result.ratio_high["full"]
 
-Every configuration being compared runs once per round, in an order rotated by one each round,
-after `warmup` untimed rounds. A configuration's time ratio to the baseline (the first one) is the
-median of its per-round ratios (time in round r / the baseline's time in round r), with a 95%
-bootstrap interval of that median. Pairing within a round cancels drift that hits both members of
-the pair (another process starting, thermal throttling, a noisy neighbour); rotating the order
-stops one configuration from always running right after a particular other one. Rounds continue
-until every interval's half-width is below `target_ci` (relative to the ratio) or `max_seconds`
-would be exceeded; the result records the half-width it reached and why it stopped. Samples that
-were not taken in interleaved rounds (transformers' Trainer runs, one after another) are compared
-with `unpaired_median_ratio`, which resamples each sample on its own instead of pairing them.
-
-`torch.utils.benchmark.Timer` measures one statement at a time (back-to-back blocks of runs), so
-two configurations timed one after the other see different machine states, and it has no notion
-of a paired ratio or of an interval on one; that is what this protocol adds. Where a single
-statement is timed on its own (the planner's per-block costs), `plan.py` uses the Timer directly.
-
-The thread count is set explicitly (`torch.set_num_threads`) for the measurement and recorded, as
-is the 1-minute load average before and after; `busy` flags a load above the machine's cores.
-On CUDA every run is bracketed by events and synchronized, so a time is the GPU time of the whole
-step, not the time to enqueue it.
+Every configuration runs once per round, in an order rotated each round; a time ratio to the
+first configuration is the median of per-round ratios with its 95% bootstrap interval, and rounds
+go on until the interval is narrow enough or the time budget ends. Why this and not
+`torch.utils.benchmark.Timer`: docs/design.md, note "The timing protocol".
 """
 
 from __future__ import annotations
@@ -166,11 +150,11 @@ def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: tor
                      warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 60.0,
                      min_rounds: int = 5, max_rounds: int = 200, threads: Optional[int] = None,
                      seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> IntervalTiming:
-    """Time `configs` (name -> zero-argument step; the first is the baseline) with the protocol in
-    the module docstring. `threads` defaults to PyTorch's current setting; it is set for the
-    measurement, restored after, and recorded. `min_rounds` are always run (the time budget
-    does not cut them short); at most `max_rounds`. `clock` (seconds) times CPU steps and the
-    budget; a test can hand in a clock it controls."""
+    """Time `configs` (name -> zero-argument step; the first is the baseline) with the protocol of
+    docs/design.md, note "The timing protocol". `threads` defaults to PyTorch's current setting;
+    it is set for the measurement, restored after, and recorded. `min_rounds` are always run (the
+    time budget does not cut them short); at most `max_rounds`. `clock` (seconds) times CPU steps
+    and the budget; a test can hand in a clock it controls."""
     names = list(configs)
     if not names:
         raise ValueError("configs={} is invalid: allowed is a mapping of at least one name to a step function")

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from ..core.policy import policy_label
 from ..core.units import CARD_LIMITS, format_bytes
 from ..probe.timing import NO_DIFFERENCE, bootstrap_median, time_verdict, unpaired_median_ratio
 from .tables import format_table
@@ -333,7 +334,7 @@ def format_summary(df: pd.DataFrame) -> str:
     if not len(df):
         return head
     num = lambda f: (lambda v: "-" if v is None or v != v else format(int(v) if f == "d" else v, f))  # noqa: E731
-    columns = [("limit", "limit", str), ("policy", "policy", lambda v: v or "-"),
+    columns = [("limit", "limit", str), ("policy", "policy", lambda v: policy_label(v) if v else "-"),
                ("batch", "batch_size", num("d")), ("seq", "seq_len", num("d")), ("dtype", "dtype", lambda v: v or "-"),
                ("accum", "accum_steps", num("d")), ("peak", "peak_bytes", lambda v: "-" if v is None or v != v else format_bytes(v)),
                ("step ms [95% CI]", "step_text", str), ("tokens/s", "tokens_per_s", num(",.0f")), ("basis", "basis", str)]
@@ -352,6 +353,21 @@ def format_summary(df: pd.DataFrame) -> str:
 
 def _py(v):
     return v.item() if hasattr(v, "item") else v
+
+
+def readable(df: pd.DataFrame) -> pd.DataFrame:
+    """The table for reading: every `*_bytes` column as a size ("77.8 MiB"), named without
+    `_bytes` where that name is free, and policies by their label (budget=42.7MiB, not the exact
+    bytes). For display: the records keep the exact numbers."""
+    out = df.copy()
+    if "policy" in out:
+        out["policy"] = out["policy"].map(lambda p: p if pd.isna(p) else policy_label(p))
+    if out.index.name == "policy":
+        out.index = out.index.map(policy_label)
+    sizes = [c for c in out.columns if isinstance(c, str) and c.endswith("_bytes")]
+    for c in sizes:
+        out[c] = out[c].map(lambda v: "-" if pd.isna(v) else format_bytes(v))
+    return out.rename(columns={c: c.removesuffix("_bytes") for c in sizes if c.removesuffix("_bytes") not in out})
 
 
 # ----------------------------------------------------------------------------- transformers' Trainer runs
@@ -455,4 +471,4 @@ def _ms_interval(r) -> str:
 
 __all__ = ["BUSY_SPREAD", "GUIDE_SLOWDOWN", "SHAPE", "TIMING_GROUP", "compare_note", "fit_note", "fits_from_run",
            "format_summary", "guide_verdict", "largest_fitting", "line_fit", "ok", "overhead", "paired_ratio", "pareto",
-           "plans_vs_uniform", "slowdown_answer", "summary", "timing_note", "trainer_summary"]
+           "plans_vs_uniform", "readable", "slowdown_answer", "summary", "timing_note", "trainer_summary"]

@@ -78,8 +78,6 @@ def _strength(policy) -> float:
     return 0.35 + 0.65 * (zlib.crc32(str(policy).encode()) % 1000) / 999
 
 
-
-
 def _save(fig, path: Optional[str | Path]):
     if path is not None:
         path = Path(path)
@@ -542,5 +540,5 @@ def waterfall_plot(steps: list, capacity_bytes: Optional[int] = None, title: str
 
 
 __all__ = ["CATEGORY_COLORS", "FIGURES", "KIND_STYLES", "MiB", "compare_plot", "heatmaps", "memory_time_vs_density",
-           "memory_timeline", "pareto_plot", "peak_breakdown", "place_labels", "policy_label", "policy_style", "redraw_all",
+           "memory_timeline", "pareto_plot", "peak_breakdown", "place_labels", "policy_style", "redraw_all",
            "trainer_plot", "waterfall_plot", "what_fits_plot"]

@@ -14,5 +14,4 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, callable]]) -> 
     return "\n".join(lines)
 
 
-
 __all__ = ["format_table"]

@@ -206,7 +206,6 @@ def child_main() -> int:
     return 0
 
 
-
 def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 

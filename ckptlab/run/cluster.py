@@ -4,28 +4,11 @@
                   device="cuda", out="results/big", executor="submitit",
                   slurm_partition="gpu", slurm_gpus_per_job=1, slurm_time_min=30)
 
-Each chunk of `cells_per_job` cells becomes one job (`submitit.AutoExecutor`; all of a wave's
-jobs go in as one job array). The job measures its cells in its own process and appends each
-finished record to its own file `<submitit folder>/records/<chunk>.jsonl` (flushed + fsynced)
-before returning them all; the sweep process gathers records as jobs end and appends them to the
-run folder's records.jsonl through the same `RunWriter` (one writer, one lock: jobs on other
-nodes never touch the run folder's lock, which may sit on NFS).
-
-Nothing is lost silently:
-  * a job that died, was killed or ran out of time: the cells it finished are recorded from its
-    file; the cell in flight becomes `status=error` with the job's state and reason; the cells it
-    never reached are submitted again in a new job (they are innocent), so every cell ends with
-    exactly one record;
-  * resume: running the same sweep into the same folder submits only cells without a record —
-    and first gathers records that jobs of an interrupted earlier sweep left in their files.
-
-Out-of-memory inference (larger batches of a group recorded as `oom` without running) uses the
-records already in the folder and, inside a job, the job's own earlier cells: with one cell per
-job the batches of a group run in parallel, so a larger batch is measured rather than inferred.
-
-Job time limit: `slurm_time_min` (minutes, per job); with `cell_timeout_s` the limit is
-`cell_timeout_s * cells_per_job` seconds instead (on SLURM rounded up to whole minutes).
-Requires the optional extra `ckptlab[cluster]` (submitit).
+Each chunk of `cells_per_job` cells is one job of a job array; the sweep process gathers their
+records into the run folder through its one `RunWriter`. How a dead, killed or timed-out job
+loses no record and resume finds them: docs/design.md, note "Cluster jobs lose nothing". Job time
+limit: `slurm_time_min`, or `cell_timeout_s * cells_per_job` seconds when a cell timeout is set
+(rounded up to minutes on SLURM). Requires the optional extra `ckptlab[cluster]` (submitit).
 """
 
 from __future__ import annotations
@@ -270,6 +253,5 @@ def _leftovers(folder: Path):
 
 __all__ = ["job_done", "job_state", "make_executor", "poll_jobs", "run_as_jobs", "run_job",
            "wait_for_local_results"]
-
 
 

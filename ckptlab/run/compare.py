@@ -2,23 +2,11 @@
 
     df = ckptlab.compare("gpt-tiny", 4, 64, ["none", "density=0.5", "full"], anchors=True)
 
-Each configuration's model is built once and its memory measured once with the live-tensor
-tracker (as `measure` does); then all of them are timed together with the interleaved protocol of
-`ckptlab.probe.timing`, so every row's `time_ratio` (to the first policy) carries a 95% interval and
-`significant` says whether that interval excludes 1.
-
-Anchors (`anchors=True`) are applied with their own framework's API, not through ckptlab:
-
-    torch.utils.checkpoint        `checkpoint(block.forward, ..., use_reentrant=False)` per block
-    torch.compile                 `torch.compile` with `activation_memory_budget=0.5`
-    transformers (its models)     `activation_checkpointing_enable()` (or the older
-                                  `gradient_checkpointing_enable()`): every layer, and
-                                  `every_n_layers=2` / `4`, and PyTorch op-level SAC handed in as
-                                  its `context_fn` (matmul and attention outputs saved)
-
-and for each anchor that ran, the planner's plan (`plan_budget`) at that anchor's measured peak.
-An anchor that cannot run here (no compiler, an old transformers) is a row with status "error"
-and the reason.
+Each configuration's memory is measured once with the live-tensor tracker (as `measure` does);
+then all are timed together in interleaved rounds (`ckptlab.probe.timing`), so every row's
+`time_ratio` to the first policy has a 95% interval and `significant` says whether it excludes 1.
+`anchors=True` adds other frameworks' knobs, each applied through its own API, and the planner's
+plan at each anchor's measured peak (docs/design.md, note "Anchors").
 """
 
 from __future__ import annotations
@@ -33,7 +21,6 @@ import pandas as pd
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ..checkpoint.blocks import find_blocks
 from ..checkpoint.wrap import matmul_and_attention_ops
 from ..core.policy import parse_policy, plan_policy
 from ..core.records import new_record
@@ -54,6 +41,7 @@ from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import gradient_difference, step_gradients
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
+from ..workloads.stacks import find_blocks
 
 COLUMNS = ["policy", "source", "effective_density", "peak_bytes", "saved_activation_bytes", "step_ms",
            "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high", "significant",
@@ -100,9 +88,13 @@ class Shape:
 
 def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: Sequence[str] | str, *,
             dtype: str = "fp32", device: str = "cpu", target_ci: float = 0.02, max_seconds: float = 120,
-            anchors: bool = False, verify: bool = False, out: Optional[str | Path] = None) -> pd.DataFrame:
-    """One row per configuration (module docstring); the first policy is the time baseline.
+            anchors: bool | Sequence[str] = False, verify: bool = False,
+            out: Optional[str | Path] = None) -> pd.DataFrame:
+    """One row per configuration; the first policy is the time baseline.
 
+    `anchors` is True for every anchor of this workload, or a list of anchor labels (as
+    `anchor_configs` names them) for those only: configurations timed together share the
+    device's memory, so a large model's comparison may be split into groups.
     `target_ci`/`max_seconds` control the timing protocol (stop at ±target_ci or after
     max_seconds of timing); `verify=True` adds `max_grad_diff` (the largest absolute difference of
     loss and parameter gradients against no checkpointing, same weights, batch and seed);
@@ -111,10 +103,9 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
     policies = list(dict.fromkeys(str(parse_policy(p)) if isinstance(p, str) and p else p for p in policies))
     _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
+    chosen = chosen_anchors(workload, anchors)
     dev = resolve_device(device)
-    configs = [_ckptlab_config(p) for p in policies]
-    if anchors:
-        configs += anchor_configs(workload)
+    configs = [_ckptlab_config(p) for p in policies] + chosen
 
     shape = Shape(workload, batch_size, seq_len, dtype, dev)
 
@@ -181,7 +172,7 @@ def _ckptlab_config(text: str) -> Config:
 
 
 def anchor_configs(workload: Workload) -> list[Config]:
-    """The knobs a user would use instead of ckptlab, for this workload (module docstring)."""
+    """The knobs a user would use instead of ckptlab, for this workload (docs/design.md, note "Anchors")."""
     configs = [
         Config("torch.utils.checkpoint per block", "torch.utils.checkpoint", _per_block_checkpoint, anchor=True),
         Config(f"torch.compile activation_memory_budget={COMPILE_ANCHOR_BUDGET}", "torch.compile",
@@ -198,6 +189,19 @@ def anchor_configs(workload: Workload) -> list[Config]:
                    _transformers_checkpointing(selective=True), anchor=True),
         ]
     return configs
+
+
+def chosen_anchors(workload: Workload, anchors: bool | Sequence[str]) -> list[Config]:
+    """`anchor_configs(workload)` for anchors=True, none for False, or the ones a list names
+    (ValueError naming one that is not an anchor of this workload)."""
+    if isinstance(anchors, bool):
+        return anchor_configs(workload) if anchors else []
+    anchors = [anchors] if isinstance(anchors, str) else list(anchors)
+    available = anchor_configs(workload)
+    labels = [c.policy for c in available]
+    for label in anchors:
+        choice("anchors", label, labels)
+    return [c for c in available if c.policy in anchors]
 
 
 def _is_transformers(workload: Workload) -> bool:
@@ -356,4 +360,4 @@ def write(df: pd.DataFrame, out: str | Path) -> Path:
     return out
 
 
-__all__ = ["anchor_configs", "compare", "measure_together", "write"]
+__all__ = ["anchor_configs", "chosen_anchors", "compare", "measure_together", "write"]

@@ -6,25 +6,10 @@ and a side-by-side of the transformers guide's recipe against ckptlab's policies
     trainer.train()
     ckptlab.load_run("results/my-run")      # one row per optimizer step
 
-With a policy the callback checkpoints the model at train begin (`ckptlab.apply_checkpointing`)
-and removes it at train end; with `policy=None` the model stays as `TrainingArguments` set it
-(`activation_checkpointing=True`, the 5.x name of `gradient_checkpointing=True`, or nothing).
-Both at once would nest one checkpoint inside the other and is refused.
-
-Each row has the columns of a sweep record where they apply (peak memory by category, step time,
-tokens/s, loss, policy, effective density, accumulation steps) plus `step`, `mechanism` (none,
-ckptlab or transformers: who turned checkpointing on), `memory_tracked`, and the highest live
-bytes in each phase (`peak_in_forward_bytes`, `peak_in_backward_bytes`, `peak_in_optimizer_bytes`).
-`loss` is the model's own (summed over micro-batches when Trainer had it normalised over the
-whole accumulated batch, else averaged): what Trainer logs, None when the loss is computed
-outside the model. Memory on CPU comes from the live-tensor tracker
-(`ckptlab.probe.memory`), whose Python hooks slow the step they watch: rows with memory_tracked=True
-carry that slower time, so `track_steps` limits it to the first steps and the others time the
-Trainer as it runs. On CUDA the allocator's peak counters are read every step at no cost.
-
-Phases: forward starts when the model is called, backward when autograd's engine starts (the
-tracker detects it), optimizer at transformers' on_pre_optimizer_step — so gradient clipping,
-which runs before that hook, falls in backward.
+With a policy the callback checkpoints the model at train begin and removes it at train end;
+with `policy=None` the model stays as `TrainingArguments` set it; both at once are refused. What
+a row holds, how memory is read without slowing every step, and where each phase starts:
+docs/design.md, note "What the Trainer callback records".
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Any Hugging Face transformers architecture as a workload: random weights, no downloads.
 
-    hf:<model_type>        e.g. hf:qwen2, hf:mistral, hf:gpt_neox, hf:t5, hf:vit, hf:bert: that
-                           model type's transformers config with tiny defaults (TINY: 2 blocks,
-                           width 32, vocabulary 128, dropout 0.1 so gradient-equality tests can
-                           fail) under your overrides (`--set num_hidden_layers=8`)
+    hf:<model_type>        that model type's config with tiny defaults (TINY, TINY_DROPOUT: 2
+                           blocks, width 32, dropout 0.1) under your overrides
+                           (`--set num_hidden_layers=8`)
     hf:path/config.json    a local config file (overrides on top; no tiny defaults)
-    hf:org/name            the config.json of a model in the local Hugging Face cache (config
-                           only; nothing is downloaded)
-    hf-gpt2-tiny, hf-llama-tiny, hf-bert-tiny, hf-gpt2, hf-llama-1b
-                           short names for fixed configs (HF_PRESETS)
+    hf:org/name            the config.json of a model in the local Hugging Face cache
+    hf-gpt2-tiny, ...      short names for fixed configs (HF_PRESETS)
 
-The task follows the architecture (the first of these the model type has):
-    seq2seq   encoder-decoder LM (T5): input_ids of seq_len tokens, decoder_input_ids and labels of
-              seq_len tokens; encoder and decoder layers are all blocks
-    masked    masked LM (BERT): 15% of the positions masked, at least one per sequence
-    causal    causal LM (Qwen2, Mistral, GPT-NeoX, Llama, GPT-2): next-token prediction
-    image     image classification (ViT, Swin, ConvNeXt, ResNet): seq_len is the image side in
-              pixels (square RGB images; ViT interpolates its position embeddings to that side)
-The loss is cross entropy computed here from the logits (`loss_name` says which), not
-transformers' `labels=` loss. `use_cache=False` everywhere (training needs no KV cache).
+The task, the batch and the loss follow the architecture: docs/design.md, note "A transformers
+model as a workload".
 """
 
 from __future__ import annotations

@@ -194,9 +194,6 @@ PRESETS: dict[str, tuple[Callable[..., object], dict]] = {
 }
 
 
-
-
-
 def build_preset(name: str, seed: int = 0, **overrides) -> Workload:
     """A built-in preset (one of PRESETS) with config fields overridden."""
     config_cls, defaults = PRESETS[name]

@@ -1,0 +1,401 @@
+"""The GPU validation on CPU: its refusal without a GPU, its time budget, and every verdict it
+draws from records, on synthetic records whose answers are known."""
+
+import math
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from ckptlab.apps import gpu_check
+from ckptlab.core.records import new_record
+from ckptlab.report import gpu_validation as gv
+from ckptlab.report.analysis import trainer_summary
+
+from .conftest import requires_cuda
+
+
+def block(n: int) -> int:
+    """What the CUDA caching allocator hands out for n bytes: whole 512-byte blocks."""
+    return max(512, -(-n // 512) * 512)
+
+
+def cell(policy="none", tracker=0, allocated=None, requested=None, recomputes=None, status="ok", **values):
+    return new_record("gpt2-small", 8, 1024, policy=policy, dtype="bf16", status=status, peak_bytes=tracker,
+                      cuda_max_allocated_bytes=allocated, cuda_max_requested_bytes=requested,
+                      recompute_count=recomputes, **values)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_without_a_gpu_it_exits_2_with_one_line_and_writes_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ckptlab.apps.gpu_check"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
+    assert "no CUDA device is available" in proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
+# ----------------------------------------------------------------------------- memory, measured
+
+def test_the_allocator_difference_is_explained_term_by_term():
+    # Tensors of these sizes live at the peak; the allocator rounds each to 512-byte blocks.
+    sizes = [3_000_000, 1_000_001, 513, 7]
+    tracker, requested_tensors = sum(sizes), sum(sizes)
+    rounding = sum(block(n) for n in sizes) - tracker
+    assert rounding == (3_000_320 - 3_000_000) + (1_000_448 - 1_000_001) + (1024 - 513) + (512 - 7) == 1783
+    workspace, rng_state, regions = 8 * 2**20, 16, 12
+    requested = requested_tensors + workspace + rng_state * regions
+    allocated = requested + rounding
+    explained = cell("full", tracker, allocated, requested, regions)
+    # The same tensors, and 2% of the peak the allocator holds that nothing explains.
+    extra = int(0.02 * tracker)
+    unexplained = cell("none", tracker, allocated + extra, requested + extra, 0)
+    no_requested = cell("selective", tracker, allocated, None, 12)
+    oom = cell("density=0.5", None, None, None, status="oom")
+    gaps = gv.allocator_gap(pd.DataFrame([explained, unexplained, no_requested, oom]), workspace, rng_state)
+
+    assert len(gaps) == 3
+    a, b, c = gaps.to_dict("records")
+    assert a["rounding_bytes"] == rounding and a["workspace_bytes"] == workspace
+    assert a["rng_state_bytes"] == rng_state * regions
+    assert a["gap_bytes"] == allocated - tracker and a["rest_bytes"] == 0 and a["explained"]
+    assert b["rng_state_bytes"] == 0 and b["rest_bytes"] == extra + rng_state * regions  # no region of its own
+    assert b["rest_frac"] == (extra + rng_state * regions) / tracker and not b["explained"]
+    assert math.isnan(c["rest_bytes"]) and not c["explained"]
+
+    claim = gv.memory_measured_claim(gaps)
+    assert claim.status == gv.FAIL and "2 cells beyond it" in claim.summary
+    assert gv.memory_measured_claim(gaps.iloc[:1]).status == gv.PASS
+    assert "rounding" in claim.details and "gpt2-small b=8 s=1024 full bf16" in claim.details
+    assert gv.memory_measured_claim(gv.allocator_gap(pd.DataFrame(), 0, 0)).status == gv.FAIL
+
+
+def test_a_rest_just_inside_the_limit_is_explained_and_a_negative_rest_counts_too():
+    tracker = 10_000_000
+    inside = cell("none", tracker, tracker + 100_000, tracker + 100_000, 0)      # rest 1.0% exactly
+    below = cell("full", tracker, tracker - 150_000, tracker - 150_000, 0)       # the allocator saw less: -1.5%
+    gaps = gv.allocator_gap(pd.DataFrame([inside, below]), workspace_bytes=0, rng_state_bytes=0)
+    assert gaps["explained"].tolist() == [True, False]
+    assert gaps["rest_frac"].tolist() == pytest.approx([0.01, -0.015])
+
+
+# ----------------------------------------------------------------------------- memory, predicted
+
+def test_prediction_errors_per_cell_and_the_ops_named_where_kernels_differ():
+    mib = 2**20
+    cells = pd.DataFrame([
+        cell("none", 100 * mib, 110 * mib, dropout=0.0, saved_activation_bytes=50 * mib,
+             predicted_peak_bytes=101 * mib, predicted_saved_bytes=50 * mib),
+        cell("full", 100 * mib, 104 * mib, dropout=0.0, saved_activation_bytes=20 * mib,
+             predicted_peak_bytes=98.5 * mib, predicted_saved_bytes=21 * mib),
+        cell("none", 100 * mib, 104 * mib, dropout=0.1, saved_activation_bytes=50 * mib,
+             predicted_peak_bytes=160 * mib, predicted_saved_bytes=110 * mib),
+    ])
+    errors = gv.prediction_errors(cells)
+    assert errors["peak_error"].tolist() == pytest.approx([0.01, -0.015, 0.6])
+    assert errors["saved_error"].tolist() == pytest.approx([0.0, 0.05, 1.2])
+    assert errors["allocator_error"].tolist() == pytest.approx([101 / 110 - 1, 98.5 / 104 - 1, 160 / 104 - 1])
+    assert errors["within_target"].tolist() == [True, True, False]
+    assert errors["cpu_vs_cuda"].iloc[0] == ""
+    assert "scaled_dot_product_attention" in errors["cpu_vs_cuda"].iloc[2] and "dropout" in errors["cpu_vs_cuda"].iloc[2]
+
+    claim = gv.memory_predicted_claim(errors)   # dropout cells are reported, not judged
+    assert claim.status == gv.PASS
+    assert "+60.00%" in claim.summary and "scaled_dot_product_attention" in claim.details
+    errors.loc[1, "predicted_peak_bytes"] = 97 * mib
+    assert gv.memory_predicted_claim(gv.prediction_errors(errors)).status == gv.FAIL
+    assert gv.memory_predicted_claim(errors[errors["dropout"] > 0]).status == gv.FAIL
+
+
+# ----------------------------------------------------------------------------- time and the frontier
+
+def compare_row(policy, source="ckptlab", peak=0, step=100.0, ratio=(1.0, 1.0, 1.0), diff=0.0, status="ok", group="g"):
+    return dict(group=group, policy=policy, source=source, peak_bytes=peak, step_ms=step, step_ms_low=step - 1,
+                step_ms_high=step + 1, time_ratio=ratio[0], time_ratio_low=ratio[1], time_ratio_high=ratio[2],
+                max_grad_diff=diff, status=status, timing_stopped="target", model="m", seq_len=2048, batch_size=4,
+                dtype="bf16",
+                effective_batch_size=4)
+
+
+def test_frontier_rows_read_intervals_gradients_and_the_frontier():
+    rows = gv.frontier_rows(pd.DataFrame([
+        compare_row("none", peak=40, step=100, diff=1e-6),
+        compare_row("full", peak=20, step=130, ratio=(1.3, 1.28, 1.32), diff=1.5e-6),
+        compare_row("selective", peak=30, step=101, ratio=(1.01, 0.99, 1.03), diff=5e-6),
+        compare_row("density=0.5", peak=35, step=140, ratio=(1.4, 1.38, 1.42), diff=0.0),
+        compare_row("compile", peak=30, step=90, ratio=(0.9, 0.88, 0.92), diff=1e-3),
+        compare_row("transformers every_n_layers=2", source="transformers", status="error", diff=math.nan),
+    ]))
+    r = rows.set_index("policy")
+    assert r.loc["full", "time_verdict"] == "slower" and r.loc["selective", "time_verdict"] == "no difference"
+    assert r.loc["compile", "time_verdict"] == "faster"
+    assert r.loc["full", "grad_verdict"] == "equal"             # within twice the floor of 1e-6
+    assert r.loc["selective", "grad_verdict"] == "differs"      # five times it
+    assert r.loc["compile", "grad_verdict"] == "compiled: reported"
+    assert r.loc["transformers every_n_layers=2", "grad_verdict"] == "not run"
+    # density=0.5 holds more than full and is slower beyond the intervals than it: dominated
+    assert not r.loc["density=0.5", "pareto_optimal"] and r.loc["full", "pareto_optimal"]
+    assert r.loc["compile", "pareto_optimal"] and not r.loc["none", "pareto_optimal"]
+
+    claim = gv.frontier_claim(rows)
+    assert claim.summary.startswith("m b=4 s=2048 bf16: 6 rows in 1 comparisons")
+    assert claim.status == gv.FAIL and "1 rows whose gradients differ" in claim.summary
+    assert "1.300 [1.280, 1.320]" in claim.details
+
+
+def test_the_frontier_claim_passes_holds_anchors_harmless_and_is_skipped_when_groups_did_not_run():
+    good = gv.frontier_rows(pd.DataFrame([
+        compare_row("none", peak=40, diff=0.0),
+        compare_row("full", peak=20, step=130, ratio=(1.3, 1.28, 1.32), diff=0.0),
+        compare_row("torch.compile", source="torch.compile", status="error", diff=math.nan),
+        compare_row("none", peak=40, diff=0.0, group="h"),
+        compare_row("plan=kfkf", source="ckptlab plan", peak=30, step=110, ratio=(1.1, 1.08, 1.12), group="h"),
+    ]))
+    assert gv.frontier_claim(good).status == gv.PASS
+    unverified = gv.frontier_rows(pd.concat([good, pd.DataFrame([   # a compiled group compared without verify
+        compare_row("none", peak=40, diff=math.nan, group="compiled"),
+        compare_row("compile", peak=30, step=90, ratio=(0.9, 0.88, 0.92), diff=math.nan, group="compiled")])],
+        ignore_index=True))
+    assert unverified["grad_verdict"].tolist()[-2:] == ["not verified", "not verified"]
+    claim = gv.frontier_claim(unverified)
+    assert claim.status == gv.PASS and "gradients not verified in: compiled" in claim.summary
+    assert gv.frontier_claim(good, ["compiled (needs about 300 s, 20 s of the 480 s budget left)"]).status == gv.SKIPPED
+    zero_floor = gv.frontier_rows(pd.DataFrame([compare_row("none", diff=0.0), compare_row("full", diff=1e-9)]))
+    assert zero_floor["grad_verdict"].tolist() == ["equal", "differs"]
+    no_interval = gv.frontier_rows(pd.DataFrame([compare_row("none"), compare_row("full", ratio=(1.3, None, None))]))
+    assert gv.frontier_claim(no_interval).status == gv.FAIL
+    broken = good.copy()
+    broken.loc[4, "status"] = "oom"
+    assert "1 ckptlab rows did not run" in gv.frontier_claim(broken).summary
+    assert gv.frontier_claim(pd.DataFrame()).status == gv.FAIL
+
+
+# ----------------------------------------------------------------------------- overhead and Trainer
+
+@pytest.mark.parametrize("interval, status, words", [
+    ((1.002, 0.996, 1.008), gv.PASS, "within +1%"),
+    ((1.002, 0.990, 1.012), gv.FAIL, "not shown"),
+    ((1.030, 1.020, 1.040), gv.FAIL, "beyond +1%"),
+])
+def test_the_overhead_claim_follows_the_whole_interval(interval, status, words):
+    claim = gv.overhead_claim(*interval)
+    assert claim.status == status and words in claim.summary
+
+
+def trainer_frame(none_ms, checkpointed_ms):
+    rows = []
+    for run, times in (("none", none_ms), ("gradient_checkpointing", checkpointed_ms)):
+        for step, ms in enumerate(times):
+            rows.append(dict(run=run, step=step, policy=None, mechanism=run, effective_density=0.0,
+                             memory_tracked=step == 0, peak_bytes=100.0 if step == 0 else None,
+                             peak_activations_bytes=50.0, saved_activation_bytes=40.0, step_ms=ms, loss=1.0))
+    return pd.DataFrame(rows)
+
+
+def test_the_trainer_claim_reads_the_guides_twenty_percent_from_the_interval():
+    steady = [999.0] + [100.0, 101.0, 99.0, 100.0, 100.5, 99.5] * 3
+    holds = gv.trainer_claim(trainer_summary(trainer_frame(steady, [999.0] + [x * 1.2 for x in steady[1:]])))
+    assert holds.status == gv.PASS and not holds.counts and "consistent with the guide's ~20%" in holds.summary
+    more = gv.trainer_claim(trainer_summary(trainer_frame(steady, [999.0] + [x * 1.5 for x in steady[1:]])))
+    assert more.status == gv.FAIL and "more than the guide's ~20%" in more.summary
+    alone = gv.trainer_claim(trainer_summary(trainer_frame(steady, [999.0, 120.0])))
+    assert alone.status == gv.FAIL and "too few timed steps" in alone.summary
+
+
+# ----------------------------------------------------------------------------- report and budget
+
+def test_the_report_says_pass_or_fail_per_claim_and_the_exit_status_follows():
+    claims = [gv.Claim(gv.MEMORY_MEASURED_CLAIM, gv.PASS, "16 cells", "a table"),
+              gv.Claim(gv.TRAINER_CLAIM, gv.FAIL, "+50%", counts=False),
+              gv.skipped(gv.FRONTIER_CLAIM, "needs about 300 s, 20 s of the 480 s budget left")]
+    assert gv.exit_status(claims) == 3
+    assert gv.exit_status(claims[:2]) == 0                     # a reported-only claim does not count
+    assert gv.exit_status(claims + [gv.Claim(gv.OVERHEAD_CLAIM, gv.FAIL, "")]) == 1
+    text = gv.report_markdown(claims, "NVIDIA H200", 480, 401, ["a note"])
+    assert text.startswith("# GPU validation on NVIDIA H200: INCOMPLETE")
+    assert "| memory, measured | pass | 16 cells |" in text
+    assert "| the seed's claim (Trainer ~20% slower) | fail (reported only) | +50% |" in text
+    assert "| time and the frontier | skipped | not tested: needs about 300 s" in text
+    assert "Ran 401 s of a 480 s budget" in text and "## memory, measured" in text and "a note" in text
+
+
+def test_the_time_budget_skips_what_no_longer_fits():
+    now = [0.0]
+    budget = gpu_check.TimeBudget(480, clock=lambda: now[0])
+    assert budget.fits(480) and not budget.fits(481)
+    now[0] = 400.0
+    assert budget.left() == 80 and budget.fits(80) and not budget.fits(90)
+    assert budget.reason(90) == "needs about 90 s, 80 s of the 480 s budget left"
+    now[0] = 500.0
+    assert budget.reason(10).endswith("0 s of the 480 s budget left")
+    assert gpu_check.group_estimate(4, 0, 30, 120, timing_s=30) == 150
+    assert gpu_check.group_estimate(3, 2, 30, 120, timing_s=30) == 360
+    assert gpu_check.BUDGET_S <= 8 * 60
+
+
+def test_every_stage_is_skipped_with_its_reason_when_no_time_is_left(tmp_path):
+    budget = gpu_check.TimeBudget(0.0)
+    claims, notes = gpu_check.run_check(tmp_path, torch.device("cpu"), budget)
+    assert [c.name for c in claims] == [gv.MEMORY_MEASURED_CLAIM, gv.MEMORY_PREDICTED_CLAIM, gv.OVERHEAD_CLAIM,
+                                        gv.TRAINER_CLAIM, gv.FRONTIER_CLAIM]
+    assert all(c.status == gv.SKIPPED and "budget left" in c.summary for c in claims)
+    assert gv.exit_status(claims) == 3 and notes == []
+
+
+def test_the_configured_cells_and_groups_are_valid_before_a_gpu_sees_them():
+    from ckptlab.core.policy import parse_policy
+    from ckptlab.run.compare import chosen_anchors
+    from ckptlab.workloads.registry import get_workload
+
+    for policy in gpu_check.MEMORY["policies"] + tuple(p for _, ps, _ in gpu_check.GROUPS for p in ps):
+        parse_policy(policy)
+    assert all(ps[0] == "none" for _, ps, _ in gpu_check.GROUPS)   # each group's time baseline and noise floor
+    pytest.importorskip("transformers")
+    llama = get_workload(gpu_check.FRONTIER["model"])
+    llama.check_shape(gpu_check.FRONTIER["batch_size"], gpu_check.FRONTIER["seq_len"])
+    named = [a for _, _, anchors in gpu_check.GROUPS for a in anchors]
+    assert len(chosen_anchors(llama, named)) == len(named) == len(set(named))
+    with pytest.raises(ValueError, match="anchors='torch.checkpoint' is invalid: allowed are"):
+        chosen_anchors(llama, ["torch.checkpoint"])
+    assert gpu_check.run_dir_name("NVIDIA H200") == "gpu-check-nvidia-h200"
+
+
+@pytest.fixture
+def tiny_check(monkeypatch):
+    """The check's stages at a tiny size on CPU, the CUDA-only probes stubbed: the data flow from
+    measurements to claims runs here before it runs on a GPU."""
+    monkeypatch.setattr(gpu_check, "MEMORY", dict(gpu_check.MEMORY, model="gpt-tiny", batch_size=2, seq_len=32,
+                                                  policies=("full",)))
+    monkeypatch.setattr(gpu_check, "FRONTIER", dict(model="gpt-tiny", batch_size=2, seq_len=32, dtype="fp32"))
+    monkeypatch.setattr(gpu_check, "GROUPS", (("tiny", ("none", "full"), ("torch.utils.checkpoint per block",)),))
+    monkeypatch.setattr(gpu_check, "COMPARE_TIMING_S", 0.5)
+    monkeypatch.setattr(gpu_check, "OVERHEAD_TIMING_S", 1.0)
+    monkeypatch.setattr(gpu_check, "OVERHEAD_ARGS", ["--batch", "1", "--seq", "8"])
+    monkeypatch.setattr(gpu_check, "TRAINER", dict(model="hf-llama-tiny", batch_size=2, seq_len=16, accum_steps=1,
+                                                   max_steps=4, track_steps=1))
+    for name in ("fresh_allocator", "library_workspace_bytes", "rng_state_bytes"):
+        monkeypatch.setattr(gpu_check, name, lambda dev: 0)
+    return gpu_check.TimeBudget(600)
+
+
+def test_the_memory_and_frontier_stages_run_end_to_end_on_cpu(tiny_check, tmp_path):
+    cpu = torch.device("cpu")
+    notes = []
+    measured, predicted = gpu_check.memory_stage(tmp_path, cpu, tiny_check, notes)
+    assert measured.status == gv.FAIL and "no cell was measured on CUDA" in measured.summary   # CPU has no allocator counters
+    assert predicted.status == gv.PASS, predicted.summary   # CPU measured against CPU predicted: the same kernels
+    assert "with dropout: 1 cells" in predicted.summary
+    cells = pd.read_csv(tmp_path / "memory" / "cells.csv")
+    assert len(cells) == 2 and set(cells["dropout"]) == {0.0, 0.1}
+    by_node = pd.read_csv(tmp_path / "memory" / "saved_by_node.csv")   # CPU real against CPU fake: the same
+    assert set(by_node["dropout"]) == {0.0, 0.1} and (by_node["predicted_bytes"] == by_node["measured_bytes"]).all()
+    assert "dropout 0.1): the same at every node" in predicted.details
+    frontier = gpu_check.frontier_stage(tmp_path, cpu, tiny_check)
+    rows = pd.read_csv(tmp_path / "compare" / "frontier.csv")
+    assert set(rows["group"]) == {"tiny"} and "torch.utils.checkpoint per block" in set(rows["policy"])
+    assert "ckptlab plan" in set(rows["source"])   # the plan at the anchor's peak
+    assert frontier.status in (gv.PASS, gv.FAIL) and "comparisons" in frontier.summary
+    assert (rows[rows["status"] == "ok"]["grad_verdict"] == "equal").all(), rows[["policy", "grad_verdict"]]
+    assert (tmp_path / "compare" / "tiny" / "figures" / "compare.png").exists()
+
+
+def test_the_overhead_and_trainer_stages_run_end_to_end_on_cpu(tiny_check, tmp_path):
+    cpu = torch.device("cpu")
+    overhead = gpu_check.overhead_stage(tmp_path, cpu, tiny_check)
+    assert overhead.name == gv.OVERHEAD_CLAIM and "ckptlab full / manual full" in overhead.summary
+    assert (tmp_path / "overhead" / "overhead.txt").read_text().startswith("gpt-tiny")
+    pytest.importorskip("transformers")
+    trainer = gpu_check.trainer_stage(tmp_path, cpu)
+    assert trainer.name == gv.TRAINER_CLAIM and not trainer.counts and "timed steps" in trainer.summary
+    assert (tmp_path / "trainer" / "summary.csv").exists()
+
+
+def test_arguments_are_refused_with_one_line(capsys):
+    assert gpu_check.main(["--fast"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "arguments='--fast' are invalid" in err
+
+
+def test_the_alarm_stops_a_stage_and_the_stages_after_it_are_skipped(tmp_path, monkeypatch):
+    def endless(*args):
+        while True:
+            pass
+
+    ran = []
+    monkeypatch.setattr(gpu_check, "memory_stage", endless)
+    monkeypatch.setattr(gpu_check, "overhead_stage", lambda *a: ran.append("overhead"))
+    with gpu_check.budget_alarm(0.2):
+        claims, notes = gpu_check.run_check(tmp_path, torch.device("cpu"), gpu_check.TimeBudget(600))
+    assert ran == []
+    assert [c.summary for c in claims[:2]] == ["not tested: stopped by the time budget while it ran"] * 2
+    assert all("spent by an earlier stage" in c.summary for c in claims[2:])
+    assert gv.exit_status(claims) == 3
+
+
+def test_a_stage_that_crashes_fails_its_claim_and_the_others_run(tmp_path, monkeypatch):
+    def crash(*args):
+        raise RuntimeError("CUDA error: an illegal memory access\nmore")
+
+    monkeypatch.setattr(gpu_check, "memory_stage", crash)
+    monkeypatch.setattr(gpu_check, "overhead_stage", lambda *a: gv.overhead_claim(1.0, 0.995, 1.005))
+    monkeypatch.setattr(gpu_check, "trainer_stage", crash)
+    monkeypatch.setattr(gpu_check, "frontier_stage", lambda *a: gv.skipped(gv.FRONTIER_CLAIM, "test"))
+    monkeypatch.setattr(gpu_check, "snapshot_stage", lambda *a: None)
+    budget = gpu_check.TimeBudget(600)
+    claims, notes = gpu_check.run_check(tmp_path, torch.device("cpu"), budget)
+    assert [c.status for c in claims] == [gv.FAIL, gv.FAIL, gv.PASS, gv.FAIL, gv.SKIPPED]
+    assert claims[0].summary == "RuntimeError: CUDA error: an illegal memory access (errors.txt)"
+    assert "Traceback" in (tmp_path / "errors.txt").read_text()
+    assert gpu_check.finish(tmp_path, claims, notes, "Fake GPU", budget, {"torch": "x"}) == 1
+    assert (tmp_path / "report.md").read_text().startswith("# GPU validation on Fake GPU: FAIL")
+    assert '"device": "Fake GPU"' in (tmp_path / "claims.json").read_text()
+
+
+@requires_cuda
+def test_the_cuda_probes_measure_what_the_libraries_hold():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    workspace = gpu_check.library_workspace_bytes(dev)
+    assert workspace >= 0 and workspace % 512 == 0
+    assert gpu_check.library_workspace_bytes(dev) == workspace      # the same on a second look
+    assert gpu_check.rng_state_bytes(dev) >= 0
+    gpu_check.fresh_allocator(dev)
+    x = torch.empty(1000, device=dev)
+    assert torch.cuda.memory_stats(dev)["requested_bytes.all.current"] <= torch.cuda.memory_allocated(dev)
+    del x
+
+
+def test_saved_bytes_by_node_on_a_hand_counted_model_real_and_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ckptlab.probe.memory import saved_bytes_by_node
+
+    def saved():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+        return saved_bytes_by_node(model(torch.randn(4, 8)).sum())
+
+    # addmm keeps its input for the weight's gradient (4 x 8 fp32), relu its output (4 x 16 fp32)
+    assert saved() == {"AddmmBackward0": 4 * 8 * 4, "ReluBackward0": 4 * 16 * 4}
+    with FakeTensorMode():
+        assert saved() == {"AddmmBackward0": 128, "ReluBackward0": 256}
+
+
+def test_saved_differences_name_the_nodes_whose_bytes_differ():
+    cpu = {"AddmmBackward0": 100, "ScaledDotProductFlashAttentionForCpuBackward0": 40, "MulBackward0": 64}
+    cuda = {"AddmmBackward0": 100, "ScaledDotProductFlashAttentionBackward0": 36, "NativeDropoutBackward0": 16}
+    diff = gv.saved_differences(cpu, cuda)
+    assert diff["node"].tolist() == ["MulBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
+                                     "ScaledDotProductFlashAttentionBackward0", "NativeDropoutBackward0"]
+    assert diff["difference_bytes"].tolist() == [64, 40, -36, -16]
+    assert gv.saved_differences(cpu, dict(cpu)).empty
+    mib = 2**20
+    cells = pd.DataFrame([cell("none", 100 * mib, 104 * mib, dropout=0.1, saved_activation_bytes=50 * mib,
+                               predicted_peak_bytes=130 * mib, predicted_saved_bytes=80 * mib)])
+    errors = gv.prediction_errors(cells, differences={0.1: diff})
+    assert errors["cpu_vs_cuda"].iloc[0].startswith("MulBackward0, ScaledDotProductFlashAttentionForCpuBackward0")
+    claim = gv.memory_predicted_claim(pd.concat([errors, gv.prediction_errors(cells.assign(dropout=0.0))]),
+                                      differences={0.1: diff, 0.0: diff.iloc[0:0]})
+    assert "policy none, dropout 0.1" in claim.details and "NativeDropoutBackward0" in claim.details
+    assert "dropout 0): the same at every node" in claim.details
