@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpoint.blocks import find_blocks
 from ..core.policy import plan_policy
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer
@@ -43,6 +42,7 @@ from ..plan.profile import profile_blocks
 from ..plan.solve import min_peak
 from ..workloads.base import Workload
 from ..workloads.models import GPTConfig
+from ..workloads.stacks import find_blocks
 
 BREAKDOWN = ("parameters", "frozen_parameters", "gradients", "optimizer_state", "activations_in_blocks",
              "activations_outside_blocks", "temporaries")
