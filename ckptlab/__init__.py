@@ -19,6 +19,7 @@ from .estimate.predict import add_predictions, predict_fits
 from .plan.budget import Plan, measure, plan_budget, predict
 from .probe.memory import MemoryReport, track_memory
 from .probe.verify import compare_gradients
+from .report.explain import Explanation, explain
 from .run.compare import compare, measure_together
 from .run.config import SweepConfig
 from .run.store import RunLockedError, load_run
@@ -51,8 +52,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CheckpointHandle", "Explorer", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "SweepConfig",
+    "CheckpointHandle", "Explanation", "Explorer", "MemoryReport", "Plan", "Policy", "Prediction", "RunLockedError", "SweepConfig",
     "Workload", "__version__", "add_predictions", "apply_checkpointing", "closed_form", "compare", "compare_gradients",
-    "equal_batch_sweep", "find_blocks", "format_bytes", "get_workload", "load_run", "measure", "measure_together",
+    "equal_batch_sweep", "explain", "find_blocks", "format_bytes", "get_workload", "load_run", "measure", "measure_together",
     "parse_policy", "plan_budget", "predict", "predict_fits", "sweep", "track_memory",
 ]

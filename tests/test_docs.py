@@ -18,7 +18,7 @@ import yaml
 import ckptlab
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK_PAGES = sorted(p.relative_to(ROOT).with_suffix("") for p in (ROOT / "results").glob("0*/default/*.ipynb"))
+NOTEBOOK_PAGES = sorted(p.relative_to(ROOT).with_suffix("") for p in (ROOT / "results").glob("[0-9][0-9]_*/default/*.ipynb"))
 
 
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:

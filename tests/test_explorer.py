@@ -14,11 +14,15 @@ def test_run_measures_the_policy_beside_no_checkpointing():
     assert df.saved_activation_bytes.iloc[1] < df.saved_activation_bytes.iloc[0]
     summary = explorer.summary()
     assert "gpt-tiny  batch 2 x seq 16" in summary and "overhead" in summary and "full: peak" in summary
+    # beside the measurement, the explanation of the same step, its peak predicted to the byte
+    assert explorer.explanation.peak_bytes == df.peak_bytes.iloc[1]
+    assert "why (full, predicted peak" in summary and "lowest peak of any checkpoint policy" in summary
 
 
 def test_memory_limit_marks_what_does_not_fit():
     # at this shape activations dominate: none peaks at 77.8 MiB, full at 31.0 MiB
-    explorer = Explorer(policy="full", memory_limit="48MiB", batch_size=8, seq_len=128, steps=1, warmup=0, max_seconds=0.2)
+    explorer = Explorer(policy="full", memory_limit="48MiB", batch_size=8, seq_len=128, steps=1, warmup=0, max_seconds=0.2,
+                        with_explanation=False)
     explorer.run()
     lines = explorer.summary().splitlines()
     assert "DOES NOT FIT" in lines[1] and lines[2].rstrip().endswith("fits")
@@ -36,7 +40,7 @@ def test_set_validates_before_changing_anything():
 
 
 def test_widget_changes_reach_the_configuration_and_remeasure():
-    explorer = Explorer(**SMALL)
+    explorer = Explorer(**SMALL, with_explanation=False)
     explorer.widgets()
     w = explorer._widgets
     w["batch_size"].value = 4                      # what a slider release sends

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from ckptlab import apply_checkpointing, get_workload, measure, track_memory
+from ckptlab import apply_checkpointing, get_workload, measure, predict, track_memory
 from ckptlab.core.units import format_bytes, parse_bytes
 from ckptlab.probe.memory import _native_log_dropped, profiler_peak_bytes
 from ckptlab.probe.step import make_optimizer, training_step
@@ -174,3 +174,42 @@ def test_what_else_native_code_writes_to_stderr_is_passed_on(capfd):
         os.write(2, b"an error a library printed\n")
     _, err = capfd.readouterr()
     assert err == "an error a library printed\n"
+
+
+def test_tensors_a_checkpoint_holds_are_activations_at_a_forward_peak():
+    # A cache that holds tensors under its own saved-tensor hooks, as selective checkpointing's
+    # does: the tracker's hook never sees them, yet they are held for backward.
+    x = torch.randn(64, 64, requires_grad=True)
+    cache = []
+    with track_memory(inputs=[x]) as tracker:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            for _ in range(3):
+                cache.append(x * 2)
+        transient = x * 3          # freed before forward ends: a temporary at the peak
+        peak_now = x * 4
+        del transient, peak_now
+        tracker.phase("backward")
+    report = tracker.report()
+    held = 3 * 64 * 64 * 4
+    assert report.peak_phase == "forward"
+    assert report.peak_by_category["activations"] == held + x.untyped_storage().nbytes()
+    assert report.peak_by_category["temporaries"] == 2 * 64 * 64 * 4
+
+
+def test_selective_cache_counts_as_activations_in_blocks_at_a_forward_peak():
+    # Llama-like proportions under bf16 autocast: selective checkpointing's peak falls in forward,
+    # where its cache holds the matmul outputs of every block (predicted: the same tracker).
+    workload = get_workload("llama7b-shape", n_layer=4, n_embd=256, n_head=4, vocab_size=512, block_size=1024)
+    p = predict(workload, 4, 1024, "selective", dtype="bf16")
+    assert p.peak_phase == "forward"
+    assert p.peak_by_category["activations"] >= 0.9 * p.saved_activation_bytes
+    assert p.peak_in_blocks_by_category["activations"] >= 0.5 * p.peak_by_category["activations"]
+    assert sum(p.peak_by_category.values()) == p.peak_bytes
+
+
+def test_the_block_whose_backward_holds_the_peak_is_reported():
+    workload = get_workload("gpt-tiny", n_layer=4)
+    record, report = measure(workload, 4, 64, "full", steps=1, warmup=0, optimizer="none", with_report=True)
+    # Gradients accumulate as backward runs, so the first block's backward (the last to run) holds most.
+    assert (report.peak_phase, report.peak_block) == ("backward", 0)
+    assert report.block_calls_in_backward == 0   # ckptlab recomputes through the block's own forward

@@ -28,6 +28,7 @@ from ..probe.measure import check_policy_applies
 from ..probe.step import DTYPES, OPTIMIZERS
 from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary
+from ..report.explain import explain
 from ..report.plots import compare_plot, redraw_all
 from ..report.tables import format_table
 from ..run.compare import compare, measure_together
@@ -451,6 +452,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Why the peak is what it is, and what each lever would make it; the report or JSON."""
+
+    workload = get_workload(args.model, **_model_overrides(args.set))
+    explanation = explain(workload, args.batch, args.seq, args.policy, dtype=args.dtype, optimizer=args.optimizer,
+                          capacity=args.capacity, measure=args.measure, ranks=args.ranks)
+    if args.figure:
+        explanation.figure(args.figure)
+    if args.format == "json":
+        print(json.dumps(explanation.to_dict(), indent=1))
+    else:
+        print(explanation)
+    return 0
+
+
 def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, policy: str, lists: bool = True) -> None:
     """--model, --set, --batch, --seq, --policy, --dtype: what the measuring subcommands other than
     sweep take (a sweep's flags are its SweepConfig's fields)."""
@@ -526,6 +542,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
     add_format_argument(p)
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("explain", help="why memory did not drop: the peak, what holds it, and what each lever "
+                                       "would make it (predicted, nothing allocated)")
+    add_workload_arguments(p, batch="4", seq="64", policy="none", lists=False)
+    p.add_argument("--optimizer", default="adamw", help="adamw | sgd | none (default: adamw)")
+    p.add_argument("--capacity", default=None, help="e.g. 24GiB: adds the plan that fits it; the waterfall stops there")
+    p.add_argument("--ranks", type=int, default=8, help="world size of the FSDP2 lever (default 8)")
+    p.add_argument("--measure", action="store_true", help="also measure the step here, beside the prediction")
+    p.add_argument("--figure", default=None, help="save the waterfall figure as FIGURE.png and FIGURE.svg")
+    p.add_argument("--format", choices=("table", "json"), default="table",
+                   help="table: the report (default); json: every field, for scripts")
+    p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("plot", help="redraw every figure of a run folder from its data")
     p.add_argument("run_dir", help="run folder, e.g. results/my-sweep")

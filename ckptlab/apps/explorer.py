@@ -1,5 +1,7 @@
 """The interactive explorer: pick a model, batch, sequence length, policy and memory limit; see
-peak memory (by category) and step time for that policy next to no checkpointing.
+peak memory (by category) and step time for that policy next to no checkpointing, and beside the
+measurement the explanation of that peak (`ckptlab.explain`: its cause, the checkpoint floor and
+the levers that would lower it, predicted).
 
     Explorer().show()                    # JupyterLab: widgets; a change re-measures
     Explorer().show(interactive=False)   # papermill / static: the same views, rendered once
@@ -23,6 +25,7 @@ from ..core.policy import parse_policy
 from ..core.units import format_bytes, parse_bytes
 from ..plan.budget import measure
 from ..probe.timing import check_timing_options
+from ..report.explain import Explanation, explain
 from ..report.plots import peak_breakdown
 from ..run.compare import measure_together
 from ..workloads.base import Workload
@@ -39,7 +42,8 @@ SEQS = [16, 32, 64, 128, 256, 512, 1024]
 class Explorer:
     def __init__(self, model: Union[str, Workload] = "gpt-tiny", batch_size: int = 4, seq_len: int = 64,
                  policy: str = "density=0.5", memory_limit: Optional[str] = None,
-                 device: str = "cpu", steps: int = 2, warmup: int = 1, max_seconds: float = 5.0):
+                 device: str = "cpu", steps: int = 2, warmup: int = 1, max_seconds: float = 5.0,
+                 with_explanation: bool = True):
         parse_policy(policy)
         parse_bytes(memory_limit)
         check_timing_options(0.02, max_seconds)
@@ -48,6 +52,8 @@ class Explorer:
                            seq_len=seq_len, policy=policy, memory_limit=memory_limit, device=device, steps=steps,
                            warmup=warmup, max_seconds=max_seconds)
         self.records: Optional[pd.DataFrame] = None
+        self.explanation: Optional[Explanation] = None
+        self.with_explanation = with_explanation   # seconds of predictions per change: off for quick tests
         self._widgets = None
 
     # ------------------------------------------------------------------ the model of the view
@@ -76,6 +82,9 @@ class Explorer:
                                     device=c["device"], memory_limit_bytes=parse_bytes(c["memory_limit"]),
                                     steps=c["steps"], warmup=c["warmup"], max_seconds=c["max_seconds"])
         self.records = pd.DataFrame(rows)
+        if self.with_explanation:
+            self.explanation = explain(self.workload, c["batch_size"], c["seq_len"], c["policy"],
+                                       capacity=c["memory_limit"])
         return self.records
 
     def summary(self) -> str:
@@ -105,6 +114,14 @@ class Explorer:
             lines.append(f"{int(t['rounds'])} interleaved rounds, 95% intervals in brackets, {int(t['threads'])} "
                          f"threads, load {t['load_before']:.1f} -> {t['load_after']:.1f}"
                          + ("  BUSY MACHINE: rerun before trusting the times" if t["busy"] else ""))
+        e = self.explanation
+        if e is not None:
+            lines.append(f"why ({e.policy}, predicted peak {format_bytes(e.peak_bytes)} {e.peak_phase}): {e.cause}")
+            lines.append(f"  lowest peak of any checkpoint policy: {format_bytes(e.checkpoint_floor_bytes)} "
+                         f"({e.checkpoint_floor_policy})")
+            for lever in [lv for lv in e.levers if lv.predicted_peak_bytes is not None][:3]:
+                lines.append(f"  {lever.name}: {format_bytes(lever.predicted_peak_bytes)}"
+                             + ("" if lever.basis == "predicted" else f" ({lever.basis})"))
         return "\n".join(lines)
 
     def figure(self):

@@ -34,6 +34,7 @@ FIELDS: dict[str, object] = {
     "memory_limit_bytes": None,
     "peak_bytes": None,
     **{f"peak_{c}_bytes": None for c in CATEGORIES},
+    "peak_activations_in_blocks_bytes": None,   # of peak_activations_bytes: allocated by the blocks' forwards
     "peak_phase": None,
     "saved_activation_bytes": None,
     "cuda_max_allocated_bytes": None,

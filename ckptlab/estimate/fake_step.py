@@ -16,7 +16,7 @@ import contextlib
 import copy
 import sys
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
@@ -56,14 +56,19 @@ class Prediction:
     predict_s: float                     # wall time of the prediction
     plan: Optional[str] = None           # the per-block plan a budget policy resolved to
     note: str = ""
+    peak_in_blocks_by_category: dict = field(default_factory=dict)  # of the peak: allocated by blocks' forwards
+    peak_block: Optional[int] = None     # the block whose backward held the peak (None: not in one)
+    recompute_count: int = 0             # block forwards the policy's checkpoints ran again in backward
+    block_calls_in_backward: int = 0     # blocks called in backward: the model recomputes them itself
 
     def record(self) -> dict:
         """A flat row, columns named like `measure`'s with a `predicted_` prefix."""
-        row = {k: v for k, v in asdict(self).items() if k != "peak_by_category"}
+        row = {k: v for k, v in asdict(self).items() if k not in ("peak_by_category", "peak_in_blocks_by_category")}
         for key in ("peak_bytes", "saved_activation_bytes"):
             row[f"predicted_{key}"] = row.pop(key)
         for c in CATEGORIES:
             row[f"predicted_peak_{c}_bytes"] = self.peak_by_category.get(c, 0)
+        row["predicted_peak_activations_in_blocks_bytes"] = self.peak_in_blocks_by_category.get("activations", 0)
         return row
 
     def __str__(self) -> str:
@@ -147,7 +152,7 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     """One tracked fake training step: (MemoryReport, CheckpointHandle)."""
     with fake_training_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps) as (
             model, handle, batch, opt, step):
-        with track_memory(model, opt, inputs=batch, device="cpu") as tracker:
+        with track_memory(model, opt, inputs=batch, device="cpu", blocks=handle.blocks) as tracker:
             step(tracker)
         return tracker.report(), handle
 

@@ -57,6 +57,8 @@ def predict(
         peak_bytes=report.peak_bytes, peak_by_category=dict(report.peak_by_category),
         peak_phase=report.peak_phase, saved_activation_bytes=report.saved_activation_bytes or 0,
         predict_s=time.perf_counter() - t0, note=note,
+        peak_in_blocks_by_category=dict(report.peak_in_blocks_by_category), peak_block=report.peak_block,
+        recompute_count=handle.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
     )
 
 

@@ -180,9 +180,11 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
         report, loss = allocator_step_memory(step, model, optimizer, batch, dev)
         record.update(allocator_peak_bytes=report.peak_bytes, compiled_graphs=compiled.graphs)
     else:
-        with track_memory(model, optimizer, inputs=batch, device=dev) as tracker:
+        blocks = handle.blocks if handle is not None else ()
+        with track_memory(model, optimizer, inputs=batch, device=dev, blocks=blocks) as tracker:
             loss = step(tracker)
         report = tracker.report()
+        record["peak_activations_in_blocks_bytes"] = report.peak_in_blocks_by_category.get("activations")
     record.update(
         peak_bytes=report.peak_bytes,
         **{f"peak_{c}_bytes": report.peak_by_category.get(c) for c in CATEGORIES},

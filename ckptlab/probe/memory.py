@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import sys
 import tempfile
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -36,6 +37,9 @@ class MemoryReport:
     start_bytes: int                          # live bytes when tracking began
     saved_activation_bytes: int | None        # bytes allocated in forward, alive when it ended
     timeline: list[tuple[str, int]] = field(repr=False, default_factory=list)  # (phase, live bytes)
+    peak_in_blocks_by_category: dict[str, int] = field(default_factory=dict)  # of which allocated in a block's forward
+    peak_block: int | None = None             # the block whose backward held the peak (None: not in one)
+    block_calls_in_backward: int = 0          # block calls (module __call__) that ran during backward
 
 
 class _Tracker(TorchDispatchMode):
@@ -43,7 +47,7 @@ class _Tracker(TorchDispatchMode):
         super().__init__()
         self.device = device
         self.detect_backward = detect_backward
-        # storage key -> [nbytes, category, phase, weakref, allocation number]
+        # storage key -> [nbytes, category, phase, weakref, allocation number, allocated in a block]
         self.live: dict[int, list] = {}
         self.allocations = 0                  # storages seen so far, numbered in order
         self.peak_allocation = 0              # the number of the storage that set the peak
@@ -51,6 +55,12 @@ class _Tracker(TorchDispatchMode):
         self.total = 0
         self.peak = 0
         self.peak_by_category = dict(self.by_category)
+        self.in_blocks = dict.fromkeys(CATEGORIES, 0)   # by_category's share allocated in blocks
+        self.peak_in_blocks = dict(self.in_blocks)
+        self.block_depth = 0                  # > 0 while a block's forward runs
+        self.backward_block: int | None = None  # the block whose backward is running
+        self.peak_block: int | None = None
+        self.block_calls_in_backward = 0
         self.peak_phase = "setup"
         self.phase = "setup"
         self.start_bytes = 0
@@ -69,24 +79,26 @@ class _Tracker(TorchDispatchMode):
         key = storage._cdata
         entry = self.live.get(key)
         if entry is not None:
-            if CATEGORIES.index(category) < CATEGORIES.index(entry[1]):
-                self.by_category[entry[1]] -= entry[0]
-                self.by_category[category] += entry[0]
-                entry[1] = category
+            self._relabel(entry, category)
             return
         nbytes = storage.nbytes()
         ref = weakref.ref(storage, lambda _ref, key=key: self._free(key))
         self.allocations += 1
-        self.live[key] = [nbytes, category, self.phase, ref, self.allocations]
+        in_block = self.block_depth > 0
+        self.live[key] = [nbytes, category, self.phase, ref, self.allocations, in_block]
         self.by_category[category] += nbytes
+        if in_block:
+            self.in_blocks[category] += nbytes
         self.total += nbytes
         if self.phase != "setup":  # what existed before the step is the timeline's starting level
             self.timeline.append((self.phase, self.total))
         if self.total > self.peak:
             self.peak = self.total
             self.peak_by_category = dict(self.by_category)
+            self.peak_in_blocks = dict(self.in_blocks)
             self.peak_phase = self.phase
             self.peak_allocation = self.allocations
+            self.peak_block = self.backward_block if self.phase == "backward" else None
 
     def claim(self, tensor: torch.Tensor, category: str) -> None:
         """Label a tensor that may already be counted (as a temporary, say) as `category`, in the
@@ -101,14 +113,20 @@ class _Tracker(TorchDispatchMode):
         if entry is None:
             self.track(tensor, category)
             return
+        self._relabel(entry, category)
+
+    def _relabel(self, entry: list, category: str) -> None:
+        """Give a live storage a category that ranks before its own (a temporary that autograd
+        saves becomes an activation), in the breakdown at the peak too when it was alive then:
+        allocated no later than the storage that set the peak, and not freed since (it is live)."""
         if CATEGORIES.index(category) >= CATEGORIES.index(entry[1]):
             return
-        # Allocated no later than the storage that set the peak and not freed since: alive at the peak.
-        if entry[4] <= self.peak_allocation:
-            self.peak_by_category[entry[1]] -= entry[0]
-            self.peak_by_category[category] += entry[0]
-        self.by_category[entry[1]] -= entry[0]
-        self.by_category[category] += entry[0]
+        alive_at_peak = entry[4] <= self.peak_allocation
+        for counts, applies in ((self.by_category, True), (self.peak_by_category, alive_at_peak),
+                                (self.in_blocks, entry[5]), (self.peak_in_blocks, alive_at_peak and entry[5])):
+            if applies:
+                counts[entry[1]] -= entry[0]
+                counts[category] += entry[0]
         entry[1] = category
 
     def _free(self, key: int) -> None:
@@ -118,6 +136,8 @@ class _Tracker(TorchDispatchMode):
         if entry is None:
             return
         self.by_category[entry[1]] -= entry[0]
+        if entry[5]:
+            self.in_blocks[entry[1]] -= entry[0]
         self.total -= entry[0]
         self.timeline.append((self.phase, self.total))
 
@@ -144,10 +164,7 @@ class _Tracker(TorchDispatchMode):
             for entry in self.live.values():
                 if entry[2] == "forward":
                     held += entry[0]
-                    if entry[1] == "temporaries":
-                        self.by_category["temporaries"] -= entry[0]
-                        self.by_category["activations"] += entry[0]
-                        entry[1] = "activations"
+                    self._relabel(entry, "activations")
             self.saved_activation_bytes = held
         self.phase = phase
 
@@ -158,8 +175,39 @@ class _Tracker(TorchDispatchMode):
             peak_phase=self.peak_phase,
             start_bytes=self.start_bytes,
             saved_activation_bytes=self.saved_activation_bytes,
+            peak_in_blocks_by_category=dict(self.peak_in_blocks),
+            peak_block=self.peak_block,
+            block_calls_in_backward=self.block_calls_in_backward,
             timeline=list(self.timeline),
         )
+
+    # -- blocks -------------------------------------------------------------------------------
+    def watch_blocks(self, blocks: Sequence[nn.Module]) -> list:
+        """Hooks that tell which storages a block's forward allocates and which block's backward
+        is running: a gradient hook on each block's output marks where its backward begins, one
+        on the first block's input where the blocks' backward ends. Returns the hook handles."""
+        handles = []
+        for j, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(functools.partial(self._block_called, j)))
+            handles.append(block.register_forward_hook(functools.partial(self._block_returned, j)))
+        return handles
+
+    def _block_called(self, j: int, module, args) -> None:
+        self.block_depth += 1
+        if self.phase == "backward":   # a recompute through the block's __call__, not ckptlab's wrapper
+            self.block_calls_in_backward += 1
+        x = args[0] if args else None
+        if j == 0 and self.phase == "forward" and isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(lambda grad: self._enter_backward(None))
+
+    def _block_returned(self, j: int, module, args, out) -> None:
+        self.block_depth -= 1
+        h = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
+        if self.phase == "forward" and isinstance(h, torch.Tensor) and h.requires_grad:
+            h.register_hook(lambda grad: self._enter_backward(j))
+
+    def _enter_backward(self, j: int | None) -> None:
+        self.backward_block = j
 
 
 class MemoryTracker:
@@ -190,6 +238,7 @@ def track_memory(
     inputs: Iterable[torch.Tensor] = (),
     device: str | torch.device | None = None,
     detect_backward: bool = False,
+    blocks: Sequence[nn.Module] = (),
 ):
     """Track live tensor memory over a region (typically one training step).
 
@@ -199,8 +248,9 @@ def track_memory(
     "forward"; call `tracker.phase("backward")` and `tracker.phase("optimizer")` as the step
     proceeds. With `detect_backward=True` the switch from forward to backward happens by itself
     when autograd's engine starts running backward ops (for training loops that cannot call
-    `phase`). Optimizer state is labelled as such at the end, also in the peak's breakdown when
-    the step created it.
+    `phase`). `blocks` (a model's repeated blocks) adds to the report what of the peak its
+    blocks' forwards allocated and which block's backward held the peak. Optimizer state is
+    labelled as such at the end, also in the peak's breakdown when the step created it.
     """
     if device is None and model is not None:
         first = next(model.parameters(), None)
@@ -220,6 +270,7 @@ def track_memory(
     tracker.start_bytes = tracker.total
     hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.track(p.grad, "gradients"))
              for p in params if p.requires_grad]
+    hooks += tracker.watch_blocks(blocks)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if tracker.active:

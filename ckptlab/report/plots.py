@@ -7,6 +7,7 @@ returns the matplotlib Figure, and, given `path` (without extension), saves PNG 
     what_fits_plot(df)           largest batch per policy for 24/40/80/141 GiB (+ the run's limit)
     redraw_all(run_dir)          every figure above into run_dir/figures/, from the folder alone
     compare_plot(df)             a `ckptlab.compare` table: peak vs time ratio with 95% intervals
+    waterfall_plot(steps)        an explanation's levers one after another, towards a capacity
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..run.sweep import config_label
 from . import analysis
 
 MiB = 2**20
+GiB = 2**30
 
 # One colour and one marker per policy kind, in every figure.
 KIND_STYLES = {
@@ -509,6 +511,38 @@ def _source_kind(source: str) -> str:
     return "plan" if source == "ckptlab plan" else "anchor"
 
 
+def waterfall_plot(steps: list, capacity_bytes: Optional[int] = None, title: str = "", path=None):
+    """From today's peak towards a capacity, one bar per step: `steps` is [(name, peak bytes,
+    basis)], today's first; each later bar spans from the step before it to its own peak (green
+    down, red up), hatched when modelled rather than predicted; the capacity is a dashed line."""
+    fig, ax = plt.subplots(figsize=(2.5 + 1.2 * max(len(steps), 1), 4.0))
+    if not steps:
+        return _save(_empty(fig, ax, "no steps"), path)
+    scale, unit = (GiB, "GiB") if max(s[1] for s in steps) >= GiB else (MiB, "MiB")
+    previous = None
+    for i, (name, peak, basis) in enumerate(steps):
+        level = peak / scale
+        low, high = (0.0, level) if previous is None else sorted((previous, level))
+        color = "#7f7f7f" if previous is None else ("#2ca02c" if level <= previous else "#d62728")
+        ax.bar(i, high - low, bottom=low, color=color, hatch="//" if basis == "modelled" else None,
+               edgecolor="white" if basis == "modelled" else color)
+        down = previous is not None and level <= previous
+        ax.text(i, level, f"{level:.1f}", ha="center", va="top" if down else "bottom", fontsize=8)
+        if previous is not None:
+            ax.plot([i - 1.4, i - 0.6], [previous, previous], color="#404040", lw=0.8)
+        previous = level
+    if capacity_bytes:
+        ax.axhline(capacity_bytes / scale, color="k", ls="--", lw=1,
+                   label=f"capacity {capacity_bytes / scale:.1f} {unit}")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over a bar
+    ax.set_xticks(range(len(steps)), [s[0] for s in steps], rotation=20, ha="right", rotation_mode="anchor")
+    ax.set_ylabel(f"predicted peak ({unit})")
+    ax.set_title(title or "peak, one lever after another", fontsize=10)
+    ax.margins(y=0.12)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 __all__ = ["CATEGORY_COLORS", "FIGURES", "KIND_STYLES", "MiB", "compare_plot", "heatmaps", "memory_time_vs_density",
            "memory_timeline", "pareto_plot", "peak_breakdown", "place_labels", "policy_style", "redraw_all",
-           "trainer_plot", "what_fits_plot"]
+           "trainer_plot", "waterfall_plot", "what_fits_plot"]

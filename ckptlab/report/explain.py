@@ -1,0 +1,505 @@
+"""Why memory did not drop: one prediction of a training step read as a diagnosis, and what
+would lower its peak.
+
+`explain()` predicts the step as it is (`ckptlab.predict`: the fake-tensor step and the
+live-tensor tracker that `measure` runs), reads where the peak falls and what holds it, names the
+cause in words, and predicts each lever -- another checkpoint policy, a plan at the capacity,
+bf16, a smaller micro-batch with gradient accumulation, a chunked loss, another optimizer -- by
+the same fake step with that one change. Two levers are not fake steps:
+
+  FSDP2 over N ranks is modelled per rank: the peak's parameters, gradients and optimizer state
+  divided by N, its activations and temporaries as they are (each rank keeps its own batch of
+  `batch_size`), plus the largest unit's parameters gathered at once, the units being those
+  `measure_sharded` makes (one per block, the rest of the model as the root);
+  offload moves saved activations to host memory only on CUDA; the fake step runs on the CPU,
+  where it is a no-op, so it is listed but not predicted.
+
+The waterfall (`Explanation.steps`) applies the levers one after another, the most effective
+first, each step a prediction of every change so far, until the peak fits the capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..core.policy import plan_policy
+from ..core.units import format_bytes, parse_bytes
+from ..core.validate import integer
+from ..estimate.fake_step import Prediction
+from ..estimate.predict import check_prediction, prediction_error
+from ..plan.budget import measure as measure_step
+from ..plan.budget import plan_budget, predict
+from ..plan.profile import profile_blocks
+from ..plan.solve import min_peak
+from ..workloads.base import Workload
+from ..workloads.models import GPTConfig
+from ..workloads.stacks import find_blocks
+
+BREAKDOWN = ("parameters", "frozen_parameters", "gradients", "optimizer_state", "activations_in_blocks",
+             "activations_outside_blocks", "temporaries")
+CAUSES = ("optimizer", "logits", "blocks", "weights", "not_applied", "double")
+
+# The checkpoint policies tried as levers, and what each costs in words.
+POLICY_LEVERS = {
+    "none": "keeps every activation; recomputes nothing",
+    "full": "recomputes every block's forward in backward: about one more forward pass per step",
+    "selective": "keeps matmul and attention outputs, recomputes the cheap ops (norms, activations, dropout)",
+    "segments=sqrt": "checkpoint_sequential with sqrt(N) segments: keeps sqrt(N) segment inputs, recomputes the rest",
+}
+LOSS_CHUNKS = 8
+PLAN_COST = "roofline"   # the planner's recompute cost from FLOPs and bytes: no real run, any shape
+
+
+@dataclass
+class Lever:
+    """One change and the peak it leads to. `basis`: predicted (the same fake step with this
+    change), modelled (FSDP2: module docstring) or not predicted (`cost` says why)."""
+
+    name: str
+    predicted_peak_bytes: Optional[int]
+    policy: Optional[str]                 # the policy string when the lever is a checkpoint policy or plan
+    cost: str
+    basis: str = "predicted"
+
+
+@dataclass
+class Explanation:
+    """Why a training step peaks where it does, and what would lower it. Bytes are storage bytes
+    at the peak, as `measure` and `predict` count them."""
+
+    model: str
+    batch_size: int
+    seq_len: int
+    policy: str
+    dtype: str
+    optimizer: str
+    n_blocks: int
+    peak_bytes: int
+    peak_phase: str                       # forward | backward | optimizer
+    peak_block: Optional[int]             # the block whose backward holds the peak (None: not in one)
+    breakdown: dict                       # BREAKDOWN name -> bytes at the peak
+    checkpoint_floor_bytes: int           # the lowest peak any checkpoint policy reaches
+    checkpoint_floor_policy: str
+    cause: str                            # one sentence
+    cause_kind: str                       # one of CAUSES
+    levers: list = field(default_factory=list)      # Lever, sorted by predicted peak
+    steps: list = field(default_factory=list)       # Lever: the waterfall, today's peak first
+    capacity_bytes: Optional[int] = None
+    ranks: int = 8                        # the FSDP2 lever's world size
+    recompute_count: int = 0              # block forwards the policy ran again in backward
+    measured_peak_bytes: Optional[int] = None
+    measured_note: str = ""
+    explain_s: float = 0.0                # wall time of the explanation
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def figure(self, path=None):
+        """The waterfall from today's peak towards the capacity, one step per lever (a matplotlib
+        Figure; saved as PNG and SVG at `path`, without extension, when given)."""
+        # matplotlib loads only for the figure: `import ckptlab` stays free of plotting libraries.
+        from .plots import waterfall_plot  # noqa: PLC0415 - matplotlib is heavy; only figures need it
+        title = f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype})"
+        return waterfall_plot([(s.name, s.predicted_peak_bytes, s.basis) for s in self.steps], self.capacity_bytes,
+                              title, path)
+
+    def __str__(self) -> str:
+        b = self.breakdown
+        where = _where(self.peak_phase, self.peak_block)
+        lines = [f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, {self.optimizer}): "
+                 f"peak {format_bytes(self.peak_bytes)} {where}"]
+        if self.measured_peak_bytes is not None or self.measured_note:
+            lines.append(f"  measured here: {format_bytes(self.measured_peak_bytes)} {self.measured_note}".rstrip())
+        lines.append("  at the peak: " + ", ".join(f"{name.replace('_', ' ')} {format_bytes(b[name])}"
+                                                    for name in BREAKDOWN))
+        lines.append(f"  cause: {self.cause}")
+        lines.append(f"  checkpoint floor: {format_bytes(self.checkpoint_floor_bytes)} ({self.checkpoint_floor_policy})")
+        cap = f", capacity {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
+        lines.append(f"  levers (one change each{cap}):")
+        for lever in self.levers:
+            peak = format_bytes(lever.predicted_peak_bytes) if lever.predicted_peak_bytes is not None else "-"
+            mark = "" if lever.basis == "predicted" else f" [{lever.basis}]"
+            fits = ""
+            if self.capacity_bytes and lever.predicted_peak_bytes is not None:
+                fits = "  fits" if lever.predicted_peak_bytes <= self.capacity_bytes else ""
+            lines.append(f"    {peak:>10}  {lever.name}{mark}{fits}: {lever.cost}")
+        if len(self.steps) > 1:
+            path = " -> ".join(f"{s.name} {format_bytes(s.predicted_peak_bytes)}" for s in self.steps)
+            lines.append(f"  together: {path}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the explanation
+
+def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none", *, dtype: str = "fp32",
+            optimizer: str = "adamw", capacity=None, measure: bool = False, ranks: int = 8) -> Explanation:
+    """Why the peak of one training step is what it is, and what each lever would make it.
+
+    Everything comes from predictions (fake tensors), so any shape works on a laptop;
+    `measure=True` also measures the step here and puts its peak beside the prediction.
+    `capacity` (24GiB, or bytes) adds a plan that fits it and stops the waterfall there; `ranks`
+    is the world size of the FSDP2 lever. Bad input raises ValueError before any work."""
+    t0 = time.perf_counter()
+    workload, parsed = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer)
+    capacity_bytes = parse_bytes(capacity, "capacity")
+    integer("ranks", ranks, 2)
+    base = predict(workload, batch_size, seq_len, parsed, dtype, optimizer)
+    applied = f"plan={base.plan}" if base.plan else str(parsed)
+    breakdown = peak_breakdown(base, frozen_parameter_bytes(workload))
+
+    levers = policy_levers(workload, base, applied)
+    floor_lever = floor_plan_lever(workload, base, levers) if base.n_blocks else None
+    if floor_lever is not None:
+        levers.append(floor_lever)
+    if capacity_bytes is not None and base.n_blocks:
+        levers.append(capacity_plan_lever(workload, base, capacity_bytes))
+    checkpoint_peaks = [(lv.predicted_peak_bytes, lv.policy) for lv in levers
+                        if lv.policy and lv.policy != "none" and lv.predicted_peak_bytes is not None]
+    if parsed.kind != "none":
+        checkpoint_peaks.append((base.peak_bytes, applied))
+    # Ties go to the step's own policy: it already reaches that peak.
+    floor, floor_policy = min(checkpoint_peaks, default=(base.peak_bytes, "none: the model has no blocks to checkpoint"),
+                              key=lambda x: (x[0], x[1] != applied))
+
+    kind, cause = diagnose(base, breakdown, floor, floor_policy, parsed)
+    levers += other_levers(workload, base, applied, kind, breakdown, capacity_bytes, ranks)
+    levers.sort(key=lambda lv: (lv.predicted_peak_bytes is None, lv.predicted_peak_bytes or 0, lv.name))
+
+    explanation = Explanation(
+        model=base.model, batch_size=batch_size, seq_len=seq_len, policy=str(parsed), dtype=dtype,
+        optimizer=optimizer, n_blocks=base.n_blocks, peak_bytes=base.peak_bytes, peak_phase=base.peak_phase,
+        peak_block=base.peak_block, breakdown=breakdown, checkpoint_floor_bytes=floor,
+        checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
+        capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count,
+    )
+    explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks)
+    if measure:
+        record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, optimizer=optimizer, steps=1,
+                              warmup=0, max_seconds=0.5)
+        if record["status"] == "ok":
+            explanation.measured_peak_bytes = record["peak_bytes"]
+            error = prediction_error(base.peak_bytes, record["peak_bytes"])
+            explanation.measured_note = f"on {record['device']}: prediction error {error:+.1%}"
+        else:
+            explanation.measured_note = f"not measured here: {record['status']}: {record['message']}"
+    explanation.explain_s = time.perf_counter() - t0
+    return explanation
+
+
+def frozen_parameter_bytes(workload: Workload) -> int:
+    """Bytes of the parameters that do not train (requires_grad False), read from the model built
+    on the meta device (no memory)."""
+    return sum(p.numel() * p.element_size() for p in workload.build("meta").parameters() if not p.requires_grad)
+
+
+def peak_breakdown(pred: Prediction, frozen_bytes: int) -> dict:
+    """The prediction's categories at the peak, parameters split into trainable and frozen,
+    activations into those the blocks' forwards allocated and the rest (embeddings, logits, loss)."""
+    by = pred.peak_by_category
+    in_blocks = pred.peak_in_blocks_by_category.get("activations", 0)
+    frozen = min(frozen_bytes, by["parameters"])
+    return {"parameters": by["parameters"] - frozen, "frozen_parameters": frozen, "gradients": by["gradients"],
+            "optimizer_state": by["optimizer_state"], "activations_in_blocks": in_blocks,
+            "activations_outside_blocks": by["activations"] - in_blocks, "temporaries": by["temporaries"]}
+
+
+def _where(phase: str, block: Optional[int]) -> str:
+    if phase == "optimizer":
+        return "in the optimizer step"
+    if phase == "forward":
+        return "in the forward pass"
+    if block is not None:
+        return f"in the backward of block {block}"
+    return "in backward, outside the blocks (the loss, the head or the embeddings)"
+
+
+def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, policy) -> tuple[str, str]:
+    """(kind, sentence): what holds the peak, in words, the known traps first."""
+    f = format_bytes
+    checkpoints = policy.kind not in ("none", "compile")
+    # ckptlab's wrappers recompute a block through its forward, not its __call__: a block called
+    # in backward is the model's own checkpointing recomputing it (transformers' hf policies do so too).
+    if checkpoints and pred.block_calls_in_backward and not policy.kind.startswith("hf"):
+        return "double", (
+            f"Checkpointing is applied twice: the model already recomputes its blocks itself "
+            f"({pred.block_calls_in_backward} block calls ran in backward) and {policy} checkpoints them again "
+            f"inside that. The second layer adds recompute time and saves nothing the first does not; keep one.")
+    if checkpoints and (pred.effective_density == 0 or (pred.recompute_count == 0 and pred.block_calls_in_backward == 0)):
+        why = ("it selects none of them at this depth" if pred.effective_density == 0 else
+               "they ran no recompute in backward: transformers' checkpointing is off in eval() mode and with use_cache")
+        return "not_applied", (
+            f"The policy {policy} did not apply: 0 of {pred.n_blocks} blocks were recomputed ({why}), so the step "
+            f"keeps every activation as without checkpointing.")
+    static = sum(breakdown[k] for k in ("parameters", "frozen_parameters", "gradients", "optimizer_state"))
+    if pred.peak_phase == "optimizer":
+        return "optimizer", (
+            f"The peak is in the optimizer step, where the weights ({f(breakdown['parameters'] + breakdown['frozen_parameters'])}), "
+            f"their gradients ({f(breakdown['gradients'])}) and the optimizer state ({f(breakdown['optimizer_state'])}) "
+            f"are held together. Activations are freed by then, so no checkpoint policy can lower it "
+            f"(the lowest any reaches is {f(floor)}).")
+    temporaries = breakdown["temporaries"]
+    temporaries_in_blocks = pred.peak_in_blocks_by_category.get("temporaries", 0)
+    if pred.peak_block is not None:   # a block's backward: its recompute and gradient buffers
+        temporaries_in_blocks = temporaries
+    blocks = breakdown["activations_in_blocks"] + temporaries_in_blocks
+    outside = breakdown["activations_outside_blocks"] + temporaries - temporaries_in_blocks
+    where = _where(pred.peak_phase, pred.peak_block)
+    if outside >= max(blocks, static):
+        return "logits", (
+            f"The logits, the loss and their gradients hold the peak: {f(outside)} outside the blocks against "
+            f"{f(blocks)} in them, {where}. Checkpointing the blocks lowers it only to {f(floor)} ({floor_policy}); "
+            f"a chunked loss or a smaller micro-batch shrinks the logits.")
+    if blocks >= static:
+        reach = (f"{floor_policy} brings the peak to {f(floor)}" if floor < pred.peak_bytes else
+                 f"{policy} already reaches the lowest peak checkpointing gets to, so only other levers can go below it")
+        return "blocks", (
+            f"Block activations hold the peak: {f(blocks)} of {f(pred.peak_bytes)}, {where}. Checkpointing is the "
+            f"lever: {reach}.")
+    return "weights", (
+        f"Weights, gradients and optimizer state hold the peak: {f(static)} of {f(pred.peak_bytes)}, {where}. "
+        f"Checkpointing lowers only activations (to {f(floor)} at best); bf16 weights, another optimizer or "
+        f"FSDP sharding lower the rest.")
+
+
+# --------------------------------------------------------------------------- levers
+
+def policy_levers(workload: Workload, base: Prediction, applied: str) -> list[Lever]:
+    """Each checkpoint policy of POLICY_LEVERS other than the step's own, predicted."""
+    if not base.n_blocks:
+        return []
+    levers = []
+    for policy, cost in POLICY_LEVERS.items():
+        if policy == applied:
+            continue
+        try:
+            peak = predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer).peak_bytes
+        except (ValueError, RuntimeError) as exc:   # a policy this model cannot take (segments out of order)
+            levers.append(Lever(f"policy {policy}", None, policy, f"not predicted: {exc}", "not predicted"))
+            continue
+        levers.append(Lever(f"policy {policy}", peak, policy, cost))
+    return levers
+
+
+def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever]) -> Lever:
+    """The plan of keep/selective/full per block with the lowest peak (the planner's `min_peak`),
+    its peak predicted by a fake run of that plan (or taken from `full`'s lever when it is full
+    everywhere: the same model)."""
+    profile = profile_blocks(workload, base.batch_size, base.seq_len, base.dtype, base.optimizer, PLAN_COST)
+    _, options = min_peak(profile)
+    policy = str(plan_policy(options))
+    full = next((lv.predicted_peak_bytes for lv in levers if lv.policy == "full"), None)
+    if set(options) == {"full"} and full is not None:
+        peak = full
+    else:
+        peak = predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer).peak_bytes
+    return Lever("plan with the lowest peak", peak, policy,
+                 f"{options.count('full')} full, {options.count('selective')} selective, "
+                 f"{options.count('keep')} kept blocks: the planner's lowest peak")
+
+
+def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int) -> Lever:
+    """The least-recompute plan that fits `capacity` (`plan_budget`), or why none does."""
+    try:
+        plan = plan_budget(workload, base.batch_size, base.seq_len, capacity, base.dtype, base.optimizer, cost=PLAN_COST)
+    except ValueError as exc:
+        return Lever(f"plan at {format_bytes(capacity)}", None, None, f"no plan fits: {exc}", "not predicted")
+    return Lever(f"plan at {format_bytes(capacity)}", plan.predicted_peak_bytes, f"plan={plan.letters}",
+                 f"recompute {plan.recompute_ms:.2f} ms/step against {plan.full_recompute_ms:.2f} ms for full "
+                 f"({plan.cost_basis}: an assumed accelerator's FLOPs and bandwidth)")
+
+
+def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, breakdown: dict,
+                 capacity: Optional[int], ranks: int) -> list[Lever]:
+    """The levers beyond checkpointing: bf16, micro-batches, a chunked loss, the optimizer, FSDP2, offload."""
+    b, s, dtype, opt = base.batch_size, base.seq_len, base.dtype, base.optimizer
+    levers = []
+    if dtype == "fp32":
+        peak = predict(workload, b, s, applied, "bf16", opt).peak_bytes
+        levers.append(Lever("bf16 autocast", peak, None, "matmuls in bf16: activations halve, weights stay fp32 "
+                            "(autocast keeps bf16 copies of them in the step)"))
+    levers.append(_predicted_variant("bf16 weights", bf16_weights(workload), base, applied,
+                                     "weights, gradients and optimizer state in bf16: no fp32 master copy, so "
+                                     "small updates round away without a compensated optimizer"))
+    if b > 1:
+        levers.append(micro_batch_lever(workload, base, applied, capacity))
+    if kind == "logits":
+        if isinstance(workload.config, GPTConfig):
+            levers.append(_predicted_variant(f"chunked loss ({LOSS_CHUNKS} chunks)", chunked_loss(workload), base, applied,
+                                             "the head and loss run per chunk of tokens under checkpoint: the "
+                                             "head's matmul runs twice"))
+        else:
+            levers.append(Lever("chunked loss", None, None, "not predicted: ckptlab chunks the loss of its GPT "
+                                "workloads; compute this model's head and loss per chunk of tokens under "
+                                "checkpoint", "not predicted"))
+    if opt == "adamw" and (base.peak_phase == "optimizer" or
+                           breakdown["optimizer_state"] == max(breakdown.values())):
+        peak = predict(workload, b, s, applied, dtype, "sgd").peak_bytes
+        levers.append(Lever("SGD", peak, None, "no optimizer state (plain SGD): another training algorithm"))
+        levers.append(Lever("AdamW without foreach", None, None,
+                            "CUDA only: the fake step already runs AdamW's for-loop step, PyTorch's choice for "
+                            "CPU tensors; on CUDA the default foreach step holds about one more copy of the "
+                            "parameters while it runs: AdamW(foreach=False) avoids it", "not predicted"))
+    levers.append(Lever(f"FSDP2 over {ranks} ranks", fsdp_peak(base, fsdp_units(workload), ranks), None,
+                        f"{ranks} processes each hold 1/{ranks} of weights, gradients and optimizer state and "
+                        "gather one unit at a time: all-gathers and reduce-scatters every step", "modelled"))
+    levers.append(Lever("offload", None, f"{applied}+offload",
+                        "CUDA only: saved activations go to pinned host memory and come back in backward "
+                        "(host-device copies); not predicted, as the fake step runs on the CPU where it is a no-op",
+                        "not predicted"))
+    return levers
+
+
+def _predicted_variant(name: str, variant: Workload, base: Prediction, applied: str, cost: str) -> Lever:
+    try:
+        peak = predict(variant, base.batch_size, base.seq_len, applied, base.dtype, base.optimizer).peak_bytes
+    except (ValueError, RuntimeError) as exc:   # a model whose code assumes fp32 tensors
+        return Lever(name, None, None, f"not predicted: {type(exc).__name__}: {exc}", "not predicted")
+    return Lever(name, peak, None, cost)
+
+
+def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capacity: Optional[int]) -> Lever:
+    """The largest micro-batch below `batch_size` that divides it (keeping the effective batch by
+    accumulation) and fits `capacity`; without a capacity, the largest one."""
+    b = base.batch_size
+    pred = None
+    for micro in [d for d in range(b - 1, 0, -1) if b % d == 0]:
+        pred = predict(workload, micro, base.seq_len, applied, base.dtype, base.optimizer, b // micro)
+        if capacity is None or pred.peak_bytes <= capacity:
+            break
+    steps = b // pred.batch_size
+    return Lever(f"micro-batch {pred.batch_size} x {steps} accumulation steps", pred.peak_bytes, None,
+                 f"{steps} forward and backward passes per optimizer step: the same tokens, less parallelism per pass")
+
+
+def bf16_weights(workload: Workload) -> Workload:
+    """The workload with its model's weights (and float batch tensors) in bf16."""
+    return dataclasses.replace(workload, make_model=_InBf16(workload.make_model), make_batch=_InBf16(workload.make_batch))
+
+
+class _InBf16:
+    """A workload's make_model or make_batch run with bf16 as the default dtype, so the
+    parameters and float batch tensors are made in bf16 (converting a model afterwards cannot swap
+    tied fake weights); anything else it carries (a transformers workload's task) is the original's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name == "inner":   # not yet set (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __call__(self, *args):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return self.inner(*args)
+        finally:
+            torch.set_default_dtype(default)
+
+
+def chunked_loss(workload: Workload, chunks: int = LOSS_CHUNKS) -> Workload:
+    """A ckptlab GPT workload whose loss runs the head and cross-entropy over chunks of tokens,
+    each under checkpoint: one chunk's logits exist at a time, in forward and in backward."""
+    return dataclasses.replace(workload, loss_fn=functools.partial(chunked_lm_loss, chunks=chunks))
+
+
+def chunked_lm_loss(model, batch, chunks: int = LOSS_CHUNKS):
+    """The mean cross-entropy of `_gpt_loss`, computed chunk by chunk."""
+    idx, targets = batch
+    hidden = model.hidden(idx).flatten(0, 1)
+    targets = targets.reshape(-1)
+    total = sum(checkpoint(_summed_cross_entropy, model.lm_head, h, t, use_reentrant=False)
+                for h, t in zip(hidden.chunk(chunks), targets.chunk(chunks)))
+    return total / targets.numel()
+
+
+def _summed_cross_entropy(head, hidden, targets):
+    return F.cross_entropy(head(hidden), targets, reduction="sum")
+
+
+def fsdp_units(workload: Workload) -> list[int]:
+    """Parameter bytes of each FSDP2 unit as `measure_sharded` shards the model: one unit per
+    block, the root holding the rest (embeddings, final norm, head)."""
+    model = workload.build("meta")
+    blocks = find_blocks(model)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    units = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks]
+    root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks)
+    return units + [root]
+
+
+def fsdp_peak(pred: Prediction, units: list[int], ranks: int) -> int:
+    """The per-rank peak of FSDP2 over `ranks` ranks, modelled (module docstring)."""
+    by = pred.peak_by_category
+    sharded = by["parameters"] + by["gradients"] + by["optimizer_state"]
+    return pred.peak_bytes - sharded + math.ceil(sharded / ranks) + max(units)
+
+
+# --------------------------------------------------------------------------- waterfall
+
+def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[Lever], capacity: Optional[int],
+              ranks: int) -> list[Lever]:
+    """Today's peak, then one lever after another, each step a prediction of every change so far:
+    the best checkpoint lever, bf16, the micro-batch, the chunked loss, bf16 weights, SGD -- those
+    that lower the peak on their own, the most effective first, each kept only if it lowers the
+    peak further -- then FSDP2 (modelled on the last step). Stops once the peak fits `capacity`."""
+    steps = [Lever("today", base.peak_bytes, applied, "")]
+    setting = {"workload": workload, "batch": base.batch_size, "accum": 1, "policy": applied, "dtype": base.dtype,
+               "optimizer": base.optimizer}
+    # One lever of each kind, the lowest peak's (levers are sorted by peak) or, for checkpointing,
+    # the plan that fits the capacity (it recomputes least); the most effective first.
+    chosen: dict = {}
+    for lever in levers:
+        if lever.basis != "predicted" or lever.predicted_peak_bytes >= base.peak_bytes:
+            continue
+        kind, update = _change(lever)
+        if kind not in chosen or lever.name.startswith("plan at"):
+            chosen[kind] = (update, lever)
+    changes = sorted(((kind, update, lever) for kind, (update, lever) in chosen.items()),
+                     key=lambda c: c[2].predicted_peak_bytes)
+    last = base
+    for kind, update, lever in changes:
+        if capacity is not None and last.peak_bytes <= capacity:
+            break
+        tried = update(dict(setting))
+        pred = predict(tried["workload"], tried["batch"], base.seq_len, tried["policy"], tried["dtype"],
+                       tried["optimizer"], tried["accum"])
+        if pred.peak_bytes >= last.peak_bytes:   # no lower together with the changes before it
+            continue
+        setting, last = tried, pred
+        steps.append(Lever(lever.name, last.peak_bytes, setting["policy"] if kind == "checkpoint" else None, lever.cost))
+    if capacity is None or last.peak_bytes > capacity:
+        peak = fsdp_peak(last, fsdp_units(setting["workload"]), ranks)
+        steps.append(Lever(f"FSDP2 over {ranks} ranks", peak, None, "", "modelled"))
+    return steps
+
+
+def _change(lever: Lever):
+    """(kind, update of the waterfall's setting) for a predicted lever."""
+    name = lever.name
+    if lever.policy:
+        return "checkpoint", lambda s: {**s, "policy": lever.policy}
+    if name == "bf16 autocast":
+        return "dtype", lambda s: {**s, "dtype": "bf16"}
+    if name == "bf16 weights":
+        return "weights", lambda s: {**s, "workload": bf16_weights(s["workload"])}
+    if name.startswith("chunked loss"):
+        return "loss", lambda s: {**s, "workload": chunked_loss(s["workload"])}
+    if name == "SGD":
+        return "optimizer", lambda s: {**s, "optimizer": "sgd"}
+    micro = int(name.split()[1])   # micro-batch M x K accumulation steps
+    return "micro", lambda s: {**s, "batch": micro, "accum": s["batch"] * s["accum"] // micro}
+
+
+__all__ = ["BREAKDOWN", "CAUSES", "Explanation", "Lever", "chunked_loss", "explain", "fsdp_peak", "fsdp_units",
+           "frozen_parameter_bytes"]

@@ -1,0 +1,137 @@
+"""`explain`: the cause it names on models written here (each built so one thing holds the peak),
+its levers against `predict`, the command line, and the FSDP2 model against a measured 2-rank run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptlab import get_workload, predict
+from ckptlab.apps.cli import main as cli_main
+from ckptlab.probe.distributed import measure_sharded
+from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, chunked_loss, explain, fsdp_peak, fsdp_units
+
+SPEC = "tests/explain_models.py:factory"
+
+
+def token_workload(**overrides):
+    return get_workload(SPEC, **overrides)
+
+
+# Wide and shallow at one short sequence: weights, gradients and AdamW's state dwarf activations.
+OPTIMIZER_BOUND = dict(width=256, depth=2, vocab=64)
+# A large vocabulary over narrow blocks: the logits and the loss's buffers dwarf the blocks.
+LOGITS_BOUND = dict(width=32, depth=2, vocab=8192)
+# Many narrow blocks over many tokens, a tiny vocabulary: the blocks' activations dominate.
+BLOCKS_BOUND = dict(width=32, depth=8, vocab=16)
+
+
+def test_the_peak_in_the_optimizer_step_is_named_and_no_policy_lowers_it():
+    e = explain(token_workload(**OPTIMIZER_BOUND), 1, 4)
+    assert (e.cause_kind, e.peak_phase, e.peak_block) == ("optimizer", "optimizer", None)
+    assert "optimizer step" in e.cause and "no checkpoint policy can lower it" in e.cause
+    assert e.checkpoint_floor_bytes == e.peak_bytes
+    assert any(lv.name == "SGD" and lv.predicted_peak_bytes < e.peak_bytes for lv in e.levers)
+
+
+def test_logits_that_outweigh_the_blocks_are_named():
+    e = explain(token_workload(**LOGITS_BOUND), 4, 64)
+    assert e.cause_kind == "logits"
+    assert "logits" in e.cause
+    b = e.breakdown
+    assert b["activations_outside_blocks"] + b["temporaries"] > 4 * b["activations_in_blocks"]
+    assert e.checkpoint_floor_bytes > 0.8 * e.peak_bytes   # checkpointing the blocks barely helps
+
+
+def test_block_activations_are_named_and_checkpointing_lowers_the_peak():
+    e = explain(token_workload(**BLOCKS_BOUND, frozen_embedding=True), 8, 128)
+    assert e.cause_kind == "blocks"
+    assert e.checkpoint_floor_bytes < 0.5 * e.peak_bytes
+    assert e.breakdown["activations_in_blocks"] > 0.5 * e.peak_bytes
+    assert e.breakdown["frozen_parameters"] == 16 * 32 * 4          # the frozen embedding
+    assert sum(e.breakdown[k] for k in BREAKDOWN) == e.peak_bytes
+    assert e.levers == sorted(e.levers, key=lambda lv: (lv.predicted_peak_bytes is None, lv.predicted_peak_bytes or 0,
+                                                        lv.name))
+    text = str(e)
+    assert "cause: Block activations" in text and "checkpoint floor" in text
+
+
+def test_policy_levers_equal_predict_and_a_plan_at_capacity_fits_it():
+    workload = token_workload(**BLOCKS_BOUND)
+    base = predict(workload, 8, 128, "none")
+    full = predict(workload, 8, 128, "full")
+    capacity = (base.peak_bytes + full.peak_bytes) // 2
+    e = explain(workload, 8, 128, capacity=capacity)
+    policies = {lv.policy: lv.predicted_peak_bytes for lv in e.levers if lv.policy in POLICY_LEVERS}
+    assert set(policies) == set(POLICY_LEVERS) - {"none"}
+    for policy, peak in policies.items():
+        assert peak == predict(workload, 8, 128, policy).peak_bytes, policy
+    plan = next(lv for lv in e.levers if lv.name.startswith("plan at"))
+    assert plan.predicted_peak_bytes <= capacity
+    assert predict(workload, 8, 128, plan.policy).peak_bytes == plan.predicted_peak_bytes
+    assert e.steps[0].predicted_peak_bytes == e.peak_bytes == base.peak_bytes
+    assert e.steps[-1].predicted_peak_bytes <= capacity
+
+
+def test_a_policy_that_checkpoints_no_block_is_named():
+    e = explain(token_workload(**BLOCKS_BOUND), 2, 16, "density=0.05")
+    assert e.cause_kind == "not_applied"
+    assert "0 of 8 blocks" in e.cause
+
+
+def test_checkpointing_a_model_that_checkpoints_itself_is_named():
+    e = explain(token_workload(**BLOCKS_BOUND, own_checkpoint=True), 2, 16, "full")
+    assert e.cause_kind == "double"
+    assert "twice" in e.cause
+
+
+def test_fsdp_model_against_a_measured_two_rank_run():
+    workload = token_workload(**BLOCKS_BOUND)
+    measured = measure_sharded(workload, 8, 128, "none", nproc=2, steps=1, warmup=0)
+    assert measured["status"] == "ok", measured["message"]
+    modelled = fsdp_peak(predict(workload, 8, 128, "none"), fsdp_units(workload), 2)
+    assert abs(modelled / measured["peak_bytes"] - 1) < 0.1
+
+
+def test_cli_prints_the_report_and_json(capsys, tmp_path):
+    args = ["explain", "--model", "gpt-tiny", "--set", "n_layer=2", "--batch", "2", "--seq", "16"]
+    assert cli_main(args + ["--figure", str(tmp_path / "waterfall")]) == 0
+    out = capsys.readouterr().out
+    assert "cause:" in out and "levers" in out
+    assert (tmp_path / "waterfall.png").stat().st_size > 0
+    assert cli_main(args + ["--format", "json", "--capacity", "8MiB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["breakdown"]) == set(BREAKDOWN)
+    assert data["capacity_bytes"] == 8 * 2**20 and data["peak_phase"] in ("forward", "backward", "optimizer")
+
+
+@pytest.mark.parametrize("flag, value", [("--capacity", "lots"), ("--capacity", "0"), ("--batch", "0"),
+                                         ("--seq", "100000")])
+def test_cli_refuses_a_bad_capacity_or_shape_in_one_line(capsys, flag, value):
+    assert cli_main(["explain", "--model", "gpt-tiny", flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and value in err[0]
+
+
+def test_import_ckptlab_loads_no_plotting_library():
+    code = "import sys, ckptlab, ckptlab.report.explain; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_chunked_loss_lever_computes_the_same_loss_and_gradients():
+    workload = get_workload("gpt-tiny", n_layer=1, dropout=0.0)
+    chunked = chunked_loss(workload, chunks=3)
+    model = workload.build()
+    batch = workload.batch(2, 8)
+    results = []
+    for w in (workload, chunked):
+        model.zero_grad()
+        loss = w.loss(model, batch)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b)
