@@ -100,8 +100,9 @@ def plan_compiled(workload: Workload | str, batch_size: int, seq_len: int, budge
             best = (step, peak, counts)
     if best is None:
         raise ValueError(f"budget={format_bytes(budget_bytes)} is infeasible for {workload.label} compiled at "
-                         f"batch_size={batch_size}, seq_len={seq_len}: the lowest measured uniform peak is "
-                         f"{format_bytes(int(costing['peak_bytes'].min()))}; allowed is a budget >= that")
+                         f"batch_size={batch_size}, seq_len={seq_len}: the lowest measured peak of a uniform plan "
+                         f"with right gradients is {format_bytes(min(keep['peak_bytes'] - n * saving[o] for o in usable))}; "
+                         "allowed is a budget >= that")
     step, peak, counts = best
     # The options that save most go first, as the eager planner's plans recompute early blocks.
     order = sorted(zip(usable, counts), key=lambda oc: -saving[oc[0]])
