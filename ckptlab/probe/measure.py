@@ -28,7 +28,7 @@ from ..workloads.base import Workload
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 from .memory import allocator_peak, cuda_allocator_stats, track_memory
-from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
+from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step, with_dtype
 from .timing import check_timing_options, time_interleaved
 
 MAX_ROUNDS = 200   # a step timed alone: at most this many rounds, even if the interval stays wide
@@ -176,6 +176,7 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / capacity), dev)
         resident = torch.cuda.memory_allocated(dev)
         resident_requested = torch.cuda.memory_stats(dev).get("requested_bytes.all.current", 0)
+    workload = with_dtype(workload, dtype)
     model = workload.build(dev)
     model.train()
     runner, compiled, handle = apply(model, record)

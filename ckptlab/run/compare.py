@@ -36,7 +36,7 @@ from ..probe.measure import (
     prepare_step,
     reset_compiler_cache,
 )
-from ..probe.step import DTYPES, device_name, resolve_device
+from ..probe.step import DTYPES, device_name, resolve_device, with_dtype
 from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import gradient_difference, step_gradients
 from ..workloads.base import Workload
@@ -327,7 +327,7 @@ def _time_together(rows, steps, shape: Shape, target_ci, max_seconds) -> None:
 
 def _verify(rows, configs, shape: Shape) -> None:
     """max_grad_diff per row: fresh models from the workload's seed, one forward + backward."""
-    workload, dev = shape.workload, shape.dev
+    workload, dev = with_dtype(shape.workload, shape.dtype), shape.dev
     batch = workload.batch(shape.batch_size, shape.seq_len, dev)
     autocast = DTYPES[shape.dtype]
     reference = step_gradients(workload.build(dev).train(), workload, batch, workload.seed, autocast_dtype=autocast)
