@@ -56,6 +56,8 @@ class Prediction:
     predict_s: float                     # wall time of the prediction
     plan: Optional[str] = None           # the per-block plan a budget policy resolved to
     note: str = ""
+    trainable_param_bytes: int = 0       # as measure's columns of the same names
+    frozen_param_bytes: int = 0
 
     def record(self) -> dict:
         """A flat row, columns named like `measure`'s with a `predicted_` prefix."""

@@ -56,7 +56,7 @@ def predict(
         optimizer=optimizer, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
         peak_bytes=report.peak_bytes, peak_by_category=dict(report.peak_by_category),
         peak_phase=report.peak_phase, saved_activation_bytes=report.saved_activation_bytes or 0,
-        predict_s=time.perf_counter() - t0, note=note,
+        predict_s=time.perf_counter() - t0, note=note, **report.param_bytes,
     )
 
 

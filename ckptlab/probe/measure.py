@@ -27,7 +27,7 @@ from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
-from .memory import allocator_peak, cuda_allocator_stats, track_memory
+from .memory import allocator_peak, cuda_allocator_stats, parameter_bytes, track_memory
 from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step, with_dtype
 from .timing import check_timing_options, time_interleaved
 
@@ -199,6 +199,7 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
             loss = step(tracker)
         report = tracker.report()
     record.update(
+        **parameter_bytes(model),
         peak_bytes=report.peak_bytes,
         **{f"peak_{c}_bytes": report.peak_by_category.get(c) for c in CATEGORIES},
         peak_phase=report.peak_phase,
