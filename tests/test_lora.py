@@ -1,0 +1,142 @@
+"""Fine-tuning as people do it: a peft LoRA Llama and a model cast to bf16 (tests/lora_models.py),
+through measure, predict, plan, every policy's gradients and the command line; the traps of
+checkpointing a LoRA model caught with the cause and the fix."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptlab import apply_checkpointing, compare_gradients, get_workload, measure, plan_budget, predict
+from ckptlab.probe.step import with_dtype
+
+LORA = "tests/lora_models.py:lora_llama"
+NET = "tests/lora_models.py:bf16_net"
+
+
+def _exact(workload, policy, dtype="fp32", batch=2, seq=16):
+    predicted = predict(workload, batch, seq, policy, dtype=dtype)
+    measured = measure(workload, batch, seq, policy, dtype=dtype, steps=1, warmup=0)
+    assert measured["status"] == "ok", measured["message"]
+    assert predicted.peak_bytes == measured["peak_bytes"], (policy, dtype)
+    assert predicted.peak_by_category == {c: measured[f"peak_{c}_bytes"] for c in predicted.peak_by_category}
+    return predicted, measured
+
+
+@pytest.mark.parametrize("policy", ["none", "density=0.5", "full", "selective"])
+def test_lora_llama_predicts_exactly(policy):
+    _exact(get_workload(LORA), policy)
+
+
+@pytest.mark.parametrize("cast", ["to", "bfloat16", "half"])
+def test_a_model_cast_by_its_factory_predicts_exactly(cast):
+    _exact(get_workload(NET, cast=cast), "full")
+
+
+def test_lora_bf16_base_and_bf16_weights_dtype_predict_exactly():
+    _exact(get_workload(LORA, dtype="bf16"), "selective")
+    _exact(get_workload(NET, cast="none"), "density=0.5", dtype="bf16-weights")
+
+
+def test_records_say_what_trains():
+    predicted, measured = _exact(get_workload(LORA), "none")
+    model = get_workload(LORA).build()
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    assert (measured["trainable_param_bytes"], measured["frozen_param_bytes"]) == (trainable, frozen)
+    assert (predicted.trainable_param_bytes, predicted.frozen_param_bytes) == (trainable, frozen)
+    # frozen weights, adapter gradients and their optimizer state apart in the breakdown
+    assert measured["peak_frozen_parameters_bytes"] == frozen
+    assert measured["peak_parameters_bytes"] == trainable
+    steps = 4 * sum(p.requires_grad for p in model.parameters())   # AdamW's step counters, fp32 scalars
+    assert measured["peak_optimizer_state_bytes"] == 2 * trainable + steps
+
+
+@pytest.mark.parametrize("policy", ["selective", "selective=alt", "full", "density=0.5", "plan=ksf"])
+def test_every_policy_on_lora_keeps_the_gradients(policy):
+    cmp = compare_gradients(get_workload(LORA), policy)   # dropout on in the adapters and attention
+    assert cmp.exact, cmp
+
+
+def test_plan_on_lora_holds_its_budget():
+    workload = get_workload(LORA)
+    plan = plan_budget(workload, 2, 16, 0.8)
+    measured = measure(workload, 2, 16, plan.policy, steps=1, warmup=0)
+    assert measured["peak_bytes"] == plan.predicted_peak_bytes <= plan.budget_bytes
+    assert measure(workload, 2, 16, "budget=0.8", steps=1, warmup=0)["status"] == "ok"
+
+
+def test_lora_spec_suffix():
+    workload = get_workload("hf-llama-tiny+lora=4", lora_targets="q_proj,k_proj")
+    model = workload.build()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and ("q_proj" in n or "k_proj" in n) for n in trainable)
+    assert model.peft_config["default"].r == 4
+    again = get_workload(workload.spec, **workload.overrides)   # as isolated cells and jobs re-create it
+    assert again.identity == workload.identity
+    assert compare_gradients(workload, "selective").exact
+    bf16 = with_dtype(get_workload("hf-llama-tiny+lora"), "bf16-weights").build()
+    dtypes = {(p.requires_grad, p.dtype) for p in bf16.parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}   # adapters stay fp32, as peft keeps them
+
+
+@pytest.mark.parametrize("spec, overrides, says", [
+    ("gpt-tiny+lora", {}, "+lora applies to transformers workloads"),
+    ("hf:llama+lora=0", {}, "rank R an integer >= 1"),
+    ("hf:vit+lora", {}, "no default LoRA target modules"),
+    ("hf:gpt2+lora", {"lora_targets": "q_proj"}, "its linear layers are c_attn"),
+    ("hf:gpt2+lora", {"lora_dropout": 1.5}, "lora_dropout=1.5 is invalid"),
+])
+def test_bad_lora_specs_are_one_line(spec, overrides, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        get_workload(spec, **overrides)
+
+
+# ----------------------------------------------------------------------------- traps
+
+def test_use_cache_under_checkpointing_is_refused():
+    # transformers' configs default to use_cache=True: the blocks get a cache that the recompute
+    # writes again (what made selective fail on a PEFT Llama)
+    workload = get_workload(LORA, use_cache=True)
+    with pytest.raises(ValueError, match="use_cache=True is invalid under checkpointing"):
+        compare_gradients(workload, "selective")
+    record = measure(workload, 2, 16, "full", steps=1, warmup=0)
+    assert record["status"] == "error" and "model.config.use_cache = False" in record["message"]
+
+
+@pytest.mark.parametrize("policy", ["density=0.5", "full"])   # 3 blocks: density=0.5 checkpoints 0 and 2
+def test_reentrant_with_a_frozen_embedding_is_refused(policy):
+    workload = get_workload(LORA)
+    with pytest.raises(ValueError, match="enable_input_require_grads"):
+        compare_gradients(workload, policy, use_reentrant=True)
+
+
+def test_reentrant_with_inputs_that_require_grad_is_exact():
+    workload = get_workload(LORA)
+    model = workload.build().train()
+    model.enable_input_require_grads()
+    reference = compare_gradients(workload, "none")
+    assert reference.exact
+    with apply_checkpointing(model, "full", use_reentrant=True):
+        loss = workload.loss(model, workload.batch(2, 16))
+        loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_checkpointing_twice_is_refused():
+    model = get_workload(LORA, hf_checkpointing=True).build()
+    with pytest.raises(ValueError, match="transformers' own checkpointing is already on"):
+        apply_checkpointing(model, "full")
+    record = measure(get_workload(LORA, hf_checkpointing=True), 2, 16, "none", steps=1, warmup=0)
+    assert record["status"] == "error" and "gradient_checkpointing_disable" in record["message"]
+
+
+def test_cli_predicts_a_lora_model_and_a_cast_model():
+    for spec in (LORA, NET):
+        out = subprocess.run([sys.executable, "-m", "ckptlab.apps.cli", "predict", "--model", spec, "--batch", "2",
+                              "--seq", "16", "--policy", "none,selective", "--dtype", "bf16-weights"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert "Traceback" not in out.stderr
