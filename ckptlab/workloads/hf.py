@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..core.extras import missing_extra
 from .base import Workload
-from .specs import check_blocks, file_hash
+from .specs import check_blocks, file_hash, one_line
 
 try:
     import transformers
@@ -153,7 +153,7 @@ def get_hf_workload(spec: str, seed: int = 0, **overrides) -> HFWorkload:
                    "causal": (_causal_batch, causal_loss), "image": (_image_batch, image_loss)}[task]
     workload = HFWorkload(spec, config, _ModelClass(model_cls, task), batch, loss, seed, spec=spec,
                           spec_hash=source_hash, overrides=dict(overrides))
-    if spec not in HF_PRESETS:
+    if spec not in HF_PRESETS or overrides:
         check_blocks(workload)
     return workload
 
@@ -187,9 +187,9 @@ def _config(spec: str, model_type: str, fields: dict, overrides: dict):
     named = {config_cls.attribute_map.get(k, k): v for k, v in overrides.items()}
     try:
         config = config_cls(**{**fields, **named, "use_cache": False})
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise huggingface_hub's own errors
         raise ValueError(f"model={spec!r} is invalid with overrides {overrides}: "
-                         f"transformers.{config_cls.__name__} refused them: {exc}") from None
+                         f"transformers.{config_cls.__name__} refused them: {one_line(exc)}") from None
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers < 1:
         raise ValueError(f"num_hidden_layers={layers} is invalid: allowed is an integer >= 1")
