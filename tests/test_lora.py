@@ -140,3 +140,47 @@ def test_cli_predicts_a_lora_model_and_a_cast_model():
                              capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert "Traceback" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- bad specs
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "hf:llama", "--set", "hidden_size=63"], "not a multiple of the number of attention heads"),
+    (["--model", "/etc/passwd:f"], "is not a Python file"),
+    (["--model", "tests/lora_models.py:bf16_net", "--set", "cast=nope"], "KeyError"),
+])
+def test_bad_specs_are_one_line_exit_2(argv, says, capsys):
+    from ckptlab.apps.cli import main
+
+    code = main(["measure", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_a_relative_model_file_reaches_the_notebook_kernel_as_the_same_file(tmp_path, monkeypatch):
+    from ckptlab.apps.notebook_exec import ROOT
+    from ckptlab.workloads.specs import project_relative
+
+    (tmp_path / "unet.py").write_text((ROOT / "tests/custom_model.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    spec = project_relative("unet.py:factory", ROOT)
+    assert not spec.startswith("/") and spec.endswith("unet.py:factory")
+    monkeypatch.chdir(ROOT)
+    assert get_workload(spec).build() is not None
+    assert project_relative("hf-llama-tiny+lora", ROOT) == "hf-llama-tiny+lora"
+
+
+def test_korthikanti_table_2_measured_op_by_op():
+    # the numbers docs/guide/lora.md shows: ckptlab's GPT, h=1024, a=16, s=512, b=2
+    from ckptlab.estimate.saved import held_by_block, korthikanti
+
+    ratios = {(r["dtype"], r["policy"]): round(r["ratio"], 2) for r in korthikanti()}
+    assert ratios == {("fp32", "none"): 2.27, ("fp32", "selective"): 2.24, ("fp32", "full"): 2.0,
+                      ("bf16-weights", "none"): 1.86, ("bf16-weights", "selective"): 1.65,
+                      ("bf16-weights", "full"): 1.0}
+    rows = held_by_block("gpt-tiny", 2, 64, "none", "bf16-weights")
+    ops = {(r["op"], r["dtype"]) for r in rows}
+    # CPU attention with dropout takes the math path: probabilities, the dropout mask and the
+    # dropped probabilities in fp32, q/k/v upcast copies; dropout masks as bf16, not 1 byte
+    assert {("_safe_softmax", "float32"), ("empty_like", "float32"), ("mul", "float32"), ("clone", "float32"),
+            ("empty_like", "bfloat16"), ("gelu", "bfloat16")} <= ops
