@@ -184,3 +184,13 @@ def test_korthikanti_table_2_measured_op_by_op():
     # dropped probabilities in fp32, q/k/v upcast copies; dropout masks as bf16, not 1 byte
     assert {("_safe_softmax", "float32"), ("empty_like", "float32"), ("mul", "float32"), ("clone", "float32"),
             ("empty_like", "bfloat16"), ("gelu", "bfloat16")} <= ops
+
+
+def test_trainer_on_a_lora_model_logs_the_same_losses_with_and_without_checkpointing(tmp_path):
+    from ckptlab.hf import compare_trainer_runs
+
+    df = compare_trainer_runs(tmp_path, ["none", "full", "selective", "gradient_checkpointing"], "hf-llama-tiny+lora",
+                              batch_size=2, seq_len=16, accum_steps=1, max_steps=2, track_steps=None)
+    losses = df.pivot(index="step", columns="run", values="trainer_loss")
+    assert (losses.nunique(axis=1) == 1).all(), losses
+    assert set(df[df["run"] == "gradient_checkpointing"]["mechanism"]) == {"transformers"}
