@@ -54,7 +54,7 @@ def test_records_say_what_trains():
     assert measured["peak_optimizer_state_bytes"] == 2 * trainable + steps
 
 
-@pytest.mark.parametrize("policy", ["selective", "selective=alt", "full", "density=0.5", "plan=ksf"])
+@pytest.mark.parametrize("policy", ["selective", "selective=alt", "full", "density=0.5", "plan=ksf", "hf"])
 def test_every_policy_on_lora_keeps_the_gradients(policy):
     cmp = compare_gradients(get_workload(LORA), policy)   # dropout on in the adapters and attention
     assert cmp.exact, cmp

@@ -24,7 +24,7 @@ from ..core.policy import HF_KINDS, parse_policy
 from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
-from ..workloads.base import Workload
+from ..workloads.base import Workload, base_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 from .memory import allocator_peak, cuda_allocator_stats, parameter_bytes, track_memory
@@ -278,7 +278,7 @@ def check_policy_applies(workload: Workload, policy) -> None:
     policy = parse_policy(policy)
     model = workload.build("meta")
     transformers_model = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-                             for c in type(model).__mro__)
+                             for c in type(base_model(model)).__mro__)
     if policy.kind in HF_KINDS and not transformers_model:
         raise ValueError(f"policy={str(policy)!r} is invalid for model={workload.name!r}: the hf policies apply "
                          "to transformers models (the hf-* presets) only")

@@ -39,7 +39,7 @@ from ..probe.measure import (
 from ..probe.step import DTYPES, device_name, resolve_device, with_dtype
 from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import gradient_difference, step_gradients
-from ..workloads.base import Workload
+from ..workloads.base import Workload, base_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 
@@ -209,7 +209,7 @@ def _is_transformers(workload: Workload) -> bool:
         from transformers import PreTrainedModel  # noqa: PLC0415 - transformers comes with the hf extra
     except ImportError:
         return False
-    return isinstance(workload.build("meta"), PreTrainedModel)
+    return isinstance(base_model(workload.build("meta")), PreTrainedModel)
 
 
 def _per_block_checkpoint(model, record):

@@ -164,6 +164,12 @@ class Workload:
         return sum(p.numel() for p in self.build("meta").parameters())
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The model a peft wrapper (LoRA) holds, else the model itself: transformers' own
+    checkpointing and its layers live there."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+
+
 def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """`model.to(dtype)`, except a peft model's adapters, which stay fp32: peft upcasts them so
     when it wraps a model loaded in bf16/fp16 (`autocast_adapter_dtype=True`, its default), and
@@ -209,4 +215,4 @@ class _CustomBatch:
         return tuple(batch)
 
 
-__all__ = ["BLOCK_PATHS_ATTRIBUTE", "SPEC_MODULE_PREFIX", "Workload", "cast_weights"]
+__all__ = ["BLOCK_PATHS_ATTRIBUTE", "SPEC_MODULE_PREFIX", "Workload", "base_model", "cast_weights"]
