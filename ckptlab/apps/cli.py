@@ -40,7 +40,7 @@ from .notebooks import find_notebook, notebook_parameters, run_notebooks
 
 # The hf-* presets live in ckptlab.workloads.hf, which needs transformers; listed here so that --help
 # neither imports transformers nor needs it (a test keeps the two lists equal).
-HF_PRESET_NAMES = ("hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny", "hf-gpt2", "hf-llama-1b")
+HF_PRESET_NAMES = ("hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny", "hf-gpt2", "hf-llama-1b", "hf-llama-7b")
 
 # The policy vocabulary, one example each (each parses: tests/test_cli.py).
 POLICY_EXAMPLES = [
