@@ -15,7 +15,7 @@ from ..workloads.base import Workload
 # `torch_dtype=torch.bfloat16`: the model and the batch are cast (`with_dtype`), no autocast.
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "bf16-weights": None, "fp16-weights": None}
 WEIGHT_DTYPES = {"bf16-weights": torch.bfloat16, "fp16-weights": torch.float16}
-DTYPE_HELP = "fp32 | bf16 (autocast) | bf16-weights, fp16-weights (model and batch cast, no autocast)"
+DTYPE_HELP = "one of fp32 | bf16 (autocast) | bf16-weights | fp16-weights (model and batch cast, no autocast)"
 
 
 def with_dtype(workload: Workload, dtype: str) -> Workload:
