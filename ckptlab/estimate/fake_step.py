@@ -35,6 +35,7 @@ from ..core.units import format_bytes
 from ..probe.memory import track_memory
 from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
+from ..workloads.specs import one_line
 
 
 @dataclass
@@ -102,7 +103,7 @@ def fake_model(workload: Workload, fake_mode: FakeTensorMode) -> nn.Module:
         raise
     except Exception as exc:
         raise ValueError(f"model={workload.label!r} cannot be predicted: building it on fake tensors failed with "
-                         f"{type(exc).__name__}: {_first_line(exc)}; measure it instead (ckptlab measure)") from exc
+                         f"{type(exc).__name__}: {one_line(exc)}; measure it instead (ckptlab measure)") from exc
     torch.manual_seed(workload.seed)
     try:
         real = workload.new_model()
@@ -128,11 +129,6 @@ def castable(fake_mode: FakeTensorMode):
         yield
     finally:
         converter.tensor_memo = weak
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 @contextlib.contextmanager
