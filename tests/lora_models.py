@@ -72,3 +72,15 @@ def bf16_net(cast: str = "to"):
         "bf16-net", lambda: casts[cast](Net()),
         lambda b, s, gen: (torch.randn(b, s, 8, generator=gen).to(dtype), torch.randint(0, 3, (b,), generator=gen)),
         lambda model, batch: F.cross_entropy(model(batch[0]).float(), batch[1]))
+
+
+def reads_numpy():
+    """Reads its weights into numpy while it is built: no fake tensor can do that."""
+    def build():
+        net = Net()
+        net.scale = float(net.head.weight.detach().numpy().std())
+        return net
+
+    return ckptlab.Workload.custom(
+        "numpy-net", build, lambda b, s, gen: (torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)),
+        lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]))

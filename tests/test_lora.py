@@ -194,3 +194,10 @@ def test_trainer_on_a_lora_model_logs_the_same_losses_with_and_without_checkpoin
     losses = df.pivot(index="step", columns="run", values="trainer_loss")
     assert (losses.nunique(axis=1) == 1).all(), losses
     assert set(df[df["run"] == "gradient_checkpointing"]["mechanism"]) == {"transformers"}
+
+
+def test_a_model_that_cannot_be_built_on_fake_tensors_is_one_line():
+    workload = get_workload("tests/lora_models.py:reads_numpy")
+    assert measure(workload, 2, 8, "full", steps=1, warmup=0)["status"] == "ok"
+    with pytest.raises(ValueError, match=r"cannot be predicted: building it on fake tensors failed .*measure it instead"):
+        predict(workload, 2, 8, "full")

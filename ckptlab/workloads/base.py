@@ -92,7 +92,7 @@ class Workload:
             try:
                 with torch.device("meta"):
                     return self.new_model()
-            except RuntimeError:   # its __init__ reads tensor data (.item()): meta tensors have none
+            except (RuntimeError, TypeError):   # its __init__ reads tensor data (.item(), .numpy()): meta has none
                 return self._meta_copy_of_real_model()
         torch.manual_seed(self.seed)
         return self.new_model().to(device)
