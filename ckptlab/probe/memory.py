@@ -1,6 +1,6 @@
 """Memory probes. The ground truth is `track_memory()`, a live-tensor tracker that works on any
-device, CPU included, and reports the peak by category (parameters, gradients, optimizer_state,
-activations, temporaries); how it counts, and what each category holds: docs/design.md, note
+device, CPU included, and reports the peak by category (parameters, frozen_parameters, gradients,
+optimizer_state, activations, temporaries); how it counts, and what each category holds: docs/design.md, note
 "The live-tensor tracker". Beside it: the CUDA allocator's view (`cuda_allocator_stats`,
 `cuda_memory_snapshot`) and an allocator-level count from the profiler (`allocator_peak`,
 `profiler_peak_bytes`), which also sees inside compiled graphs.
@@ -40,6 +40,7 @@ class MemoryReport:
     peak_in_blocks_by_category: dict[str, int] = field(default_factory=dict)  # of which allocated in a block's forward
     peak_block: int | None = None             # the block whose backward held the peak (None: not in one)
     block_calls_in_backward: int = 0          # block calls (module __call__) that ran during backward
+    param_bytes: dict[str, int] = field(default_factory=dict)  # `parameter_bytes` of the model tracked
 
 
 class _Tracker(TorchDispatchMode):
@@ -258,7 +259,7 @@ def track_memory(
     tracker = _Tracker(torch.device(device) if device is not None else None, detect_backward)
     params = list(model.parameters()) if model is not None else []
     for p in params:
-        tracker.track(p, "parameters")
+        tracker.track(p, "parameters" if p.requires_grad else "frozen_parameters")
         if p.grad is not None:
             tracker.track(p.grad, "gradients")
     if optimizer is not None:
@@ -291,6 +292,8 @@ def track_memory(
         for h in hooks:
             h.remove()
         handle._report = tracker.report()
+        if model is not None:
+            handle._report.param_bytes = parameter_bytes(model)
         tracker.live.clear()
 
 
@@ -318,6 +321,19 @@ def saved_bytes_by_node(loss: torch.Tensor) -> dict[str, int]:
                     by_node[node.name()] = by_node.get(node.name(), 0) + t.untyped_storage().nbytes()
         todo.extend(f for f, _ in node.next_functions)
     return by_node
+
+
+def parameter_bytes(model: nn.Module) -> dict[str, int]:
+    """{"trainable_param_bytes": ..., "frozen_param_bytes": ...}: storage bytes of the model's
+    parameters that train and that do not (a storage shared by both counts as trainable)."""
+    storages: dict[int, tuple[int, bool]] = {}
+    for p in model.parameters():
+        key = p.untyped_storage()._cdata
+        nbytes, trains = storages.get(key, (p.untyped_storage().nbytes(), False))
+        storages[key] = (nbytes, trains or p.requires_grad)
+    trainable = sum(n for n, trains in storages.values() if trains)
+    frozen = sum(n for n, trains in storages.values() if not trains)
+    return {"trainable_param_bytes": trainable, "frozen_param_bytes": frozen}
 
 
 # --------------------------------------------------------------------------- independent counts

@@ -36,10 +36,10 @@ from ..probe.measure import (
     prepare_step,
     reset_compiler_cache,
 )
-from ..probe.step import DTYPES, device_name, resolve_device
+from ..probe.step import DTYPES, device_name, resolve_device, with_dtype
 from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import gradient_difference, step_gradients
-from ..workloads.base import Workload
+from ..workloads.base import Workload, base_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 
@@ -209,7 +209,7 @@ def _is_transformers(workload: Workload) -> bool:
         from transformers import PreTrainedModel  # noqa: PLC0415 - transformers comes with the hf extra
     except ImportError:
         return False
-    return isinstance(workload.build("meta"), PreTrainedModel)
+    return isinstance(base_model(workload.build("meta")), PreTrainedModel)
 
 
 def _per_block_checkpoint(model, record):
@@ -327,7 +327,7 @@ def _time_together(rows, steps, shape: Shape, target_ci, max_seconds) -> None:
 
 def _verify(rows, configs, shape: Shape) -> None:
     """max_grad_diff per row: fresh models from the workload's seed, one forward + backward."""
-    workload, dev = shape.workload, shape.dev
+    workload, dev = with_dtype(shape.workload, shape.dtype), shape.dev
     batch = workload.batch(shape.batch_size, shape.seq_len, dev)
     autocast = DTYPES[shape.dtype]
     reference = step_gradients(workload.build(dev).train(), workload, batch, workload.seed, autocast_dtype=autocast)
