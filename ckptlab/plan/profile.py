@@ -116,7 +116,7 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
                 class _Phases:
                     def phase(self, name):
                         if name == "backward" and not snapshot:
-                            snapshot.update({k: v[0] for k, v in tracker._tracker.live.items()})
+                            snapshot.update({k: v.nbytes for k, v in tracker._tracker.live.items()})
                         tracker.phase(name)
 
                 step(_Phases())

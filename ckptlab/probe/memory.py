@@ -43,13 +43,24 @@ class MemoryReport:
     param_bytes: dict[str, int] = field(default_factory=dict)  # `parameter_bytes` of the model tracked
 
 
+@dataclass
+class _Storage:
+    """One live storage as the tracker counts it."""
+
+    nbytes: int
+    category: str
+    phase: str                 # the phase it was allocated in
+    ref: weakref.ref           # tells the tracker when it dies
+    allocation: int            # its number among the storages seen, in order
+    in_block: bool             # allocated by a block's forward
+
+
 class _Tracker(TorchDispatchMode):
     def __init__(self, device: torch.device | None, detect_backward: bool = False):
         super().__init__()
         self.device = device
         self.detect_backward = detect_backward
-        # storage key -> [nbytes, category, phase, weakref, allocation number, allocated in a block]
-        self.live: dict[int, list] = {}
+        self.live: dict[int, _Storage] = {}   # by storage key
         self.allocations = 0                  # storages seen so far, numbered in order
         self.peak_allocation = 0              # the number of the storage that set the peak
         self.by_category = dict.fromkeys(CATEGORIES, 0)
@@ -86,7 +97,7 @@ class _Tracker(TorchDispatchMode):
         ref = weakref.ref(storage, lambda _ref, key=key: self._free(key))
         self.allocations += 1
         in_block = self.block_depth > 0
-        self.live[key] = [nbytes, category, self.phase, ref, self.allocations, in_block]
+        self.live[key] = _Storage(nbytes, category, self.phase, ref, self.allocations, in_block)
         self.by_category[category] += nbytes
         if in_block:
             self.in_blocks[category] += nbytes
@@ -116,19 +127,19 @@ class _Tracker(TorchDispatchMode):
             return
         self._relabel(entry, category)
 
-    def _relabel(self, entry: list, category: str) -> None:
+    def _relabel(self, entry: _Storage, category: str) -> None:
         """Give a live storage a category that ranks before its own (a temporary that autograd
         saves becomes an activation), in the breakdown at the peak too when it was alive then:
         allocated no later than the storage that set the peak, and not freed since (it is live)."""
-        if CATEGORIES.index(category) >= CATEGORIES.index(entry[1]):
+        if CATEGORIES.index(category) >= CATEGORIES.index(entry.category):
             return
-        alive_at_peak = entry[4] <= self.peak_allocation
+        alive_at_peak = entry.allocation <= self.peak_allocation
         for counts, applies in ((self.by_category, True), (self.peak_by_category, alive_at_peak),
-                                (self.in_blocks, entry[5]), (self.peak_in_blocks, alive_at_peak and entry[5])):
+                                (self.in_blocks, entry.in_block), (self.peak_in_blocks, alive_at_peak and entry.in_block)):
             if applies:
-                counts[entry[1]] -= entry[0]
-                counts[category] += entry[0]
-        entry[1] = category
+                counts[entry.category] -= entry.nbytes
+                counts[category] += entry.nbytes
+        entry.category = category
 
     def _free(self, key: int) -> None:
         if not self.active:
@@ -136,10 +147,10 @@ class _Tracker(TorchDispatchMode):
         entry = self.live.pop(key, None)
         if entry is None:
             return
-        self.by_category[entry[1]] -= entry[0]
-        if entry[5]:
-            self.in_blocks[entry[1]] -= entry[0]
-        self.total -= entry[0]
+        self.by_category[entry.category] -= entry.nbytes
+        if entry.in_block:
+            self.in_blocks[entry.category] -= entry.nbytes
+        self.total -= entry.nbytes
         self.timeline.append((self.phase, self.total))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -163,8 +174,8 @@ class _Tracker(TorchDispatchMode):
             # Whatever forward allocated and is still alive is held for backward.
             held = 0
             for entry in self.live.values():
-                if entry[2] == "forward":
-                    held += entry[0]
+                if entry.phase == "forward":
+                    held += entry.nbytes
                     self._relabel(entry, "activations")
             self.saved_activation_bytes = held
         self.phase = phase
