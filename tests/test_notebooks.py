@@ -29,7 +29,7 @@ NOTEBOOKS = list_notebooks()
 def test_the_numbered_notebooks_exist():
     numbers = [p.stem[:2] for p in NOTEBOOKS]
     assert len(set(numbers)) == len(numbers)
-    assert numbers == ["01", "02", "03", "04", "05", "06", "07", "08", "09", "11"]
+    assert numbers == ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

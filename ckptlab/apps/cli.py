@@ -25,7 +25,7 @@ from ..core.validate import integer, integer_list, number, output_folder, run_na
 from ..estimate.closed_form import closed_form
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
-from ..probe.step import DTYPES, OPTIMIZERS
+from ..probe.step import DTYPE_HELP, DTYPES, OPTIMIZERS
 from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary
 from ..report.explain import explain
@@ -41,7 +41,7 @@ from .notebooks import find_notebook, notebook_parameters, run_notebooks
 
 # The hf-* presets live in ckptlab.workloads.hf, which needs transformers; listed here so that --help
 # neither imports transformers nor needs it (a test keeps the two lists equal).
-HF_PRESET_NAMES = ("hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny", "hf-gpt2", "hf-llama-1b")
+HF_PRESET_NAMES = ("hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny", "hf-gpt2", "hf-llama-1b", "hf-llama-7b")
 
 # The policy vocabulary, one example each (each parses: tests/test_cli.py).
 POLICY_EXAMPLES = [
@@ -482,7 +482,7 @@ def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, pol
     if policy:
         p.add_argument("--policy", default=policy, help="policies, comma-separated, e.g. none,density=0.5,full "
                        "(the vocabulary: ckptlab --help)")
-    p.add_argument("--dtype", default="fp32", help="one of fp32 | bf16 (bf16: autocast)")
+    p.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
 
 
 def add_format_argument(p: argparse.ArgumentParser) -> None:

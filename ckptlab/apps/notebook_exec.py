@@ -17,6 +17,7 @@ import yaml
 
 from ..core.children import die_with_parent
 from ..run.provenance import environment
+from ..workloads.specs import project_relative
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository (or site-packages) holding ckptlab/
 
@@ -30,8 +31,14 @@ class NotebookRun:
     error: str = ""
 
 
+MODEL_PARAMETERS = ("model", "fits_model")
+
+
 def execute(path: Path, run_dir: Path, values: dict, param_set: str, timeout_s: float) -> NotebookRun:
-    parameters = {**values, "run_dir": relative(run_dir)}
+    # The kernel runs in the repository: a model file the user named from their own folder is
+    # handed to it as the same file seen from there (run.json keeps the spec as given).
+    specs = {k: project_relative(values[k], ROOT) for k in MODEL_PARAMETERS if isinstance(values.get(k), str)}
+    parameters = {**values, **specs, "run_dir": relative(run_dir)}
     # What is recorded names the folder relative to the output folder (out/<notebook>/<run name>).
     recorded = f"{run_dir.parent.name}/{run_dir.name}"
     started = time.time()

@@ -81,6 +81,28 @@ def remove_earlier_policies(blocks: Sequence[nn.Module]) -> None:
             previous.remove()
 
 
+def refuse_foreign_checkpointing(model: nn.Module, policy: Policy) -> None:
+    """ValueError when transformers' own checkpointing is on in `model` and ckptlab did not put
+    it there (`gradient_checkpointing_enable()`, `TrainingArguments(gradient_checkpointing=True)`,
+    peft's `prepare_model_for_kbit_training` on a quantized model): a ckptlab policy would nest
+    inside it, every layer recomputed twice, and `none` would not be none. transformers marks the
+    layers it checkpoints with `gradient_checkpointing = True` (and their parent models too: only
+    the innermost marked modules are its layers)."""
+    marked = [(name, m) for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    layers = [name for name, m in marked
+              if not any(other is not m and getattr(other, "gradient_checkpointing", False) is True
+                         for other in m.modules())
+              and getattr(m.__dict__.get("forward"), "_ckptlab_handle", None) is None]
+    if layers:
+        shown = ", ".join(layers[:2]) + (f", ... ({len(layers)} layers)" if len(layers) > 2 else "")
+        raise ValueError(
+            f"policy={policy} is invalid for this model: transformers' own checkpointing is already on ({shown}), "
+            "set by gradient_checkpointing_enable(), TrainingArguments(gradient_checkpointing=True) or peft's "
+            "prepare_model_for_kbit_training; ckptlab's policy would nest inside it (every layer recomputed twice). "
+            "Turn it off (model.gradient_checkpointing_disable(), or prepare_model_for_kbit_training(..., "
+            "use_gradient_checkpointing=False)), or measure transformers' own with policy=hf")
+
+
 def split_at_stacks(regions: list[tuple[int, int]], stacks: Sequence[BlockStack]) -> list[tuple[int, int]]:
     """Regions cut where one stack ends and the next begins: a segment runs its blocks one into
     the next, which the last encoder block and the first decoder block do not."""
@@ -101,4 +123,5 @@ def hidden_state(out):
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
-__all__ = ["CheckpointHandle", "hidden_state", "remove_earlier_policies", "split_at_stacks"]
+__all__ = ["CheckpointHandle", "hidden_state", "refuse_foreign_checkpointing", "remove_earlier_policies",
+           "split_at_stacks"]

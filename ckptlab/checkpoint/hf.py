@@ -24,6 +24,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from ..core.extras import missing_extra
 from ..core.policy import Policy, parse_policy
+from ..workloads.base import base_model
 from ..workloads.hf import TINY_LLAMA
 from .blocks import CheckpointHandle, remove_earlier_policies
 
@@ -119,6 +120,7 @@ def apply_hf_checkpointing(model: nn.Module, policy: str | Policy, blocks: Seque
     before touching the model, for a non-transformers model or an option this transformers lacks."""
     policy = parse_policy(policy)
     version = f"transformers {transformers.__version__}"
+    model = base_model(model)   # a LoRA fine-tune: transformers' checkpointing is its base model's
     if not policy.kind.startswith("hf"):
         raise ValueError(f"policy={str(policy)!r} is invalid here: apply_hf_checkpointing takes hf policies only")
     if not isinstance(model, PreTrainedModel):

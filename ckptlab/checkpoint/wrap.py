@@ -25,7 +25,13 @@ from torch.utils.checkpoint import (
 
 from ..core.policy import Policy, parse_policy
 from ..workloads.stacks import find_stacks
-from .blocks import CheckpointHandle, hidden_state, remove_earlier_policies, split_at_stacks
+from .blocks import (
+    CheckpointHandle,
+    hidden_state,
+    refuse_foreign_checkpointing,
+    remove_earlier_policies,
+    split_at_stacks,
+)
 
 
 def apply_checkpointing(
@@ -59,6 +65,7 @@ def apply_checkpointing(
         # In-function: transformers is an optional, heavy dependency (extra ckptlab[hf]).
         from .hf import apply_hf_checkpointing  # noqa: PLC0415 - needs transformers, the hf extra
         return apply_hf_checkpointing(model, policy, blocks, options, early_stop)
+    refuse_foreign_checkpointing(model, policy)
     stacks = find_stacks(model) if blocks is None else []
     blocks = list(blocks) if blocks is not None else [b for s in stacks for b in s.blocks]
     regions = split_at_stacks(policy.regions(len(blocks)), stacks)  # raises before the model is touched
@@ -189,6 +196,7 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
 
     def region_forward(*args, **kwargs):
         if torch.is_grad_enabled():
+            _refuse_traps(region, args, kwargs, options["use_reentrant"])
             # Under torch.compile the checkpoint is traced into the graph, without the recompute
             # counters (Python state a graph cannot hold) or early stop (an option of eager
             # recompute that dynamo does not trace): either would break the graph there.
@@ -237,6 +245,33 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
     for block in region[1:]:
         follower_forward_for_block = _tag(follower_forward, handle)
         block.forward = follower_forward_for_block
+
+
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")   # transformers' names
+
+
+def _refuse_traps(region: list[nn.Module], args: tuple, kwargs: dict, use_reentrant: bool) -> None:
+    """ValueError, in the forward pass before any backward, for the two ways a checkpointed block
+    silently computes something else than the un-checkpointed model (see the LoRA section of the
+    docs): a key/value cache handed to the block, and reentrant checkpoint of a block whose inputs
+    do not require grad while its parameters do."""
+    cache = next((name for name in CACHE_ARGUMENTS if kwargs.get(name) not in (None, False, True)), None)
+    if cache is not None:
+        raise ValueError(
+            f"use_cache=True is invalid under checkpointing: the model hands its blocks a key/value cache "
+            f"({cache}=...), and the recompute writes every block's keys and values into it a second time "
+            "(selective checkpointing fails, full keeps the cache alive); set model.config.use_cache = False "
+            "(or pass use_cache=False), as transformers does under its own checkpointing")
+    if not use_reentrant:
+        return
+    inputs_need_grad = any(a.requires_grad for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
+    if not inputs_need_grad and any(p.requires_grad for block in region for p in block.parameters()):
+        raise ValueError(
+            "use_reentrant=True is invalid here: a checkpointed block's inputs do not require grad (a frozen "
+            "embedding, as in LoRA fine-tuning), so reentrant checkpoint gives the block's trainable parameters "
+            "no gradient (and backward fails when every block is checkpointed); call "
+            "model.enable_input_require_grads() first, or use non-reentrant checkpointing (use_reentrant=False, "
+            "ckptlab's default)")
 
 
 def _tag(fn: Callable, handle: CheckpointHandle) -> Callable:

@@ -8,7 +8,7 @@ from types import ModuleType
 
 # module -> the extra that installs it (pyproject.toml's optional-dependencies)
 EXTRA_OF = {"nbformat": "notebooks", "papermill": "notebooks", "ipywidgets": "notebooks",
-            "transformers": "hf", "accelerate": "hf", "submitit": "cluster"}
+            "transformers": "hf", "accelerate": "hf", "peft": "hf", "submitit": "cluster"}
 
 
 class MissingExtraError(ImportError, ValueError):

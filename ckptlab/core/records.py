@@ -6,7 +6,9 @@ Predictions (`predict`, `predict_fits`) are not records: they have columns of th
 
 from __future__ import annotations
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+# parameters are the trainable ones; frozen_parameters those with requires_grad=False (a LoRA
+# fine-tune's base weights), which have no gradient and no optimizer state.
+CATEGORIES = ("parameters", "frozen_parameters", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("setup", "forward", "backward", "optimizer")
 STATUSES = ("ok", "oom", "error")
 
@@ -32,6 +34,8 @@ FIELDS: dict[str, object] = {
     "steps": None,
     "warmup": None,
     "memory_limit_bytes": None,
+    "trainable_param_bytes": None,    # storage bytes of the parameters that train (requires_grad)
+    "frozen_param_bytes": None,       # and of those that do not (a LoRA fine-tune's base weights)
     "peak_bytes": None,
     **{f"peak_{c}_bytes": None for c in CATEGORIES},
     "peak_activations_in_blocks_bytes": None,   # of peak_activations_bytes: allocated by the blocks' forwards

@@ -33,8 +33,9 @@ from ..core.policy import Policy
 from ..core.records import CATEGORIES
 from ..core.units import format_bytes
 from ..probe.memory import track_memory
-from ..probe.step import make_optimizer, training_step
+from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
+from ..workloads.specs import one_line
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Prediction:
     peak_block: Optional[int] = None     # the block whose backward held the peak (None: not in one)
     recompute_count: int = 0             # block forwards the policy's checkpoints ran again in backward
     block_calls_in_backward: int = 0     # blocks called in backward: the model recomputes them itself
+    trainable_param_bytes: int = 0       # as measure's columns of the same names
+    frozen_param_bytes: int = 0
 
     def record(self) -> dict:
         """A flat row, columns named like `measure`'s with a `predicted_` prefix."""
@@ -86,12 +89,14 @@ def fake_modes():
 def fake_model(workload: Workload, fake_mode: FakeTensorMode) -> nn.Module:
     """The workload's model with fake tensors in `fake_mode`, seeded as `Workload.build` seeds it.
 
-    Built under the fake mode (nothing allocated). A model whose construction reads tensor data
-    (`.item()` on a schedule, a data-dependent shape) cannot be built so: it is then built for
-    real on the CPU (its parameters' host memory, once) and converted to fake tensors, with a
-    warning saying so."""
+    Built under the fake mode (nothing allocated); casts (`.to(dtype)`, `.half()`) and wrappers
+    that move weights (peft's `get_peft_model`) work as on real tensors (`castable`). A model
+    whose construction reads tensor data (`.item()` on a schedule, a data-dependent shape) cannot
+    be built so: it is then built for real on the CPU (its parameters' host memory, once) and
+    converted to fake tensors, with a warning saying so. Any other failure is a ValueError
+    naming it: such a model can be measured, not predicted."""
     try:
-        with fake_mode:
+        with fake_mode, castable(fake_mode):
             torch.manual_seed(workload.seed)
             return workload.new_model()
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
@@ -99,6 +104,11 @@ def fake_model(workload: Workload, fake_mode: FakeTensorMode) -> nn.Module:
                       f"{exc}), so it cannot be built under fake tensors: building it for real on the CPU and "
                       "converting it to fake tensors (uses its parameters' host memory once)",
                       RuntimeWarning, stacklevel=3)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"model={workload.label!r} cannot be predicted: building it on fake tensors failed with "
+                         f"{type(exc).__name__}: {one_line(exc)}; measure it instead (ckptlab measure)") from exc
     torch.manual_seed(workload.seed)
     try:
         real = workload.new_model()
@@ -107,6 +117,23 @@ def fake_model(workload: Workload, fake_mode: FakeTensorMode) -> nn.Module:
                          f"and building it for real failed with {type(exc).__name__}: {exc}") from exc
     with FakeCopyMode(fake_mode):
         return copy.deepcopy(real)
+
+
+@contextlib.contextmanager
+def castable(fake_mode: FakeTensorMode):
+    """While inside, a module built in `fake_mode` can be cast and moved (`.to(torch.bfloat16)`,
+    `.half()`, peft moving its adapters with `.to()`). `Module._apply` replaces a fake parameter
+    by swapping it with its cast (`torch.utils.swap_tensors`), which refuses a tensor that a weak
+    reference points to, and the fake mode's converter keeps one to every tensor it makes. Inside,
+    its memo holds them strongly instead (fake tensors own no memory); the weak memo is put back
+    on the way out."""
+    converter = fake_mode.fake_tensor_converter.meta_converter
+    weak = converter.tensor_memo
+    converter.tensor_memo = dict(weak)
+    try:
+        yield
+    finally:
+        converter.tensor_memo = weak
 
 
 @contextlib.contextmanager
@@ -132,12 +159,13 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
     """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
     optimizer, step) after one untracked warm-up step — the state `measure` tracks from."""
     fake_mode = fake_modes()
+    workload = with_dtype(workload, dtype)
     model = fake_model(workload, fake_mode)  # as Workload.build, minus the device move
     with fake_mode, sequences_unpacked():
         model.train()
         handle = apply_checkpointing(model, policy)
         gen = torch.Generator().manual_seed(workload.seed + 1)
-        batch = tuple(workload.make_batch(workload.config, batch_size, seq_len, gen))
+        batch = workload.new_batch(batch_size, seq_len, gen)
         opt = make_optimizer(optimizer, model)
         kwargs = {"accum_steps": accum_steps} if accum_steps != 1 else {}
         step = training_step(model, workload, batch, opt, dtype, **kwargs)
@@ -157,4 +185,4 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
         return tracker.report(), handle
 
 
-__all__ = ["Prediction", "fake_memory", "fake_model", "fake_modes", "fake_training_step", "sequences_unpacked"]
+__all__ = ["Prediction", "castable", "fake_memory", "fake_model", "fake_modes", "fake_training_step", "sequences_unpacked"]

@@ -59,6 +59,7 @@ def predict(
         predict_s=time.perf_counter() - t0, note=note,
         peak_in_blocks_by_category=dict(report.peak_in_blocks_by_category), peak_block=report.peak_block,
         recompute_count=handle.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
+        **report.param_bytes,
     )
 
 

@@ -31,7 +31,7 @@ from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import plan_policy
 from ..estimate.fake_step import fake_model, fake_modes, fake_training_step
 from ..probe.memory import track_memory
-from ..probe.step import DTYPES
+from ..probe.step import DTYPES, with_dtype
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
@@ -116,7 +116,7 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
                 class _Phases:
                     def phase(self, name):
                         if name == "backward" and not snapshot:
-                            snapshot.update({k: v[0] for k, v in tracker._tracker.live.items()})
+                            snapshot.update({k: v.nbytes for k, v in tracker._tracker.live.items()})
                         tracker.phase(name)
 
                 step(_Phases())
@@ -182,6 +182,7 @@ def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str,
     """Recompute time per block and option, from a per-op pass over each block's forward."""
     fake = cost == "roofline"
     mode = fake_modes() if fake else contextlib.nullcontext()
+    workload = with_dtype(workload, dtype)
     if fake:
         model = fake_model(workload, mode)
     else:
@@ -190,7 +191,7 @@ def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str,
     with mode:
         model.train()
         gen = torch.Generator().manual_seed(workload.seed + 1)
-        batch = tuple(workload.make_batch(workload.config, batch_size, seq_len, gen))
+        batch = workload.new_batch(batch_size, seq_len, gen)
         blocks = find_blocks(model)
         captured: list = [None] * len(blocks)
         hooks = [b.register_forward_pre_hook(

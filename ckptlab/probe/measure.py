@@ -24,11 +24,11 @@ from ..core.policy import HF_KINDS, parse_policy
 from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
-from ..workloads.base import Workload
+from ..workloads.base import Workload, base_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
-from .memory import allocator_peak, cuda_allocator_stats, track_memory
-from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step
+from .memory import allocator_peak, cuda_allocator_stats, parameter_bytes, track_memory
+from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step, with_dtype
 from .timing import check_timing_options, time_interleaved
 
 MAX_ROUNDS = 200   # a step timed alone: at most this many rounds, even if the interval stays wide
@@ -160,6 +160,7 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / capacity), dev)
         resident = torch.cuda.memory_allocated(dev)
         resident_requested = torch.cuda.memory_stats(dev).get("requested_bytes.all.current", 0)
+    workload = with_dtype(workload, dtype)
     model = workload.build(dev)
     model.train()
     runner, compiled, handle = apply(model, record)
@@ -186,6 +187,7 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
         report = tracker.report()
         record["peak_activations_in_blocks_bytes"] = report.peak_in_blocks_by_category.get("activations")
     record.update(
+        **parameter_bytes(model),
         peak_bytes=report.peak_bytes,
         **{f"peak_{c}_bytes": report.peak_by_category.get(c) for c in CATEGORIES},
         peak_phase=report.peak_phase,
@@ -264,7 +266,7 @@ def check_policy_applies(workload: Workload, policy) -> None:
     policy = parse_policy(policy)
     model = workload.build("meta")
     transformers_model = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-                             for c in type(model).__mro__)
+                             for c in type(base_model(model)).__mro__)
     if policy.kind in HF_KINDS and not transformers_model:
         raise ValueError(f"policy={str(policy)!r} is invalid for model={workload.name!r}: the hf policies apply "
                          "to transformers models (the hf-* presets) only")

@@ -1,6 +1,6 @@
 """Memory probes. The ground truth is `track_memory()`, a live-tensor tracker that works on any
-device, CPU included, and reports the peak by category (parameters, gradients, optimizer_state,
-activations, temporaries); how it counts, and what each category holds: docs/design.md, note
+device, CPU included, and reports the peak by category (parameters, frozen_parameters, gradients,
+optimizer_state, activations, temporaries); how it counts, and what each category holds: docs/design.md, note
 "The live-tensor tracker". Beside it: the CUDA allocator's view (`cuda_allocator_stats`,
 `cuda_memory_snapshot`) and an allocator-level count from the profiler (`allocator_peak`,
 `profiler_peak_bytes`), which also sees inside compiled graphs.
@@ -40,6 +40,19 @@ class MemoryReport:
     peak_in_blocks_by_category: dict[str, int] = field(default_factory=dict)  # of which allocated in a block's forward
     peak_block: int | None = None             # the block whose backward held the peak (None: not in one)
     block_calls_in_backward: int = 0          # block calls (module __call__) that ran during backward
+    param_bytes: dict[str, int] = field(default_factory=dict)  # `parameter_bytes` of the model tracked
+
+
+@dataclass
+class _Storage:
+    """One live storage as the tracker counts it."""
+
+    nbytes: int
+    category: str
+    phase: str                 # the phase it was allocated in
+    ref: weakref.ref           # tells the tracker when it dies
+    allocation: int            # its number among the storages seen, in order
+    in_block: bool             # allocated by a block's forward
 
 
 class _Tracker(TorchDispatchMode):
@@ -47,8 +60,7 @@ class _Tracker(TorchDispatchMode):
         super().__init__()
         self.device = device
         self.detect_backward = detect_backward
-        # storage key -> [nbytes, category, phase, weakref, allocation number, allocated in a block]
-        self.live: dict[int, list] = {}
+        self.live: dict[int, _Storage] = {}   # by storage key
         self.allocations = 0                  # storages seen so far, numbered in order
         self.peak_allocation = 0              # the number of the storage that set the peak
         self.by_category = dict.fromkeys(CATEGORIES, 0)
@@ -85,7 +97,7 @@ class _Tracker(TorchDispatchMode):
         ref = weakref.ref(storage, lambda _ref, key=key: self._free(key))
         self.allocations += 1
         in_block = self.block_depth > 0
-        self.live[key] = [nbytes, category, self.phase, ref, self.allocations, in_block]
+        self.live[key] = _Storage(nbytes, category, self.phase, ref, self.allocations, in_block)
         self.by_category[category] += nbytes
         if in_block:
             self.in_blocks[category] += nbytes
@@ -115,19 +127,19 @@ class _Tracker(TorchDispatchMode):
             return
         self._relabel(entry, category)
 
-    def _relabel(self, entry: list, category: str) -> None:
+    def _relabel(self, entry: _Storage, category: str) -> None:
         """Give a live storage a category that ranks before its own (a temporary that autograd
         saves becomes an activation), in the breakdown at the peak too when it was alive then:
         allocated no later than the storage that set the peak, and not freed since (it is live)."""
-        if CATEGORIES.index(category) >= CATEGORIES.index(entry[1]):
+        if CATEGORIES.index(category) >= CATEGORIES.index(entry.category):
             return
-        alive_at_peak = entry[4] <= self.peak_allocation
+        alive_at_peak = entry.allocation <= self.peak_allocation
         for counts, applies in ((self.by_category, True), (self.peak_by_category, alive_at_peak),
-                                (self.in_blocks, entry[5]), (self.peak_in_blocks, alive_at_peak and entry[5])):
+                                (self.in_blocks, entry.in_block), (self.peak_in_blocks, alive_at_peak and entry.in_block)):
             if applies:
-                counts[entry[1]] -= entry[0]
-                counts[category] += entry[0]
-        entry[1] = category
+                counts[entry.category] -= entry.nbytes
+                counts[category] += entry.nbytes
+        entry.category = category
 
     def _free(self, key: int) -> None:
         if not self.active:
@@ -135,10 +147,10 @@ class _Tracker(TorchDispatchMode):
         entry = self.live.pop(key, None)
         if entry is None:
             return
-        self.by_category[entry[1]] -= entry[0]
-        if entry[5]:
-            self.in_blocks[entry[1]] -= entry[0]
-        self.total -= entry[0]
+        self.by_category[entry.category] -= entry.nbytes
+        if entry.in_block:
+            self.in_blocks[entry.category] -= entry.nbytes
+        self.total -= entry.nbytes
         self.timeline.append((self.phase, self.total))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -162,8 +174,8 @@ class _Tracker(TorchDispatchMode):
             # Whatever forward allocated and is still alive is held for backward.
             held = 0
             for entry in self.live.values():
-                if entry[2] == "forward":
-                    held += entry[0]
+                if entry.phase == "forward":
+                    held += entry.nbytes
                     self._relabel(entry, "activations")
             self.saved_activation_bytes = held
         self.phase = phase
@@ -258,7 +270,7 @@ def track_memory(
     tracker = _Tracker(torch.device(device) if device is not None else None, detect_backward)
     params = list(model.parameters()) if model is not None else []
     for p in params:
-        tracker.track(p, "parameters")
+        tracker.track(p, "parameters" if p.requires_grad else "frozen_parameters")
         if p.grad is not None:
             tracker.track(p.grad, "gradients")
     if optimizer is not None:
@@ -291,6 +303,8 @@ def track_memory(
         for h in hooks:
             h.remove()
         handle._report = tracker.report()
+        if model is not None:
+            handle._report.param_bytes = parameter_bytes(model)
         tracker.live.clear()
 
 
@@ -318,6 +332,19 @@ def saved_bytes_by_node(loss: torch.Tensor) -> dict[str, int]:
                     by_node[node.name()] = by_node.get(node.name(), 0) + t.untyped_storage().nbytes()
         todo.extend(f for f, _ in node.next_functions)
     return by_node
+
+
+def parameter_bytes(model: nn.Module) -> dict[str, int]:
+    """{"trainable_param_bytes": ..., "frozen_param_bytes": ...}: storage bytes of the model's
+    parameters that train and that do not (a storage shared by both counts as trainable)."""
+    storages: dict[int, tuple[int, bool]] = {}
+    for p in model.parameters():
+        key = p.untyped_storage()._cdata
+        nbytes, trains = storages.get(key, (p.untyped_storage().nbytes(), False))
+        storages[key] = (nbytes, trains or p.requires_grad)
+    trainable = sum(n for n, trains in storages.values() if trains)
+    frozen = sum(n for n, trains in storages.values() if not trains)
+    return {"trainable_param_bytes": trainable, "frozen_param_bytes": frozen}
 
 
 # --------------------------------------------------------------------------- independent counts

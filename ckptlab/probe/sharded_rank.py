@@ -25,7 +25,7 @@ from ..workloads.registry import get_workload
 from ..workloads.stacks import find_blocks
 from .distributed import combine, measure_sharded_many, rank_spec
 from .memory import allocator_peak
-from .step import device_name, make_optimizer, training_step
+from .step import device_name, make_optimizer, training_step, with_dtype
 from .timing import time_steps
 
 
@@ -108,7 +108,7 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     limit = spec["memory_limit_bytes"]
     if dev.type == "cuda" and limit is not None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / torch.cuda.get_device_properties(dev).total_memory), dev)
-    workload = get_workload(spec["model"], seed=spec["seed"], **spec["overrides"])
+    workload = with_dtype(get_workload(spec["model"], seed=spec["seed"], **spec["overrides"]), spec["dtype"])
     model = workload.build(dev)
     model.train()
     handle = shard_model(model, parse_policy(spec["policy"]), world, dev.type)

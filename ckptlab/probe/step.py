@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import platform
 
 import torch
 
 from ..workloads.base import Workload
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}   # name -> autocast dtype (None: no autocast)
+# name -> autocast dtype (None: no autocast). bf16 is mixed precision: fp32 weights, matmuls in bf16
+# under autocast. bf16-weights / fp16-weights is pure low-precision training, as after loading with
+# `torch_dtype=torch.bfloat16`: the model and the batch are cast (`with_dtype`), no autocast.
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "bf16-weights": None, "fp16-weights": None}
+WEIGHT_DTYPES = {"bf16-weights": torch.bfloat16, "fp16-weights": torch.float16}
+DTYPE_HELP = "one of fp32 | bf16 (autocast) | bf16-weights | fp16-weights (model and batch cast, no autocast)"
+
+
+def with_dtype(workload: Workload, dtype: str) -> Workload:
+    """The workload whose models and batches are `dtype`'s: cast for bf16-weights / fp16-weights,
+    itself otherwise (autocast happens in the step)."""
+    weights = WEIGHT_DTYPES.get(dtype)
+    if weights is None or workload.weights_dtype == weights:
+        return workload
+    return dataclasses.replace(workload, weights_dtype=weights)
 
 
 OPTIMIZERS = ("adamw", "sgd", "none")
@@ -81,4 +96,5 @@ def device_name(dev: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-__all__ = ["DTYPES", "OPTIMIZERS", "device_name", "make_optimizer", "resolve_device", "training_step"]
+__all__ = ["DTYPES", "DTYPE_HELP", "OPTIMIZERS", "WEIGHT_DTYPES", "device_name", "make_optimizer", "resolve_device",
+           "training_step", "with_dtype"]

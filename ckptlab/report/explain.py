@@ -154,7 +154,7 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     integer("ranks", ranks, 2)
     base = predict(workload, batch_size, seq_len, parsed, dtype, optimizer)
     applied = f"plan={base.plan}" if base.plan else str(parsed)
-    breakdown = peak_breakdown(base, frozen_parameter_bytes(workload))
+    breakdown = peak_breakdown(base)
 
     levers = policy_levers(workload, base, applied)
     floor_lever = floor_plan_lever(workload, base, levers) if base.n_blocks else None
@@ -195,19 +195,12 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     return explanation
 
 
-def frozen_parameter_bytes(workload: Workload) -> int:
-    """Bytes of the parameters that do not train (requires_grad False), read from the model built
-    on the meta device (no memory)."""
-    return sum(p.numel() * p.element_size() for p in workload.build("meta").parameters() if not p.requires_grad)
-
-
-def peak_breakdown(pred: Prediction, frozen_bytes: int) -> dict:
-    """The prediction's categories at the peak, parameters split into trainable and frozen,
-    activations into those the blocks' forwards allocated and the rest (embeddings, logits, loss)."""
+def peak_breakdown(pred: Prediction) -> dict:
+    """The prediction's categories at the peak, activations split into those the blocks' forwards
+    allocated and the rest (embeddings, logits, loss)."""
     by = pred.peak_by_category
     in_blocks = pred.peak_in_blocks_by_category.get("activations", 0)
-    frozen = min(frozen_bytes, by["parameters"])
-    return {"parameters": by["parameters"] - frozen, "frozen_parameters": frozen, "gradients": by["gradients"],
+    return {"parameters": by["parameters"], "frozen_parameters": by.get("frozen_parameters", 0), "gradients": by["gradients"],
             "optimizer_state": by["optimizer_state"], "activations_in_blocks": in_blocks,
             "activations_outside_blocks": by["activations"] - in_blocks, "temporaries": by["temporaries"]}
 
@@ -501,5 +494,4 @@ def _change(lever: Lever):
     return "micro", lambda s: {**s, "batch": micro, "accum": s["batch"] * s["accum"] // micro}
 
 
-__all__ = ["BREAKDOWN", "CAUSES", "Explanation", "Lever", "chunked_loss", "explain", "fsdp_peak", "fsdp_units",
-           "frozen_parameter_bytes"]
+__all__ = ["BREAKDOWN", "CAUSES", "Explanation", "Lever", "chunked_loss", "explain", "fsdp_peak", "fsdp_units"]

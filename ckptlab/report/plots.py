@@ -346,8 +346,16 @@ def redraw_all(run_dir: str | Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------- single-step figures
 
-CATEGORY_COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
-                   "activations": "#c44e52", "temporaries": "#8172b3"}
+CATEGORY_COLORS = {"parameters": "#4c72b0", "frozen_parameters": "#a6bddb", "gradients": "#dd8452",
+                   "optimizer_state": "#55a868", "activations": "#c44e52", "temporaries": "#8172b3"}
+
+
+def shown_categories(df: pd.DataFrame) -> list[str]:
+    """The memory categories a breakdown draws: all, but frozen parameters only where a record
+    has some (a model with every parameter training would carry an empty legend entry)."""
+    column = "peak_frozen_parameters_bytes"
+    frozen = column in df and bool(df[column].fillna(0).astype(float).any())
+    return [c for c in CATEGORIES if c != "frozen_parameters" or frozen]
 
 
 RECOMPUTE_NOTE = "with recompute, backward's temporaries include the recomputed blocks' activations"
@@ -366,7 +374,7 @@ def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = Non
     bottom = np.zeros(len(df))
     recomputed = (df["recompute_count"].fillna(0) > 0) & (df["peak_phase"] == "backward") \
         if {"recompute_count", "peak_phase"} <= set(df) else pd.Series(False, index=df.index)
-    for cat in CATEGORIES:
+    for cat in shown_categories(df):
         values = df[f"peak_{cat}_bytes"].fillna(0).to_numpy(dtype=float) / MiB
         name = cat.replace("_", " ")
         if cat == "temporaries" and recomputed.any():
@@ -487,10 +495,11 @@ def trainer_plot(df, path=None):
     for run in runs:
         g = df[(df["run"] == run) & df["peak_bytes"].notna()]
         peak_rows.append(g.loc[g["peak_bytes"].idxmax()] if len(g) else None)
-    by_category = all(r is not None and r[[f"peak_{c}_bytes" for c in CATEGORIES]].notna().all() for r in peak_rows)
+    categories = shown_categories(df)
+    by_category = all(r is not None and r[[f"peak_{c}_bytes" for c in categories]].notna().all() for r in peak_rows)
     if by_category:
         bottom = [0.0] * len(runs)
-        for category in CATEGORIES:
+        for category in categories:
             part = [r[f"peak_{category}_bytes"] / MiB for r in peak_rows]
             ax_mem.bar(runs, part, bottom=bottom, label=category.replace("_", " "), color=CATEGORY_COLORS[category])
             bottom = [b + p for b, p in zip(bottom, part)]

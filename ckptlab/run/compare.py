@@ -36,10 +36,10 @@ from ..probe.measure import (
     prepare_step,
     reset_compiler_cache,
 )
-from ..probe.step import DTYPES, device_name, resolve_device
+from ..probe.step import DTYPES, device_name, resolve_device, with_dtype
 from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import RELATIVE_TOLERANCE, GradientComparison, gradient_difference, like_eager, step_gradients
-from ..workloads.base import Workload
+from ..workloads.base import Workload, base_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 
@@ -210,7 +210,7 @@ def _is_transformers(workload: Workload) -> bool:
         from transformers import PreTrainedModel  # noqa: PLC0415 - transformers comes with the hf extra
     except ImportError:
         return False
-    return isinstance(workload.build("meta"), PreTrainedModel)
+    return isinstance(base_model(workload.build("meta")), PreTrainedModel)
 
 
 def _per_block_checkpoint(model, record):
@@ -332,7 +332,7 @@ def _verify(rows, configs, shape: Shape) -> None:
     workload's seed, one forward + backward, compiled ones drawing random numbers as eager does
     (`ckptlab.probe.verify`). `gradients` is the verdict (exact | within tolerance | wrong),
     `max_grad_diff` and `max_grad_rel_diff` the differences it judged."""
-    workload, dev = shape.workload, shape.dev
+    workload, dev = with_dtype(shape.workload, shape.dtype), shape.dev
     batch = workload.batch(shape.batch_size, shape.seq_len, dev)
     autocast = DTYPES[shape.dtype]
     reference = step_gradients(workload.build(dev).train(), workload, batch, workload.seed, autocast_dtype=autocast)

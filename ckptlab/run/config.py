@@ -68,7 +68,7 @@ class SweepConfig:
     """Checkpointing policies, e.g. none, density=0.5, full, selective, budget=0.5 (the
     vocabulary: ckptlab --help)."""
     dtypes: list[str] = option(["fp32"], "--dtype")
-    """fp32, bf16 (bf16: autocast)."""
+    """fp32, bf16 (autocast), bf16-weights, fp16-weights (pure: model and batch cast, no autocast)."""
     accum_steps: list[int] = option([1], "--accum")
     """Gradient-accumulation steps: the effective batch is batch x accum."""
     device: str = option("cpu", "--device")

@@ -30,7 +30,7 @@ from ..core.extras import missing_extra
 
 try:
     import transformers
-    from transformers import PreTrainedModel, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 except ImportError:
     raise missing_extra("transformers", "CkptlabCallback") from None
 
@@ -89,7 +89,7 @@ class CkptlabCallback(TrainerCallback):
         if earlier:
             raise ValueError(f"out={str(self.out)!r} is invalid: it already holds {len(earlier)} records of an earlier "
                              "run; choose another folder (one run folder per train())")
-        layers = hf_layers(model) if isinstance(model, PreTrainedModel) else []
+        layers = hf_layers(model)   # a peft model too: its layers are the transformers model's
         marked = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
         applied = _ckptlab_handle(model)  # a policy the user applied before train()
         if marked and (self.policy is not None or applied is not None):
@@ -324,7 +324,9 @@ def compare_trainer_runs(
     dev = resolve_device(device)
     workload = as_workload(model)
     causal = set(transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if type(workload.build("meta")).__name__ not in causal:
+    built = workload.build("meta")
+    base = built.get_base_model() if hasattr(built, "peft_config") else built   # a LoRA fine-tune's model
+    if type(base).__name__ not in causal:
         raise ValueError(f"model={getattr(workload, 'name', model)!r} is invalid here: allowed are transformers causal "
                          "language models (hf-gpt2-tiny, hf-llama-tiny, hf-gpt2, hf-llama-1b)")
     workload.check_shape(batch_size, seq_len, min_seq_len=2)

@@ -21,7 +21,8 @@ class Workload:
     Built-in workloads come from `get_workload`; your own model from `Workload.custom`.
     `spec` is the string `get_workload` re-creates it from (in isolated cells, jobs and ranks),
     `spec_hash` a content hash of the file that defines it, `overrides` what the spec's factory
-    was given.
+    was given. `weights_dtype` (set by `probe.step.with_dtype` for pure bf16/fp16 training) casts
+    the model and the batch's floating-point tensors, as loading with `torch_dtype=` does.
     """
 
     name: str
@@ -35,6 +36,7 @@ class Workload:
     spec: Optional[str] = None
     spec_hash: Optional[str] = None
     overrides: dict = dataclasses.field(default_factory=dict)
+    weights_dtype: Optional[torch.dtype] = None
 
     @classmethod
     def custom(cls, name: str, build_model: Callable[[], nn.Module],
@@ -77,6 +79,8 @@ class Workload:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model={self.spec or self.name!r} is invalid: its build_model returned "
                              f"{type(model).__name__}, allowed is a torch.nn.Module")
+        if self.weights_dtype is not None:
+            model = cast_weights(model, self.weights_dtype)
         if self.block_paths is not None:
             model.__dict__[BLOCK_PATHS_ATTRIBUTE] = self.block_paths
         return model
@@ -88,7 +92,7 @@ class Workload:
             try:
                 with torch.device("meta"):
                     return self.new_model()
-            except RuntimeError:   # its __init__ reads tensor data (.item()): meta tensors have none
+            except (RuntimeError, TypeError):   # its __init__ reads tensor data (.item(), .numpy()): meta has none
                 return self._meta_copy_of_real_model()
         torch.manual_seed(self.seed)
         return self.new_model().to(device)
@@ -105,7 +109,15 @@ class Workload:
 
     def batch(self, batch_size: int, seq_len: int, device: str | torch.device = "cpu") -> tuple:
         gen = torch.Generator().manual_seed(self.seed + 1)
-        return tuple(t.to(device) for t in self.make_batch(self.config, batch_size, seq_len, gen))
+        return tuple(t.to(device) for t in self.new_batch(batch_size, seq_len, gen))
+
+    def new_batch(self, batch_size: int, seq_len: int, gen: torch.Generator) -> tuple:
+        """`make_batch`'s tensors in the current device/fake-tensor context, floating-point ones
+        cast to `weights_dtype` (token ids and labels stay integers)."""
+        batch = tuple(self.make_batch(self.config, batch_size, seq_len, gen))
+        if self.weights_dtype is None:
+            return batch
+        return tuple(t.to(self.weights_dtype) if t.is_floating_point() else t for t in batch)
 
     def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
         return self.loss_fn(model, batch)
@@ -130,7 +142,7 @@ class Workload:
         """Equal for two workloads that build the same model on the same batches (cache keys)."""
         custom = id(self.make_model) if self.spec is None and self.config is None else None
         return (self.label, self.spec_hash, repr(self.config), repr(sorted(self.overrides.items())),
-                self.seed, self.block_paths, custom)
+                self.seed, self.block_paths, custom, self.weights_dtype)
 
     @property
     def max_seq_len(self) -> int | None:
@@ -150,6 +162,24 @@ class Workload:
     @property
     def n_params(self) -> int:
         return sum(p.numel() for p in self.build("meta").parameters())
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The model a peft wrapper (LoRA) holds, else the model itself: transformers' own
+    checkpointing and its layers live there."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)`, except a peft model's adapters, which stay fp32: peft upcasts them so
+    when it wraps a model loaded in bf16/fp16 (`autocast_adapter_dtype=True`, its default), and
+    LoRA fine-tuning of a bf16 model trains fp32 adapters over bf16 frozen weights."""
+    model = model.to(dtype)
+    tuner = getattr(model, "base_model", None)
+    if hasattr(model, "peft_config") and hasattr(tuner, "_cast_adapter_dtype"):
+        for adapter in model.peft_config:
+            tuner._cast_adapter_dtype(adapter_name=adapter, autocast_adapter_dtype=True)
+    return model
 
 
 SPEC_MODULE_PREFIX = "ckptlab_spec_"   # module names of the files that file specs import
@@ -185,4 +215,4 @@ class _CustomBatch:
         return tuple(batch)
 
 
-__all__ = ["BLOCK_PATHS_ATTRIBUTE", "SPEC_MODULE_PREFIX", "Workload"]
+__all__ = ["BLOCK_PATHS_ATTRIBUTE", "SPEC_MODULE_PREFIX", "Workload", "base_model", "cast_weights"]

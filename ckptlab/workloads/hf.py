@@ -5,7 +5,7 @@
                            (`--set num_hidden_layers=8`)
     hf:path/config.json    a local config file (overrides on top; no tiny defaults)
     hf:org/name            the config.json of a model in the local Hugging Face cache
-    hf-gpt2-tiny, ...      short names for fixed configs (HF_PRESETS)
+    hf-gpt2-tiny, ...      short names for fixed configs (HF_PRESETS; hf-llama-7b: Llama-2-7B's shape)
 
 The task, the batch and the loss follow the architecture: docs/design.md, note "A transformers
 model as a workload".
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..core.extras import missing_extra
 from .base import Workload
-from .specs import check_blocks, file_hash
+from .specs import check_blocks, file_hash, one_line
 
 try:
     import transformers
@@ -65,6 +65,11 @@ LLAMA_3_2_1B = dict(
     rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, high_freq_factor=4.0,
                          low_freq_factor=1.0, original_max_position_embeddings=8192),
 )
+# Llama-2-7B's shape with positions for 32k tokens (as long-context fine-tunes extend it): what
+# "a 7B model with LoRA on a 24 GB card" means, for prediction.
+LLAMA_7B = dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                bos_token_id=1, eos_token_id=2)
 
 # short name -> (model type, config fields). GPT-2's default bos/eos ids (50256) lie outside a
 # tiny vocabulary, which transformers warns about: they are unset (no generation).
@@ -74,6 +79,7 @@ HF_PRESETS: dict[str, tuple[str, dict]] = {
     "hf-bert-tiny": ("bert", TINY_BERT),
     "hf-gpt2": ("gpt2", {}),
     "hf-llama-1b": ("llama", LLAMA_3_2_1B),
+    "hf-llama-7b": ("llama", LLAMA_7B),
 }
 
 TASKS = {   # task -> transformers' auto-model mapping that names the model class, in order of preference
@@ -153,7 +159,7 @@ def get_hf_workload(spec: str, seed: int = 0, **overrides) -> HFWorkload:
                    "causal": (_causal_batch, causal_loss), "image": (_image_batch, image_loss)}[task]
     workload = HFWorkload(spec, config, _ModelClass(model_cls, task), batch, loss, seed, spec=spec,
                           spec_hash=source_hash, overrides=dict(overrides))
-    if spec not in HF_PRESETS:
+    if spec not in HF_PRESETS or overrides:
         check_blocks(workload)
     return workload
 
@@ -187,9 +193,9 @@ def _config(spec: str, model_type: str, fields: dict, overrides: dict):
     named = {config_cls.attribute_map.get(k, k): v for k, v in overrides.items()}
     try:
         config = config_cls(**{**fields, **named, "use_cache": False})
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise huggingface_hub's own errors
         raise ValueError(f"model={spec!r} is invalid with overrides {overrides}: "
-                         f"transformers.{config_cls.__name__} refused them: {exc}") from None
+                         f"transformers.{config_cls.__name__} refused them: {one_line(exc)}") from None
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers < 1:
         raise ValueError(f"num_hidden_layers={layers} is invalid: allowed is an integer >= 1")

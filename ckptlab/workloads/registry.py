@@ -4,11 +4,12 @@ becomes a workload (the design's "workload spec")."""
 from __future__ import annotations
 
 from .base import Workload
+from .lora import LORA_OVERRIDES, is_lora_spec, lora_workload, split_lora_spec
 from .models import PRESETS, build_preset
 from .specs import load_code_workload
 
 SPEC_FORMS = ("hf:<model_type>", "hf:path/config.json", "hf:org/name", "path/to/file.py:factory",
-              "package.module:factory")
+              "package.module:factory", "<hf spec>+lora=R")
 
 
 def get_workload(name: str, seed: int = 0, **overrides) -> Workload:
@@ -22,10 +23,15 @@ def get_workload(name: str, seed: int = 0, **overrides) -> Workload:
         path/to/file.py:factory, package.module:factory
                                            your own: factory(**overrides) returns a Workload
                                            (`workloads.specs`)
+        <transformers spec>+lora, +lora=R  its LoRA fine-tune (peft), rank R (`workloads.lora`)
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"model={name!r} is invalid: allowed presets are {', '.join(PRESETS)} and the hf-* "
                          f"presets; or a spec: {', '.join(SPEC_FORMS)}")
+    if is_lora_spec(name):
+        base, rank = split_lora_spec(name)
+        lora = {k: overrides.pop(k) for k in LORA_OVERRIDES if k in overrides}
+        return lora_workload(get_workload(base, seed=seed, **overrides), name, rank, **lora)
     if name.startswith(("hf:", "hf-")):
         # In-function: transformers is an optional, heavy dependency (extra ckptlab[hf]).
         from .hf import get_hf_workload  # noqa: PLC0415 - needs transformers, the hf extra

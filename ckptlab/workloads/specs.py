@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -58,11 +59,9 @@ def load_code_workload(spec: str, seed: int = 0, **overrides) -> Workload:
     _check_overrides(spec, factory, overrides)
     try:
         workload = factory(**overrides)
-    except ValueError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the factory refuses is one line naming the spec
         raise ValueError(f"model={spec!r} is invalid with overrides {overrides}: {factory_name}(...) raised "
-                         f"{type(exc).__name__}: {exc}") from exc
+                         f"{type(exc).__name__}: {one_line(exc)}") from exc
     if not isinstance(workload, Workload):
         raise ValueError(f"model={spec!r} is invalid: {factory_name}(...) returned {type(workload).__name__}, "
                          "allowed is a ckptlab.Workload (e.g. Workload.custom(name, build_model, make_batch, loss))")
@@ -83,11 +82,34 @@ def check_blocks(workload: Workload) -> None:
         raise
     except Exception as exc:
         raise ValueError(f"model={workload.label!r} is invalid: building it failed with "
-                         f"{type(exc).__name__}: {exc}") from exc
+                         f"{type(exc).__name__}: {one_line(exc)}") from exc
     try:
         find_stacks(model)
     except ValueError as exc:
         raise ValueError(f"model={workload.label!r} is invalid: {exc}") from None
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line; a validator's wrapper (huggingface_hub's, transformers'
+    configs) says only which validator failed, so the cause it wraps is named too."""
+    text = " ".join(str(exc).split())
+    cause = exc.__cause__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text = f"{text} {type(cause).__name__}: {' '.join(str(cause).split())}"
+    return text or type(exc).__name__
+
+
+def project_relative(spec: str, root: Path) -> str:
+    """A file spec as a process whose working directory is `root` must write it to load the same
+    file (a notebook kernel runs in the project, not where the user stands); other specs as they
+    are. Relative, so that nothing written to results/ holds where this machine keeps files."""
+    if not is_code_spec(spec):
+        return spec
+    source, _, factory = spec.rpartition(":")
+    path = Path(source)
+    if not (source.endswith(".py") or "/" in source or "\\" in source) or path.is_absolute() or not path.is_file():
+        return spec
+    return f"{os.path.relpath(path.resolve(), root.resolve())}:{factory}"
 
 
 def _import_file(spec: str, path: Path):
@@ -99,6 +121,9 @@ def _import_file(spec: str, path: Path):
     if name in sys.modules:
         return sys.modules[name], path
     loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or path.suffix != ".py":
+        raise ValueError(f"model={spec!r} is invalid: {str(path)!r} is not a Python file; allowed is "
+                         "path/to/file.py:factory")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module
     try:
@@ -106,7 +131,7 @@ def _import_file(spec: str, path: Path):
     except Exception as exc:
         del sys.modules[name]
         raise ValueError(f"model={spec!r} is invalid: importing {path.name} failed with "
-                         f"{type(exc).__name__}: {exc}") from exc
+                         f"{type(exc).__name__}: {one_line(exc)}") from exc
     return module, path
 
 
@@ -143,4 +168,4 @@ def _check_overrides(spec: str, factory, overrides: dict) -> None:
                          f"pass {required[0]}=... as an override (--set {required[0]}=...)")
 
 
-__all__ = ["check_blocks", "file_hash", "is_code_spec", "load_code_workload"]
+__all__ = ["check_blocks", "file_hash", "is_code_spec", "load_code_workload", "one_line", "project_relative"]

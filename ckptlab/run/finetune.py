@@ -1,0 +1,72 @@
+"""Full fine-tuning against LoRA: where the memory goes, and what fits on a card (notebook 10).
+
+`lora_vs_full` measures a transformers model trained whole and as its LoRA fine-tune
+(`<spec>+lora=R`), per policy and sequence length, memory by category: frozen weights, trainable
+weights, their gradients and optimizer state, activations. `lora_fits` predicts (fake tensors,
+nothing allocated) a LoRA fine-tune's peak per policy and sequence length, and which of them
+fit each capacity.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+
+from ..core.records import CATEGORIES
+from ..core.units import parse_bytes
+from ..core.validate import integer
+from ..estimate.predict import predict
+from ..plan.budget import measure
+from ..workloads.registry import get_workload
+
+
+def lora_vs_full(model: str, rank: int, seq_lens: Sequence[int], batch_size: int,
+                 policies: Sequence[str] = ("none", "full"), dtype: str = "fp32", device: str = "cpu",
+                 steps: int = 1, warmup: int = 0, max_seconds: float = 1.0) -> pd.DataFrame:
+    """One measured record per (fine-tune, sequence length, policy), with `finetune` ("full" or
+    "LoRA r=R") and `config` (a label for figures) added. `model` is a transformers spec."""
+    integer("rank", rank, 1)
+    lora = f"{model}+lora={rank}"
+    get_workload(lora)   # every input checked before the first measurement
+    rows = []
+    for finetune, spec in (("full", model), (f"LoRA r={rank}", lora)):
+        for seq_len in seq_lens:
+            for policy in policies:
+                record = measure(spec, batch_size, seq_len, policy, dtype=dtype, device=device, steps=steps,
+                                 warmup=warmup, max_seconds=max_seconds)
+                rows.append({**record, "finetune": finetune, "config": f"{finetune} · {policy} · s={seq_len}"})
+    return pd.DataFrame(rows)
+
+
+def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequence[str] = ("24GiB",),
+              policies: Sequence[str] = ("none", "full"), batch_size: int = 1,
+              dtype: str = "bf16-weights") -> pd.DataFrame:
+    """Predicted peak of `model`'s LoRA fine-tune per (policy, sequence length), by category, and
+    `fits_<capacity>`: whether it fits that card. Predictions: exact on CPU against `measure`;
+    on a GPU, attention kernels differ (see the design's note on what a fake step cannot know)."""
+    spec = f"{model}+lora={rank}"
+    caps = {str(c): parse_bytes(c, "capacity") for c in capacities}
+    rows = []
+    for policy in policies:
+        for seq_len in seq_lens:
+            p = predict(spec, batch_size, seq_len, policy, dtype=dtype)
+            row = {"model": spec, "policy": policy, "seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
+                   "predicted_peak_bytes": p.peak_bytes,
+                   **{f"predicted_peak_{c}_bytes": p.peak_by_category.get(c, 0) for c in CATEGORIES}}
+            row.update({f"fits_{name}": p.peak_bytes <= cap for name, cap in caps.items()})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def longest_fitting(fits: pd.DataFrame) -> pd.DataFrame:
+    """From `lora_fits`: per policy and capacity, the longest sequence that fits (0: none)."""
+    rows = []
+    for column in [c for c in fits.columns if c.startswith("fits_")]:
+        for policy, g in fits.groupby("policy", sort=False):
+            rows.append({"policy": policy, "capacity": column[len("fits_"):],
+                         "longest_seq_len": int(g.loc[g[column], "seq_len"].max()) if g[column].any() else 0})
+    return pd.DataFrame(rows)
+
+
+__all__ = ["longest_fitting", "lora_fits", "lora_vs_full"]
