@@ -1,8 +1,8 @@
 """ckptlab: measure what activation checkpointing saves and costs, and choose what to recompute.
 
 The package is layered in the order of the flow (docs/design.md); this module only re-exports.
-Figures, analysis and the explorer load when first used, so `import ckptlab` loads no plotting
-or notebook library.
+Experiments, analysis, figures and the explorer load when first used (their names are in
+`_LAZY`), so `import ckptlab` loads neither pandas nor a plotting or notebook library.
 """
 
 import importlib
@@ -15,15 +15,12 @@ from .core.policy import Policy, parse_policy
 from .core.units import format_bytes
 from .estimate.closed_form import closed_form
 from .estimate.fake_step import Prediction
-from .estimate.predict import add_predictions, predict_fits
+from .estimate.predict import predict_fits
 from .plan.budget import Plan, measure, plan_budget, predict
 from .probe.memory import MemoryReport, track_memory
 from .probe.verify import compare_gradients
 from .report.explain import Explanation, explain
-from .run.compare import compare, measure_together
 from .run.config import SweepConfig
-from .run.store import RunLockedError, load_run
-from .run.sweep import equal_batch_sweep, sweep
 from .workloads.base import Workload
 from .workloads.registry import get_workload
 from .workloads.stacks import find_blocks
@@ -32,12 +29,23 @@ if TYPE_CHECKING:  # what IDEs and type checkers see of the names loaded on firs
     from .apps.explorer import Explorer
     from .report import analysis as analysis
     from .report import plots as plots
+    from .report.analysis import add_predictions
+    from .run.compare import compare, measure_together
+    from .run.store import RunLockedError, load_run
+    from .run.sweep import equal_batch_sweep, sweep
 
 # name -> (module, attribute or None for the module itself), imported on first access
 _LAZY = {
     "analysis": ("ckptlab.report.analysis", None),
     "plots": ("ckptlab.report.plots", None),
     "Explorer": ("ckptlab.apps.explorer", "Explorer"),
+    "add_predictions": ("ckptlab.report.analysis", "add_predictions"),
+    "compare": ("ckptlab.run.compare", "compare"),
+    "measure_together": ("ckptlab.run.compare", "measure_together"),
+    "RunLockedError": ("ckptlab.run.store", "RunLockedError"),
+    "load_run": ("ckptlab.run.store", "load_run"),
+    "sweep": ("ckptlab.run.sweep", "sweep"),
+    "equal_batch_sweep": ("ckptlab.run.sweep", "equal_batch_sweep"),
 }
 
 

@@ -111,3 +111,10 @@ def test_wheel_with_only_core_dependencies_measures(tmp_path):
                            capture_output=True, text=True, cwd=work, check=True)
     assert where.stdout.strip() == str((work / "results").resolve())  # not inside site-packages
     assert list(env_dir.glob("lib/python*/site-packages/ckptlab/py.typed"))
+
+
+def test_import_ckptlab_loads_no_pandas_plotting_or_notebook_stack():
+    code = ("import sys, ckptlab; heavy = [m for m in ('pandas', 'matplotlib', 'ipywidgets', 'papermill', "
+            "'torch.distributed.fsdp') if m in sys.modules]; assert not heavy, heavy; "
+            "assert ckptlab.sweep.__module__ == 'ckptlab.run.sweep' and 'pandas' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -49,3 +49,4 @@ def test_pyproject_dependencies_are_all_locked():
 def test_ci_runs_exactly_make_test():
     lines = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l and not l.startswith("#")]
     assert lines[-1] == "make test"
+

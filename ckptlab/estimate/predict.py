@@ -13,16 +13,12 @@ import math
 import time
 from typing import Iterable, Optional, Sequence
 
-import pandas as pd
-
 from ..core.policy import Policy, parse_policy
 from ..core.units import CARD_LIMITS, GiB, parse_bytes
 from ..core.validate import choice, integer
 from ..probe.step import DTYPES, OPTIMIZERS
 from ..workloads.base import Workload
-from ..workloads.models import GPTConfig
 from ..workloads.registry import as_workload, get_workload
-from .closed_form import closed_form
 from .fake_step import Prediction, fake_memory
 
 CAPACITIES_GIB = tuple(limit // GiB for limit in CARD_LIMITS.values())
@@ -141,35 +137,5 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-def add_predictions(df, closed_form_too: bool = True):
-    """Measured records (a sweep's DataFrame) -> the same rows with the prediction beside them:
-    `predicted_peak_bytes`, `predicted_saved_activation_bytes`, `peak_error` and
-    `saved_error` (predicted / measured - 1), and for GPT workloads the closed form's
-    `closed_form_peak_bytes` and `closed_form_peak_error`. A budget policy is predicted from the
-    plan it resolved to in that run (its `plan` column), so both sides describe the same model.
-    Rows that did not measure ok, and compile policies, get no prediction."""
-    rows = []
-    for r in df.to_dict("records"):
-        policy = parse_policy(r["policy"])
-        if r.get("status") != "ok" or policy.compiles:
-            rows.append(r)
-            continue
-        if isinstance(r.get("plan"), str):  # (a DataFrame turns a missing plan into NaN)
-            policy = Policy("plan", r["plan"], offload=policy.offload)
-        overrides = r.get("model_overrides")
-        workload = get_workload(r["model"], **(overrides if isinstance(overrides, dict) else {}))
-        pred = predict(workload, r["batch_size"], r["seq_len"], policy, dtype=r["dtype"],
-                       optimizer=r.get("optimizer", "adamw"), accum_steps=int(r.get("accum_steps") or 1))
-        r.update(predicted_peak_bytes=pred.peak_bytes, predicted_saved_activation_bytes=pred.saved_activation_bytes,
-                 peak_error=prediction_error(pred.peak_bytes, r["peak_bytes"]),
-                 saved_error=prediction_error(pred.saved_activation_bytes, r["saved_activation_bytes"]))
-        if closed_form_too and isinstance(workload.config, GPTConfig) and policy.kind in ("none", "full", "density", "every", "layers"):
-            cf = closed_form(workload, r["batch_size"], r["seq_len"], policy, r["dtype"])
-            r.update(closed_form_peak_bytes=cf["closed_form_peak_bytes"],
-                     closed_form_peak_error=prediction_error(cf["closed_form_peak_bytes"], r["peak_bytes"]))
-        rows.append(r)
-    return pd.DataFrame(rows)
-
-
-__all__ = ["CAPACITIES_GIB", "add_predictions", "check_prediction", "llama7b_shape", "predict",
+__all__ = ["CAPACITIES_GIB", "check_prediction", "llama7b_shape", "predict",
            "predict_fits", "prediction_error"]

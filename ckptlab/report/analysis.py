@@ -19,9 +19,14 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from ..core.policy import policy_label
+from ..core.policy import Policy, parse_policy, policy_label
 from ..core.units import CARD_LIMITS, format_bytes
+from ..estimate.closed_form import closed_form
+from ..estimate.predict import prediction_error
+from ..plan.budget import predict
 from ..probe.timing import NO_DIFFERENCE, bootstrap_median, time_verdict, unpaired_median_ratio
+from ..workloads.models import GPTConfig
+from ..workloads.registry import get_workload
 from .tables import format_table
 
 SHAPE = ["model", "batch_size", "seq_len", "dtype", "accum_steps"]   # what a baseline must share
@@ -270,6 +275,36 @@ def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def add_predictions(df, closed_form_too: bool = True):
+    """Measured records (a sweep's DataFrame) -> the same rows with the prediction beside them:
+    `predicted_peak_bytes`, `predicted_saved_activation_bytes`, `peak_error` and
+    `saved_error` (predicted / measured - 1), and for GPT workloads the closed form's
+    `closed_form_peak_bytes` and `closed_form_peak_error`. A budget policy is predicted from the
+    plan it resolved to in that run (its `plan` column), so both sides describe the same model.
+    Rows that did not measure ok, and compile policies, get no prediction."""
+    rows = []
+    for r in df.to_dict("records"):
+        policy = parse_policy(r["policy"])
+        if r.get("status") != "ok" or policy.compiles:
+            rows.append(r)
+            continue
+        if isinstance(r.get("plan"), str):  # (a DataFrame turns a missing plan into NaN)
+            policy = Policy("plan", r["plan"], offload=policy.offload)
+        overrides = r.get("model_overrides")
+        workload = get_workload(r["model"], **(overrides if isinstance(overrides, dict) else {}))
+        pred = predict(workload, r["batch_size"], r["seq_len"], policy, dtype=r["dtype"],
+                       optimizer=r.get("optimizer", "adamw"), accum_steps=int(r.get("accum_steps") or 1))
+        r.update(predicted_peak_bytes=pred.peak_bytes, predicted_saved_activation_bytes=pred.saved_activation_bytes,
+                 peak_error=prediction_error(pred.peak_bytes, r["peak_bytes"]),
+                 saved_error=prediction_error(pred.saved_activation_bytes, r["saved_activation_bytes"]))
+        if closed_form_too and isinstance(workload.config, GPTConfig) and policy.kind in ("none", "full", "density", "every", "layers"):
+            cf = closed_form(workload, r["batch_size"], r["seq_len"], policy, r["dtype"])
+            r.update(closed_form_peak_bytes=cf["closed_form_peak_bytes"],
+                     closed_form_peak_error=prediction_error(cf["closed_form_peak_bytes"], r["peak_bytes"]))
+        rows.append(r)
+    return pd.DataFrame(rows)
+
+
 SUMMARY_COLUMNS = ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "peak_bytes", "step_ms", "step_ms_low",
                    "step_ms_high", "tokens_per_s")
 
@@ -469,6 +504,6 @@ def _ms_interval(r) -> str:
     return "" if pd.isna(r.step_ms_low) else f" [{r.step_ms_low:.0f}, {r.step_ms_high:.0f}]"
 
 
-__all__ = ["BUSY_SPREAD", "GUIDE_SLOWDOWN", "SHAPE", "TIMING_GROUP", "compare_note", "fit_note", "fits_from_run",
+__all__ = ["BUSY_SPREAD", "add_predictions", "GUIDE_SLOWDOWN", "SHAPE", "TIMING_GROUP", "compare_note", "fit_note", "fits_from_run",
            "format_summary", "guide_verdict", "largest_fitting", "line_fit", "ok", "overhead", "paired_ratio", "pareto",
            "plans_vs_uniform", "readable", "slowdown_answer", "summary", "timing_note", "trainer_summary"]
