@@ -10,12 +10,13 @@ ckptlab's policies run eager and compiled (`P+compile`); every row's gradients a
 against the eager un-checkpointed model (`verify=True`), a row whose gradients are wrong is never
 a candidate, and an anchor whose gradients are wrong is reported as such, not as faster.
 
-    python benchmarks/frontier.py --shapes small --max-seconds 600 --out results/frontier
-    python benchmarks/frontier.py --shapes medium --max-seconds 900 --out results/frontier
+    python benchmarks/frontier.py --shapes small --max-seconds 300 --out results/frontier
+    python benchmarks/frontier.py --shapes medium --max-seconds 240 --out results/frontier
 
-On an idle 2-core CPU, one thread: `small` took 691 s (43 rounds) and `medium` 1181 s (12
-rounds): the timing budget, the round that ran past it, and before them the memory
-measurements, torch.compile and the planner's profile. A loaded machine (load 7-11) made the
+On a quiet 2-core CPU (load about 1), one thread, compiled rows and gradient checks included:
+`small` took 399 s (18 rounds) and `medium` 1267 s (5 rounds, one step of `none` 4.4 s): the
+memory measurements, torch.compile (twice: timed and verified) and the planner's profile, then
+the timing budget and the round that ran past it. More rounds need a larger --max-seconds. A loaded machine (load 7-11) made the
 same steps up to 7x slower and left 5 rounds with intervals of up to ±50%.
 """
 
