@@ -31,8 +31,7 @@ import torch
 
 from ckptlab import compare, get_workload
 from ckptlab.core.units import format_bytes
-from ckptlab.probe.timing import time_verdict
-from ckptlab.report.analysis import paired_ratio
+from ckptlab.probe.timing import paired_ratio, time_verdict
 
 # Llama blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention) at two widths; the vocabulary is
 # kept small so that the blocks, not the logits, hold most activation memory.

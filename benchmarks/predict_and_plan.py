@@ -33,8 +33,7 @@ from ckptlab.core.policy import policy_label
 from ckptlab.core.units import format_bytes
 from ckptlab.estimate.predict import prediction_error
 from ckptlab.plan.budget import plan_budget
-from ckptlab.probe.timing import check_timing_options, time_steps, time_verdict
-from ckptlab.report.analysis import paired_ratio
+from ckptlab.probe.timing import check_timing_options, paired_ratio, time_steps, time_verdict
 from ckptlab.report.tables import format_table
 
 GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",

@@ -51,6 +51,17 @@ def bootstrap_median(values, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES
     return float(np.median(x)), float(low), float(high)
 
 
+def paired_ratio(row, versus, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high): `row`'s time over `versus`'s from their per-round times (`round_ms`),
+    paired round by round; the two were timed in the same interleaved rounds (one `compare`, or
+    one timing group of a sweep). NaN where either has no round times."""
+    a, b = (np.asarray(r.get("round_ms") if isinstance(r.get("round_ms"), list) else [], dtype=float)
+            for r in (row, versus))
+    if len(a) == 0 or len(a) != len(b):
+        return math.nan, math.nan, math.nan
+    return bootstrap_median(a / b, seed)
+
+
 NO_DIFFERENCE = "no difference"
 
 
@@ -275,5 +286,5 @@ def time_steps(step: Callable[[], object], steps: int, warmup: int, device: torc
                             max_rounds=steps, max_seconds=math.inf)
 
 
-__all__ = ["IntervalTiming", "bootstrap_median", "check_timing_options", "time_interleaved", "time_steps",
+__all__ = ["IntervalTiming", "bootstrap_median", "check_timing_options", "paired_ratio", "time_interleaved", "time_steps",
            "unpaired_median_ratio"]

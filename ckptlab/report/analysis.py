@@ -24,7 +24,7 @@ from ..core.units import CARD_LIMITS, format_bytes
 from ..estimate.closed_form import closed_form
 from ..estimate.predict import prediction_error
 from ..plan.budget import predict
-from ..probe.timing import NO_DIFFERENCE, bootstrap_median, time_verdict, unpaired_median_ratio
+from ..probe.timing import NO_DIFFERENCE, bootstrap_median, paired_ratio, time_verdict, unpaired_median_ratio
 from ..workloads.models import GPTConfig
 from ..workloads.registry import get_workload
 from .tables import format_table
@@ -237,17 +237,6 @@ def compare_note(df: pd.DataFrame) -> str:
         text += (f" The machine was busy (load {base['load_before']:.1f} -> {base['load_after']:.1f}, more than "
                  "its CPU cores): the intervals are wider than on an idle machine.")
     return text
-
-
-def paired_ratio(row, versus, seed: int = 0) -> tuple[float, float, float]:
-    """(median, low, high): `row`'s time over `versus`'s from their per-round times (`round_ms`),
-    paired round by round; the two were timed in the same interleaved rounds (one `compare`, or
-    one timing group of a sweep). NaN where either has no round times."""
-    a, b = (np.asarray(r.get("round_ms") if isinstance(r.get("round_ms"), list) else [], dtype=float)
-            for r in (row, versus))
-    if len(a) == 0 or len(a) != len(b):
-        return math.nan, math.nan, math.nan
-    return bootstrap_median(a / b, seed)
 
 
 TIMING_GROUP = ["batch_size", "seq_len", "dtype", "accum_steps"]   # the cells of a sweep timed together
@@ -505,5 +494,5 @@ def _ms_interval(r) -> str:
 
 
 __all__ = ["BUSY_SPREAD", "add_predictions", "GUIDE_SLOWDOWN", "SHAPE", "TIMING_GROUP", "compare_note", "fit_note", "fits_from_run",
-           "format_summary", "guide_verdict", "largest_fitting", "line_fit", "ok", "overhead", "paired_ratio", "pareto",
+           "format_summary", "guide_verdict", "largest_fitting", "line_fit", "ok", "overhead", "pareto",
            "plans_vs_uniform", "readable", "slowdown_answer", "summary", "timing_note", "trainer_summary"]

@@ -25,12 +25,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import pandas as pd
 
 from ..core.policy import COMPILE_DIGITS, PLAN_LETTERS, parse_policy
 from ..core.units import format_bytes, parse_bytes
-from ..probe.timing import bootstrap_median
+from ..probe.timing import paired_ratio
 from ..probe.verify import WRONG
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
@@ -121,7 +120,7 @@ def plan_compiled(workload: Workload | str, batch_size: int, seq_len: int, budge
         peak_bytes=int(measured["peak_bytes"]) if measured["status"] == "ok" else None,
         gradients=measured.get("gradients"), best_uniform=best_uniform,
         vs_best_uniform=None if best_uniform is None or best_uniform == policy
-        else bootstrap_median(np.asarray(rows.loc[policy, "round_ms"]) / np.asarray(rows.loc[best_uniform, "round_ms"])),
+        else paired_ratio(rows.loc[policy], rows.loc[best_uniform]),
         options="".join(usable), costing=costing.reset_index(), verification=verification)
 
 
