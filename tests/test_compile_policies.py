@@ -9,9 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ckptlab import Workload, compare, compare_gradients, parse_policy
+from ckptlab import Workload, compare, compare_gradients, measure, parse_policy
 from ckptlab.checkpoint.compiled import apply_policy
-from ckptlab.probe.measure import measure
 from ckptlab.run.compiled_plan import _compositions, plan_compiled
 
 BATCH, SEQ = 4, 32
@@ -68,7 +67,7 @@ def test_checkpointed_blocks_compile_into_one_graph_without_a_break():
     workload = dropout_mlp()
     for policy in ("full", "plan=fks", "segments=2"):
         model = workload.build().train()
-        apply_policy(model, policy)
+        apply_policy(model, parse_policy(policy))
         explanation = torch._dynamo.explain(model)(*workload.batch(BATCH, SEQ))
         assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), (policy, explanation.break_reasons)
     torch._dynamo.reset()

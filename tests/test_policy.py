@@ -1,7 +1,10 @@
+import contextlib
+import types
+
 import pytest
 
 from ckptlab import parse_policy
-from ckptlab.core.policy import spread_evenly
+from ckptlab.core.policy import HF_KINDS, KINDS, MECHANISMS, POLICY_HELP, as_policy, parse_policies, spread_evenly
 
 
 @pytest.mark.parametrize(
@@ -37,11 +40,11 @@ def test_segments_are_single_regions():
     assert parse_policy("full").regions(3) == [(0, 1), (1, 2), (2, 3)]
 
 
-def test_round_trip_and_passthrough():
+def test_round_trip_and_as_policy():
     for text in ["none", "full", "density=0.5", "every=2", "layers=0,3", "segments=sqrt", "segments=3"]:
         policy = parse_policy(text)
         assert str(policy) == text
-        assert parse_policy(policy) is policy
+        assert as_policy(policy) is policy
         assert parse_policy(str(policy)) == policy
     assert parse_policy(" Density = 0.5 ") == parse_policy("density=0.5")
 
@@ -111,3 +114,62 @@ def test_budget_label_is_a_rounded_size():
     assert parse_policy("budget=6GiB+offload").label == "budget=6GiB+offload"
     assert parse_policy("budget=0.5").label == "budget=0.5"
     assert parse_policy("density=0.5").label == "density=0.5"
+
+
+def test_a_list_of_policies_splits_one_way():
+    assert [str(p) for p in parse_policies("none,layers=0,2,full")] == ["none", "layers=0,2", "full"]
+    assert [str(p) for p in parse_policies(["full", "FULL", parse_policy("none")])] == ["full", "none"]
+    for empty in ("", [], " , "):
+        with pytest.raises(ValueError, match="policies=.* is invalid: allowed is a non-empty list"):
+            parse_policies(empty)
+
+
+def _counting_parse(text):
+    _parse_policy_calls.append(text)  # noqa: F821 - a name of ckptlab.core.policy while counting
+    return _parse_policy_uncounted(text)  # noqa: F821 - as above
+
+
+@contextlib.contextmanager
+def parse_policy_calls():
+    """Counts every call of parse_policy, however it was imported: its code object is swapped
+    for one that counts, then runs a copy of the original."""
+    calls, original = [], parse_policy.__code__
+    module = parse_policy.__globals__
+    module["_parse_policy_calls"] = calls
+    module["_parse_policy_uncounted"] = types.FunctionType(original, module)
+    parse_policy.__code__ = _counting_parse.__code__
+    try:
+        yield calls
+    finally:
+        parse_policy.__code__ = original
+        del module["_parse_policy_calls"], module["_parse_policy_uncounted"]
+
+
+def test_a_policy_is_parsed_once_from_the_edge_to_the_wrapper():
+    import ckptlab
+
+    texts = ["none", "layers=0,1", "full+offload", "budget=1GiB"]
+    with parse_policy_calls() as calls:
+        for text in texts:
+            ckptlab.measure("gpt-tiny", 1, 16, text, steps=1, warmup=0, max_seconds=0.1)
+    assert sorted(calls) == sorted(texts)
+    with parse_policy_calls() as calls:
+        for text in texts:
+            ckptlab.predict("gpt-tiny", 1, 16, text)
+    assert sorted(calls) == sorted(texts)
+    with parse_policy_calls() as calls:
+        ckptlab.compare("gpt-tiny", 1, 16, ",".join(texts), max_seconds=0.1, target_ci=0.5)
+    assert sorted(calls) == sorted(texts)
+
+
+def test_each_kind_is_one_entry_whose_example_parses_to_it():
+    for kind in KINDS.values():
+        policy = parse_policy(kind.example)
+        assert policy.kind == kind.name and str(policy) == kind.example
+        assert policy.mechanism == kind.mechanism in MECHANISMS
+        assert kind.syntax.split("=")[0].split("[")[0] in POLICY_HELP
+    assert HF_KINDS == ("hf", "hf:every_n_layers", "hf:offload")
+    assert not parse_policy("compile").predictable and not parse_policy("full+compile").predictable
+    assert parse_policy("plan=05kf+compile").compile_budgets(4) == [0.0, 0.5, 1.0, 1.0]
+    with pytest.raises(ValueError, match="plan=05kf is invalid: a compile budget digit needs"):
+        parse_policy("plan=05kf")

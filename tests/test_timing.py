@@ -120,7 +120,14 @@ def test_threads_are_set_recorded_and_restored_and_load_is_recorded():
                               max_rounds=2)
     assert set(seen) == {1} and result.threads == 1 and torch.get_num_threads() == before
     assert result.load_before >= 0 and result.load_after >= 0
-    assert result.busy == (max(result.load_before, result.load_after) > result.cpu_count)
+
+
+@pytest.mark.parametrize("load, busy", [(0.5, False), (64.0, True)])
+def test_busy_means_more_load_than_cores(monkeypatch, load, busy):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (load, load, load))
+    result = time_interleaved({"a": lambda: None}, min_rounds=2, max_rounds=2)
+    assert (result.load_before, result.busy) == (load, busy)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -3,25 +3,28 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ckptlab import apply_checkpointing, find_blocks, get_workload
+from ckptlab import apply_checkpointing, find_blocks, get_workload, parse_policy
+from ckptlab.core.policy import KINDS
+from ckptlab.plan.budget import resolve
 from ckptlab.probe.verify import compare_gradients
 
-POLICIES = ["none", "full", "density=0.5", "density=0.25", "every=2", "every=3", "layers=0,2",
-            "segments=2", "segments=sqrt"]
+# Every kind of the vocabulary that ckptlab's block wrappers apply, by its example, and the variants
+# of each (other values, +offload); compile kinds: tests/test_compile_policies.py; hf: tests/test_hf.py.
+EXAMPLES = [k.example for k in KINDS.values() if k.mechanism == "blocks"]
+VARIANTS = ["density=0.25", "every=3", "segments=sqrt", "selective=alt", "selective=attn", "plan=sfks", "offload",
+            "density=0.5+offload", "segments=2+offload", "selective+offload"]
+MODELS = {"gpt": dict(name="gpt-tiny", n_layer=4, n_embd=32, n_head=2, vocab_size=64, dropout=0.2),
+          "mlp": dict(name="mlp-chain", n_layer=4, n_embd=16)}
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_gradients_equal_on_gpt_with_dropout(policy):
-    workload = get_workload("gpt-tiny", n_layer=4, n_embd=32, n_head=2, vocab_size=64, dropout=0.2)
-    cmp = compare_gradients(workload, policy, batch_size=2, seq_len=16)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("policy", EXAMPLES + VARIANTS)
+def test_gradients_equal_the_unckeckpointed_model(policy, model):
+    workload, seq_len = get_workload(**MODELS[model]), 16 if model == "gpt" else 8
+    policy = resolve(parse_policy(policy), workload, 2, seq_len).policy  # a budget becomes its plan
+    cmp = compare_gradients(workload, policy, batch_size=2, seq_len=seq_len)
     # CPU fp32: the recompute replays the same kernels on the same inputs with the same RNG
-    # state, so the results are bitwise equal; any difference is a bug, not rounding.
-    assert cmp.exact, cmp
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_gradients_equal_on_mlp_chain(policy):
-    cmp = compare_gradients(get_workload("mlp-chain", n_layer=6, n_embd=16), policy, batch_size=2, seq_len=8)
+    # state (dropout on), so the results are bitwise equal; any difference is a bug, not rounding.
     assert cmp.exact, cmp
 
 

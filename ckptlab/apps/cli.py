@@ -19,7 +19,7 @@ import yaml
 
 from ..core.meta import __version__
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
-from ..core.policy import parse_policy, policy_label
+from ..core.policy import COMPOSITIONS, KINDS, Policy, parse_policies, policy_label
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
@@ -43,22 +43,8 @@ from .notebooks import find_notebook, notebook_parameters, run_notebooks
 # neither imports transformers nor needs it (a test keeps the two lists equal).
 HF_PRESET_NAMES = ("hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny", "hf-gpt2", "hf-llama-1b", "hf-llama-7b")
 
-# The policy vocabulary, one example each (each parses: tests/test_cli.py).
-POLICY_EXAMPLES = [
-    ("none", "no checkpointing"),
-    ("full", "recompute every block"),
-    ("density=0.5", "recompute round(0.5 x N) blocks, spread evenly"),
-    ("every=2", "recompute every 2nd block"),
-    ("layers=0,2", "recompute these blocks (indices)"),
-    ("segments=2", "checkpoint_sequential with 2 segments (segments=sqrt: sqrt(N))"),
-    ("selective", "op-level: keep matmul/attention outputs (selective=alt, selective=attn)"),
-    ("plan=kfsk", "one letter per block: k keep, s selective, f full"),
-    ("budget=6GiB", "the planner picks keep/selective/full per block to fit (budget=0.5: of none's peak)"),
-    ("compile", "torch.compile (compile:budget=0.5 sets PyTorch's activation_memory_budget)"),
-    ("full+offload", "any policy with saved activations in host memory (offload alone: none+offload)"),
-    ("full+compile", "any policy, then torch.compile (plan=00kf+compile: a compile budget per block)"),
-    ("hf", "transformers models: their own checkpointing (hf:every_n_layers=2, hf:offload)"),
-]
+# The policy vocabulary, one example each, from the table of kinds (each parses: tests/test_cli.py).
+POLICY_EXAMPLES = [(k.example, k.meaning) for k in KINDS.values()] + list(COMPOSITIONS)
 
 EXIT_CODES = [
     (0, "ok"),
@@ -91,15 +77,9 @@ def int_list(flag: str, text: str) -> list[int]:
                          "e.g. 1,2,4") from None
 
 
-def policy_list(text: str) -> list[str]:
-    """--policy 'none,density=0.5' -> each policy checked; empty is refused."""
-    policies = split_list(text)
-    if not policies:
-        raise ValueError(f"--policy={text!r} is invalid: allowed is a comma-separated list of policies, "
-                         "e.g. none,density=0.5,full")
-    for p in policies:
-        parse_policy(p)
-    return policies
+def policy_list(text: str) -> list[Policy]:
+    """--policy 'none,density=0.5' -> the policies, each parsed once; empty is refused."""
+    return parse_policies(text, "--policy")
 
 
 def _num(fmt: str):
@@ -148,7 +128,7 @@ MEASURE_COLUMNS = [
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    policies = list(dict.fromkeys(str(parse_policy(p)) for p in policy_list(args.policy)))
+    policies = policy_list(args.policy)
     batches, seqs = int_list("--batch", args.batch), int_list("--seq", args.seq)
     workload = get_workload(args.model, **_model_overrides(args.set))
     for policy in policies:  # every policy before the first measurement
@@ -310,7 +290,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads {args.threads} is invalid: allowed is an integer >= 1")
         torch.set_num_threads(args.threads)
     workload = get_workload(args.model, **_model_overrides(args.set))
-    df = compare(workload, args.batch, args.seq, split_list(args.policy), dtype=args.dtype, device=args.device,
+    df = compare(workload, args.batch, args.seq, policy_list(args.policy), dtype=args.dtype, device=args.device,
                  target_ci=args.target_ci, max_seconds=args.max_seconds, anchors=args.anchors, verify=args.verify,
                  out=args.out)
     first = df.iloc[0]
@@ -426,7 +406,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             for policy in policy_list(args.policy):
                 row = predict(workload, batch, seq, policy, dtype=args.dtype).record()
                 try:
-                    row.update(closed_form(workload, batch, seq, row["plan"] and f"plan={row['plan']}" or policy,
+                    row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
                                            dtype=args.dtype))
                 except ValueError:
                     pass

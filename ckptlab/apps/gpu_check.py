@@ -26,10 +26,9 @@ import torch
 from torch.utils.checkpoint import get_device_states
 
 from ..core.children import child_environment, die_with_parent
-from ..core.policy import parse_policy
+from ..core.policy import Policy
 from ..estimate.fake_step import fake_training_step
-from ..estimate.predict import predict
-from ..probe.measure import measure
+from ..plan.budget import measure, predict
 from ..probe.memory import cuda_memory_snapshot, saved_bytes_by_node
 from ..probe.step import DTYPES
 from ..report.gpu_validation import (
@@ -187,7 +186,7 @@ def saved_by_node(workload, dev: torch.device) -> dict[str, int]:
     checkpointing: on `dev` for real, or (dev None) predicted on CPU fake tensors."""
     b, s, dtype = MEMORY["batch_size"], MEMORY["seq_len"], DTYPES[MEMORY["dtype"]]
     if dev is None:
-        with fake_training_step(workload, b, s, parse_policy("none"), MEMORY["dtype"], "none") as (model, _, batch, _, _):
+        with fake_training_step(workload, b, s, Policy("none"), MEMORY["dtype"], "none") as (model, _, batch, _, _):
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
                 return saved_bytes_by_node(workload.loss(model, batch))
     model = workload.build(dev).train()

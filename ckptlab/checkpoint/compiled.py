@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..core.policy import Policy, parse_policy
+from ..core.policy import Policy
 from .blocks import CheckpointHandle
 from .wrap import apply_checkpointing
 
@@ -33,11 +33,10 @@ class Compiled:
     graphs: int = 0
 
 
-def apply_policy(model: nn.Module, policy: str | Policy, **apply_options) -> tuple[nn.Module, CheckpointHandle, Compiled | None]:
+def apply_policy(model: nn.Module, policy: Policy, **apply_options) -> tuple[nn.Module, CheckpointHandle, Compiled | None]:
     """Apply `policy` to `model` in place: checkpointing (`apply_checkpointing`, which takes
     `apply_options`), then compilation when the policy compiles. Returns (the module to run, the
     checkpoint handle, the Compiled record or None when nothing compiles)."""
-    policy = parse_policy(policy)
     handle = apply_checkpointing(model, policy, **apply_options)
     if not policy.compiles:
         return model, handle, None

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from ..core.extras import missing_extra
-from ..core.policy import Policy, parse_policy
+from ..core.policy import Policy
 from ..workloads.base import base_model
 from ..workloads.hf import TINY_LLAMA
 from .blocks import CheckpointHandle, remove_earlier_policies
@@ -112,16 +112,15 @@ class HFCheckpointHandle(CheckpointHandle):
         self._removed = True
 
 
-def apply_hf_checkpointing(model: nn.Module, policy: str | Policy, blocks: Sequence[nn.Module] | None,
+def apply_hf_checkpointing(model: nn.Module, policy: Policy, blocks: Sequence[nn.Module] | None,
                            checkpoint_options: dict, early_stop: bool = True) -> HFCheckpointHandle:
     """Turn on transformers' own checkpointing as `policy` (hf, hf:every_n_layers=K, hf:offload)
     says. Called by `ckptlab.apply_checkpointing`, with the `torch.utils.checkpoint` keyword
     arguments it built from its options; raises ValueError,
     before touching the model, for a non-transformers model or an option this transformers lacks."""
-    policy = parse_policy(policy)
     version = f"transformers {transformers.__version__}"
     model = base_model(model)   # a LoRA fine-tune: transformers' checkpointing is its base model's
-    if not policy.kind.startswith("hf"):
+    if policy.mechanism != "transformers":
         raise ValueError(f"policy={str(policy)!r} is invalid here: apply_hf_checkpointing takes hf policies only")
     if not isinstance(model, PreTrainedModel):
         raise ValueError(

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from ..core.policy import Policy, parse_policy
+from ..core.policy import Policy, as_policy
 from ..workloads.stacks import find_stacks
 from .blocks import (
     CheckpointHandle,
@@ -53,7 +53,7 @@ def apply_checkpointing(
     (frozen bases) and early stop. RNG state is preserved so dropout masks match on recompute.
     `determinism_check`, `debug`, `early_stop` and `context_fn` pass through to PyTorch.
     """
-    policy = parse_policy(policy)
+    policy = as_policy(policy)
     if use_reentrant and context_fn is not None:
         raise ValueError("context_fn is invalid with use_reentrant=True: PyTorch supports it only non-reentrant")
     options = dict(use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
@@ -61,7 +61,7 @@ def apply_checkpointing(
         options.update(determinism_check=determinism_check, debug=debug)
         if context_fn is not None:
             options["context_fn"] = context_fn
-    if policy.kind.startswith("hf"):  # transformers' own checkpointing: ckptlab.checkpoint.hf applies it
+    if policy.mechanism == "transformers":  # transformers' own checkpointing: ckptlab.checkpoint.hf applies it
         # In-function: transformers is an optional, heavy dependency (extra ckptlab[hf]).
         from .hf import apply_hf_checkpointing  # noqa: PLC0415 - needs transformers, the hf extra
         return apply_hf_checkpointing(model, policy, blocks, options, early_stop)
@@ -71,7 +71,7 @@ def apply_checkpointing(
     regions = split_at_stacks(policy.regions(len(blocks)), stacks)  # raises before the model is touched
     remove_earlier_policies(blocks)
     modes = policy.modes(len(blocks)) if policy.kind in ("selective", "plan") else None
-    if modes and any(m.startswith("selective") for m in modes):
+    if modes and "selective" in modes:
         if use_reentrant:
             raise ValueError(f"policy={policy} is invalid with use_reentrant=True: selective "
                              "checkpointing needs non-reentrant checkpoint")
@@ -81,9 +81,8 @@ def apply_checkpointing(
     for start, stop in regions:
         mode = modes[start] if modes else "full"
         region_options = options
-        if mode.startswith("selective"):
-            variant = mode.partition("=")[2] or "mm"
-            region_options = {**options, "context_fn": selective_context_fn(variant)}
+        if mode == "selective":
+            region_options = {**options, "context_fn": selective_context_fn(policy.selective_variant)}
         _patch_region(handle, blocks[start:stop], region_options, early_stop)
     if policy.offload:
         _patch_offload(handle, blocks)

@@ -19,20 +19,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .parsing import split_list
 from .units import format_bytes, size_bytes, size_label
 
 SELECTIVE_VARIANTS = ("mm", "alt", "attn")
 PLAN_LETTERS = {"k": "keep", "s": "selective", "f": "full"}
 PLAN_OPTIONS = tuple(PLAN_LETTERS.values())   # a plan's per-block options, in order of memory kept
-
-POLICY_HELP = (
-    "one of: none | full | density=D (0<=D<=1) | every=K (K>=1) | "
-    "layers=i,j,... (block indices) | segments=S (S>=1) | segments=sqrt | selective[=mm|alt|attn] | "
-    "plan=<k|s|f per block> | budget=<size like 6GiB, or fraction like 0.5> | compile | "
-    "compile:budget=B (0<=B<=1); any of them +offload, any but compile +compile"
-    "; transformers models also: hf | hf:every_n_layers=K (K>=1) | hf:offload"
-)
-
 
 @dataclass(frozen=True)
 class Policy:
@@ -52,6 +44,17 @@ class Policy:
         if self.offload:
             return "offload" if self.kind == "none" else text + "+offload"
         return text + "+compile" if self.compiled else text
+
+    @property
+    def mechanism(self) -> str:
+        """Who applies the checkpointing (`MECHANISMS`): ckptlab's block wrappers, transformers' own
+        mechanism, or the compiler alone (compile, compile:budget=B)."""
+        return KINDS[self.kind].mechanism
+
+    @property
+    def predictable(self) -> bool:
+        """Whether a fake step can predict it: not when torch.compile's partitioner decides."""
+        return KINDS[self.kind].predictable and not self.compiled
 
     @property
     def compiles(self) -> bool:
@@ -76,14 +79,20 @@ class Policy:
         return str(self)
 
     def modes(self, n_blocks: int) -> list[str]:
-        """Per block: "keep", "full" or "selective[=V]" (what wrap applies to each block)."""
+        """Per block: one of `PLAN_OPTIONS` ("keep", "selective", "full"), what wrap applies to
+        it; a selective block keeps what `selective_variant` names."""
         if self.kind == "plan":
             self.regions(n_blocks)  # validates the length
             return [PLAN_LETTERS.get(c, "keep") for c in self.value]  # a budget digit checkpoints nothing
         chosen = set(self.checkpointed_blocks(n_blocks))
-        mode = "selective" if self.kind == "selective" and self.value == "mm" else (
-            f"selective={self.value}" if self.kind == "selective" else "full")
+        mode = "selective" if self.kind == "selective" else "full"
         return [mode if i in chosen else "keep" for i in range(n_blocks)]
+
+    @property
+    def selective_variant(self) -> str:
+        """What a selective block keeps (`SELECTIVE_VARIANTS`): the policy's own variant, or mm
+        (every matmul and attention output) for a plan's selective blocks."""
+        return self.value if self.kind == "selective" else "mm"
 
     def regions(self, n_blocks: int) -> list[tuple[int, int]]:
         """Checkpoint regions as half-open block ranges [start, stop), in block order.
@@ -110,9 +119,11 @@ def plan_policy(options, offload: bool = False, compiled: bool = False) -> Polic
     return Policy("plan", "".join(letter[o] for o in options), offload=offload, compiled=compiled)
 
 
-def policy_label(policy: str) -> str:
+def policy_label(policy: str | Policy) -> str:
     """A policy as tables and figures name it (`Policy.label`: budget=42.7MiB); text that does
-    not parse as a policy is shown as it is."""
+    not parse as a policy (an anchor's label) is shown as it is."""
+    if isinstance(policy, Policy):
+        return policy.label
     try:
         return parse_policy(policy).label
     except ValueError:
@@ -130,15 +141,18 @@ def spread_evenly(k: int, n: int) -> list[int]:
     return [(2 * j + 1) * n // (2 * k) for j in range(k)]  # integer arithmetic: no float rounding
 
 
-def parse_policy(text: str | Policy) -> Policy:
-    """Parse a policy string such as `density=0.5`; a Policy passes through unchanged.
+def parse_policy(text: str) -> Policy:
+    """Parse a policy string such as `density=0.5` into its Policy: once, where text comes in
+    (the command line, notebook parameters, a sweep's configuration, the public functions).
 
     Raises ValueError naming the parameter, the value and what is allowed.
     """
-    if isinstance(text, Policy):
-        return text
     if not isinstance(text, str):
         raise ValueError(f"policy={text!r} is invalid: expected a string, {POLICY_HELP}")
+    return _parse(text)
+
+
+def _parse(text: str, compiled: bool = False) -> Policy:
     if "+" in text:
         parts = [p.strip().lower() for p in text.split("+")]
         if "compile" in parts:
@@ -148,7 +162,7 @@ def parse_policy(text: str | Policy) -> Policy:
                 f"policy={text!r} is invalid: '+' composes one policy with offload only, "
                 "e.g. density=0.5+offload"
             )
-        base = parse_policy(next((p for p in parts if p != "offload"), "none"))
+        base = _parse(next((p for p in parts if p != "offload"), "none"))
         if base.offload:
             raise ValueError(f"policy={text!r} is invalid: offload is given twice")
         return Policy(base.kind, base.value, offload=True)
@@ -161,12 +175,32 @@ def parse_policy(text: str | Policy) -> Policy:
         what = "Hugging Face policy" if name.startswith("hf") else "policy"
         raise ValueError(f"policy={text!r} is invalid: unknown {what} {name!r}; allowed is {POLICY_HELP}")
     if sep and kind.parse is None:
-        raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; allowed is {kind.help or POLICY_HELP}")
+        raise ValueError(f"policy={text!r} is invalid: {name!r} takes no value; allowed is {kind.syntax}")
     if not (sep and arg):
         if name not in kind.bare:
-            raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; allowed is {kind.help or POLICY_HELP}")
+            raise ValueError(f"policy={text!r} is invalid: {name!r} needs a value; allowed is {kind.syntax}")
         return Policy(kind.name, kind.bare[name])
-    return Policy(kind.name, kind.parse(text, name, arg))
+    value = kind.parse(text, name, arg)
+    if kind.name == "plan" and not compiled and set(value) & set(COMPILE_DIGITS):
+        raise ValueError(f"plan={arg} is invalid: a compile budget digit needs +compile (plan=...+compile); "
+                         "allowed are k (keep), s (selective), f (full), one per block")
+    return Policy(kind.name, value)
+
+
+def as_policy(value: str | Policy) -> Policy:
+    """What a public function does with its `policy` argument: a Policy as it is, text parsed."""
+    return value if isinstance(value, Policy) else parse_policy(value)
+
+
+def parse_policies(value, name: str = "policies") -> list[Policy]:
+    """A list of policies, each parsed once and kept once, in order: a list of strings or
+    Policies, or one comma-separated string ("none,layers=0,2,full" is none, layers=0,2 and full:
+    a comma followed by a bare index continues a layers= list). Empty is refused."""
+    items = split_list(value) if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if not items:
+        raise ValueError(f"{name}={value!r} is invalid: allowed is a non-empty list of policies, "
+                         "e.g. none,density=0.5,full")
+    return list(dict.fromkeys(as_policy(item) for item in items))
 
 
 def _parse_budget(text: str, name: str, arg: str) -> int | float:
@@ -233,11 +267,10 @@ def _parse_selective(text: str, name: str, arg: str) -> str:
 
 
 def _parse_plan(text: str, name: str, arg: str) -> str:
-    bad = sorted(set(arg) - set(PLAN_LETTERS))
+    bad = sorted(set(arg) - set(PLAN_LETTERS) - set(COMPILE_DIGITS))
     if bad:
-        digit = " (a compile budget digit needs +compile: plan=...+compile)" if bad[0] in COMPILE_DIGITS else ""
-        raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed{digit}; allowed are "
-                         "k (keep), s (selective), f (full), one per block")
+        raise ValueError(f"plan={arg} is invalid: letter {bad[0]!r} is not allowed; allowed are k (keep), "
+                         "s (selective), f (full), or with +compile a digit d (compile budget d/10), one per block")
     return arg
 
 
@@ -252,19 +285,11 @@ def _parse_compiled(text: str, parts: list[str]) -> Policy:
     if parts.count("compile") > 1 or len(parts) != 2 or "" in parts:
         raise ValueError(f"policy={text!r} is invalid: '+compile' composes one policy with compilation, "
                          "e.g. full+compile or plan=ffkk+compile")
-    base_text = next(p for p in parts if p != "compile")
-    name, _, letters = (part.strip() for part in base_text.partition("="))
-    if name == "plan" and set(letters) & set(COMPILE_DIGITS):  # a budget per block
-        bad = sorted(set(letters) - set(PLAN_LETTERS) - set(COMPILE_DIGITS))
-        if bad:
-            raise ValueError(f"plan={letters} is invalid: letter {bad[0]!r} is not allowed; allowed are k (keep), "
-                             "s (selective), f (full), or a digit d (compile budget d/10), one per block")
-        return Policy("plan", letters, compiled=True)
-    base = parse_policy(base_text)
+    base = _parse(next(p for p in parts if p != "compile"), compiled=True)
     if base.kind == "compile":
         raise ValueError(f"policy={text!r} is invalid: compile is given twice; allowed is compile, "
                          "compile:budget=B or P+compile")
-    if base.kind in HF_KINDS:
+    if KINDS[base.kind].mechanism == "transformers":
         raise ValueError(f"policy={text!r} is invalid: '+compile' composes with ckptlab's policies, "
                          "not the hf ones")
     if base.kind == "none":
@@ -334,44 +359,69 @@ def _hf_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
     return [(i, i + 1) for i in range(0, n_blocks, step)]
 
 
+MECHANISMS = ("blocks", "transformers", "compiler")   # ckptlab's block wrappers, transformers' own, torch.compile
+
+
 @dataclass(frozen=True)
 class Kind:
-    """One kind of policy, in one place: how it is written (`names`, before any "="), what a name
-    without a value means (`bare`), how a value is parsed and spelled back, and which blocks it
-    recomputes (`regions`)."""
+    """One kind of policy, in one place: how it is written (`names`, before any "="; `syntax`,
+    for errors and --help), what a name without a value means (`bare`), how a value is parsed
+    and spelled back, which blocks it recomputes (`regions`), an example with its meaning, the
+    mechanism that applies it (`MECHANISMS`) and whether a fake step can predict it."""
 
     name: str
     names: tuple[str, ...]
     regions: Callable[[Policy, int], list[tuple[int, int]]]
+    syntax: str
+    example: str
+    meaning: str
     parse: Optional[Callable[[str, str, str], object]] = None   # (text, name, arg) -> value; None: no value
     spell: Callable[[object], str] = str
     bare: dict = field(default_factory=dict)                     # a name without a value -> its value
-    help: str = ""                                               # what is allowed, where narrower than POLICY_HELP
+    mechanism: str = "blocks"
+    predictable: bool = True
 
-
-_HF_HELP = "hf | hf:every_n_layers=K (K>=1) | hf:offload"
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
-    Kind("none", ("none",), _no_region, spell=lambda v: "none", bare={"none": None}),
-    Kind("full", ("full",), _every_block, spell=lambda v: "full", bare={"full": None}),
-    Kind("density", ("density",), _density_regions, _parse_density, lambda v: f"density={v}"),
-    Kind("every", ("every",), _every_regions, _parse_at_least_one, lambda v: f"every={v}"),
-    Kind("layers", ("layers",), _layers_regions, _parse_layers, lambda v: "layers=" + ",".join(map(str, v))),
-    Kind("segments", ("segments",), _segments_regions, _parse_segments, lambda v: f"segments={v}"),
-    Kind("selective", ("selective",), _every_block, _parse_selective,
+    Kind("none", ("none",), _no_region, "none", "none", "no checkpointing",
+         spell=lambda v: "none", bare={"none": None}),
+    Kind("full", ("full",), _every_block, "full", "full", "recompute every block",
+         spell=lambda v: "full", bare={"full": None}),
+    Kind("density", ("density",), _density_regions, "density=D (0<=D<=1)", "density=0.5",
+         "recompute round(0.5 x N) blocks, spread evenly", _parse_density, lambda v: f"density={v}"),
+    Kind("every", ("every",), _every_regions, "every=K (K>=1)", "every=2", "recompute every 2nd block",
+         _parse_at_least_one, lambda v: f"every={v}"),
+    Kind("layers", ("layers",), _layers_regions, "layers=i,j,... (block indices)", "layers=0,2",
+         "recompute these blocks (indices)", _parse_layers, lambda v: "layers=" + ",".join(map(str, v))),
+    Kind("segments", ("segments",), _segments_regions, "segments=S (S>=1) | segments=sqrt", "segments=2",
+         "checkpoint_sequential with 2 segments (segments=sqrt: sqrt(N))", _parse_segments, lambda v: f"segments={v}"),
+    Kind("selective", ("selective",), _every_block, "selective[=mm|alt|attn]", "selective",
+         "op-level: keep matmul/attention outputs (selective=alt, selective=attn)", _parse_selective,
          lambda v: "selective" if v == "mm" else f"selective={v}", bare={"selective": "mm"}),
-    Kind("plan", ("plan",), _plan_regions, _parse_plan, lambda v: f"plan={v}"),
-    Kind("budget", ("budget",), _budget_regions, _parse_budget,
+    Kind("plan", ("plan",), _plan_regions, "plan=<k|s|f per block>", "plan=kfsk",
+         "one letter per block: k keep, s selective, f full", _parse_plan, lambda v: f"plan={v}"),
+    Kind("budget", ("budget",), _budget_regions, "budget=<size like 6GiB, or fraction like 0.5>", "budget=6GiB",
+         "the planner picks keep/selective/full per block to fit (budget=0.5: of none's peak)", _parse_budget,
          lambda v: f"budget={size_label(v)}" if isinstance(v, int) else f"budget={v}"),
     # the compiler decides what to recompute, inside the compiled graph: no block regions
-    Kind("compile", ("compile", "compile:budget"), _no_region, _parse_compile_budget,
+    Kind("compile", ("compile", "compile:budget"), _no_region, "compile | compile:budget=B (0<=B<=1)", "compile",
+         "torch.compile (compile:budget=0.5 sets PyTorch's activation_memory_budget)", _parse_compile_budget,
          lambda v: "compile" if v is None else f"compile:budget={v}", bare={"compile": None},
-         help="compile | compile:budget=B with 0<=B<=1"),
-    Kind("hf", ("hf",), _hf_regions, spell=lambda v: "hf", bare={"hf": None}, help=_HF_HELP),
-    Kind("hf:every_n_layers", ("hf:every_n_layers",), _hf_regions, _parse_at_least_one,
-         lambda v: f"hf:every_n_layers={v}", help=_HF_HELP),
-    Kind("hf:offload", ("hf:offload",), _hf_regions, spell=lambda v: "hf:offload", bare={"hf:offload": None},
-         help=_HF_HELP),
+         mechanism="compiler", predictable=False),
+    Kind("hf", ("hf",), _hf_regions, "hf", "hf", "transformers models: their own checkpointing on every layer",
+         spell=lambda v: "hf", bare={"hf": None}, mechanism="transformers"),
+    Kind("hf:every_n_layers", ("hf:every_n_layers",), _hf_regions, "hf:every_n_layers=K (K>=1)",
+         "hf:every_n_layers=2", "transformers models: their own checkpointing on every 2nd layer",
+         _parse_at_least_one, lambda v: f"hf:every_n_layers={v}", mechanism="transformers"),
+    Kind("hf:offload", ("hf:offload",), _hf_regions, "hf:offload", "hf:offload",
+         "transformers models: their own checkpointing, saved tensors in host memory",
+         spell=lambda v: "hf:offload", bare={"hf:offload": None}, mechanism="transformers"),
 )}
-HF_KINDS = ("hf", "hf:every_n_layers", "hf:offload")   # transformers' own mechanism (ckptlab.checkpoint.hf)
-
+HF_KINDS = tuple(k.name for k in KINDS.values() if k.mechanism == "transformers")
+COMPOSITIONS = (   # what '+' adds to a kind, one example each
+    ("full+offload", "any policy with saved activations in host memory (offload alone: none+offload)"),
+    ("full+compile", "any policy, then torch.compile (plan=00kf+compile: a compile budget per block)"),
+)
+POLICY_HELP = ("one of: " + " | ".join(k.syntax for k in KINDS.values() if k.mechanism != "transformers")
+               + "; any of them +offload, any but compile +compile; transformers models also: "
+               + " | ".join(KINDS[k].syntax for k in HF_KINDS))

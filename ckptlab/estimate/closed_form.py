@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..core.policy import Policy, parse_policy
+from ..core.policy import Policy, as_policy
 from ..workloads.base import Workload
 from ..workloads.models import GPTConfig
 from ..workloads.registry import as_workload
@@ -69,7 +69,7 @@ def closed_form(workload: Workload | str, batch_size: int, seq_len: int, policy:
             recomputed block, materialised again during its backward).
     """
     workload = as_workload(workload)
-    policy = parse_policy(policy)
+    policy = as_policy(policy)
     cfg = workload.config
     if not isinstance(cfg, GPTConfig):
         raise ValueError(f"model={workload.name!r} is invalid for closed_form: allowed are the GPT workloads")

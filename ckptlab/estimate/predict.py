@@ -13,7 +13,7 @@ import math
 import time
 from typing import Iterable, Optional, Sequence
 
-from ..core.policy import Policy, parse_policy
+from ..core.policy import Policy, parse_policies
 from ..core.units import CARD_LIMITS, GiB, parse_bytes
 from ..core.validate import choice, integer
 from ..probe.step import DTYPES, OPTIMIZERS
@@ -24,11 +24,11 @@ from .fake_step import Prediction, fake_memory
 CAPACITIES_GIB = tuple(limit // GiB for limit in CARD_LIMITS.values())
 
 
-def predict(
+def predict_policy(
     workload: Workload | str,
     batch_size: int,
     seq_len: int,
-    policy: str | Policy = "none",
+    policy: Policy,
     dtype: str = "fp32",
     optimizer: str = "adamw",
     accum_steps: int = 1,
@@ -59,16 +59,15 @@ def predict(
     )
 
 
-def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, policy, dtype: str = "fp32",
+def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                      optimizer: str = "adamw", accum_steps: int = 1) -> tuple[Workload, Policy]:
-    """Check every input of `predict` (ValueError naming the first bad one): (workload, policy)."""
+    """Check every input of `predict_policy` (ValueError naming the first bad one): (workload, policy)."""
     workload = as_workload(workload)
-    policy = parse_policy(policy)
     workload.check_shape(batch_size, seq_len)
     integer("accum_steps", accum_steps, 1)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
-    if policy.compiles:
+    if not policy.predictable:
         raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
                          "what to save inside the compiled graph; measure it instead")
     return workload, policy
@@ -102,16 +101,16 @@ def predict_fits(
     limit = workload.max_seq_len or 1 << 20
     seq_lens = list(seq_lens) if seq_lens else [2**k for k in range(7, 21) if 2**k <= limit]
     rows = []
-    for pol in policies:
+    for pol in parse_policies(policies):
         cache: dict[tuple[int, int], int] = {}
 
         def peak(b: int, s: int) -> int:
             if (b, s) not in cache:
-                cache[(b, s)] = predict(workload, b, s, pol, dtype=dtype, optimizer=optimizer).peak_bytes
+                cache[(b, s)] = predict_policy(workload, b, s, pol, dtype=dtype, optimizer=optimizer).peak_bytes
             return cache[(b, s)]
 
         for cap_name, cap in caps:
-            rows.append({"model": workload.label, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
+            rows.append({"model": workload.label, "policy": str(pol), "capacity": cap_name, "capacity_bytes": cap,
                          "dtype": dtype, "seq_len": seq_len, "max_batch_size": _largest(lambda b: peak(b, seq_len) <= cap, max_batch),
                          "batch_size": batch_size,
                          "max_seq_len": max((s for s in seq_lens if peak(batch_size, s) <= cap), default=0)})
@@ -137,5 +136,4 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-__all__ = ["CAPACITIES_GIB", "check_prediction", "llama7b_shape", "predict",
-           "predict_fits", "prediction_error"]
+__all__ = ["CAPACITIES_GIB", "check_prediction", "llama7b_shape", "predict_fits", "predict_policy", "prediction_error"]

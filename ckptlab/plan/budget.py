@@ -1,8 +1,8 @@
 """Budgets become plans here, and only here: `plan_budget` chooses the minimum-recompute plan of
 {keep, selective, full} per block whose predicted peak fits a budget, verifies it by a fake run
 of the real plan (re-solving with a tightened target when the peak model was optimistic), and
-`measure` / `predict` resolve a `budget=` policy to that plan before the probe and the
-estimator, which see only concrete policies. An infeasible budget raises ValueError stating the
+`resolve` turns a `budget=` policy into that plan for measure, predict, compare and explain
+alike, before the probe and the estimator, which see only concrete policies. An infeasible budget raises ValueError stating the
 minimum achievable peak.
 """
 
@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from ..core.policy import PLAN_OPTIONS as OPTIONS
-from ..core.policy import Policy, parse_policy, plan_policy
+from ..core.policy import Policy, as_policy, parse_policy, plan_policy
 from ..core.units import format_bytes, parse_bytes
 from ..estimate.fake_step import Prediction, fake_memory
-from ..estimate.predict import check_prediction
-from ..estimate.predict import predict as predict_concrete
-from ..probe.measure import measure as measure_concrete
-from ..probe.measure import measurement_record
+from ..estimate.predict import check_prediction, predict_policy
+from ..probe.measure import measure_policy, measurement_record
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
 from .profile import profile_blocks
@@ -124,25 +123,46 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     )
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """A policy made concrete for one shape: what is applied, and the plan a budget chose."""
+
+    policy: Policy                 # concrete: no budget=
+    plan: Optional[Plan] = None    # the plan a budget became (None for any other policy)
+
+
+def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32",
+            optimizer: str = "adamw") -> Resolved:
+    """The one place a `budget=` becomes a plan: the plan `plan_budget` chooses for this shape,
+    with the budget's +offload or +compile (a compiled budget compiles the eager planner's plan,
+    block by block). Any other policy is already concrete. An infeasible budget raises
+    ValueError stating the minimum achievable peak."""
+    if policy.kind != "budget":
+        return Resolved(policy)
+    plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer)
+    return Resolved(plan_policy(plan.options, policy.offload, policy.compiled), plan)
+
+
 def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
             **options):
-    """`ckptlab.probe.measure.measure` (same arguments, same record) for any policy: a `budget=`
-    is first resolved to the plan `plan_budget` chooses for this shape, and the record keeps the
-    budget as its policy and the plan in `plan`. An infeasible budget is this configuration's
-    result (status "error", the minimum achievable peak in the message), not bad input."""
-    workload, policy = as_workload(workload), parse_policy(policy)
+    """`ckptlab.probe.measure.measure_policy` (same arguments, same record) for any policy: a
+    `budget=` is first resolved to the plan `plan_budget` chooses for this shape, and the record
+    keeps the budget as its policy and the plan in `plan`. An infeasible budget is this
+    configuration's result (status "error", the minimum achievable peak in the message), not bad
+    input."""
+    workload, policy = as_workload(workload), as_policy(policy)
     if policy.kind != "budget":
-        return measure_concrete(workload, batch_size, seq_len, policy, **options)
+        return measure_policy(workload, batch_size, seq_len, policy, **options)
     with_report = options.pop("with_report", False)
     record = measurement_record(workload, batch_size, seq_len, policy, **options)[0]
     try:
-        plan = plan_budget(workload, batch_size, seq_len, policy, dtype=record["dtype"], optimizer=record["optimizer"])
+        resolved = resolve(policy, workload, batch_size, seq_len, record["dtype"], record["optimizer"])
     except ValueError as exc:
         record.update(status="error", message=f"ValueError: {exc}")
         return (record, None) if with_report else record
-    result = measure_concrete(workload, batch_size, seq_len, plan_policy(plan.options, policy.offload, policy.compiled),
-                              with_report=with_report, **options)
+    result = measure_policy(workload, batch_size, seq_len, resolved.policy, with_report=with_report, **options)
     measured = result[0] if with_report else result
+    plan = resolved.plan
     planned = f"plan {plan.letters} (predicted peak {plan.predicted_peak_bytes} B <= budget {plan.budget_bytes} B)"
     if policy.compiled:
         planned += ", predicted for the eager model: compiled, only the measured peak holds"
@@ -153,15 +173,15 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
             dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1) -> Prediction:
-    """`ckptlab.estimate.predict.predict` for any policy: a `budget=` is first resolved to the plan
-    `plan_budget` chooses; the prediction names the budget as its policy and the plan in `plan`."""
-    workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
-    if policy.kind != "budget":
-        return predict_concrete(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
-    plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer)
-    prediction = predict_concrete(workload, batch_size, seq_len, plan_policy(plan.options, policy.offload), dtype,
-                                  optimizer, accum_steps)
-    return dataclasses.replace(prediction, policy=str(policy), plan=plan.letters)
+    """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
+    the plan `plan_budget` chooses; the prediction names the budget as its policy and the plan in `plan`."""
+    workload, policy = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer,
+                                        accum_steps)
+    resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer)
+    prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, optimizer, accum_steps)
+    if resolved.plan is None:
+        return prediction
+    return dataclasses.replace(prediction, policy=str(policy), plan=resolved.plan.letters)
 
 
-__all__ = ["Plan", "measure", "plan_budget", "predict", "resolve_budget"]
+__all__ = ["Plan", "Resolved", "measure", "plan_budget", "predict", "resolve", "resolve_budget"]

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..core.children import child_environment, die_with_parent
-from ..core.policy import parse_policy
+from ..core.policy import Policy, as_policy
 from ..core.records import new_record
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
@@ -124,7 +124,7 @@ def rank_spec(workload, batch_size, seq_len, policies, nproc, device, dtype, ste
         raise ValueError(f"nproc={nproc} is invalid here: only {torch.cuda.device_count()} CUDA devices")
     for label, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps), ("accum_steps", accum_steps)):
         integer(label, value, 1)
-    policies = [str(parse_policy(p)) for p in ([policies] if isinstance(policies, str) else policies)]
+    policies = [str(as_policy(p)) for p in ([policies] if isinstance(policies, (str, Policy)) else policies)]
     return dict(model=name, model_hash=model_hash, seed=seed, overrides=overrides, batch_size=batch_size, seq_len=seq_len,
                 policies=policies, device_type=dev_type, dtype=dtype, steps=steps, warmup=warmup,
                 memory_limit_bytes=parse_bytes(memory_limit), optimizer=optimizer, accum_steps=accum_steps)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.compiled import apply_policy
-from ..core.policy import HF_KINDS, parse_policy
+from ..core.policy import Policy
 from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
@@ -34,11 +34,11 @@ from .timing import check_timing_options, time_interleaved
 MAX_ROUNDS = 200   # a step timed alone: at most this many rounds, even if the interval stays wide
 
 
-def measure(
+def measure_policy(
     workload: Workload | str,
     batch_size: int,
     seq_len: int,
-    policy: str = "none",
+    policy: Policy,
     device: str = "cpu",
     dtype: str = "fp32",
     steps: int = 5,
@@ -50,7 +50,8 @@ def measure(
     target_ci: float = 0.02,
     max_seconds: float = 1.0,
 ) -> dict:
-    """Measure one training step of `workload` at (batch_size, seq_len) under `policy`.
+    """Measure one training step of `workload` at (batch_size, seq_len) under a concrete `policy`
+    (`ckptlab.measure` resolves a budget first).
 
     Returns a flat dict (one row of a results table), or with `with_report=True` the pair
     (record, MemoryReport of the tracked step, timeline included; None if it failed). Inputs are validated before any work and
@@ -74,14 +75,13 @@ def measure(
     return (record, report) if with_report else record
 
 
-def measurement_record(workload: Workload | str, batch_size: int, seq_len: int, policy, *, device: str = "cpu",
+def measurement_record(workload: Workload | str, batch_size: int, seq_len: int, policy: Policy, *, device: str = "cpu",
                        dtype: str = "fp32", steps: int = 5, warmup: int = 2, memory_limit=None,
                        optimizer: str = "adamw", accum_steps: int = 1, target_ci: float = 0.02,
                        max_seconds: float = 1.0):
-    """Check every input of `measure` (ValueError naming the first bad one) and start its record.
+    """Check every input of `measure_policy` (ValueError naming the first bad one) and start its record.
     Returns (record, workload, policy, device, memory limit in bytes or None)."""
     workload = as_workload(workload)
-    policy = parse_policy(policy)
     workload.check_shape(batch_size, seq_len)
     integer("steps", steps, 1)
     integer("warmup", warmup, 0)
@@ -259,15 +259,14 @@ def allocator_step_memory(step, model, optimizer, batch, dev):
     return allocator_peak(step, dev, sum(start.values()))
 
 
-def check_policy_applies(workload: Workload, policy) -> None:
+def check_policy_applies(workload: Workload, policy: Policy) -> None:
     """Raise ValueError when `policy` cannot apply to `workload` (layers=9 or a plan of the wrong
     length on a 4-block model, an hf policy on a model that is not a transformers model), using
     the model built on the meta device: no memory, no time."""
-    policy = parse_policy(policy)
     model = workload.build("meta")
     transformers_model = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
                              for c in type(base_model(model)).__mro__)
-    if policy.kind in HF_KINDS and not transformers_model:
+    if policy.mechanism == "transformers" and not transformers_model:
         raise ValueError(f"policy={str(policy)!r} is invalid for model={workload.name!r}: the hf policies apply "
                          "to transformers models (the hf-* presets) only")
     if policy.kind != "budget":  # a budget becomes a plan per cell, from that cell's shapes
@@ -279,5 +278,5 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["allocator_step_memory", "check_policy_applies", "failures_recorded", "fresh_compiler_cache", "measure", "policy_applier",
+__all__ = ["allocator_step_memory", "check_policy_applies", "failures_recorded", "fresh_compiler_cache", "measure_policy", "policy_applier",
            "measurement_record", "policy_notes", "prepare_step", "reset_compiler_cache"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checkpoint.compiled import apply_policy, eager_random
-from ..core.policy import Policy, parse_policy
+from ..core.policy import Policy, as_policy
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
 
@@ -74,7 +74,7 @@ def compare_gradients(
     `apply_options` go to `apply_checkpointing` (e.g. use_reentrant=True). `workload` is a
     Workload or any spec `get_workload` takes."""
     workload = as_workload(workload)
-    policy = parse_policy(policy)
+    policy = as_policy(policy)
     batch = workload.batch(batch_size, seq_len, device)
     reference = step_gradients(workload.build(device).train(), workload, batch, seed)
     model = workload.build(device).train()

@@ -221,7 +221,7 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
     checkpoints = policy.kind not in ("none", "compile")
     # ckptlab's wrappers recompute a block through its forward, not its __call__: a block called
     # in backward is the model's own checkpointing recomputing it (transformers' hf policies do so too).
-    if checkpoints and pred.block_calls_in_backward and not policy.kind.startswith("hf"):
+    if checkpoints and pred.block_calls_in_backward and policy.mechanism != "transformers":
         return "double", (
             f"Checkpointing is applied twice: the model already recomputes its blocks itself "
             f"({pred.block_calls_in_backward} block calls ran in backward) and {policy} checkpoints them again "

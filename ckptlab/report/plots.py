@@ -52,7 +52,7 @@ def policy_style(policy: str) -> dict:
         parsed = parse_policy(policy)
     except ValueError:  # a label this version cannot parse still gets a stable style
         return {"color": OTHER_STYLE[0], "marker": OTHER_STYLE[1], "linestyle": "-"}
-    kind = "hf" if parsed.kind.startswith("hf") else parsed.kind
+    kind = "hf" if parsed.mechanism == "transformers" else parsed.kind
     color, marker = KIND_STYLES.get(kind, OTHER_STYLE)
     strength = _strength(parsed)
     # Mix towards white: strength 1 is the kind's own colour, 0 is 60% white.

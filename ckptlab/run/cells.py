@@ -101,7 +101,7 @@ def measure_together_cells(config: SweepConfig, cells: list[dict], keep: Callabl
     if len(todo) > 1:
         workload = config.workload()
         first = todo[0]
-        measured = measure_together(workload, first["batch_size"], first["seq_len"], [c["policy"] for c in todo],
+        measured = measure_together(workload, first["batch_size"], first["seq_len"], [config.policy(c["policy"]) for c in todo],
                                     device=config.device, dtype=first["dtype"], accum_steps=first["accum_steps"],
                                     memory_limit_bytes=config.memory_limit, optimizer=config.optimizer,
                                     steps=config.steps, warmup=config.warmup, target_ci=config.target_ci,
@@ -163,7 +163,7 @@ def run_cell(config: SweepConfig, cell: dict) -> dict:
                                memory_limit=config.memory_limit, optimizer=config.optimizer,
                                accum_steps=cell["accum_steps"], seed=config.seed, model_overrides=config.model_overrides,
                                target_ci=config.target_ci)
-    return measure(config.workload(), cell["batch_size"], cell["seq_len"], cell["policy"], device=config.device,
+    return measure(config.workload(), cell["batch_size"], cell["seq_len"], config.policy(cell["policy"]), device=config.device,
                    dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
                    memory_limit=config.memory_limit, optimizer=config.optimizer,
                    accum_steps=cell["accum_steps"], target_ci=config.target_ci, max_seconds=config.max_seconds)

@@ -23,10 +23,10 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from ..checkpoint.compiled import Compiled, compile_with_budget
 from ..checkpoint.wrap import matmul_and_attention_ops
-from ..core.policy import parse_policy, plan_policy
+from ..core.policy import Policy, parse_policies
 from ..core.records import new_record
 from ..core.validate import choice, integer
-from ..plan.budget import plan_budget
+from ..plan.budget import resolve
 from ..probe.measure import (
     MAX_ROUNDS,
     check_policy_applies,
@@ -55,12 +55,14 @@ CKPTLAB = "ckptlab"
 class Config:
     """One row of the comparison: a label, where it comes from, and how to apply it to a model
     (`apply(model, record) -> (model to run, compiled?, handle or None)`, as `prepare_step`
-    takes it; None for a ckptlab policy, resolved when it is measured)."""
+    takes it; None for a ckptlab policy, resolved when it is measured). `ckptlab_policy` is the
+    ckptlab Policy a row applies (None for an anchor)."""
 
     policy: str
     source: str
     apply: Optional[Callable] = None
     anchor: bool = False
+    ckptlab_policy: Optional[Policy] = None
 
 
 @dataclass
@@ -86,7 +88,7 @@ class Shape:
         return self.memory_limit_bytes
 
 
-def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: Sequence[str] | str, *,
+def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: Sequence[str | Policy] | str, *,
             dtype: str = "fp32", device: str = "cpu", target_ci: float = 0.02, max_seconds: float = 120,
             anchors: bool | Sequence[str] = False, verify: bool = False,
             out: Optional[str | Path] = None) -> pd.DataFrame:
@@ -101,8 +103,7 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     the largest absolute and relative differences it judged (`max_grad_diff`, `max_grad_rel_diff`);
     `out=DIR` writes compare.csv and compare.json there (`ckptlab.report.plots.compare_plot` draws them)."""
     workload = as_workload(workload)
-    policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
-    policies = list(dict.fromkeys(str(parse_policy(p)) if isinstance(p, str) and p else p for p in policies))
+    policies = parse_policies(policies)
     _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
     chosen = chosen_anchors(workload, anchors)
     dev = resolve_device(device)
@@ -123,7 +124,7 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     return df
 
 
-def measure_together(workload: Workload, batch_size: int, seq_len: int, policies: Sequence[str], *,
+def measure_together(workload: Workload, batch_size: int, seq_len: int, policies: Sequence[Policy], *,
                      device: str = "cpu", dtype: str = "fp32", accum_steps: int = 1,
                      memory_limit_bytes: Optional[int] = None, optimizer: str = OPTIMIZER, steps: int = 5,
                      warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 30) -> list[dict]:
@@ -157,8 +158,6 @@ def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_second
     integer("seq_len", seq_len, 1)
     if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
         raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
-    if not policies or any(not isinstance(p, str) or not p for p in policies):
-        raise ValueError(f"policies={policies!r} is invalid: allowed is a non-empty list of policy strings")
     for p in policies:
         check_policy_applies(workload, p)
     choice("dtype", dtype, list(DTYPES))
@@ -167,9 +166,8 @@ def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_second
 
 # ----------------------------------------------------------------------------- configurations
 
-def _ckptlab_config(text: str) -> Config:
-    policy = parse_policy(text)
-    return Config(str(policy), CKPTLAB)
+def _ckptlab_config(policy: Policy) -> Config:
+    return Config(str(policy), CKPTLAB, ckptlab_policy=policy)
 
 
 def anchor_configs(workload: Workload) -> list[Config]:
@@ -269,14 +267,12 @@ def _prepare(config: Config, shape: Shape, rows, steps) -> None:
     dev = shape.dev
     with failures_recorded(record, dev):
         if config.apply is None:
-            policy = parse_policy(config.policy)
-            if policy.kind == "budget":
-                plan = plan_budget(shape.workload, shape.batch_size, shape.seq_len, policy, dtype=shape.dtype,
-                                   optimizer=shape.optimizer)
-                record["plan"] = plan.letters
-                policy = plan_policy(plan.options, policy.offload)
-            policy_notes(record, policy, dev)
-            config.apply = policy_applier(policy)
+            resolved = resolve(config.ckptlab_policy, shape.workload, shape.batch_size, shape.seq_len,
+                               shape.dtype, shape.optimizer)
+            if resolved.plan is not None:
+                record["plan"] = resolved.plan.letters
+            policy_notes(record, resolved.policy, dev)
+            config.apply = policy_applier(resolved.policy)
         step, _ = prepare_step(record, shape.workload, config.apply, dev, shape.dtype, shape.limit, shape.optimizer)
         steps[config.policy] = step
     rows.append(record)
@@ -296,18 +292,19 @@ def _add_plan_for(anchor_row: dict, shape: Shape, rows, steps, configs) -> None:
     record = _new_record(shape, f"budget={peak}B", PLAN_SOURCE)
     record.update(plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)
     try:
-        plan = plan_budget(shape.workload, shape.batch_size, shape.seq_len, peak, dtype=shape.dtype,
-                           optimizer=shape.optimizer)
+        resolved = resolve(Policy("budget", peak), shape.workload, shape.batch_size, shape.seq_len, shape.dtype,
+                           shape.optimizer)
     except ValueError as exc:
         rows.append({**record, "status": "error", "message": str(exc)})
         return
-    label = str(plan.policy)
+    plan = resolved.plan
+    label = str(resolved.policy)
     existing = next((r for r in rows if r["policy"] == label), None)
     if existing is not None:  # the same plan is already a row: name this anchor there
         existing["plan_at_peak_of"] = "; ".join(filter(None, [existing.get("plan_at_peak_of"), anchor_row["policy"]]))
         existing.setdefault("plan_budget_bytes", peak)
         return
-    config = Config(label, PLAN_SOURCE, policy_applier(plan.policy))
+    config = Config(label, PLAN_SOURCE, policy_applier(resolved.policy), ckptlab_policy=resolved.policy)
     configs.append(config)
     _prepare(config, shape, rows, steps)
     rows[-1].update(plan=plan.letters, plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)

@@ -27,8 +27,9 @@ from typing import Optional
 
 import pandas as pd
 
-from ..core.policy import COMPILE_DIGITS, PLAN_LETTERS, parse_policy
-from ..core.units import format_bytes, parse_bytes
+from ..core.policy import COMPILE_DIGITS, PLAN_LETTERS, Policy
+from ..core.units import format_bytes
+from ..plan.budget import resolve_budget
 from ..probe.timing import paired_ratio
 from ..probe.verify import WRONG
 from ..workloads.base import Workload
@@ -78,15 +79,15 @@ def plan_compiled(workload: Workload | str, batch_size: int, seq_len: int, budge
     measurements (module docstring). `options` are plan letters: k, s, f and budget digits."""
     workload = as_workload(workload)
     letters = _check(options)
-    _budget_bytes(budget, 1)  # bad input fails here, before any work
+    resolve_budget(budget, 1)  # bad input fails here, before any work
     n = len(find_blocks(workload.build("meta")))
-    uniform = {o: f"plan={o * n}+compile" for o in letters}
-    costing = compare(workload, batch_size, seq_len, list(uniform.values()), dtype=dtype, verify=True,
+    uniform = {o: str(Policy("plan", o * n, compiled=True)) for o in letters}
+    costing = compare(workload, batch_size, seq_len, [Policy("plan", o * n, compiled=True) for o in letters], dtype=dtype, verify=True,
                       max_seconds=max_seconds, target_ci=target_ci).set_index("policy")
     keep = costing.loc[uniform["k"]]
     if keep["status"] != "ok":
         raise RuntimeError(f"the compiled all-keep plan did not run: {keep['message']}")
-    budget_bytes = _budget_bytes(budget, int(keep["peak_bytes"]))
+    budget_bytes = resolve_budget(budget, int(keep["peak_bytes"]))
     usable = [o for o in letters if costing.loc[uniform[o], "status"] == "ok"
               and costing.loc[uniform[o], "gradients"] != WRONG]
     saving = {o: (keep["peak_bytes"] - costing.loc[uniform[o], "peak_bytes"]) / n for o in usable}
@@ -106,9 +107,10 @@ def plan_compiled(workload: Workload | str, batch_size: int, seq_len: int, budge
     # The options that save most go first, as the eager planner's plans recompute early blocks.
     order = sorted(zip(usable, counts), key=lambda oc: -saving[oc[0]])
     chosen = "".join(o * c for o, c in order)
-    policy = f"plan={chosen}+compile"
-    rivals = [uniform[o] for o in usable if costing.loc[uniform[o], "peak_bytes"] <= peak]
-    verification = compare(workload, batch_size, seq_len, list(dict.fromkeys([uniform["k"], policy, *rivals])),
+    policy = str(Policy("plan", chosen, compiled=True))
+    rivals = [o * n for o in usable if costing.loc[uniform[o], "peak_bytes"] <= peak]
+    verification = compare(workload, batch_size, seq_len,
+                           [Policy("plan", letters, compiled=True) for letters in dict.fromkeys(["k" * n, chosen, *rivals])],
                            dtype=dtype, verify=True, max_seconds=max_seconds, target_ci=target_ci)
     rows = verification.set_index("policy")
     measured = rows.loc[policy]
@@ -130,16 +132,6 @@ def _check(options: str) -> list[str]:
         raise ValueError(f"options={options!r} is invalid: allowed are plan letters k, s, f and budget digits "
                          "0-9, k included (the baseline), e.g. ksf05")
     return list(dict.fromkeys(options))
-
-
-def _budget_bytes(budget, keep_peak: int) -> int:
-    """A size, bytes, or a fraction of the compiled all-keep peak -> bytes (ValueError if none)."""
-    if isinstance(budget, float) and 0 < budget <= 1:
-        return int(budget * keep_peak)
-    if isinstance(budget, str):
-        value = parse_policy(budget if budget.startswith("budget") else f"budget={budget}").value
-        return int(value * keep_peak) if isinstance(value, float) else int(value)
-    return parse_bytes(budget, "budget")
 
 
 def _compositions(n: int, k: int):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..core.parsing import yaml_mapping
-from ..core.policy import parse_policy
+from ..core.policy import Policy, parse_policies
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer, integer_list, no_credential, non_empty, number, output_folder
 from ..probe.measure import check_policy_applies
@@ -159,13 +159,11 @@ class SweepConfig:
         for s in self.seq_lens:
             if limit is not None and s > limit:
                 raise ValueError(f"seq_lens: seq_len={s} is invalid for model={self.model!r}: allowed is 1..{limit}")
-        policies = []
-        for p in non_empty("policies", self.policies):
-            policy = parse_policy(p)
+        parsed = parse_policies(self.policies, "policies")
+        for policy in parsed:
             check_policy_applies(workload, policy)
-            if str(policy) not in policies:
-                policies.append(str(policy))
-        self.policies = policies
+        self.policies = [str(p) for p in parsed]  # canonical text: cells, records and run.json
+        self._parsed = {str(p): p for p in parsed}
         self.dtypes = [choice("dtypes", d, list(DTYPES)) for d in dict.fromkeys(non_empty("dtypes", self.dtypes))]
         choice("optimizer", self.optimizer, OPTIMIZERS)
         self.device = str(resolve_device(self.device))
@@ -191,6 +189,10 @@ class SweepConfig:
             self.submitit_folder = output_folder("submitit_folder", self.submitit_folder)
         if self.executor == "submitit":
             self.job_options()
+
+    def policy(self, text: str) -> Policy:
+        """The parsed Policy of one of `policies` (a cell's `policy` text)."""
+        return self._parsed[text]
 
     def job_options(self) -> "JobOptions":
         """The submitit options, checked (executor="submitit")."""

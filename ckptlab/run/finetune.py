@@ -16,8 +16,7 @@ import pandas as pd
 from ..core.records import CATEGORIES
 from ..core.units import parse_bytes
 from ..core.validate import integer
-from ..estimate.predict import predict
-from ..plan.budget import measure
+from ..plan.budget import measure, predict
 from ..workloads.registry import get_workload
 
 
