@@ -1,12 +1,13 @@
 """Per-job overhead of `executor="submitit"` with submitit's LocalExecutor on this machine.
 
-    python benchmarks/job_overhead.py
+    python benchmarks/job_overhead.py [--repeats N]
 
 Times submit -> result for jobs that do no measuring, one at a time: `time.sleep(0)` (submitit's
 own cost: a controller process, a job process, pickles on disk) and an empty `ckptlab.run.cluster.run_job`
 (that plus importing torch and ckptlab in the job, which every real job pays).
 """
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -17,7 +18,10 @@ from ckptlab.run.cluster import run_job
 from ckptlab.run.config import SweepConfig
 
 
-def main(repeats: int = 3) -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="jobs per kind (1: the smallest setting)")
+    repeats = parser.parse_args(argv).repeats
     with tempfile.TemporaryDirectory() as tmp:
         grid = SweepConfig(policies=["none"], out=f"{tmp}/run").to_dict()
         ex = submitit.AutoExecutor(folder=f"{tmp}/%j", cluster="local")

@@ -28,17 +28,21 @@ import time
 
 import torch
 
-from ckptlab import closed_form, get_workload, measure, measure_together, predict, predict_fits
-from ckptlab.core.policy import policy_label
+from ckptlab import closed_form, get_workload, measure, measure_together, predict, predict_fits, track_memory
+from ckptlab.checkpoint.compiled import apply_policy
+from ckptlab.core.policy import parse_policy, policy_label
 from ckptlab.core.units import format_bytes
 from ckptlab.estimate.predict import prediction_error
 from ckptlab.plan.budget import plan_budget
+from ckptlab.probe.measure import allocator_step_memory, fresh_compiler_cache
+from ckptlab.probe.step import make_optimizer, training_step
 from ckptlab.probe.timing import check_timing_options, paired_ratio, time_steps, time_verdict
 from ckptlab.report.tables import format_table
 
 GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
                  "selective", "selective=alt", "selective=attn", "plan=kfsk", "density=0.5+offload",
                  "budget=mid"]
+QUICK_POLICIES = ["none", "full", "selective", "plan=kfsk", "density=0.5+offload", "budget=mid"]  # --quick
 MLP_POLICIES = ["none", "full", "density=0.5", "every=3", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfskkfsk", "budget=mid"]
 
@@ -56,10 +60,12 @@ def mib(v):
 def prediction_table(quick: bool) -> list[dict]:
     rows = []
     gpt = get_workload("gpt-tiny")
-    batches, seqs = ([2, 8], [32, 256]) if quick else ([1, 2, 4, 8], [32, 64, 128, 256])
-    cases = [(gpt, b, s, p, "fp32") for b in batches for s in seqs for p in GRID_POLICIES]
-    cases += [(get_workload("mlp-chain"), 8, 128, p, "fp32") for p in MLP_POLICIES]
-    cases += [(gpt, 8, 128, p, "bf16") for p in ("none", "full", "density=0.5", "selective", "segments=sqrt")]
+    batches, seqs = ([2], [32]) if quick else ([1, 2, 4, 8], [32, 64, 128, 256])
+    grid, mlp = (QUICK_POLICIES, QUICK_POLICIES[:2]) if quick else (GRID_POLICIES, MLP_POLICIES)
+    cases = [(gpt, b, s, p, "fp32") for b in batches for s in seqs for p in grid]
+    cases += [(get_workload("mlp-chain"), 8, 128, p, "fp32") for p in mlp]
+    cases += [(gpt, 8, 128, p, "bf16") for p in grid[:2] if quick] or [
+        (gpt, 8, 128, p, "bf16") for p in ("none", "full", "density=0.5", "selective", "segments=sqrt")]
     for workload, b, s, policy, dtype in cases:
         if policy == "budget=mid":  # halfway between full's and none's peak: always feasible
             mid = (predict(workload, b, s, "none", dtype=dtype).peak_bytes
@@ -87,10 +93,11 @@ def frontier(quick: bool, batch: int, seq: int, target_ci: float, max_seconds: f
     """Every policy measured, then all timed together (`measure_together`): interleaved rounds,
     each row's time ratio to `none` paired round by round, with its 95% interval."""
     workload = get_workload("gpt-tiny")
-    uniform = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
-               "selective", "selective=alt", "selective=attn"]
+    uniform = ["none", "full", "density=0.5", "selective"] if quick else [
+        "none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt", "selective",
+        "selective=alt", "selective=attn"]
     none_p, full_p = predict(workload, batch, seq, "none"), predict(workload, batch, seq, "full")
-    fracs = [0.95, 0.9, 0.85, 0.8]
+    fracs = [0.9] if quick else [0.95, 0.9, 0.85, 0.8]
     budgets = [f"budget={f}" for f in fracs] + [f"budget={full_p.peak_bytes}B"]
     plans = {}
     for b in budgets:
@@ -198,11 +205,12 @@ def llama_cost() -> dict:
 def fits_table(quick: bool) -> list[dict]:
     # GPT-3 XL shape (1.3B, 24 blocks, width 2048, no dropout) in bf16 autocast with AdamW (fp32
     # master weights and state: 16 B/parameter before any activation).
-    workload = get_workload("gpt2-small", n_layer=24, n_embd=2048, n_head=16, vocab_size=50257,
+    # --quick: the same width with 2 blocks, the smallest run of every step.
+    workload = get_workload("gpt2-small", n_layer=2 if quick else 24, n_embd=2048, n_head=16, vocab_size=50257,
                             block_size=8192, dropout=0.0)
     policies = ["none", "full"] if quick else ["none", "selective", "density=0.5", "segments=sqrt", "full"]
-    return predict_fits(workload, policies, seq_len=2048, batch_size=1, dtype="bf16", max_batch=512,
-                     seq_lens=[512, 1024, 2048, 4096, 8192])
+    return predict_fits(workload, policies, seq_len=2048, batch_size=1, dtype="bf16", max_batch=8 if quick else 512,
+                        seq_lens=[512, 1024] if quick else [512, 1024, 2048, 4096, 8192])
 
 
 # --------------------------------------------------------------------------- 4. compile:budget
@@ -210,23 +218,15 @@ def fits_table(quick: bool) -> list[dict]:
 def compile_investigation(quick: bool) -> list[dict]:
     """mlp-chain with activations >> parameters. Known answers first: eager none / full, where
     the live-tensor tracker is ground truth, measured with the same allocator accounting."""
-    from ckptlab import apply_checkpointing, track_memory
-    from ckptlab.core.policy import parse_policy
-    from ckptlab.probe.measure import allocator_step_memory, compile_config
-    from ckptlab.probe.step import make_optimizer, training_step
 
     workload = get_workload("mlp-chain", n_layer=4, n_embd=64)
     b, s = 32, 256
     rows = []
     for policy in ["none", "full", "compile:budget=1.0", "compile:budget=0.5", "compile:budget=0.0"]:
         pol = parse_policy(policy)
-        with compile_config(pol):
+        with fresh_compiler_cache(pol):
             model = workload.build()
-            run = model
-            if pol.kind == "compile":
-                run = torch.compile(model)
-            else:
-                apply_checkpointing(model, pol)
+            run, _, _ = apply_policy(model, pol)  # compile:budget=B compiles with that activation_memory_budget
             batch = workload.batch(b, s)
             opt = make_optimizer("adamw", model)
             step = training_step(run, workload, batch, opt)
@@ -316,9 +316,10 @@ def compile_dropout_check() -> dict:
 
 # --------------------------------------------------------------------------- main
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller grid (CI smoke run)")
+    parser.add_argument("--quick", action="store_true", help="the smallest setting: every section at toy size "
+                        "(a smoke run; its numbers are not the claims)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--target-ci", type=float, default=0.02,
@@ -329,7 +330,7 @@ def main() -> None:
     parser.add_argument("--skip-compile", action="store_true", help="skip torch.compile runs (slow on CPU)")
     parser.add_argument("--sections", default="1,2,3,4", help="which sections to run, e.g. 2,4")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared machine)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.max_seconds is None:
         args.max_seconds = 30 if args.quick else 120
     check_timing_options(args.target_ci, args.max_seconds)
@@ -416,12 +417,16 @@ def interval(row: dict, name: str, fmt: str, value: str | None = None) -> str:
 
 
 def section_fits(args, result) -> None:
-    print("\n== 3. what fits, by prediction: GPT 1.3B shape (24 x 2048), bf16 autocast, AdamW ==")
+    shape = "2 x 2048 (--quick)" if args.quick else "GPT 1.3B shape (24 x 2048)"
+    print(f"\n== 3. what fits, by prediction: {shape}, bf16 autocast, AdamW ==")
     fits = fits_table(args.quick)
     result["predict_fits"] = fits
     print(format_table(fits, [("policy", "policy", str), ("capacity", "capacity", str),
                               ("max batch @ seq 2048", "max_batch_size", str),
                               ("max seq @ batch 1", "max_seq_len", str)]))
+    if args.quick:
+        print("Llama-7B-shaped GPT cost: not run with --quick")
+        return
     llama = llama_cost()
     result["llama7b"] = llama
     print("Llama-7B-shaped GPT (6.7B) at batch 8, seq 4096, bf16, fresh process: "
@@ -430,29 +435,28 @@ def section_fits(args, result) -> None:
 
 
 def section_compile(args, result) -> None:
-    if True:
-        print("\n== 4. compile:budget on mlp-chain (4 x 64, b=32, s=256): allocator-level accounting ==")
-        comp = compile_investigation(args.quick)
-        result["compile"] = comp
-        shown = [{**r, "step": interval(r, "step_ms", "{:.1f}")} for r in comp]
-        print(format_table(shown, [
-            ("policy", "policy", str), ("tracker peak", "tracker_peak", mib), ("allocator peak", "allocator_peak", mib),
-            ("tracker saved", "tracker_saved", mib), ("allocator saved", "allocator_saved", mib),
-            ("backward rise", "backward_rise", mib), ("peak in", "peak_phase", str),
-            ("peak at % of bwd", "peak_at_backward_fraction", lambda v: "-" if v is None else f"{v:.0%}"),
-            ("step ms [95% CI]", "step", str)]))
-        order = backward_graph_order()
-        result["compile_bw_order"] = order
-        for budget, o in order.items():
-            rc = o["recompute_positions"]
-            print(f"budget {budget}: backward graph of {o['bw_ops']} ops re-runs {len(rc)} forward ops"
-                  + (f" at positions {rc[0]}..{rc[-1]}, "
-                     f"{'all before the first relu gradient at' if rc[-1] < o['first_relu_grad'] else 'the first relu gradient at'} position "
-                     f"{o['first_relu_grad']}" if rc else ""))
-        drop = compile_dropout_check()
-        result["compile_dropout"] = drop
-        print("gpt-tiny with dropout, max |grad(compile:budget=0.5) - grad(compile:budget=1.0)|: "
-              + ", ".join(f"{k}: {v:.3g}" for k, v in drop.items()))
+    print("\n== 4. compile:budget on mlp-chain (4 x 64, b=32, s=256): allocator-level accounting ==")
+    comp = compile_investigation(args.quick)
+    result["compile"] = comp
+    shown = [{**r, "step": interval(r, "step_ms", "{:.1f}")} for r in comp]
+    print(format_table(shown, [
+        ("policy", "policy", str), ("tracker peak", "tracker_peak", mib), ("allocator peak", "allocator_peak", mib),
+        ("tracker saved", "tracker_saved", mib), ("allocator saved", "allocator_saved", mib),
+        ("backward rise", "backward_rise", mib), ("peak in", "peak_phase", str),
+        ("peak at % of bwd", "peak_at_backward_fraction", lambda v: "-" if v is None else f"{v:.0%}"),
+        ("step ms [95% CI]", "step", str)]))
+    order = backward_graph_order()
+    result["compile_bw_order"] = order
+    for budget, o in order.items():
+        rc = o["recompute_positions"]
+        print(f"budget {budget}: backward graph of {o['bw_ops']} ops re-runs {len(rc)} forward ops"
+              + (f" at positions {rc[0]}..{rc[-1]}, "
+                 f"{'all before the first relu gradient at' if rc[-1] < o['first_relu_grad'] else 'the first relu gradient at'} position "
+                 f"{o['first_relu_grad']}" if rc else ""))
+    drop = compile_dropout_check()
+    result["compile_dropout"] = drop
+    print("gpt-tiny with dropout, max |grad(compile:budget=0.5) - grad(compile:budget=1.0)|: "
+          + ", ".join(f"{k}: {v:.3g}" for k, v in drop.items()))
 
 
 if __name__ == "__main__":

@@ -88,3 +88,19 @@ def test_overhead_benchmark_refuses_a_bad_option_before_any_work(capsys):
     with pytest.raises(SystemExit):
         overhead.main(["--model", "mlp-chain"])
     assert "--model 'mlp-chain' is invalid: allowed is a GPT workload" in capsys.readouterr().err
+
+
+# Each benchmark's smallest setting: a run of every step at toy size, so that a rename in ckptlab
+# cannot break a benchmark silently. overhead.py runs end to end above.
+SMALLEST = {
+    "predict_and_plan": ["--quick", "--skip-compile", "--max-seconds", "0.5"],
+    "sweep_cost": ["--quick"],
+    "job_overhead": ["--repeats", "1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem != "overhead"))
+def test_every_benchmark_runs_its_smallest_setting(name, capsys):
+    assert name in SMALLEST, f"benchmarks/{name}.py: add its smallest setting to SMALLEST"
+    load(name).main(SMALLEST[name])
+    assert capsys.readouterr().out.strip()

@@ -121,3 +121,15 @@ def test_compiled_plan_choice_rests_on_measurements_and_is_verified_by_one():
     assert set(plan.letters) <= set("kf") and plan.letters != "kk"
     assert plan.peak_bytes == plan.verification.set_index("policy").loc[plan.policy, "peak_bytes"]  # measured
     assert plan.fits and plan.gradients == "within tolerance"
+
+
+def test_the_context_fn_notice_stays_off_the_terminal():
+    import logging
+
+    from ckptlab.checkpoint.compiled import CONTEXT_FN_NOTICE
+
+    apply_policy(dropout_mlp().build(), parse_policy("selective+compile"))  # compiles on first call
+    notices = logging.getLogger("torch._higher_order_ops.wrap")
+    notice = notices.makeRecord(notices.name, logging.WARNING, __file__, 0, f"\n{CONTEXT_FN_NOTICE}.\n", (), None)
+    other = notices.makeRecord(notices.name, logging.WARNING, __file__, 0, "another warning", (), None)
+    assert not notices.filter(notice) and notices.filter(other)

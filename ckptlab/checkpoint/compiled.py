@@ -14,6 +14,7 @@ Two traps are closed here:
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -72,10 +73,23 @@ def _inductor_with_budget(budget: float, compiled: Compiled):
     return inductor_with_budget
 
 
+# torch logs this reminder (no in-place ops in a region with a context_fn) whenever a selective
+# checkpoint compiles; ckptlab's selective policies only choose what to save, and its gradient
+# check (`compare --verify`) is what would catch an in-place op. Library noise, kept off the terminal.
+CONTEXT_FN_NOTICE = "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile"
+
+
+def _without_context_fn_notice(record: logging.LogRecord) -> bool:
+    return CONTEXT_FN_NOTICE not in record.getMessage()
+
+
 def _no_silent_eager() -> None:
-    """Room for every graph of a run, and an error instead of eager when there is none. Set for
-    the process, not in a `with`: dynamo reads the limit whenever a compiled frame runs, long
-    after the model was compiled."""
+    """Room for every graph of a run, and an error instead of eager when there is none; the
+    context_fn notice filtered out. Set for the process, not in a `with`: dynamo reads the limit
+    whenever a compiled frame runs, long after the model was compiled."""
+    notices = logging.getLogger("torch._higher_order_ops.wrap")
+    if _without_context_fn_notice not in notices.filters:
+        notices.addFilter(_without_context_fn_notice)
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)

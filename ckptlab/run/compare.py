@@ -124,7 +124,7 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     return df
 
 
-def measure_together(workload: Workload, batch_size: int, seq_len: int, policies: Sequence[Policy], *,
+def measure_together(workload: Workload, batch_size: int, seq_len: int, policies: Sequence[str | Policy], *,
                      device: str = "cpu", dtype: str = "fp32", accum_steps: int = 1,
                      memory_limit_bytes: Optional[int] = None, optimizer: str = OPTIMIZER, steps: int = 5,
                      warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 30) -> list[dict]:
@@ -133,7 +133,7 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
     ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`SweepConfig`)."""
     shape = Shape(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
                   optimizer, steps, warmup)
-    return _measure([_ckptlab_config(p) for p in policies], shape, target_ci, max_seconds)
+    return _measure([_ckptlab_config(p) for p in parse_policies(policies)], shape, target_ci, max_seconds)
 
 
 def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None) -> list[dict]:
