@@ -25,7 +25,8 @@ from ..core.validate import integer, integer_list, number, output_folder, run_na
 from ..estimate.closed_form import closed_form
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
-from ..probe.step import DTYPE_HELP, DTYPES, OPTIMIZERS
+from ..core.optimizers import OPTIMIZER_HELP, OPTIMIZERS
+from ..probe.step import DTYPE_HELP, DTYPES
 from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary
 from ..report.explain import explain
@@ -500,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure", help="measure one training step per policy and print a table")
     add_workload_arguments(p, batch="4", seq="64", policy="none,full")
     p.add_argument("--accum", type=int, default=1, help="gradient-accumulation steps (micro-batches per optimizer step)")
-    p.add_argument("--optimizer", default="adamw", help="adamw | sgd | none (default: adamw)")
+    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
     add_format_argument(p)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--steps", type=int, default=5, help="minimum interleaved timing rounds (median reported)")
@@ -546,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="why memory did not drop: the peak, what holds it, and what each lever "
                                        "would make it (predicted, nothing allocated)")
     add_workload_arguments(p, batch="4", seq="64", policy="none", lists=False)
-    p.add_argument("--optimizer", default="adamw", help="adamw | sgd | none (default: adamw)")
+    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
     p.add_argument("--capacity", default=None, help="e.g. 24GiB: adds the plan that fits it; the waterfall stops there")
     p.add_argument("--ranks", type=int, default=8, help="world size of the FSDP2 lever (default 8)")
     p.add_argument("--measure", action="store_true", help="also measure the step here, beside the prediction")

@@ -2,9 +2,12 @@
 
 `predict()` runs the same training step that `measure()` runs (model code, checkpoint wrappers,
 optimizer, live-tensor tracker) under fake tensors (`fake_step`), so the predicted peak is what a
-real CPU run would measure, for shapes far beyond this machine. What it cannot know is in
-docs/design.md, note "What a fake step cannot know". `predict_fits()` answers "the largest batch /
-sequence per policy on a 24/40/80/141 GiB card" from predictions.
+real CPU run would measure, for shapes far beyond this machine. With `device="cuda"` it predicts
+the step as a CUDA card runs it: CUDA's kernels, autocast and optimizer, the cuBLAS workspaces and
+the caching allocator (allocated, reserved), and on a card (`core.cards`) the device bytes and the
+margin left (`fake_step`, `cuda_device`). What it cannot know is in docs/design.md, note "What a
+fake step cannot know". `predict_fits()` answers "the largest batch / sequence per policy on a
+card" from predictions.
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ import math
 import time
 from typing import Iterable, Optional, Sequence
 
+from ..core.cards import Card, card as find_card
+from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy, parse_policy
 from ..core.units import CARD_LIMITS, GiB, parse_bytes
 from ..core.validate import choice, integer
-from ..probe.step import DTYPES, OPTIMIZERS
+from ..probe.step import DTYPES
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
-from .fake_step import Prediction, fake_memory
+from .cuda_semantics import ATTENTION_BACKENDS
+from .fake_step import DEVICES, Prediction, fake_memory
 
 CAPACITIES_GIB = tuple(limit // GiB for limit in CARD_LIMITS.values())
 
@@ -32,35 +38,60 @@ def predict(
     dtype: str = "fp32",
     optimizer: str = "adamw",
     accum_steps: int = 1,
+    device: str = "cpu",
+    card: Optional[str | Card] = None,
+    attention: Optional[str] = None,
 ) -> Prediction:
     """Predict `measure(workload, batch_size, seq_len, policy, dtype=dtype)`'s memory columns
     without allocating: peak bytes (total, by category, phase) and saved-activation bytes.
 
+    `device="cpu"` (default) predicts the step on a CPU, exact to the byte. `device="cuda"`
+    predicts it as a CUDA card runs it: peak_bytes is the allocator's allocated peak,
+    reserved_bytes its reserved peak, and with `card` (a name of `ckptlab.cards()`, default:
+    none, an sm80 card without a context) device_bytes and margin_bytes. `attention` forces
+    scaled-dot-product attention's CUDA backend (flash, efficient or math; default: PyTorch's
+    choice, named in `attention_backend`).
+
     The policy is concrete: `ckptlab.predict` resolves a `budget=` to its plan first.
     Policies that compile cannot be predicted (the compiler's partitioner decides inside the graph):
-    ValueError. Offload is predicted as its base policy (CPU: a no-op), and says so in `note`.
+    ValueError. Offload is predicted as its base policy, and says so in `note`.
     """
-    workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
+    workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps,
+                                        device, card, attention)
     if policy.kind == "budget":
         raise ValueError(f"policy={policy} is invalid here: this predicts a concrete policy; ckptlab.predict "
                          "resolves a budget to its plan first")
     t0 = time.perf_counter()
-    note = "offload predicted as its base policy (no-op on CPU)" if policy.offload else ""
-    report, handle = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
+    on_card = find_card(card) if isinstance(card, str) else card
+    note = f"offload predicted as its base policy (no-op on {'CPU' if device == 'cpu' else 'fake CPU tensors'})" \
+        if policy.offload else ""
+    fake = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention)
+    report, handle = fake.report, fake.handle
+    peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
+    if fake.device is not None:
+        dm = fake.device
+        by_category.update(workspaces=dm.workspace_bytes, rounding=dm.rounding_bytes,
+                           fragmentation=dm.reserved_bytes - dm.allocated_bytes)
+        peak = dm.allocated_bytes
+        cuda = {"reserved_bytes": dm.reserved_bytes, "device_bytes": dm.device_bytes,
+                "attention_backend": fake.attention_backend}
+        if on_card is not None:
+            cuda.update(card=on_card.name, margin_bytes=on_card.usable_bytes - dm.device_bytes)
     return Prediction(
         model=workload.label, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
         optimizer=optimizer, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
-        peak_bytes=report.peak_bytes, peak_by_category=dict(report.peak_by_category),
+        peak_bytes=peak, peak_by_category=by_category,
         peak_phase=report.peak_phase, saved_activation_bytes=report.saved_activation_bytes or 0,
         predict_s=time.perf_counter() - t0, note=note,
         peak_in_blocks_by_category=dict(report.peak_in_blocks_by_category), peak_block=report.peak_block,
         recompute_count=handle.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
-        **report.param_bytes,
+        device=device, **{**report.param_bytes, **cuda},
     )
 
 
 def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, policy, dtype: str = "fp32",
-                     optimizer: str = "adamw", accum_steps: int = 1) -> tuple[Workload, Policy]:
+                     optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
+                     card: Optional[str | Card] = None, attention: Optional[str] = None) -> tuple[Workload, Policy]:
     """Check every input of `predict` (ValueError naming the first bad one): (workload, policy)."""
     workload = as_workload(workload)
     policy = parse_policy(policy)
@@ -68,6 +99,15 @@ def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, po
     integer("accum_steps", accum_steps, 1)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
+    choice("device", device, DEVICES)
+    if device != "cuda" and (card is not None or attention is not None):
+        given = "card" if card is not None else "attention"
+        raise ValueError(f"{given}={card if card is not None else attention!r} is invalid with device={device!r}: "
+                         "a card and an attention backend are CUDA's; allowed is device='cuda'")
+    if isinstance(card, str):
+        find_card(card)
+    if attention is not None:
+        choice("attention", attention, ATTENTION_BACKENDS)
     if policy.compiles:
         raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
                          "what to save inside the compiled graph; measure it instead")

@@ -32,7 +32,8 @@ from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .step import DTYPES, OPTIMIZERS
+from ..core.optimizers import OPTIMIZERS
+from .step import DTYPES
 from .timing import check_timing_options
 
 
