@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from ..core.meta import __version__
+from ..core.optimizers import OPTIMIZER_HELP, OPTIMIZERS
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
 from ..core.policy import parse_policy, policy_label
 from ..core.units import format_bytes, parse_bytes
@@ -25,7 +26,6 @@ from ..core.validate import integer, integer_list, number, output_folder, run_na
 from ..estimate.closed_form import closed_form
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
-from ..core.optimizers import OPTIMIZER_HELP, OPTIMIZERS
 from ..probe.step import DTYPE_HELP, DTYPES
 from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary

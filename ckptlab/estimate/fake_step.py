@@ -33,12 +33,13 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from ..checkpoint.blocks import CheckpointHandle
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.cards import Card
+from ..core.cards import card as find_card
 from ..core.policy import Policy
 from ..core.records import CATEGORIES
 from ..core.units import format_bytes
-from ..checkpoint.blocks import CheckpointHandle
 from ..probe.memory import MemoryReport, track_memory
 from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
@@ -79,7 +80,8 @@ class Prediction:
     # card's context, margin_bytes = the card's usable bytes - device_bytes.
     device: str = "cpu"
     card: Optional[str] = None
-    attention_backend: Optional[str] = None
+    attention: Optional[str] = None          # the SDPA backend asked for (None: PyTorch's choice)
+    attention_backend: Optional[str] = None  # the one chosen
     reserved_bytes: Optional[int] = None
     device_bytes: Optional[int] = None
     margin_bytes: Optional[int] = None
@@ -190,7 +192,7 @@ def sequences_unpacked():
 @contextlib.contextmanager
 def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
                        dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1,
-                       device: str = "cpu", card: Optional[Card] = None, attention: Optional[str] = None):
+                       device: str = "cpu", card: Optional[str | Card] = None, attention: Optional[str] = None):
     """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
     optimizer, step) after one untracked warm-up step — the state `measure` tracks from. With
     device="cuda" the step runs as on `card`'s architecture (default sm80), `attention` forcing
@@ -203,6 +205,7 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
 @contextlib.contextmanager
 def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention):
     """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu")."""
+    card = as_card(card)
     fake_mode = fake_modes()
     workload = with_dtype(workload, dtype)
     model = fake_model(workload, fake_mode)  # as Workload.build, minus the device move
@@ -222,6 +225,11 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_st
         yield model, handle, batch, opt, step, kernels
 
 
+def as_card(card: Optional[str | Card]) -> Optional[Card]:
+    """A card given by name or as itself."""
+    return find_card(card) if isinstance(card, str) else card
+
+
 @dataclass
 class FakeMemory:
     """One tracked fake step: the tracker's report, the checkpoint handle, and on CUDA the
@@ -235,9 +243,9 @@ class FakeMemory:
 
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                 optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-                card: Optional[Card] = None, attention: Optional[str] = None) -> FakeMemory:
+                card: Optional[str | Card] = None, attention: Optional[str] = None) -> FakeMemory:
     """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring)."""
-    cuda = device == "cuda"
+    cuda, card = device == "cuda", as_card(card)
     blas = BlasUse() if cuda else contextlib.nullcontext()
     with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
                     attention) as (model, handle, batch, opt, step, kernels):
@@ -251,5 +259,5 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
                           device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card))
 
 
-__all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "castable", "fake_memory", "fake_model",
+__all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model",
            "fake_modes", "fake_training_step", "sequences_unpacked"]

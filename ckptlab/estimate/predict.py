@@ -16,7 +16,8 @@ import math
 import time
 from typing import Iterable, Optional, Sequence
 
-from ..core.cards import Card, card as find_card
+from ..core.cards import CARD_NAMES, DEFAULT_MARGIN_BYTES, Card
+from ..core.cards import card as find_card
 from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy, parse_policy
 from ..core.units import CARD_LIMITS, GiB, parse_bytes
@@ -25,7 +26,7 @@ from ..probe.step import DTYPES
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
 from .cuda_semantics import ATTENTION_BACKENDS
-from .fake_step import DEVICES, Prediction, fake_memory
+from .fake_step import DEVICES, Prediction, as_card, fake_memory
 
 CAPACITIES_GIB = tuple(limit // GiB for limit in CARD_LIMITS.values())
 
@@ -62,7 +63,7 @@ def predict(
         raise ValueError(f"policy={policy} is invalid here: this predicts a concrete policy; ckptlab.predict "
                          "resolves a budget to its plan first")
     t0 = time.perf_counter()
-    on_card = find_card(card) if isinstance(card, str) else card
+    on_card = as_card(card)
     note = f"offload predicted as its base policy (no-op on {'CPU' if device == 'cpu' else 'fake CPU tensors'})" \
         if policy.offload else ""
     fake = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention)
@@ -85,7 +86,7 @@ def predict(
         predict_s=time.perf_counter() - t0, note=note,
         peak_in_blocks_by_category=dict(report.peak_in_blocks_by_category), peak_block=report.peak_block,
         recompute_count=handle.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
-        device=device, **{**report.param_bytes, **cuda},
+        device=device, attention=attention, **{**report.param_bytes, **cuda},
     )
 
 
@@ -131,31 +132,75 @@ def predict_fits(
     optimizer: str = "adamw",
     max_batch: int = 1024,
     seq_lens: Optional[Sequence[int]] = None,
+    device: str = "cpu",
+    attention: Optional[str] = None,
+    margin=DEFAULT_MARGIN_BYTES,
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
     `batch_size`. The peak grows monotonically with batch and sequence, so the batch is found by
     doubling then bisection; each step is one `predict`. 0 means not even the smallest fits.
-    (`analysis.fits_from_run` answers the same question from a sweep's measured records.)"""
+    (`analysis.fits_from_run` answers the same question from a sweep's measured records.)
+
+    A capacity is a size ("24GiB") or a card's name ("rtx4090", `ckptlab.cards()`). On a card
+    the step is predicted for that card (device="cuda" is implied) and fits when its device bytes
+    plus `margin` (a size) are at most the card's usable bytes; the row says how much is left at
+    each largest shape (`margin_at_max_*_bytes`). A size fits, on "cpu", the peak; on "cuda",
+    the reserved bytes plus `margin` (a bare size has no context)."""
     workload = as_workload(workload)
-    caps = [(str(c), parse_bytes(c, "capacity")) for c in capacities]
+    caps = [capacity(c) for c in capacities]
+    choice("device", device, DEVICES)
+    margin_bytes = parse_bytes(margin, "margin") if margin else 0
     limit = workload.max_seq_len or 1 << 20
     seq_lens = list(seq_lens) if seq_lens else [2**k for k in range(7, 21) if 2**k <= limit]
     rows = []
     for pol in policies:
-        cache: dict[tuple[int, int], int] = {}
+        cache: dict[tuple, Prediction] = {}
 
-        def peak(b: int, s: int) -> int:
-            if (b, s) not in cache:
-                cache[(b, s)] = predict(workload, b, s, pol, dtype=dtype, optimizer=optimizer).peak_bytes
-            return cache[(b, s)]
+        def predicted(b: int, s: int, on: Optional[Card]) -> Prediction:
+            key = (b, s, on.name if on else None)
+            if key not in cache:
+                cache[key] = predict(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
+                                     device="cuda" if on else device, card=on, attention=attention)
+            return cache[key]
 
-        for cap_name, cap in caps:
-            rows.append({"model": workload.label, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
-                         "dtype": dtype, "seq_len": seq_len, "max_batch_size": _largest(lambda b: peak(b, seq_len) <= cap, max_batch),
-                         "batch_size": batch_size,
-                         "max_seq_len": max((s for s in seq_lens if peak(batch_size, s) <= cap), default=0)})
+        for cap_name, cap, on in caps:
+            def held(p: Prediction) -> int:
+                if on is not None:
+                    return p.device_bytes + margin_bytes
+                return p.peak_bytes if device == "cpu" else p.reserved_bytes + margin_bytes
+
+            def fits(b: int, s: int) -> bool:
+                return held(predicted(b, s, on)) <= cap
+
+            best_batch = _largest(lambda b: fits(b, seq_len), max_batch)
+            best_seq = max((s for s in seq_lens if fits(batch_size, s)), default=0)
+            row = {"model": workload.label, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
+                   "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch,
+                   "batch_size": batch_size, "max_seq_len": best_seq,
+                   "device": "cuda" if on else device, "card": on.name if on else None,
+                   "margin_bytes": margin_bytes if on or device == "cuda" else None,
+                   "basis": f"predicted for {on.label}" if on else f"predicted for {device}"}
+            if on is not None:
+                row["margin_at_max_batch_bytes"] = predicted(best_batch, seq_len, on).margin_bytes if best_batch else None
+                row["margin_at_max_seq_bytes"] = predicted(batch_size, best_seq, on).margin_bytes if best_seq else None
+            rows.append(row)
     return rows
+
+
+def capacity_card(value) -> Optional[Card]:
+    """The card a capacity names (a Card or a card's name), None for a size."""
+    if isinstance(value, Card):
+        return value
+    return find_card(value) if isinstance(value, str) and value in CARD_NAMES else None
+
+
+def capacity(value: str | int | Card) -> tuple[str, int, Optional[Card]]:
+    """A capacity as (label, usable bytes, card or None): a card (or its name), or a size."""
+    on = capacity_card(value)
+    if on is not None:
+        return on.name, on.usable_bytes, on
+    return str(value), parse_bytes(value, "capacity"), None
 
 
 def _largest(fits, upper: int) -> int:
@@ -177,5 +222,5 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-__all__ = ["CAPACITIES_GIB", "check_prediction", "llama7b_shape", "predict",
+__all__ = ["CAPACITIES_GIB", "capacity", "capacity_card", "check_prediction", "llama7b_shape", "predict",
            "predict_fits", "prediction_error"]

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import Policy, parse_policy, plan_policy
 from ..core.units import format_bytes, parse_bytes
-from ..core.cards import card as find_card
-from ..estimate.fake_step import FakeMemory, Prediction, fake_memory
+from ..estimate.fake_step import FakeMemory, Prediction, as_card, fake_memory
 from ..estimate.predict import check_prediction
 from ..estimate.predict import predict as predict_concrete
 from ..probe.measure import measure as measure_concrete
@@ -94,11 +93,15 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, as
     `predict`) the plan is made and verified on the CUDA prediction's allocated peak."""
     workload = as_workload(workload)
-    card = find_card(card) if isinstance(card, str) else card
+    card = as_card(card)
     on_device = {"device": device, "card": card, "attention": attention}
     profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost, **on_device)
     budget_bytes = resolve_budget(budget, profile.peak["keep"])
     target = budget_bytes
+    if device == "cuda":  # the profile counts tensors; the workspaces and the allocator's rounding come on top
+        keep = fake_memory(workload, batch_size, seq_len, plan_policy(["keep"] * profile.n_blocks), dtype, optimizer,
+                           **on_device)
+        target -= _peak(keep) - keep.report.peak_bytes
     for iteration in range(1, max_iterations + 1):
         options = solve(profile, target)
         if options is None:

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.compiled import apply_policy
+from ..core.optimizers import OPTIMIZERS
 from ..core.policy import HF_KINDS, parse_policy
 from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
@@ -28,7 +29,6 @@ from ..workloads.base import Workload, base_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 from .memory import allocator_peak, cuda_allocator_stats, parameter_bytes, track_memory
-from ..core.optimizers import OPTIMIZERS
 from .step import DTYPES, device_name, make_optimizer, resolve_device, training_step, with_dtype
 from .timing import check_timing_options, time_interleaved
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..core.optimizers import OPTIMIZERS
 from ..core.parsing import yaml_mapping
 from ..core.policy import parse_policy
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer, integer_list, no_credential, non_empty, number, output_folder
 from ..probe.measure import check_policy_applies
-from ..core.optimizers import OPTIMIZERS
 from ..probe.step import DTYPES, resolve_device
 from ..probe.timing import check_timing_options
 from ..workloads.base import Workload
