@@ -4,7 +4,7 @@
 optimizer, live-tensor tracker) under fake tensors (`fake_step`), so the predicted peak is what a
 real CPU run would measure, for shapes far beyond this machine. What it cannot know is in
 docs/design.md, note "What a fake step cannot know". `predict_fits()` answers "the largest batch /
-sequence per policy on a 24/40/80/141 GiB card" from predictions.
+sequence per policy on an RTX 4090 / A100-40 / H100-80 / H200 (or any card or size)" from predictions.
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ import math
 import time
 from typing import Iterable, Optional, Sequence
 
+from ..core.cards import DEFAULT_CARDS, Card, fits, margin_left, parse_capacity
 from ..core.policy import Policy, parse_policy
-from ..core.units import CARD_LIMITS, GiB, parse_bytes
 from ..core.validate import choice, integer
 from ..probe.step import DTYPES, OPTIMIZERS
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
 from .fake_step import Prediction, fake_memory
-
-CAPACITIES_GIB = tuple(limit // GiB for limit in CARD_LIMITS.values())
 
 
 def predict(
@@ -84,7 +82,7 @@ def llama7b_shape(**overrides) -> Workload:
 def predict_fits(
     workload: Workload | str,
     policies: Sequence[str],
-    capacities: Iterable[str | int] = tuple(f"{c}GiB" for c in CAPACITIES_GIB),
+    capacities: Iterable[str | int | Card] = DEFAULT_CARDS,
     seq_len: int = 2048,
     batch_size: int = 1,
     dtype: str = "bf16",
@@ -94,11 +92,15 @@ def predict_fits(
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
-    `batch_size`. The peak grows monotonically with batch and sequence, so the batch is found by
-    doubling then bisection; each step is one `predict`. 0 means not even the smallest fits.
+    `batch_size`. A capacity is a card (`rtx4090`, see `ckptlab.cards()`) or a size (24GiB); a
+    configuration fits a card when its device bytes plus the card's margin are at most its usable
+    bytes, and a size when its peak is at most the size. `batch_margin_bytes` / `seq_margin_bytes`
+    are the usable bytes left at the largest batch / sequence (None where nothing fits).
+    The peak grows monotonically with batch and sequence, so the batch is found by doubling then
+    bisection; each step is one `predict`. 0 means not even the smallest fits.
     (`analysis.fits_from_run` answers the same question from a sweep's measured records.)"""
     workload = as_workload(workload)
-    caps = [(str(c), parse_bytes(c, "capacity")) for c in capacities]
+    caps = [parse_capacity(c, "capacities") for c in capacities]
     limit = workload.max_seq_len or 1 << 20
     seq_lens = list(seq_lens) if seq_lens else [2**k for k in range(7, 21) if 2**k <= limit]
     rows = []
@@ -110,12 +112,24 @@ def predict_fits(
                 cache[(b, s)] = predict(workload, b, s, pol, dtype=dtype, optimizer=optimizer).peak_bytes
             return cache[(b, s)]
 
-        for cap_name, cap in caps:
-            rows.append({"model": workload.label, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
-                         "dtype": dtype, "seq_len": seq_len, "max_batch_size": _largest(lambda b: peak(b, seq_len) <= cap, max_batch),
-                         "batch_size": batch_size,
-                         "max_seq_len": max((s for s in seq_lens if peak(batch_size, s) <= cap), default=0)})
+        for cap in caps:
+            def device(b: int, s: int, cap=cap) -> int:
+                return device_bytes_for(peak(b, s), cap)
+
+            best_batch = _largest(lambda b: fits(cap, device(b, seq_len)), max_batch)
+            best_seq = max((s for s in seq_lens if fits(cap, device(batch_size, s))), default=0)
+            rows.append({"model": workload.label, "policy": pol, "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
+                         "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
+                         "max_seq_len": best_seq,
+                         "batch_margin_bytes": margin_left(cap, device(best_batch, seq_len)) if best_batch else None,
+                         "seq_margin_bytes": margin_left(cap, device(batch_size, best_seq)) if best_seq else None})
     return rows
+
+
+def device_bytes_for(peak_bytes: int, capacity: Card) -> int:
+    """What a step of that peak holds on the device, for `fits` and `margin_left`: the peak plus the
+    card's context (none for a plain size)."""
+    return peak_bytes + capacity.context_bytes
 
 
 def _largest(fits, upper: int) -> int:
@@ -137,5 +151,4 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-__all__ = ["CAPACITIES_GIB", "check_prediction", "llama7b_shape", "predict",
-           "predict_fits", "prediction_error"]
+__all__ = ["check_prediction", "device_bytes_for", "llama7b_shape", "predict", "predict_fits", "prediction_error"]

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..core.cards import parse_capacity
 from ..core.policy import plan_policy
-from ..core.units import format_bytes, parse_bytes
+from ..core.units import format_bytes
 from ..core.validate import integer
 from ..estimate.fake_step import Prediction
 from ..estimate.predict import check_prediction, prediction_error
@@ -93,7 +94,8 @@ class Explanation:
     cause_kind: str                       # one of CAUSES
     levers: list = field(default_factory=list)      # Lever, sorted by predicted peak
     steps: list = field(default_factory=list)       # Lever: the waterfall, today's peak first
-    capacity_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None  # the peak the step may reach: a size, or a card's budget bytes
+    capacity_card: str = ""               # the card it is for, in words ("" for a plain size)
     ranks: int = 8                        # the FSDP2 lever's world size
     recompute_count: int = 0              # block forwards the policy ran again in backward
     measured_peak_bytes: Optional[int] = None
@@ -124,6 +126,8 @@ class Explanation:
         lines.append(f"  cause: {self.cause}")
         lines.append(f"  checkpoint floor: {format_bytes(self.checkpoint_floor_bytes)} ({self.checkpoint_floor_policy})")
         cap = f", capacity {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
+        if self.capacity_card:
+            cap += f" on {self.capacity_card} after context and margin"
         lines.append(f"  levers (one change each{cap}):")
         for lever in self.levers:
             peak = format_bytes(lever.predicted_peak_bytes) if lever.predicted_peak_bytes is not None else "-"
@@ -146,11 +150,13 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
     Everything comes from predictions (fake tensors), so any shape works on a laptop;
     `measure=True` also measures the step here and puts its peak beside the prediction.
-    `capacity` (24GiB, or bytes) adds a plan that fits it and stops the waterfall there; `ranks`
+    `capacity` (a card such as rtx4090, or a size: 24GiB, bytes) adds a plan that fits it and stops
+    the waterfall there (on a card: its usable bytes less context and margin); `ranks`
     is the world size of the FSDP2 lever. Bad input raises ValueError before any work."""
     t0 = time.perf_counter()
     workload, parsed = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer)
-    capacity_bytes = parse_bytes(capacity, "capacity")
+    card = parse_capacity(capacity) if capacity is not None else None
+    capacity_bytes = card.budget_bytes if card else None
     integer("ranks", ranks, 2)
     base = predict(workload, batch_size, seq_len, parsed, dtype, optimizer)
     applied = f"plan={base.plan}" if base.plan else str(parsed)
@@ -179,7 +185,8 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
         optimizer=optimizer, n_blocks=base.n_blocks, peak_bytes=base.peak_bytes, peak_phase=base.peak_phase,
         peak_block=base.peak_block, breakdown=breakdown, checkpoint_floor_bytes=floor,
         checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
-        capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count,
+        capacity_bytes=capacity_bytes, capacity_card=card.describe() if card and card.arch else "", ranks=ranks,
+        recompute_count=base.recompute_count,
     )
     explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks)
     if measure:

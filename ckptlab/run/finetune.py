@@ -4,7 +4,7 @@
 (`<spec>+lora=R`), per policy and sequence length, memory by category: frozen weights, trainable
 weights, their gradients and optimizer state, activations. `lora_fits` predicts (fake tensors,
 nothing allocated) a LoRA fine-tune's peak per policy and sequence length, and which of them
-fit each capacity.
+fit each capacity (a card such as rtx4090, or a size).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Sequence
 
 import pandas as pd
 
+from ..core.cards import fits, parse_capacity
 from ..core.records import CATEGORIES
-from ..core.units import parse_bytes
 from ..core.validate import integer
-from ..estimate.predict import predict
+from ..estimate.predict import device_bytes_for, predict
 from ..plan.budget import measure
 from ..workloads.registry import get_workload
 
@@ -39,14 +39,15 @@ def lora_vs_full(model: str, rank: int, seq_lens: Sequence[int], batch_size: int
     return pd.DataFrame(rows)
 
 
-def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequence[str] = ("24GiB",),
+def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequence[str] = ("rtx4090",),
               policies: Sequence[str] = ("none", "full"), batch_size: int = 1,
               dtype: str = "bf16-weights") -> pd.DataFrame:
     """Predicted peak of `model`'s LoRA fine-tune per (policy, sequence length), by category, and
-    `fits_<capacity>`: whether it fits that card. Predictions: exact on CPU against `measure`;
+    `fits_<capacity>`: whether it fits that card (`core.cards.fits`: its device bytes plus the
+    card's margin within its usable bytes) or size. Predictions: exact on CPU against `measure`;
     on a GPU, attention kernels differ (see the design's note on what a fake step cannot know)."""
     spec = f"{model}+lora={rank}"
-    caps = {str(c): parse_bytes(c, "capacity") for c in capacities}
+    caps = [parse_capacity(c, "capacities") for c in capacities]
     rows = []
     for policy in policies:
         for seq_len in seq_lens:
@@ -54,7 +55,7 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
             row = {"model": spec, "policy": policy, "seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
                    "predicted_peak_bytes": p.peak_bytes,
                    **{f"predicted_peak_{c}_bytes": p.peak_by_category.get(c, 0) for c in CATEGORIES}}
-            row.update({f"fits_{name}": p.peak_bytes <= cap for name, cap in caps.items()})
+            row.update({f"fits_{cap.name}": fits(cap, device_bytes_for(p.peak_bytes, cap)) for cap in caps})
             rows.append(row)
     return pd.DataFrame(rows)
 
