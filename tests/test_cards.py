@@ -82,18 +82,18 @@ def test_fits_keeps_the_margin_and_margin_left_is_usable_less_device_bytes():
 
 def test_predict_fits_takes_card_names_and_shows_the_margin_left():
     workload = ckptlab.get_workload("gpt-tiny", n_layer=2)
-    # An RTX 4090 told it has context + margin + 16 MiB usable leaves the step 16 MiB: it must fit
-    # exactly what a plain 16 MiB does, and keep the card's margin on top.
-    small = parse_capacity("rtx4090", usable_bytes=card("rtx4090").context_bytes + DEFAULT_MARGIN_BYTES + 16 * MiB)
-    rows = predict_fits(workload, ["full"], capacities=[small, "16MiB"], seq_len=64, batch_size=2,
-                        dtype="fp32", max_batch=32, seq_lens=[64, 128, 256])
-    on_card, on_size = rows
-    assert on_card["capacity"] == "rtx4090" and on_size["capacity"] == "16MiB"
-    assert on_card["max_batch_size"] == on_size["max_batch_size"] >= 1
-    assert on_card["max_seq_len"] == on_size["max_seq_len"] >= 64
-    peak = predict(workload, on_card["max_batch_size"], 64, "full").peak_bytes
-    assert on_size["batch_margin_bytes"] == 16 * MiB - peak
-    assert on_card["batch_margin_bytes"] == small.usable_bytes - (peak + small.context_bytes) >= DEFAULT_MARGIN_BYTES
+    peak = predict(workload, 1, 16, "full").peak_bytes
+    # An RTX 4090 told it has context + margin + that peak usable leaves the step exactly that
+    # peak: batch 1 fits, as on a plain size of the peak's bytes, with the card's margin left over.
+    exact = parse_capacity("rtx4090", usable_bytes=card("rtx4090").context_bytes + DEFAULT_MARGIN_BYTES + peak)
+    on_card, on_size = predict_fits(workload, ["full"], capacities=[exact, f"{peak}B"], seq_len=16, batch_size=1,
+                                    dtype="fp32", max_batch=2, seq_lens=[16])
+    assert predict(workload, 2, 16, "full").peak_bytes > peak
+    assert on_card["capacity"] == "rtx4090" and on_size["capacity"] == f"{peak}B"
+    assert on_card["max_batch_size"] == on_size["max_batch_size"] == 1
+    assert on_card["max_seq_len"] == on_size["max_seq_len"] == 16
+    assert on_size["batch_margin_bytes"] == on_size["seq_margin_bytes"] == 0
+    assert on_card["batch_margin_bytes"] == on_card["seq_margin_bytes"] == DEFAULT_MARGIN_BYTES
     with pytest.raises(ValueError, match=r"capacities='rtx5090' is invalid: allowed is a card \(rtx3090"):
         predict_fits(workload, ["full"], capacities=["rtx5090"])
 
