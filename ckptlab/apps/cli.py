@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 import yaml
 
+from ..core.cards import cards
 from ..core.meta import __version__
 from ..core.optimizers import OPTIMIZER_HELP, OPTIMIZERS
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
@@ -453,6 +454,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+CARD_COLUMNS = [
+    ("card", "name", str),
+    ("", "label", str),
+    ("usable", "usable_bytes", format_bytes),
+    ("context", "context_bytes", format_bytes),
+    ("margin", "required_margin_bytes", format_bytes),
+    ("budget", "budget_bytes", format_bytes),
+    ("arch", "arch", str),
+]
+
+
+def cmd_cards(args: argparse.Namespace) -> int:
+    """The cards a capacity may name, by what they offer."""
+    rows = [{**dataclasses.asdict(c), "budget_bytes": c.budget_bytes} for c in cards()]
+    print_rows(rows, CARD_COLUMNS, args.format, "usable: total_memory as torch reports it; budget: what the "
+               "caching allocator may reserve (usable less context and margin)")
+    return 0
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why the peak is what it is, and what each lever would make it; the report or JSON."""
 
@@ -548,13 +568,18 @@ def build_parser() -> argparse.ArgumentParser:
                                        "would make it (predicted, nothing allocated)")
     add_workload_arguments(p, batch="4", seq="64", policy="none", lists=False)
     p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
-    p.add_argument("--capacity", default=None, help="e.g. 24GiB: adds the plan that fits it; the waterfall stops there")
+    p.add_argument("--capacity", default=None, help="a card (rtx4090, a100-80, h100-80, ...: `ckptlab cards`) or a "
+                                                    "size (24GiB): adds the plan that fits it; the waterfall stops there")
     p.add_argument("--ranks", type=int, default=8, help="world size of the FSDP2 lever (default 8)")
     p.add_argument("--measure", action="store_true", help="also measure the step here, beside the prediction")
     p.add_argument("--figure", default=None, help="save the waterfall figure as FIGURE.png and FIGURE.svg")
     p.add_argument("--format", choices=("table", "json"), default="table",
                    help="table: the report (default); json: every field, for scripts")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("cards", help="the cards a capacity may name: usable bytes, context, margin")
+    add_format_argument(p)
+    p.set_defaults(func=cmd_cards)
 
     p = sub.add_parser("plot", help="redraw every figure of a run folder from its data")
     p.add_argument("run_dir", help="run folder, e.g. results/my-sweep")

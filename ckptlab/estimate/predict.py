@@ -16,19 +16,16 @@ import math
 import time
 from typing import Iterable, Optional, Sequence
 
-from ..core.cards import CARD_NAMES, DEFAULT_MARGIN_BYTES, Card
+from ..core.cards import DEFAULT_CARDS, Card, fits, margin_left, parse_capacity
 from ..core.cards import card as find_card
 from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy, parse_policy
-from ..core.units import CARD_LIMITS, GiB, parse_bytes
 from ..core.validate import choice, integer
 from ..probe.step import DTYPES
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
 from .cuda_semantics import ATTENTION_BACKENDS
 from .fake_step import DEVICES, Prediction, as_card, fake_memory
-
-CAPACITIES_GIB = tuple(limit // GiB for limit in CARD_LIMITS.values())
 
 
 def predict(
@@ -77,7 +74,7 @@ def predict(
         cuda = {"reserved_bytes": dm.reserved_bytes, "device_bytes": dm.device_bytes,
                 "attention_backend": fake.attention_backend}
         if on_card is not None:
-            cuda.update(card=on_card.name, margin_bytes=on_card.usable_bytes - dm.device_bytes)
+            cuda.update(card=on_card.name, margin_bytes=margin_left(on_card, dm.device_bytes))
     return Prediction(
         model=workload.label, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
         optimizer=optimizer, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
@@ -107,6 +104,8 @@ def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, po
                          "a card and an attention backend are CUDA's; allowed is device='cuda'")
     if isinstance(card, str):
         find_card(card)
+    if isinstance(card, Card) and card.arch is None:
+        raise ValueError(f"card={card.name!r} is invalid: a size is not a card; allowed is a card of ckptlab.cards()")
     if attention is not None:
         choice("attention", attention, ATTENTION_BACKENDS)
     if policy.compiles:
@@ -125,7 +124,7 @@ def llama7b_shape(**overrides) -> Workload:
 def predict_fits(
     workload: Workload | str,
     policies: Sequence[str],
-    capacities: Iterable[str | int] = tuple(f"{c}GiB" for c in CAPACITIES_GIB),
+    capacities: Iterable[str | int | Card] = DEFAULT_CARDS,
     seq_len: int = 2048,
     batch_size: int = 1,
     dtype: str = "bf16",
@@ -134,7 +133,6 @@ def predict_fits(
     seq_lens: Optional[Sequence[int]] = None,
     device: str = "cpu",
     attention: Optional[str] = None,
-    margin=DEFAULT_MARGIN_BYTES,
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
@@ -142,65 +140,47 @@ def predict_fits(
     doubling then bisection; each step is one `predict`. 0 means not even the smallest fits.
     (`analysis.fits_from_run` answers the same question from a sweep's measured records.)
 
-    A capacity is a size ("24GiB") or a card's name ("rtx4090", `ckptlab.cards()`). On a card
-    the step is predicted for that card (device="cuda" is implied) and fits when its device bytes
-    plus `margin` (a size) are at most the card's usable bytes; the row says how much is left at
-    each largest shape (`margin_at_max_*_bytes`). A size fits, on "cpu", the peak; on "cuda",
-    the reserved bytes plus `margin` (a bare size has no context)."""
+    A capacity is a card (`rtx4090`, see `ckptlab.cards()`; `core.cards.parse_capacity` changes
+    its usable bytes, context or margin) or a size (24GiB). On a card the step is predicted for
+    that card (CUDA, with `attention` as in `predict`) and fits when its device bytes plus the
+    card's margin are at most its usable bytes. A size is compared with the peak on `device`
+    "cpu", with the reserved bytes on "cuda". `batch_margin_bytes` / `seq_margin_bytes` are the
+    bytes left at the largest batch / sequence (None where nothing fits); `basis` says what the
+    row is predicted for."""
     workload = as_workload(workload)
-    caps = [capacity(c) for c in capacities]
+    caps = [parse_capacity(c, "capacities") for c in capacities]
     choice("device", device, DEVICES)
-    margin_bytes = parse_bytes(margin, "margin") if margin else 0
     limit = workload.max_seq_len or 1 << 20
     seq_lens = list(seq_lens) if seq_lens else [2**k for k in range(7, 21) if 2**k <= limit]
     rows = []
     for pol in policies:
         cache: dict[tuple, Prediction] = {}
 
-        def predicted(b: int, s: int, on: Optional[Card]) -> Prediction:
-            key = (b, s, on.name if on else None)
-            if key not in cache:
-                cache[key] = predict(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
-                                     device="cuda" if on else device, card=on, attention=attention)
-            return cache[key]
+        def predicted(b: int, s: int, cap: Card) -> Prediction:
+            on = cap if cap.arch else None
+            if (b, s, on) not in cache:
+                cuda = on is not None or device == "cuda"
+                cache[(b, s, on)] = predict(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
+                                            device="cuda" if cuda else "cpu", card=on,
+                                            attention=attention if cuda else None)
+            return cache[(b, s, on)]
 
-        for cap_name, cap, on in caps:
-            def held(p: Prediction) -> int:
-                if on is not None:
-                    return p.device_bytes + margin_bytes
-                return p.peak_bytes if device == "cpu" else p.reserved_bytes + margin_bytes
+        for cap in caps:
+            def held(b: int, s: int, cap=cap) -> int:
+                p = predicted(b, s, cap)
+                return p.device_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
 
-            def fits(b: int, s: int) -> bool:
-                return held(predicted(b, s, on)) <= cap
-
-            best_batch = _largest(lambda b: fits(b, seq_len), max_batch)
-            best_seq = max((s for s in seq_lens if fits(batch_size, s)), default=0)
-            row = {"model": workload.label, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
-                   "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch,
-                   "batch_size": batch_size, "max_seq_len": best_seq,
-                   "device": "cuda" if on else device, "card": on.name if on else None,
-                   "margin_bytes": margin_bytes if on or device == "cuda" else None,
-                   "basis": f"predicted for {on.label}" if on else f"predicted for {device}"}
-            if on is not None:
-                row["margin_at_max_batch_bytes"] = predicted(best_batch, seq_len, on).margin_bytes if best_batch else None
-                row["margin_at_max_seq_bytes"] = predicted(batch_size, best_seq, on).margin_bytes if best_seq else None
-            rows.append(row)
+            best_batch = _largest(lambda b: fits(cap, held(b, seq_len)), max_batch)
+            best_seq = max((s for s in seq_lens if fits(cap, held(batch_size, s))), default=0)
+            on_device = "cuda" if cap.arch else device
+            rows.append({"model": workload.label, "policy": pol, "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
+                         "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
+                         "max_seq_len": best_seq,
+                         "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len)) if best_batch else None,
+                         "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq)) if best_seq else None,
+                         "device": on_device, "required_margin_bytes": cap.required_margin_bytes,
+                         "basis": f"predicted for {cap.label if cap.arch else on_device}"})
     return rows
-
-
-def capacity_card(value) -> Optional[Card]:
-    """The card a capacity names (a Card or a card's name), None for a size."""
-    if isinstance(value, Card):
-        return value
-    return find_card(value) if isinstance(value, str) and value in CARD_NAMES else None
-
-
-def capacity(value: str | int | Card) -> tuple[str, int, Optional[Card]]:
-    """A capacity as (label, usable bytes, card or None): a card (or its name), or a size."""
-    on = capacity_card(value)
-    if on is not None:
-        return on.name, on.usable_bytes, on
-    return str(value), parse_bytes(value, "capacity"), None
 
 
 def _largest(fits, upper: int) -> int:
@@ -222,5 +202,5 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-__all__ = ["CAPACITIES_GIB", "capacity", "capacity_card", "check_prediction", "llama7b_shape", "predict",
+__all__ = ["check_prediction", "llama7b_shape", "predict",
            "predict_fits", "prediction_error"]

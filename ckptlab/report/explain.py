@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..core.cards import DEFAULT_MARGIN_BYTES
+from ..core.cards import parse_capacity
 from ..core.optimizers import implementation
 from ..core.policy import plan_policy
-from ..core.units import format_bytes, parse_bytes
+from ..core.units import format_bytes
 from ..core.validate import integer
 from ..estimate.fake_step import DEVICE_CATEGORIES, Prediction, as_card
-from ..estimate.predict import capacity_card, check_prediction, prediction_error
+from ..estimate.predict import check_prediction, prediction_error
 from ..plan.budget import measure as measure_step
 from ..plan.budget import plan_budget, predict
 from ..plan.profile import profile_blocks
@@ -99,12 +99,12 @@ class Explanation:
     cause_kind: str                       # one of CAUSES
     levers: list = field(default_factory=list)      # Lever, sorted by predicted peak
     steps: list = field(default_factory=list)       # Lever: the waterfall, today's peak first
-    capacity_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None  # what the levers' sizes may reach: a size, or a card's usable bytes less its margin
+    capacity_card: str = ""               # the card every size is predicted for, in words ("": none)
     device: str = "cpu"
-    card: Optional[str] = None            # the card every number is predicted for (its device bytes)
-    card_label: Optional[str] = None
-    device_bytes: Optional[int] = None    # on a card: reserved + context, what the levers compare with
-    margin_bytes: Optional[int] = None    # on a card: the margin kept below its usable bytes
+    card: Optional[str] = None            # its name
+    device_bytes: Optional[int] = None    # on a card: reserved + context, what the levers' sizes are
+    margin_bytes: Optional[int] = None    # on a card: its usable bytes less the step's device bytes
     ranks: int = 8                        # the FSDP2 lever's world size
     recompute_count: int = 0              # block forwards the policy ran again in backward
     measured_peak_bytes: Optional[int] = None
@@ -129,8 +129,8 @@ class Explanation:
         lines = [f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, {self.optimizer}): "
                  f"peak {format_bytes(self.peak_bytes)} {where}"]
         if self.card is not None:
-            lines[0] += (f"; device {format_bytes(self.device_bytes)}, predicted for {self.card_label} "
-                         "(every size below is the card's device bytes)")
+            lines[0] += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
+                         f"predicted for {self.capacity_card} (the floor and levers below in its device bytes)")
         elif self.device == "cuda":
             lines[0] += " (allocated, predicted for CUDA)"
         if self.measured_peak_bytes is not None or self.measured_note:
@@ -140,8 +140,8 @@ class Explanation:
         lines.append(f"  cause: {self.cause}")
         lines.append(f"  checkpoint floor: {format_bytes(self.checkpoint_floor_bytes)} ({self.checkpoint_floor_policy})")
         cap = f", capacity {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
-        if self.card is not None:
-            cap += f": {self.card_label}'s usable bytes less a margin of {format_bytes(self.margin_bytes)}"
+        if self.capacity_card:
+            cap += f": {self.capacity_card} less its margin"
         lines.append(f"  levers (one change each{cap}):")
         for lever in self.levers:
             peak = format_bytes(lever.predicted_peak_bytes) if lever.predicted_peak_bytes is not None else "-"
@@ -160,26 +160,26 @@ class Explanation:
 
 def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none", *, dtype: str = "fp32",
             optimizer: str = "adamw", capacity=None, measure: bool = False, ranks: int = 8, device: str = "cpu",
-            card=None, attention: Optional[str] = None, margin=DEFAULT_MARGIN_BYTES) -> Explanation:
+            card=None, attention: Optional[str] = None) -> Explanation:
     """Why the peak of one training step is what it is, and what each lever would make it.
 
     Everything comes from predictions (fake tensors), so any shape works on a laptop;
     `measure=True` also measures the step here and puts its peak beside the prediction.
-    `capacity` (24GiB, bytes, or a card's name) adds a plan that fits it and stops the waterfall
-    there; `ranks` is the world size of the FSDP2 lever. `device`, `card` and `attention` are
-    `predict`'s: on a card (or a card's name as capacity) every number is predicted for that card
-    and the capacity is its usable bytes less `margin`. Bad input raises ValueError before any work."""
+    `capacity` (24GiB, bytes, or a card: its name or a `parse_capacity` Card) adds a plan that fits
+    it and stops the waterfall there; `ranks` is the world size of the FSDP2 lever. `device`,
+    `card` and `attention` are `predict`'s: on a card (or a card as capacity) every number is
+    predicted for that card, its device bytes, and the capacity is its usable bytes less its
+    margin. Bad input raises ValueError before any work."""
     t0 = time.perf_counter()
-    if capacity is not None and card is None and capacity_card(capacity) is not None:
-        card, capacity = capacity_card(capacity), None
-    on_card = as_card(card)
+    limit = parse_capacity(capacity) if capacity is not None else None
+    on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
     device = "cuda" if on_card is not None else device
     workload, parsed = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, 1, device, on_card,
                                         attention)
-    margin_bytes = parse_bytes(margin, "margin") if margin else 0
-    capacity_bytes = parse_bytes(capacity, "capacity")
-    if on_card is not None and capacity_bytes is None:
-        capacity_bytes = on_card.usable_bytes - margin_bytes
+    if limit is None or limit.arch:   # on a card: what its device bytes may reach
+        limit = on_card
+    capacity_bytes = limit.usable_bytes - limit.required_margin_bytes if limit is not None else None
+    on = {"device": device, "card": on_card, "attention": attention}
     integer("ranks", ranks, 2)
     if measure and device != "cpu":
         raise ValueError(f"measure=True is invalid with device={device!r}: the step is measured here, on the CPU; "
@@ -189,12 +189,12 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     applied = f"plan={base.plan}" if base.plan else str(parsed)
     breakdown = peak_breakdown(base)
 
-    levers = policy_levers(workload, base, applied)
-    floor_lever = floor_plan_lever(workload, base, levers) if base.n_blocks else None
+    levers = policy_levers(workload, base, applied, on)
+    floor_lever = floor_plan_lever(workload, base, levers, on) if base.n_blocks else None
     if floor_lever is not None:
         levers.append(floor_lever)
     if capacity_bytes is not None and base.n_blocks:
-        levers.append(capacity_plan_lever(workload, base, capacity_bytes))
+        levers.append(capacity_plan_lever(workload, base, capacity_bytes, on))
     checkpoint_peaks = [(lv.predicted_peak_bytes, lv.policy) for lv in levers
                         if lv.policy and lv.policy != "none" and lv.predicted_peak_bytes is not None]
     if parsed.kind != "none":
@@ -204,7 +204,7 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
                               key=lambda x: (x[0], x[1] != applied))
 
     kind, cause = diagnose(base, breakdown, floor, floor_policy, parsed)
-    levers += other_levers(workload, base, applied, kind, breakdown, capacity_bytes, ranks)
+    levers += other_levers(workload, base, applied, kind, breakdown, capacity_bytes, ranks, on)
     levers.sort(key=lambda lv: (lv.predicted_peak_bytes is None, lv.predicted_peak_bytes or 0, lv.name))
 
     explanation = Explanation(
@@ -213,10 +213,10 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
         peak_block=base.peak_block, breakdown=breakdown, checkpoint_floor_bytes=floor,
         checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
         capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count, device=device,
-        card=base.card, card_label=on_card.label if on_card else None, device_bytes=base.device_bytes,
-        margin_bytes=margin_bytes if on_card else None,
+        card=base.card, capacity_card=on_card.describe() if on_card else "", device_bytes=base.device_bytes,
+        margin_bytes=base.margin_bytes,
     )
-    explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks)
+    explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on)
     if measure:
         record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, optimizer=optimizer, steps=1,
                               warmup=0, max_seconds=0.5)
@@ -233,11 +233,6 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 def held(pred: Prediction) -> int:
     """What a prediction holds of the device it is for: a card's device bytes, else the peak."""
     return pred.device_bytes if pred.card is not None else pred.peak_bytes
-
-
-def on_device(pred: Prediction) -> dict:
-    """`predict`'s device keywords that made `pred`: a lever is predicted for the same device."""
-    return {"device": pred.device, "card": pred.card, "attention": pred.attention}
 
 
 def peak_breakdown(pred: Prediction) -> dict:
@@ -312,7 +307,7 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
 
 # --------------------------------------------------------------------------- levers
 
-def policy_levers(workload: Workload, base: Prediction, applied: str) -> list[Lever]:
+def policy_levers(workload: Workload, base: Prediction, applied: str, on: dict) -> list[Lever]:
     """Each checkpoint policy of POLICY_LEVERS other than the step's own, predicted."""
     if not base.n_blocks:
         return []
@@ -322,7 +317,7 @@ def policy_levers(workload: Workload, base: Prediction, applied: str) -> list[Le
             continue
         try:
             peak = held(predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer,
-                                **on_device(base)))
+                                **on))
         except (ValueError, RuntimeError) as exc:   # a policy this model cannot take (segments out of order)
             levers.append(Lever(f"policy {policy}", None, policy, f"not predicted: {exc}", "not predicted"))
             continue
@@ -330,12 +325,12 @@ def policy_levers(workload: Workload, base: Prediction, applied: str) -> list[Le
     return levers
 
 
-def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever]) -> Lever:
+def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever], on: dict) -> Lever:
     """The plan of keep/selective/full per block with the lowest peak (the planner's `min_peak`),
     its peak predicted by a fake run of that plan (or taken from `full`'s lever when it is full
     everywhere: the same model)."""
     profile = profile_blocks(workload, base.batch_size, base.seq_len, base.dtype, base.optimizer, PLAN_COST,
-                             **on_device(base))
+                             **on)
     _, options = min_peak(profile)
     policy = str(plan_policy(options))
     full = next((lv.predicted_peak_bytes for lv in levers if lv.policy == "full"), None)
@@ -343,51 +338,50 @@ def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever]) 
         peak = full
     else:
         peak = held(predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer,
-                            **on_device(base)))
+                            **on))
     return Lever("plan with the lowest peak", peak, policy,
                  f"{options.count('full')} full, {options.count('selective')} selective, "
                  f"{options.count('keep')} kept blocks: the planner's lowest peak")
 
 
-def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int) -> Lever:
+def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int, on: dict) -> Lever:
     """The least-recompute plan that fits `capacity` (`plan_budget`), or why none does. On a card
     the plan's budget is in allocated bytes: the capacity less what the step holds beyond them
     (the context, and the fragmentation of today's step); the plan's device bytes are predicted."""
     budget = capacity - (held(base) - base.peak_bytes)
     try:
         plan = plan_budget(workload, base.batch_size, base.seq_len, budget, base.dtype, base.optimizer, cost=PLAN_COST,
-                           **on_device(base))
+                           **on)
     except ValueError as exc:
         return Lever(f"plan at {format_bytes(capacity)}", None, None, f"no plan fits: {exc}", "not predicted")
     peak = plan.predicted_peak_bytes
     if base.card is not None:
         peak = held(predict(workload, base.batch_size, base.seq_len, f"plan={plan.letters}", base.dtype,
-                            base.optimizer, **on_device(base)))
+                            base.optimizer, **on))
     return Lever(f"plan at {format_bytes(capacity)}", peak, f"plan={plan.letters}",
                  f"recompute {plan.recompute_ms:.2f} ms/step against {plan.full_recompute_ms:.2f} ms for full "
                  f"({plan.cost_basis}: an assumed accelerator's FLOPs and bandwidth)")
 
 
 def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, breakdown: dict,
-                 capacity: Optional[int], ranks: int) -> list[Lever]:
+                 capacity: Optional[int], ranks: int, on: dict) -> list[Lever]:
     """The levers beyond checkpointing: bf16, micro-batches, a chunked loss, the optimizer, FSDP2, offload."""
     b, s, dtype, opt = base.batch_size, base.seq_len, base.dtype, base.optimizer
     levers = []
-    on = on_device(base)
     if dtype == "fp32":
         peak = held(predict(workload, b, s, applied, "bf16", opt, **on))
         levers.append(Lever("bf16 autocast", peak, None, "matmuls in bf16: activations halve, weights stay fp32 "
                             "(autocast keeps bf16 copies of them in the step)"))
     levers.append(_predicted_variant("bf16 weights", bf16_weights(workload), base, applied,
                                      "weights, gradients and optimizer state in bf16: no fp32 master copy, so "
-                                     "small updates round away without a compensated optimizer"))
+                                     "small updates round away without a compensated optimizer", on))
     if b > 1:
-        levers.append(micro_batch_lever(workload, base, applied, capacity))
+        levers.append(micro_batch_lever(workload, base, applied, capacity, on))
     if kind == "logits":
         if isinstance(workload.config, GPTConfig):
             levers.append(_predicted_variant(f"chunked loss ({LOSS_CHUNKS} chunks)", chunked_loss(workload), base, applied,
                                              "the head and loss run per chunk of tokens under checkpoint: the "
-                                             "head's matmul runs twice"))
+                                             "head's matmul runs twice", on))
         else:
             levers.append(Lever("chunked loss", None, None, "not predicted: ckptlab chunks the loss of its GPT "
                                 "workloads; compute this model's head and loss per chunk of tokens under "
@@ -411,22 +405,22 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
     return levers
 
 
-def _predicted_variant(name: str, variant: Workload, base: Prediction, applied: str, cost: str) -> Lever:
+def _predicted_variant(name: str, variant: Workload, base: Prediction, applied: str, cost: str, on: dict) -> Lever:
     try:
         peak = held(predict(variant, base.batch_size, base.seq_len, applied, base.dtype, base.optimizer,
-                            **on_device(base)))
+                            **on))
     except (ValueError, RuntimeError) as exc:   # a model whose code assumes fp32 tensors
         return Lever(name, None, None, f"not predicted: {type(exc).__name__}: {exc}", "not predicted")
     return Lever(name, peak, None, cost)
 
 
-def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capacity: Optional[int]) -> Lever:
+def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capacity: Optional[int], on: dict) -> Lever:
     """The largest micro-batch below `batch_size` that divides it (keeping the effective batch by
     accumulation) and fits `capacity`; without a capacity, the largest one."""
     b = base.batch_size
     pred = None
     for micro in [d for d in range(b - 1, 0, -1) if b % d == 0]:
-        pred = predict(workload, micro, base.seq_len, applied, base.dtype, base.optimizer, b // micro, **on_device(base))
+        pred = predict(workload, micro, base.seq_len, applied, base.dtype, base.optimizer, b // micro, **on)
         if capacity is None or held(pred) <= capacity:
             break
     steps = b // pred.batch_size
@@ -503,7 +497,7 @@ def fsdp_peak(pred: Prediction, units: list[int], ranks: int) -> int:
 # --------------------------------------------------------------------------- waterfall
 
 def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[Lever], capacity: Optional[int],
-              ranks: int) -> list[Lever]:
+              ranks: int, on: dict) -> list[Lever]:
     """Today's peak, then one lever after another, each step a prediction of every change so far:
     the best checkpoint lever, bf16, the micro-batch, the chunked loss, bf16 weights, SGD -- those
     that lower the peak on their own, the most effective first, each kept only if it lowers the
@@ -528,7 +522,7 @@ def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[L
             break
         tried = update(dict(setting))
         pred = predict(tried["workload"], tried["batch"], base.seq_len, tried["policy"], tried["dtype"],
-                       tried["optimizer"], tried["accum"], **on_device(base))
+                       tried["optimizer"], tried["accum"], **on)
         if held(pred) >= held(last):   # no lower together with the changes before it
             continue
         setting, last = tried, pred
