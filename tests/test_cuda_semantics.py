@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -23,14 +24,16 @@ def _leaves(*shapes, dtype=BF16):
     return [torch.randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
 
 
-def _attention_step(dtype=BF16, dropout_p=0.1, shape=(B, H, S, D), **semantics):
+def _attention_step(dtype=BF16, dropout_p=0.1, shape=(B, H, S, D), kv_heads=None, **semantics):
     """One SDPA layer tracked: q, k, v made in forward (clones, which keep nothing for backward),
     attention, a sum as the loss. Returns (report, CudaSemantics)."""
+    kv_shape = (shape[0], kv_heads or shape[1], *shape[2:])
     with FakeTensorMode():
-        qb, kb, vb = _leaves(shape, shape, shape, dtype=dtype)
+        qb, kb, vb = _leaves(shape, kv_shape, kv_shape, dtype=dtype)
         with cuda_semantics(**semantics) as cuda, track_memory() as tracker:
             q, k, v = qb.clone(), kb.clone(), vb.clone()
-            loss = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True).sum()
+            loss = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                  enable_gqa=kv_heads is not None).sum()
             tracker.phase("backward")
             loss.backward()
         return tracker.report(), cuda
@@ -53,6 +56,26 @@ def test_flash_keeps_q_k_v_out_logsumexp_and_its_rng_state_by_hand():
     assert report.peak_bytes == report.saved_activation_bytes + backward
 
 
+def test_flash_backward_with_grouped_query_attention_expands_dk_dv_before_the_sum():
+    hk = 2
+    report, cuda = _attention_step(kv_heads=hk)
+    assert cuda.attention_backend == "flash"
+    q_bytes, kv_bytes = B * H * S * D * 2, B * hk * S * D * 2
+    kept = 2 * q_bytes + 2 * kv_bytes + B * H * S * 4 + 24 + 2     # q, out, k, v, lse, rng, loss
+    assert report.saved_activation_bytes == kept
+    # dout, dq, dk, dv, softmax_d, the dq accumulator, and dk, dv per query head
+    backward = 2 + 2 * q_bytes + 2 * kv_bytes + B * H * 128 * 4 + B * 128 * H * 32 * 4 + 2 * q_bytes
+    assert report.peak_bytes == kept + backward
+
+
+def test_flash_pads_a_head_dim_to_a_multiple_of_8_and_keeps_the_padded_copies():
+    d = 12
+    report, _ = _attention_step(shape=(B, H, S, d))
+    clones = 3 * B * H * S * d * 2                 # the unpadded q, k, v (the test's locals)
+    padded = 4 * B * H * S * 16 * 2                # padded q, k, v and the padded output
+    assert report.saved_activation_bytes == clones + padded + B * H * S * 4 + 24 + 2
+
+
 def test_flash_without_dropout_on_a_small_batch_splits_the_keys_in_fp32_buffers():
     # b*h*ceil(s/64) = 32 blocks fill 15% of an A100's 2 x 108 slots; the 4 blocks of 256 keys
     # split 4 ways (num_splits_heuristic), into fp32 [4, b, h, s] and [4, b, h, s, d] buffers.
@@ -66,17 +89,33 @@ def test_flash_without_dropout_on_a_small_batch_splits_the_keys_in_fp32_buffers(
 
 
 def test_efficient_keeps_a_logsumexp_padded_to_32_and_no_device_seed():
-    report, cuda = _attention_step(dtype=torch.float32)
+    s = 48  # padded to 64 in the logsumexp (kAlignLSE); seed and offset are host scalars
+    report, cuda = _attention_step(dtype=torch.float32, shape=(B, H, s, D))
     assert cuda.attention_backend == "efficient"
-    assert report.saved_activation_bytes == 4 * B * H * S * D * 4 + B * H * 64 * 4 + 4
+    assert report.saved_activation_bytes == 4 * B * H * s * D * 4 + B * H * 64 * 4 + 4
 
 
-def test_math_on_cuda_materialises_fp32_scores_and_a_bool_mask():
+def test_math_on_cuda_materialises_fp32_scores_and_a_bool_dropout_mask():
     report, cuda = _attention_step(attention="math")
-    flash, _ = _attention_step()
     assert cuda.attention_backend == "math"
-    # at least the fp32 probabilities and their 1-byte dropout mask beyond what flash keeps
-    assert report.saved_activation_bytes >= flash.saved_activation_bytes + B * H * S * S * (4 + 1) - B * H * S * 4
+    # the bf16 q, k, v; their fp32 upcasts as matmul keeps them (q and k^T scaled, v); the fp32
+    # probabilities softmax keeps, the bool dropout mask and the dropped probabilities; the loss
+    bhsd, bhss = B * H * S * D, B * H * S * S
+    assert report.saved_activation_bytes == 3 * bhsd * 2 + 3 * bhsd * 4 + bhss * (4 + 1 + 4) + 2
+
+
+def test_checkpoint_keeps_its_rng_states_off_the_device():
+    # torch.utils.checkpoint stashes torch.get_rng_state() (CPU) and, on CUDA, the Philox state
+    # from torch.cuda.get_rng_state(), a 16-byte CPU tensor: none of it is device memory, and
+    # the fake step counts none of it either.
+    with FakeTensorMode():
+        (x,) = _leaves((4, 64), dtype=torch.float32)
+        with cuda_semantics(), track_memory() as tracker:
+            h = x.clone()
+            y = torch.utils.checkpoint.checkpoint(lambda t: F.dropout(t, 0.1, True), h, use_reentrant=False)
+            tracker.phase("backward")
+            y.sum().backward()
+    assert tracker.report().saved_activation_bytes == 2 * 4 * 64 * 4  # h and y, nothing else
 
 
 def _backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, **semantics):

@@ -13,7 +13,9 @@ weights) are cached until the outermost `cuda_autocast` exits (autocast_mode.cpp
 The lists are AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
 AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE and AT_FORALL_PROMOTE of aten/src/ATen/autocast_mode.h
 and the banned binary_cross_entropy of autocast_mode.cpp, copied from PyTorch's main branch in the
-torch 2.11 era (unchanged since 2.4 apart from linalg_vecdot and vdot).
+torch 2.11 era; an op the running torch does not have is skipped. Known difference: for fp16,
+CUDA's softmax and log_softmax read fp16 input directly into an fp32 result, where the CPU
+kernel first copies the input to fp32 (an extra transient); for bf16 both copy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import warnings
 from typing import Iterator
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 LOWER_PRECISION_FP = (
     ("_convolution", "deprecated"), ("_convolution", ""), ("conv1d", ""), ("conv2d", ""), ("conv3d", ""),
@@ -111,7 +113,7 @@ def _cast(t, dtype: torch.dtype):
     autocast, entered by torch.utils.checkpoint, casts without it."""
     if not _eligible(t) or t.dtype == dtype:
         return t
-    if (_State.autocast_depth and dtype != torch.float32 and t.dtype == torch.float32 and t.requires_grad
+    if (_State.autocast_depth and dtype == torch.get_autocast_dtype("cpu") and t.dtype == torch.float32 and t.requires_grad
             and t.is_leaf and not t._is_view()):
         hit = _State.cache.get(id(t))
         if hit is None or hit[0] is not t:
@@ -126,23 +128,21 @@ def _kernel(op, policy: str):
     dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
 
     def kernel(*args, **kwargs):
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if policy == "lower_precision_fp":
             args, kwargs = tree_map(lambda t: _cast(t, torch.get_autocast_dtype("cpu")), (args, kwargs))
         elif policy == "fp32":
             args, kwargs = tree_map(lambda t: _cast(t, torch.float32), (args, kwargs))
-        elif policy == "fp32_set_opt_dtype" and _eligible(first):
+        elif policy == "fp32_set_opt_dtype" and args and _eligible(args[0]):
             if dtype_index is not None and dtype_index < len(args):
                 args = (*args[:dtype_index], args[dtype_index] or torch.float32, *args[dtype_index + 1:])
             elif kwargs.get("dtype") is None:
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif policy == "promote":
-            floats = [t.dtype for t in torch.utils._pytree.tree_leaves((args, kwargs)) if _eligible(t)]
-            if floats:
-                widest = floats[0]
-                for d in floats[1:]:
-                    widest = torch.promote_types(widest, d)
-                args, kwargs = tree_map(lambda t: _cast(t, widest), (args, kwargs))
+            widest = torch.get_autocast_dtype("cpu")  # promote_type starts from the lower precision
+            for t in tree_leaves((args, kwargs)):
+                if _eligible(t):
+                    widest = torch.promote_types(widest, t.dtype)
+            args, kwargs = tree_map(lambda t: _cast(t, widest), (args, kwargs))
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
             return op(*args, **kwargs)
 

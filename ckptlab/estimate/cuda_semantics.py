@@ -100,9 +100,9 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
                          f"allowed here: {', '.join(b for b in ATTENTION_BACKENDS if why_not[b] is None)}")
     semantics.backend_calls[backend] = semantics.backend_calls.get(backend, 0) + 1
     if backend == "flash":
-        return flash_attention(query, key, value, dropout_p, is_causal, semantics.sm_count)
+        return flash_attention(query, key, value, dropout_p, semantics.sm_count)
     if backend == "efficient":
-        return efficient_attention(query, key, value, attn_mask, dropout_p, is_causal)
+        return efficient_attention(query, key, value, attn_mask)
     return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -184,13 +184,13 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def flash_attention(query, key, value, dropout_p, is_causal, sm_count):
+def flash_attention(query, key, value, dropout_p, sm_count):
     """attention.cpp: the head dim is padded to a multiple of 8 (copies, which the kernel saves)
     and the output sliced back."""
     d = query.size(-1)
     if d % 8:
         query, key, value = (F.pad(t, (0, 8 - d % 8)) for t in (query, key, value))
-    out = _Flash.apply(query, key, value, dropout_p, is_causal, sm_count)
+    out = _Flash.apply(query, key, value, dropout_p, sm_count)
     return out[..., :d] if d % 8 else out
 
 
@@ -201,7 +201,7 @@ class _Flash(torch.autograd.Function):
     flash-attention submodule: "[Note] BC breaking change to flash seed/offset")."""
 
     @staticmethod
-    def forward(ctx, query, key, value, dropout_p, is_causal, sm_count):
+    def forward(ctx, query, key, value, dropout_p, sm_count):
         b, hq, sq, d = query.shape
         q_t = query.transpose(1, 2)
         out = torch.empty_like(q_t).transpose(1, 2)
@@ -235,7 +235,7 @@ class _Flash(torch.autograd.Function):
             torch.sum(dk_expanded.view(b, sk, hk, hq // hk, d), 3, out=dk)
             torch.sum(dv_expanded.view(b, sk, hk, hq // hk, d), 3, out=dv)
         del dout, softmax_d, dq_accum
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
 
 
 def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int = 128) -> int:
@@ -254,7 +254,7 @@ def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int =
 
 # ---------------------------------------------------------------------------- memory-efficient attention
 
-def efficient_attention(query, key, value, attn_mask, dropout_p, is_causal):
+def efficient_attention(query, key, value, attn_mask):
     """attention.cpp: a bool mask becomes an additive one in the query's dtype, then
     preprocess_mask expands it to [b, h, s_q, s_k] and pads the last dim to a multiple of 16."""
     if attn_mask is not None:
@@ -265,16 +265,18 @@ def efficient_attention(query, key, value, attn_mask, dropout_p, is_causal):
         elif any(s % 16 for s in attn_mask.stride()[:3]):
             attn_mask = attn_mask.contiguous()
     keep_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return _Efficient.apply(query, key, value, attn_mask, dropout_p, is_causal, keep_lse)
+    return _Efficient.apply(query, key, value, attn_mask, keep_lse)
 
 
 class _Efficient(torch.autograd.Function):
     """attention.cu _efficient_attention_forward and attention_backward.cu
-    _efficient_attention_backward. The seed and offset are CPU scalars outside CUDA-graph capture
-    (Note [Seed and Offset Device]): no device bytes, so they are kept as Python numbers here."""
+    _efficient_attention_backward. Causality and dropout change no allocation. The seed and
+    offset are CPU scalars outside CUDA-graph capture (Note [Seed and Offset Device]): no device
+    bytes, none here. The backward's workspace (kernel_backward.h workspace_size: fp32
+    accumulators that depend on the kernel chosen) is not modelled."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, dropout_p, is_causal, keep_lse):
+    def forward(ctx, query, key, value, bias, keep_lse):
         b, h, sq, _ = query.shape
         dv = value.size(-1)
         out = torch.empty(b, sq, h, dv, dtype=query.dtype).transpose(1, 2)
@@ -305,7 +307,7 @@ class _Efficient(torch.autograd.Function):
         dbias = None
         if bias is not None and ctx.needs_input_grad[3]:
             dbias = torch.empty(*bias.shape[:-1], _round_up(bias.size(-1), 16), dtype=bias.dtype)[..., :bias.size(-1)]
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None, None, None
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None
 
 
 # ---------------------------------------------------------------------------- math
