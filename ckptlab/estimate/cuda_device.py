@@ -7,7 +7,7 @@ order (the tracker's trace). Added to them, as CUDA adds them:
 - cuBLAS workspaces. Each thread that runs a cuBLAS matmul gets its own handle, and each
   (handle, stream) its own workspace, allocated through the caching allocator (so counted in
   `max_memory_allocated`) and kept for the life of the process: 4096 KiB x 2 + 16 KiB x 8 by
-  default, 32 MiB on Hopper (sm90). A matmul that goes through cuBLASLt (addmm with a bias
+  default, 32 MiB on Hopper (sm90) (`core.cards.CUBLAS_WORKSPACE_BYTES`). A matmul that goes through cuBLASLt (addmm with a bias
   vector: a Linear with bias) adds a cuBLASLt workspace of 1 MiB on that thread. Sizes and
   rules: aten/src/ATen/cuda/CublasHandlePool.cpp (`parseChosenWorkspaceSize`,
   `parseCUDABlasLtWorkspaceSize`, `getCurrentCUDABlasHandle`), without CUBLAS_WORKSPACE_CONFIG
@@ -33,12 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.cards import Card
+from ..core.cards import CUBLAS_WORKSPACE_BYTES, Card
 from .allocator import AllocEvent, replay_allocations
+from .cuda_semantics import ARCHS
 
 DEFAULT_ARCH = "sm80"     # a prediction for CUDA without a card: an A100's architecture
-CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8   # CublasHandlePool.cpp, default below Hopper
-CUBLAS_WORKSPACE_SM90_BYTES = 4096 * 8 * 1024             # the same, on sm90
 CUBLASLT_WORKSPACE_BYTES = 1024 * 1024                    # CublasHandlePool.cpp, CUBLASLT_WORKSPACE_SIZE default
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default, torch.ops.aten.addmv.default, torch.ops.aten.mv.default,
@@ -64,7 +63,7 @@ class BlasUse(TorchDispatchMode):
 
     def workspaces(self, arch: str) -> list[int]:
         """The workspaces' sizes, one per (thread, library)."""
-        cublas = CUBLAS_WORKSPACE_SM90_BYTES if arch == "sm90" else CUBLAS_WORKSPACE_BYTES
+        cublas = CUBLAS_WORKSPACE_BYTES[ARCHS[arch][0]]
         return [cublas] * len(self.cublas) + [CUBLASLT_WORKSPACE_BYTES] * len(self.cublaslt)
 
 
@@ -102,5 +101,4 @@ def device_memory(trace: list[tuple[str, int, int]], start_bytes: int, tensor_pe
         device_bytes=None if context is None else replay.peak_reserved_bytes + context, context_bytes=context)
 
 
-__all__ = ["DEFAULT_ARCH", "BlasUse", "CUBLASLT_WORKSPACE_BYTES", "CUBLAS_WORKSPACE_BYTES", "CUBLAS_WORKSPACE_SM90_BYTES",
-           "DeviceMemory", "device_memory"]
+__all__ = ["DEFAULT_ARCH", "BlasUse", "CUBLASLT_WORKSPACE_BYTES", "DeviceMemory", "device_memory"]

@@ -44,8 +44,9 @@ from ..probe.memory import MemoryReport, track_memory
 from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
+from .cuda_autocast import cuda_autocast
 from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, device_memory
-from .cuda_semantics import cuda_autocast, cuda_semantics
+from .cuda_semantics import cuda_semantics
 
 
 @dataclass
@@ -210,7 +211,10 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_st
     workload = with_dtype(workload, dtype)
     model = fake_model(workload, fake_mode)  # as Workload.build, minus the device move
     cuda = device == "cuda"
-    semantics = cuda_semantics(arch=card.arch if card else DEFAULT_ARCH, attention=attention) if cuda else None
+    semantics = None
+    if cuda:
+        semantics = cuda_semantics(card.arch, attention, card.sm_count or None) if card else cuda_semantics(
+            DEFAULT_ARCH, attention)
     with fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
         model.train()
         handle = apply_checkpointing(model, policy)
