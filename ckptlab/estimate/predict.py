@@ -97,6 +97,16 @@ def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, po
     integer("accum_steps", accum_steps, 1)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
+    check_device(device, card, attention)
+    if policy.compiles:
+        raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
+                         "what to save inside the compiled graph; measure it instead")
+    return workload, policy
+
+
+def check_device(device: str, card: Optional[str | Card] = None, attention: Optional[str] = None) -> None:
+    """Check what a prediction is for (ValueError naming the first bad one): a device of DEVICES,
+    a card of `ckptlab.cards()` and an attention backend, the last two only for "cuda"."""
     choice("device", device, DEVICES)
     if device != "cuda" and (card is not None or attention is not None):
         given = "card" if card is not None else "attention"
@@ -108,10 +118,6 @@ def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, po
         raise ValueError(f"card={card.name!r} is invalid: a size is not a card; allowed is a card of ckptlab.cards()")
     if attention is not None:
         choice("attention", attention, ATTENTION_BACKENDS)
-    if policy.compiles:
-        raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
-                         "what to save inside the compiled graph; measure it instead")
-    return workload, policy
 
 
 def llama7b_shape(**overrides) -> Workload:
@@ -202,5 +208,5 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-__all__ = ["check_prediction", "llama7b_shape", "predict",
+__all__ = ["check_device", "check_prediction", "llama7b_shape", "predict",
            "predict_fits", "prediction_error"]
