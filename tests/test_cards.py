@@ -82,15 +82,19 @@ def test_fits_keeps_the_margin_and_margin_left_is_usable_less_device_bytes():
 
 def test_predict_fits_takes_card_names_and_shows_the_margin_left():
     workload = ckptlab.get_workload("gpt-tiny", n_layer=2)
+    on_rtx = predict(workload, 1, 16, "full", device="cuda", card="rtx4090")
     peak = predict(workload, 1, 16, "full").peak_bytes
-    # An RTX 4090 told it has context + margin + that peak usable leaves the step exactly that
-    # peak: batch 1 fits, as on a plain size of the peak's bytes, with the card's margin left over.
-    exact = parse_capacity("rtx4090", usable_bytes=card("rtx4090").context_bytes + DEFAULT_MARGIN_BYTES + peak)
+    # An RTX 4090 told it has that step's device bytes + its margin usable fits batch 1 with
+    # exactly the margin left (and a larger batch only if the allocator reserves no more for it),
+    # as a plain size of the CPU peak fits it with nothing left.
+    exact = parse_capacity("rtx4090", usable_bytes=on_rtx.device_bytes + DEFAULT_MARGIN_BYTES)
     on_card, on_size = predict_fits(workload, ["full"], capacities=[exact, f"{peak}B"], seq_len=16, batch_size=1,
                                     dtype="fp32", max_batch=2, seq_lens=[16])
     assert predict(workload, 2, 16, "full").peak_bytes > peak
     assert on_card["capacity"] == "rtx4090" and on_size["capacity"] == f"{peak}B"
-    assert on_card["max_batch_size"] == on_size["max_batch_size"] == 1
+    assert on_size["max_batch_size"] == 1 and on_card["max_batch_size"] >= 1
+    largest = predict(workload, on_card["max_batch_size"], 16, "full", device="cuda", card=exact)
+    assert largest.device_bytes == on_rtx.device_bytes
     assert on_card["max_seq_len"] == on_size["max_seq_len"] == 16
     assert on_size["batch_margin_bytes"] == on_size["seq_margin_bytes"] == 0
     assert on_card["batch_margin_bytes"] == on_card["seq_margin_bytes"] == DEFAULT_MARGIN_BYTES
