@@ -124,3 +124,14 @@ def test_a_budget_plan_on_cuda_fits_the_cuda_allocated_peak(tiny):
     budget = (none.peak_bytes + full.peak_bytes) // 2
     p = ckptlab.predict(tiny, 4, 128, f"budget={budget}B", device="cuda")
     assert p.peak_bytes <= budget < none.peak_bytes and p.plan
+
+
+def test_offload_on_cuda_moves_what_the_blocks_save_to_pinned_host_memory(tiny):
+    kept = ckptlab.predict(tiny, 2, 32, "none", device="cuda")
+    offloaded = ckptlab.predict(tiny, 2, 32, "none+offload", device="cuda")
+    assert offloaded.host_bytes > 0 and kept.host_bytes is None and not offloaded.note
+    # what leaves the device is what the blocks saved; what stays is saved outside them
+    assert offloaded.saved_activation_bytes < kept.saved_activation_bytes
+    assert offloaded.saved_activation_bytes + offloaded.host_bytes >= kept.saved_activation_bytes
+    on_cpu = ckptlab.predict(tiny, 2, 32, "none+offload")
+    assert on_cpu.host_bytes is None and "no-op on CPU" in on_cpu.note
