@@ -13,7 +13,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from ..core.cards import fits, parse_capacity
+from ..core.cards import fits, margin_left, parse_capacity
 from ..core.records import CATEGORIES
 from ..core.validate import integer
 from ..estimate.predict import device_bytes_for, predict
@@ -44,7 +44,8 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
               dtype: str = "bf16-weights") -> pd.DataFrame:
     """Predicted peak of `model`'s LoRA fine-tune per (policy, sequence length), by category, and
     `fits_<capacity>`: whether it fits that card (`core.cards.fits`: its device bytes plus the
-    card's margin within its usable bytes) or size. Predictions: exact on CPU against `measure`;
+    card's margin within its usable bytes) or size, and `margin_<capacity>_bytes`: the usable bytes
+    left (negative: short by that much). Predictions: exact on CPU against `measure`;
     on a GPU, attention kernels differ (see the design's note on what a fake step cannot know)."""
     spec = f"{model}+lora={rank}"
     caps = [parse_capacity(c, "capacities") for c in capacities]
@@ -55,18 +56,24 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
             row = {"model": spec, "policy": policy, "seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
                    "predicted_peak_bytes": p.peak_bytes,
                    **{f"predicted_peak_{c}_bytes": p.peak_by_category.get(c, 0) for c in CATEGORIES}}
-            row.update({f"fits_{cap.name}": fits(cap, device_bytes_for(p.peak_bytes, cap)) for cap in caps})
+            for cap in caps:
+                device = device_bytes_for(p.peak_bytes, cap)
+                row.update({f"fits_{cap.name}": fits(cap, device), f"margin_{cap.name}_bytes": margin_left(cap, device)})
             rows.append(row)
     return pd.DataFrame(rows)
 
 
 def longest_fitting(fits: pd.DataFrame) -> pd.DataFrame:
-    """From `lora_fits`: per policy and capacity, the longest sequence that fits (0: none)."""
+    """From `lora_fits`: per policy and capacity, the longest sequence that fits (0: none) and the
+    margin left there (None where none fits)."""
     rows = []
     for column in [c for c in fits.columns if c.startswith("fits_")]:
+        capacity = column[len("fits_"):]
         for policy, g in fits.groupby("policy", sort=False):
-            rows.append({"policy": policy, "capacity": column[len("fits_"):],
-                         "longest_seq_len": int(g.loc[g[column], "seq_len"].max()) if g[column].any() else 0})
+            best = g[g[column]].sort_values("seq_len").tail(1)
+            rows.append({"policy": policy, "capacity": capacity,
+                         "longest_seq_len": int(best["seq_len"].iloc[0]) if len(best) else 0,
+                         "margin_bytes": int(best[f"margin_{capacity}_bytes"].iloc[0]) if len(best) else None})
     return pd.DataFrame(rows)
 
 
