@@ -1,8 +1,9 @@
 """Cards by what they offer: the table, the one capacity parser, and card names accepted wherever a
-capacity is (predict_fits, explain, the notebooks' parameters, the command line)."""
+capacity is (predict_fits, lora_fits, explain, the notebooks' parameters, the command line)."""
 
 import dataclasses
 
+import pandas as pd
 import pytest
 
 import ckptlab
@@ -21,6 +22,7 @@ from ckptlab.core.cards import (
     parse_capacity,
 )
 from ckptlab.estimate.predict import predict, predict_fits
+from ckptlab.run.finetune import longest_fitting, lora_fits
 
 GiB, MiB = 2**30, 2**20
 NAMES = ["rtx3090", "rtx4090", "a10", "l4", "a100-40", "a100-80", "h100-80", "h200"]
@@ -114,3 +116,16 @@ def test_notebook_parameters_and_the_command_line_take_card_names(capsys):
     assert cli_main(["explain", "--model", "gpt-tiny", "--capacity", "rtx5090"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: capacity='rtx5090' is invalid: allowed is a card (rtx3090")
+
+
+def test_lora_fits_takes_card_names_and_says_the_margin_at_the_longest_sequence():
+    table = lora_fits("hf-llama-tiny", 4, [16], ["h200", "1KiB"], ["none"], dtype="fp32")
+    h200 = card("h200")
+    on_h200 = predict("hf-llama-tiny+lora=4", 1, 16, "none", dtype="fp32", device="cuda", card="h200")
+    assert bool(table["fits_h200"].iloc[0]) and not bool(table["fits_1KiB"].iloc[0])
+    assert table["device_h200_bytes"].iloc[0] == on_h200.device_bytes   # predicted for the card
+    assert table["margin_h200_bytes"].iloc[0] == h200.usable_bytes - on_h200.device_bytes == on_h200.margin_bytes
+    longest = longest_fitting(table).set_index("capacity")
+    assert longest.loc["h200", "longest_seq_len"] == 16 and longest.loc["1KiB", "longest_seq_len"] == 0
+    assert longest.loc["h200", "margin_bytes"] == table["margin_h200_bytes"].iloc[0]
+    assert longest.loc["1KiB", "margin_bytes"] is None or pd.isna(longest.loc["1KiB", "margin_bytes"])
