@@ -157,6 +157,8 @@ def test_an_impossible_override_is_refused_naming_why():
         _backend(**fp32, attention="fast")
     with pytest.raises(ValueError, match="arch='sm70' is invalid"):
         _backend(**fp32, arch="sm70")
+    with cuda_semantics(), pytest.raises(ValueError, match="on fake tensors"):  # real kernels are not modelled
+        F.scaled_dot_product_attention(*(torch.zeros(1, 1, 8, 8) for _ in range(3)))
 
 
 @pytest.mark.parametrize("cuda, mask_bytes_per_element", [(True, 1), (False, 4)])

@@ -32,6 +32,7 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from ..core.validate import choice
 from .cuda_autocast import cuda_autocast_policies
@@ -91,6 +92,9 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
     """attention.cpp scaled_dot_product_attention with CUDA's choice (sdp_utils.cpp
     select_sdp_backend: the first of flash, efficient, math whose checks pass). Under autocast
     the inputs arrive cast: SDPA is on CUDA autocast's lower-precision list."""
+    if not is_fake(query):
+        raise ValueError("cuda_semantics models what CUDA kernels keep, on fake tensors: scaled_dot_product_attention "
+                         "got a real tensor; run the step under a FakeTensorMode")
     why_not = {"flash": flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, semantics.arch),
                "efficient": efficient_refusal(query, key, value, enable_gqa),
                "math": None}
