@@ -92,7 +92,11 @@ def test_efficient_keeps_a_logsumexp_padded_to_32_and_no_device_seed():
     s = 48  # padded to 64 in the logsumexp (kAlignLSE); seed and offset are host scalars
     report, cuda = _attention_step(dtype=torch.float32, shape=(B, H, s, D))
     assert cuda.attention_backend == "efficient"
-    assert report.saved_activation_bytes == 4 * B * H * s * D * 4 + B * H * 64 * 4 + 4
+    kept = 4 * B * H * s * D * 4 + B * H * 64 * 4 + 4
+    assert report.saved_activation_bytes == kept
+    # backward: the loss's grad, dq, dk, dv, delta fp32 [b, h, s_q] and the dq accumulator's
+    # 64 x 64 fp32 tiles with their 16-byte headers (one tile per (b, h) here)
+    assert report.peak_bytes == kept + 4 + 3 * B * H * s * D * 4 + B * H * s * 4 + B * H * (16 + 64 * 64 * 4)
 
 
 def test_math_on_cuda_materialises_fp32_scores_and_a_bool_dropout_mask():

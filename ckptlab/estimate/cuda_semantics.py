@@ -276,8 +276,7 @@ class _Efficient(torch.autograd.Function):
     """attention.cu _efficient_attention_forward and attention_backward.cu
     _efficient_attention_backward. Causality and dropout change no allocation. The seed and
     offset are CPU scalars outside CUDA-graph capture (Note [Seed and Offset Device]): no device
-    bytes, none here. The backward's workspace (kernel_backward.h workspace_size: fp32
-    accumulators that depend on the kernel chosen) is not modelled."""
+    bytes, none here."""
 
     @staticmethod
     def forward(ctx, query, key, value, bias, keep_lse):
@@ -296,7 +295,7 @@ class _Efficient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, value, bias, _, _ = ctx.saved_tensors
+        query, key, value, bias, out, _ = ctx.saved_tensors
         b, h, sq, d = query.shape
         sk, dv = key.size(2), value.size(-1)
         packed = (sq == sk and d == dv and query.untyped_storage()._cdata == key.untyped_storage()._cdata
@@ -311,6 +310,19 @@ class _Efficient(torch.autograd.Function):
         dbias = None
         if bias is not None and ctx.needs_input_grad[3]:
             dbias = torch.empty(*bias.shape[:-1], _round_up(bias.size(-1), 16), dtype=bias.dtype)[..., :bias.size(-1)]
+        # delta = rowsum(dout * out): written by the 16-bit kernels, made by torch ops for fp32.
+        if query.element_size() == 2:
+            delta = torch.empty(b, h, sq, dtype=torch.float32)
+        else:
+            delta = (grad.transpose(1, 2).float() * out.transpose(1, 2).float()).sum(-1).transpose(-2, -1).contiguous()
+        # kernel_backward.h workspace_size: every kernel accumulates dq in fp32 tiles
+        # (kNeedsAccumGradQ, split keys on sm70+), each with a 16-byte lock header. The tile is
+        # the kernel's kBlockSizeI x MatmulGradQ's N, taken as 64 x 64 here (an approximation:
+        # the kernel chosen decides). 16-bit kernels with head dims > 64 also stage dk, dv in
+        # small per-(b, h) buffers, not counted.
+        tiles = b * h * math.ceil(sq / 64) * math.ceil(d / 64)
+        workspace = torch.empty(tiles * (16 + 64 * 64 * 4), dtype=torch.uint8)
+        del delta, workspace
         return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None
 
 
