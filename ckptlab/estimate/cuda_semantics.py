@@ -39,10 +39,10 @@ from .cuda_autocast import cuda_autocast_policies
 
 ATTENTION_BACKENDS = ("flash", "efficient", "math")
 
-# Compute capability of each architecture, and the streaming multiprocessors of the card the name
-# usually means (NVIDIA's data sheets: A100 108, RTX 3090 82, RTX 4090 128, H100 SXM and H200
-# 132): flash attention's forward splits the keys when a batch leaves SMs idle.
-ARCHS = {"sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0)}
+# Architectures by compute capability (sm86: 8.6), and the streaming multiprocessors of the card
+# each name usually means (NVIDIA's data sheets: A100 108, RTX 3090 82, RTX 4090 128, H100 SXM
+# and H200 132): flash attention's forward splits the keys when a batch leaves SMs idle.
+ARCHS = ("sm80", "sm86", "sm89", "sm90")
 SM_COUNTS = {"sm80": 108, "sm86": 82, "sm89": 128, "sm90": 132}
 
 
@@ -69,7 +69,7 @@ def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
     optimizer): attention, dropout and autocast allocate and keep what their CUDA kernels would
     on a GPU of architecture `arch`. `attention` forces a backend (ValueError at the first call
     it cannot serve, naming why); `sm_count` defaults to the SMs of the arch's usual card."""
-    choice("arch", arch, tuple(ARCHS))
+    choice("arch", arch, ARCHS)
     if attention is not None:
         choice("attention", attention, ATTENTION_BACKENDS)
     if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
