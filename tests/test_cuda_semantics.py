@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlab import apply_checkpointing, get_workload, track_memory
+from ckptlab.checkpoint.wrap import selective_context_fn
 from ckptlab.estimate.cuda_autocast import cuda_autocast
 from ckptlab.estimate.cuda_semantics import cuda_semantics
 from ckptlab.estimate.fake_step import fake_model
@@ -219,6 +220,23 @@ def test_cuda_autocast_runs_norms_and_softmax_in_fp32_matmuls_in_bf16_and_caches
     with pytest.raises(ValueError, match="dtype=torch.float32 is invalid"):
         with cuda_autocast(torch.float32):
             pass
+
+
+@pytest.mark.parametrize("context_fn, extra", [(None, 0), (selective_context_fn("attn"), B * H * S * 4 + 24)])
+def test_selective_checkpointing_saves_the_fused_kernel_as_on_a_gpu(context_fn, extra):
+    # full: the region keeps its inputs and returns the output; selective keeps the flash op's
+    # outputs (it names _scaled_dot_product_flash_attention): the logsumexp and rng state besides
+    kwargs = {"context_fn": context_fn} if context_fn else {}
+    with FakeTensorMode():
+        qb, kb, vb = _leaves((B, H, S, D), (B, H, S, D), (B, H, S, D))
+        with cuda_semantics(), track_memory() as tracker:
+            q, k, v = qb.clone(), kb.clone(), vb.clone()
+            out = torch.utils.checkpoint.checkpoint(
+                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True), q, k, v,
+                use_reentrant=False, **kwargs)
+            tracker.phase("backward")
+            out.sum().backward()
+    assert tracker.report().saved_activation_bytes == 4 * B * H * S * D * 2 + extra
 
 
 def test_checkpoint_recompute_runs_under_the_mode_with_the_same_backend():

@@ -16,7 +16,10 @@ other tensors than the CPU's allocate and save what the CUDA kernels would:
 
 The two ops get kernels for the AutogradCPU dispatch key (a torch.library registration, removed
 on exit), not a TorchFunctionMode: a mode is off while it handles `loss.backward()`, so it would
-miss the recomputations that checkpointing runs inside backward. Every rule names the PyTorch
+miss the recomputations that checkpointing runs inside backward. The fused kernels' outputs come
+from the aten ops CUDA runs (`_scaled_dot_product_flash_attention`, `..._efficient_attention`),
+whose fake (Meta) kernels are replaced by ones with the CUDA layouts and RNG tensors: selective
+checkpointing, which saves those ops by name, sees them as on a GPU. Every rule names the PyTorch
 source it follows; the rules are torch 2.11's (the GPU check's torch), read from PyTorch's main
 branch where the two agree. The model, and what it leaves out: docs/design.md, note "What a fake
 step cannot know".
@@ -80,6 +83,8 @@ def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel", on purpose
         lib.impl("scaled_dot_product_attention", lambda *a, **k: _attention(semantics, *a, **k), "AutogradCPU")
         lib.impl("dropout", dropout, "AutogradCPU")
+        lib.impl("_scaled_dot_product_flash_attention", _flash_outputs, "Meta")
+        lib.impl("_scaled_dot_product_efficient_attention", _efficient_outputs, "Meta")
     try:
         with cuda_autocast_policies():
             yield semantics
@@ -207,18 +212,15 @@ class _Flash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, dropout_p, sm_count):
         b, hq, sq, d = query.shape
-        q_t = query.transpose(1, 2)
-        out = torch.empty_like(q_t).transpose(1, 2)
-        lse = torch.empty(b, hq, sq, dtype=torch.float32)
         # set_params_splitkv: without dropout, a batch that leaves SMs idle splits the keys and
         # accumulates in fp32 buffers for the length of the kernel.
         splits = 1 if dropout_p else _flash_splits(b * hq * math.ceil(sq / 64), sm_count * 2,
                                                     math.ceil(key.size(-2) / (256 if d <= 64 else 128 if d <= 128 else 64)))
-        accumulators = () if splits == 1 else (  # alive until the kernel returns
+        accumulators = () if splits == 1 else (  # alive while the kernel runs
             torch.empty(splits, b, hq, sq, dtype=torch.float32),
             torch.empty(splits, b, hq, sq, _round_up(d, 32 if d <= 128 else 64), dtype=torch.float32))
-        rng_state = torch.empty(2, dtype=torch.uint64)
-        unused = torch.empty((), dtype=torch.uint64)
+        out, lse, _, _, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p)
         del accumulators
         ctx.save_for_backward(query, key, value, out, lse, rng_state, unused)
         return out
@@ -240,6 +242,17 @@ class _Flash(torch.autograd.Function):
             torch.sum(dv_expanded.view(b, sk, hk, hq // hk, d), 3, out=dv)
         del dout, softmax_d, dq_accum
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
+
+
+def _flash_outputs(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    """_scaled_dot_product_flash_attention's outputs as CUDA allocates them: the output in
+    [b, s, h, d] memory, logsumexp fp32 [b, h, s_q], rng_state uint64[2] and the unused uint64."""
+    b, h, sq, d = query.shape
+    device = query.device
+    return (torch.empty(b, sq, h, d, dtype=query.dtype, device=device).transpose(1, 2),
+            torch.empty(b, h, sq, dtype=torch.float32, device=device), None, None, sq, key.size(2),
+            torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device),
+            torch.empty(0, dtype=query.dtype, device=device))
 
 
 def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int = 128) -> int:
@@ -274,22 +287,19 @@ def efficient_attention(query, key, value, attn_mask):
 
 class _Efficient(torch.autograd.Function):
     """attention.cu _efficient_attention_forward and attention_backward.cu
-    _efficient_attention_backward. Causality and dropout change no allocation. The seed and
-    offset are CPU scalars outside CUDA-graph capture (Note [Seed and Offset Device]): no device
-    bytes, none here."""
+    _efficient_attention_backward. Causality and dropout change no allocation; the seed and
+    offset are CPU scalars outside CUDA-graph capture (Note [Seed and Offset Device])."""
 
     @staticmethod
     def forward(ctx, query, key, value, bias, keep_lse):
         b, h, sq, _ = query.shape
         dv = value.size(-1)
-        out = torch.empty(b, sq, h, dv, dtype=query.dtype).transpose(1, 2)
-        # kAlignLSE = 32: the logsumexp is padded for the backward's blocks.
-        lse = torch.empty(b, h, _round_up(sq, 32) if keep_lse else 0, dtype=torch.float32)
-        # Kernels for head dims > 128 keep the output in global memory: fp32 accumulator
-        # (kNeedsOutputAccumulatorBuffer) when the output is fp16 / bf16.
-        if query.element_size() == 2 and max(query.size(-1), dv) > 128:
-            accumulator = torch.empty(b, sq, h, dv, dtype=torch.float32)
-            del accumulator
+        # Kernels for head dims > 128 keep the output in global memory: an fp32 accumulator
+        # (kNeedsOutputAccumulatorBuffer) when the output is fp16 / bf16, alive while they run.
+        accumulator = (torch.empty(b, sq, h, dv, dtype=torch.float32)
+                       if query.element_size() == 2 and max(query.size(-1), dv) > 128 else None)
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, keep_lse)
+        del accumulator
         ctx.save_for_backward(query, key, value, bias, out, lse)
         return out
 
@@ -324,6 +334,18 @@ class _Efficient(torch.autograd.Function):
         workspace = torch.empty(tiles * (16 + 64 * 64 * 4), dtype=torch.uint8)
         del delta, workspace
         return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None
+
+
+def _efficient_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
+                       scale=None):
+    """_scaled_dot_product_efficient_attention's outputs as CUDA allocates them: the output in
+    [b, s, h, d] memory, logsumexp fp32 [b, h, s_q rounded up to 32] (kAlignLSE) when asked, and
+    seed and offset, host scalars on CUDA, as empty tensors: no device bytes."""
+    b, h, sq, _ = query.shape
+    device = query.device
+    return (torch.empty(b, sq, h, value.size(-1), dtype=query.dtype, device=device).transpose(1, 2),
+            torch.empty(b, h, _round_up(sq, 32) if compute_log_sumexp else 0, dtype=torch.float32, device=device),
+            torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device))
 
 
 # ---------------------------------------------------------------------------- math
