@@ -166,6 +166,16 @@ def test_an_impossible_override_is_refused_naming_why():
         F.scaled_dot_product_attention(*(torch.zeros(1, 1, 8, 8) for _ in range(3)))
 
 
+def test_outside_the_mode_attention_and_dropout_are_the_cpus_again():
+    with cuda_semantics():
+        pass
+    with FakeTensorMode():
+        (x,) = _leaves((4, 8), dtype=torch.float32)
+        assert F.dropout(x, 0.1, True).grad_fn.name() == "MulBackward0"
+        q = x.view(1, 1, 4, 8)
+        assert F.scaled_dot_product_attention(q, q, q).grad_fn.name() == "ScaledDotProductFlashAttentionForCpuBackward0"
+
+
 @pytest.mark.parametrize("cuda, mask_bytes_per_element", [(True, 1), (False, 4)])
 def test_dropout_keeps_a_bool_mask_on_cuda_and_one_of_the_input_dtype_on_cpu(cuda, mask_bytes_per_element):
     n = 4 * 64
