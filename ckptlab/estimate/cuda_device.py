@@ -41,7 +41,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.cards import CUBLAS_WORKSPACE_BYTES, Card
 from .allocator import AllocEvent, replay_allocations
-from .cuda_semantics import ARCHS
 
 DEFAULT_ARCH = "sm80"     # a prediction for CUDA without a card: an A100's architecture
 CUBLASLT_WORKSPACE_BYTES = 1024 * 1024                    # CublasHandlePool.cpp, CUBLASLT_WORKSPACE_SIZE default
@@ -69,7 +68,7 @@ class BlasUse(TorchDispatchMode):
 
     def workspaces(self, arch: str) -> list[int]:
         """The workspaces' sizes, one per (thread, library)."""
-        cublas = CUBLAS_WORKSPACE_BYTES[ARCHS[arch][0]]
+        cublas = CUBLAS_WORKSPACE_BYTES[int(arch[2:-1])]   # by the major of compute capability "smXY"
         return [cublas] * len(self.cublas) + [CUBLASLT_WORKSPACE_BYTES] * len(self.cublaslt)
 
 
