@@ -10,6 +10,7 @@ import torch
 
 from ckptlab import get_workload, predict
 from ckptlab.apps.cli import main as cli_main
+from ckptlab.core.cards import card
 from ckptlab.probe.distributed import measure_sharded
 from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, chunked_loss, explain, fsdp_peak, fsdp_units
 
@@ -101,13 +102,21 @@ def test_cli_prints_the_report_and_json(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "cause:" in out and "levers" in out
     assert (tmp_path / "waterfall.png").stat().st_size > 0
-    assert cli_main(args + ["--format", "json", "--capacity", "8MiB"]) == 0
+    assert cli_main(args + ["--format", "json", "--capacity", "rtx4090"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["breakdown"]) == set(BREAKDOWN)
-    assert data["capacity_bytes"] == 8 * 2**20 and data["peak_phase"] in ("forward", "backward", "optimizer")
+    # on a card every size is predicted for it: its device bytes may reach its usable bytes less its margin
+    rtx = card("rtx4090")
+    assert set(data["breakdown"]) == set(BREAKDOWN) | {"workspaces", "rounding", "fragmentation"}
+    assert data["capacity_bytes"] == rtx.usable_bytes - rtx.required_margin_bytes
+    assert data["capacity_card"].startswith("RTX 4090") and data["device"] == "cuda"
+    assert data["margin_bytes"] == rtx.usable_bytes - data["device_bytes"] and data["steps"][0]["predicted_peak_bytes"] == data["device_bytes"]
+    offload = next(lever for lever in data["levers"] if lever["name"] == "offload")
+    assert offload["basis"] == "predicted" and offload["predicted_peak_bytes"] > 0   # on a card, predicted
+    assert data["peak_phase"] in ("forward", "backward", "optimizer")
 
 
-@pytest.mark.parametrize("flag, value", [("--capacity", "lots"), ("--capacity", "0"), ("--batch", "0"),
+@pytest.mark.parametrize("flag, value", [("--capacity", "lots"), ("--capacity", "0"), ("--capacity", "rtx5090"),
+                                         ("--batch", "0"),
                                          ("--seq", "100000")])
 def test_cli_refuses_a_bad_capacity_or_shape_in_one_line(capsys, flag, value):
     assert cli_main(["explain", "--model", "gpt-tiny", flag, value]) == 2

@@ -8,6 +8,7 @@ from ckptlab import apply_checkpointing, get_workload, measure, parse_policy
 from ckptlab.core.policy import Policy
 from ckptlab.probe.verify import compare_gradients
 
+
 def _gpt(**kw):
     return get_workload("gpt-tiny", **{**dict(n_layer=4, n_embd=32, n_head=2, vocab_size=64, dropout=0.2), **kw})
 

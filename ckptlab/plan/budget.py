@@ -15,7 +15,7 @@ from typing import Optional
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import Policy, as_policy, parse_policy, plan_policy
 from ..core.units import format_bytes, parse_bytes
-from ..estimate.fake_step import Prediction, fake_memory
+from ..estimate.fake_step import FakeMemory, Prediction, as_card, fake_memory
 from ..estimate.predict import check_prediction, predict_policy
 from ..probe.measure import measure_policy, measurement_record
 from ..workloads.base import Workload
@@ -85,28 +85,36 @@ def resolve_budget(budget, none_peak: int) -> int:
 
 
 def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
-                optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4) -> Plan:
+                optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4, device: str = "cpu",
+                card=None, attention: str | None = None) -> Plan:
     """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
     `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
-    achievable peak, if no plan fits."""
+    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, as
+    `predict`) the plan is made and verified on the CUDA prediction's allocated peak."""
     workload = as_workload(workload)
-    profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost)
+    card = as_card(card)
+    on_device = {"device": device, "card": card, "attention": attention}
+    profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost, **on_device)
     budget_bytes = resolve_budget(budget, profile.peak["keep"])
     target = budget_bytes
+    if device == "cuda":  # the profile counts tensors; the workspaces and the allocator's rounding come on top
+        keep = fake_memory(workload, batch_size, seq_len, plan_policy(["keep"] * profile.n_blocks), dtype, optimizer,
+                           **on_device)
+        target -= _peak(keep) - keep.report.peak_bytes
     for iteration in range(1, max_iterations + 1):
         options = solve(profile, target)
         if options is None:
             lowest, lowest_plan = min_peak(profile)
-            verified = fake_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
-                               optimizer)[0].peak_bytes
+            verified = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
+                                         optimizer, **on_device))
             raise ValueError(
                 f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
                 f"{workload.label} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
                 f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
                 f"{plan_policy(lowest_plan).value}); allowed is a budget >= that"
             )
-        predicted = fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype,
-                            optimizer)[0].peak_bytes
+        predicted = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype,
+                                      optimizer, **on_device))
         if predicted <= budget_bytes:
             break
         target -= predicted - budget_bytes  # the model was optimistic: tighten and re-solve
@@ -123,6 +131,11 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     )
 
 
+def _peak(fake: FakeMemory) -> int:
+    """A fake step's peak as `predict` reports it: on CUDA, the allocator's allocated peak."""
+    return fake.device.allocated_bytes if fake.device is not None else fake.report.peak_bytes
+
+
 @dataclass(frozen=True)
 class Resolved:
     """A policy made concrete for one shape: what is applied, and the plan a budget chose."""
@@ -132,14 +145,15 @@ class Resolved:
 
 
 def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32",
-            optimizer: str = "adamw") -> Resolved:
-    """The one place a `budget=` becomes a plan: the plan `plan_budget` chooses for this shape,
-    with the budget's +offload or +compile (a compiled budget compiles the eager planner's plan,
-    block by block). Any other policy is already concrete. An infeasible budget raises
-    ValueError stating the minimum achievable peak."""
+            optimizer: str = "adamw", device: str = "cpu", card=None, attention: str | None = None) -> Resolved:
+    """The one place a `budget=` becomes a plan: the plan `plan_budget` chooses for this shape
+    (predicted for `device`, and a card's), with the budget's +offload or +compile (a compiled
+    budget compiles the eager planner's plan, block by block). Any other policy is already
+    concrete. An infeasible budget raises ValueError stating the minimum achievable peak."""
     if policy.kind != "budget":
         return Resolved(policy)
-    plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer)
+    plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer, device=device,
+                       card=card, attention=attention)
     return Resolved(plan_policy(plan.options, policy.offload, policy.compiled), plan)
 
 
@@ -156,7 +170,8 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     with_report = options.pop("with_report", False)
     record = measurement_record(workload, batch_size, seq_len, policy, **options)[0]
     try:
-        resolved = resolve(policy, workload, batch_size, seq_len, record["dtype"], record["optimizer"])
+        device = "cuda" if record["device"].startswith("cuda") else "cpu"  # the plan predicted as it will run
+        resolved = resolve(policy, workload, batch_size, seq_len, record["dtype"], record["optimizer"], device)
     except ValueError as exc:
         record.update(status="error", message=f"ValueError: {exc}")
         return (record, None) if with_report else record
@@ -172,13 +187,17 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
-            dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1) -> Prediction:
+            dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
+            card=None, attention: str | None = None) -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
-    the plan `plan_budget` chooses; the prediction names the budget as its policy and the plan in `plan`."""
+    the plan `plan_budget` chooses (on the same device); the prediction names the budget as its
+    policy and the plan in `plan`."""
+    on_device = {"device": device, "card": card, "attention": attention}
     workload, policy = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer,
-                                        accum_steps)
-    resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer)
-    prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, optimizer, accum_steps)
+                                        accum_steps, **on_device)
+    resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **on_device)
+    prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, optimizer, accum_steps,
+                                **on_device)
     if resolved.plan is None:
         return prediction
     return dataclasses.replace(prediction, policy=str(policy), plan=resolved.plan.letters)

@@ -4,7 +4,7 @@
 (`<spec>+lora=R`), per policy and sequence length, memory by category: frozen weights, trainable
 weights, their gradients and optimizer state, activations. `lora_fits` predicts (fake tensors,
 nothing allocated) a LoRA fine-tune's peak per policy and sequence length, and which of them
-fit each capacity.
+fit each capacity (a card such as rtx4090, or a size).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Sequence
 
 import pandas as pd
 
+from ..core.cards import fits, margin_left, parse_capacity
 from ..core.records import CATEGORIES
-from ..core.units import parse_bytes
 from ..core.validate import integer
 from ..plan.budget import measure, predict
 from ..workloads.registry import get_workload
@@ -38,14 +38,17 @@ def lora_vs_full(model: str, rank: int, seq_lens: Sequence[int], batch_size: int
     return pd.DataFrame(rows)
 
 
-def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequence[str] = ("24GiB",),
+def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequence[str] = ("rtx4090",),
               policies: Sequence[str] = ("none", "full"), batch_size: int = 1,
               dtype: str = "bf16-weights") -> pd.DataFrame:
-    """Predicted peak of `model`'s LoRA fine-tune per (policy, sequence length), by category, and
-    `fits_<capacity>`: whether it fits that card. Predictions: exact on CPU against `measure`;
-    on a GPU, attention kernels differ (see the design's note on what a fake step cannot know)."""
+    """Predicted peak of `model`'s LoRA fine-tune per (policy, sequence length), by category (the
+    CPU prediction, exact against `measure` on a CPU), and per capacity `fits_<capacity>` and
+    `margin_<capacity>_bytes` (the usable bytes left; negative: short by that much): on a card, of
+    the step predicted for that card (`predict(device="cuda", card=...)`: its device bytes, also
+    in `device_<card>_bytes`) against its usable bytes less its margin (`core.cards.fits`); on a
+    size, of the CPU peak."""
     spec = f"{model}+lora={rank}"
-    caps = {str(c): parse_bytes(c, "capacity") for c in capacities}
+    caps = [parse_capacity(c, "capacities") for c in capacities]
     rows = []
     for policy in policies:
         for seq_len in seq_lens:
@@ -53,18 +56,27 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
             row = {"model": spec, "policy": policy, "seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
                    "predicted_peak_bytes": p.peak_bytes,
                    **{f"predicted_peak_{c}_bytes": p.peak_by_category.get(c, 0) for c in CATEGORIES}}
-            row.update({f"fits_{name}": p.peak_bytes <= cap for name, cap in caps.items()})
+            for cap in caps:
+                held = p.peak_bytes
+                if cap.arch:
+                    held = predict(spec, batch_size, seq_len, policy, dtype=dtype, device="cuda", card=cap).device_bytes
+                    row[f"device_{cap.name}_bytes"] = held
+                row.update({f"fits_{cap.name}": fits(cap, held), f"margin_{cap.name}_bytes": margin_left(cap, held)})
             rows.append(row)
     return pd.DataFrame(rows)
 
 
 def longest_fitting(fits: pd.DataFrame) -> pd.DataFrame:
-    """From `lora_fits`: per policy and capacity, the longest sequence that fits (0: none)."""
+    """From `lora_fits`: per policy and capacity, the longest sequence that fits (0: none) and the
+    margin left there (None where none fits)."""
     rows = []
     for column in [c for c in fits.columns if c.startswith("fits_")]:
+        capacity = column[len("fits_"):]
         for policy, g in fits.groupby("policy", sort=False):
-            rows.append({"policy": policy, "capacity": column[len("fits_"):],
-                         "longest_seq_len": int(g.loc[g[column], "seq_len"].max()) if g[column].any() else 0})
+            best = g[g[column]].sort_values("seq_len").tail(1)
+            rows.append({"policy": policy, "capacity": capacity,
+                         "longest_seq_len": int(best["seq_len"].iloc[0]) if len(best) else 0,
+                         "margin_bytes": int(best[f"margin_{capacity}_bytes"].iloc[0]) if len(best) else None})
     return pd.DataFrame(rows)
 
 
