@@ -215,10 +215,10 @@ def test_remove_disables_transformers_checkpointing_and_policies_never_nest():
     hf = apply_checkpointing(model, "hf")
     assert model.is_activation_checkpointing and model._require_grads_hooks
     ours = apply_checkpointing(model, "density=0.5")   # replaces the hf policy: no nesting
-    assert hf._removed and not model.is_activation_checkpointing
+    assert hf.removed and not model.is_activation_checkpointing
     assert not model._require_grads_hooks
     back = apply_checkpointing(model, "hf:every_n_layers=2")  # and the other way round
-    assert ours._removed
+    assert ours.removed
     back.remove()
     assert not model.is_activation_checkpointing and not model._require_grads_hooks
     assert all("forward" not in block.__dict__ for block in find_blocks(model))

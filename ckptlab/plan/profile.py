@@ -84,24 +84,21 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
         marks = {"fwd_pre": [None] * n, "fwd_post": [None] * n, "bwd_start": [None] * n, "bwd_end": [None] * n}
         state = {}
 
-        def tracker_live():
-            return state["t"]._tracker
-
         def pre_hook(j):
             def hook(module, args):
-                marks["fwd_pre"][j] = set(tracker_live().live) if "t" in state else None
+                marks["fwd_pre"][j] = set(state["t"].live_bytes()) if "t" in state else None
                 if j == 0 and torch.is_grad_enabled() and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                    end = lambda: marks["bwd_end"].__setitem__(0, len(tracker_live().timeline))
+                    end = lambda: marks["bwd_end"].__setitem__(0, len(state["t"].timeline))
                     return (_Marker.apply(args[0], end),) + tuple(args[1:])
             return hook
 
         def post_hook(j):
             def hook(module, args, out):
                 if "t" in state:
-                    marks["fwd_post"][j] = set(tracker_live().live)
+                    marks["fwd_post"][j] = set(state["t"].live_bytes())
                 h = hidden_state(out)
                 if torch.is_grad_enabled() and h.requires_grad:
-                    start = lambda: marks["bwd_start"].__setitem__(j, len(tracker_live().timeline))
+                    start = lambda: marks["bwd_start"].__setitem__(j, len(state["t"].timeline))
                     marked = _Marker.apply(h, start)
                     return marked if isinstance(out, torch.Tensor) else (marked,) + tuple(out[1:])
             return hook
@@ -116,11 +113,11 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
                 class _Phases:
                     def phase(self, name):
                         if name == "backward" and not snapshot:
-                            snapshot.update({k: v.nbytes for k, v in tracker._tracker.live.items()})
+                            snapshot.update(tracker.live_bytes())
                         tracker.phase(name)
 
                 step(_Phases())
-            timeline = tracker._tracker.timeline
+            timeline = tracker.timeline
         finally:
             for h in hooks:
                 h.remove()

@@ -21,11 +21,11 @@ import pandas as pd
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ..checkpoint.compiled import Compiled, compile_with_budget
+from ..checkpoint.compiled import Compiled, compile_with_budget, fresh_compiler_cache
 from ..checkpoint.wrap import matmul_and_attention_ops
 from ..core.policy import Policy, parse_policies
-from ..core.records import new_record
-from ..core.validate import choice, integer
+from ..core.records import new_record, tokens_per_second
+from ..core.validate import choice
 from ..plan.budget import resolve
 from ..probe.measure import (
     MAX_ROUNDS,
@@ -34,12 +34,11 @@ from ..probe.measure import (
     policy_applier,
     policy_notes,
     prepare_step,
-    reset_compiler_cache,
 )
 from ..probe.step import DTYPES, device_name, resolve_device, with_dtype
 from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import RELATIVE_TOLERANCE, GradientComparison, gradient_difference, like_eager, step_gradients
-from ..workloads.base import Workload, base_model
+from ..workloads.base import Workload, is_transformers_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 
@@ -138,26 +137,22 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
 
 def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None) -> list[dict]:
     rows, steps = [], {}
-    reset_compiler_cache()
-    try:
-        for config in configs:
-            _prepare(config, shape, rows, steps)
-        if after_prepare is not None:
-            after_prepare(rows, steps)
-        _time_together(rows, steps, shape, target_ci, max_seconds)
-        if after_timing is not None:
-            after_timing(rows)
-    finally:
-        steps.clear()
-        reset_compiler_cache()
+    with fresh_compiler_cache():   # an anchor may compile whatever the policies are
+        try:
+            for config in configs:
+                _prepare(config, shape, rows, steps)
+            if after_prepare is not None:
+                after_prepare(rows, steps)
+            _time_together(rows, steps, shape, target_ci, max_seconds)
+            if after_timing is not None:
+                after_timing(rows)
+        finally:
+            steps.clear()
     return rows
 
 
 def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
-    integer("batch_size", batch_size, 1)
-    integer("seq_len", seq_len, 1)
-    if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
+    workload.check_shape(batch_size, seq_len)
     for p in policies:
         check_policy_applies(workload, p)
     choice("dtype", dtype, list(DTYPES))
@@ -177,7 +172,7 @@ def anchor_configs(workload: Workload) -> list[Config]:
         Config(f"torch.compile activation_memory_budget={COMPILE_ANCHOR_BUDGET}", "torch.compile",
                _compiled, anchor=True),
     ]
-    if _is_transformers(workload):
+    if is_transformers_model(workload.build("meta")):
         configs += [
             Config("transformers checkpointing (every layer)", "transformers", _transformers_checkpointing(), anchor=True),
             Config("transformers every_n_layers=2", "transformers", _transformers_checkpointing(every_n_layers=2),
@@ -201,14 +196,6 @@ def chosen_anchors(workload: Workload, anchors: bool | Sequence[str]) -> list[Co
     for label in anchors:
         choice("anchors", label, labels)
     return [c for c in available if c.policy in anchors]
-
-
-def _is_transformers(workload: Workload) -> bool:
-    try:
-        from transformers import PreTrainedModel  # noqa: PLC0415 - transformers comes with the hf extra
-    except ImportError:
-        return False
-    return isinstance(base_model(workload.build("meta")), PreTrainedModel)
 
 
 def _per_block_checkpoint(model, record):
@@ -321,7 +308,7 @@ def _time_together(rows, steps, shape: Shape, target_ci, max_seconds) -> None:
         if r["policy"] in timed:
             r.update(timing.row(r["policy"]))
             r["round_ms"] = list(timing.times_ms[r["policy"]])  # aligned across rows: any pair can be paired
-            r["tokens_per_s"] = r["tokens"] / (r["step_ms"] / 1e3)
+            r["tokens_per_s"] = tokens_per_second(r["tokens"], r["step_ms"])
 
 
 def _verify(rows, configs, shape: Shape) -> None:

@@ -34,10 +34,11 @@ try:
 except ImportError:
     raise missing_extra("transformers", "CkptlabCallback") from None
 
+from ..checkpoint.blocks import handle_of
 from ..checkpoint.hf import HFCheckpointHandle, hf_layers
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import parse_policy
-from ..core.records import new_record
+from ..core.records import new_record, tokens_per_second
 from ..core.validate import integer
 from ..probe.memory import CATEGORIES, cuda_allocator_stats, track_memory
 from ..probe.step import device_name, resolve_device
@@ -240,7 +241,7 @@ class CkptlabCallback(TrainerCallback):
             note="step time includes the live-tensor tracker's hooks" if report else "",
             loss=loss,
             step_ms=step_ms,
-            tokens_per_s=step["tokens"] / (step_ms / 1e3),
+            tokens_per_s=tokens_per_second(step["tokens"], step_ms),
         )
         if self._device.type == "cuda":
             record.update(cuda_allocator_stats(self._device))
@@ -253,7 +254,7 @@ def _ckptlab_handle(model: nn.Module):
     """The handle of a ckptlab policy (other than transformers' own, which marks layers) that
     some module of `model` carries, or None."""
     for module in model.modules():
-        handle = getattr(module.__dict__.get("forward"), "_ckptlab_handle", None)
+        handle = handle_of(module)
         if handle is not None and not isinstance(handle, HFCheckpointHandle):
             return handle
     return None
