@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload, measure, predict  # noqa: E402
 from ckptlab.checkpoint.hf import hf_capabilities, hf_layers  # noqa: E402
+from ckptlab.workloads.base import is_transformers_model  # noqa: E402
 from ckptlab.workloads.hf import TINY_LLAMA  # noqa: E402
 
 TINY = ["hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny"]
@@ -74,6 +75,8 @@ def test_tiny_presets_have_the_advertised_architecture():
 
 @pytest.mark.parametrize("name", TINY)
 def test_find_blocks_finds_the_transformer_layers(name):
+    assert is_transformers_model(get_workload(name).build("meta"))
+    assert not is_transformers_model(get_workload("gpt-tiny").build("meta"))
     workload = get_workload(name)
     model = workload.build()
     blocks = find_blocks(model)
