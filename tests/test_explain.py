@@ -10,8 +10,8 @@ import torch
 
 from ckptlab import get_workload, predict
 from ckptlab.apps.cli import main as cli_main
-from ckptlab.probe.distributed import measure_sharded
 from ckptlab.estimate.fsdp import fsdp_peak, fsdp_units
+from ckptlab.probe.distributed import measure_sharded
 from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, explain
 from ckptlab.workloads.models import with_chunked_loss
 
