@@ -44,19 +44,39 @@ ROOFLINE_BYTES_PER_S = 2.0e12
 
 @dataclass
 class Profile:
-    """Per-block memory and recompute-time profile: the planner's only input."""
+    """Per-block memory and recompute-time profile: the planner's only input. An option is one of
+    keep, selective, full; a uniform run is the training step with every block at one option.
+
+    Attributes:
+        n_blocks (int): the blocks of the model, in run order.
+        kept (list[dict[str, int]]): [block][option] bytes the block's forward leaves alive for
+            backward.
+        bwd_peak (list[dict[str, int]]): [block][option] peak live bytes while the block's
+            backward runs, in the uniform run.
+        head (dict[str, int]): [option] peak live bytes before the first block's backward (the
+            forward, the loss and the head's backward), in the uniform run.
+        tail (dict[str, int]): [option] peak live bytes after the last block's backward (the
+            embeddings' backward and the optimizer step), in the uniform run.
+        cost_ms (list[dict[str, float]]): [block][option] milliseconds the option adds to one
+            step by recomputing (0 for keep).
+        peak (dict[str, int]): [option] peak live bytes of the uniform run.
+        cost_basis (str): how cost_ms was had: measured, roofline or given.
+        meta (dict): what it was profiled for (model, loss_fn, batch_size, seq_len, dtype,
+            optimizer) and profile_s, the seconds profiling took.
+    """
 
     n_blocks: int
-    kept: list[dict[str, int]]          # [block][option] bytes left alive for backward
-    bwd_peak: list[dict[str, int]]      # [block][option] peak live bytes during its backward (uniform run)
-    head: dict[str, int]                # [option] peak before the first block backward (uniform run)
-    tail: dict[str, int]                # [option] peak after the last block backward
-    cost_ms: list[dict[str, float]]     # [block][option] recompute time
-    peak: dict[str, int]                # [option] predicted peak of the uniform run
-    cost_basis: str = "measured"        # measured | roofline | given
+    kept: list[dict[str, int]]
+    bwd_peak: list[dict[str, int]]
+    head: dict[str, int]
+    tail: dict[str, int]
+    cost_ms: list[dict[str, float]]
+    peak: dict[str, int]
+    cost_basis: str = "measured"
     meta: dict = field(default_factory=dict)
 
     def delta(self, j: int, option: str) -> int:
+        """Bytes block j keeps under `option` beyond what it keeps under keep (negative: it saves)."""
         return self.kept[j][option] - self.kept[j]["keep"]
 
 
