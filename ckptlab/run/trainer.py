@@ -92,7 +92,7 @@ class CkptlabCallback(TrainerCallback):
                              "run; choose another folder (one run folder per train())")
         layers = hf_layers(model)   # a peft model too: its layers are the transformers model's
         marked = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
-        applied = _ckptlab_handle(model)  # a policy the user applied before train()
+        applied = _user_applied_handle(model)  # a policy the user applied before train()
         if marked and (self.policy is not None or applied is not None):
             which = f"policy={str(self.policy)!r}" if self.policy is not None else \
                 f"the ckptlab policy {str(applied.policy)!r} already on the model"
@@ -250,7 +250,7 @@ class CkptlabCallback(TrainerCallback):
         self._steps_done += 1
 
 
-def _ckptlab_handle(model: nn.Module):
+def _user_applied_handle(model: nn.Module):
     """The handle of a ckptlab policy (other than transformers' own, which marks layers) that
     some module of `model` carries, or None."""
     for module in model.modules():
