@@ -136,7 +136,7 @@ def check_parameters(path: Path, values: dict) -> None:
             for seq_len in ([given["seq_len"]] if "seq_len" in given else []) + list(given.get("seq_lens") or []):
                 workload.check_shape(1, seq_len)
             for policy in ([given["policy"]] if "policy" in given else []) + list(given.get("policies") or []):
-                check_policy_applies(workload, policy)
+                check_policy_applies(workload, parse_policy(policy))
     except ValueError as exc:
         raise ValueError(f"notebook {path.stem}: {exc}") from None
 
