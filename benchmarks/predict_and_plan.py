@@ -30,14 +30,20 @@ import time
 import torch
 
 from ckptlab import closed_form, get_workload, measure, measure_together, predict, predict_fits, track_memory
-from ckptlab.checkpoint.compiled import apply_policy
+from ckptlab.checkpoint.compiled import apply_policy, fresh_compiler_cache
 from ckptlab.core.policy import parse_policy, policy_label
 from ckptlab.core.units import format_bytes
 from ckptlab.estimate.predict import prediction_error
 from ckptlab.plan.budget import plan_budget
-from ckptlab.probe.measure import allocator_step_memory, fresh_compiler_cache
+from ckptlab.probe.measure import allocator_step_memory
 from ckptlab.probe.step import make_optimizer, training_step
-from ckptlab.probe.timing import check_timing_options, paired_ratio, time_steps, time_verdict
+from ckptlab.probe.timing import (
+    check_timing_options,
+    time_steps,
+    time_verdict,
+    versus_fastest_at_no_more_memory,
+)
+from ckptlab.report.analysis import on_frontier
 from ckptlab.report.tables import format_table
 
 GRID_POLICIES = ["none", "full", "density=0.25", "density=0.5", "density=0.75", "every=2", "segments=sqrt",
@@ -128,11 +134,12 @@ def frontier(quick: bool, batch: int, seq: int, target_ci: float, max_seconds: f
                        overhead_high=rec["time_ratio_high"] - 1)
         rows.append(row)
     timed = [r for r in rows if r["status"] == "ok"]
-    # Dominated: another row holds no more memory and is faster beyond both intervals (for a
-    # compile row, its ratio to its own `none`, from other rounds: non-overlap is still required).
-    for r in timed:
-        r["pareto"] = not any(o["peak_bytes"] <= r["peak_bytes"] and o["time_ratio_high"] < r["time_ratio_low"]
-                              for o in timed)
+    # Dominance by time ratios to `none` (a compile row's from its own rounds: non-overlap of the
+    # intervals is still required).
+    frontier = on_frontier([r["peak_bytes"] for r in timed], [r["time_ratio_low"] for r in timed],
+                           [r["time_ratio_high"] for r in timed])
+    for r, on in zip(timed, frontier):
+        r["pareto"] = on
     timing = {k: records[0][k] for k in ("rounds", "timing_stopped", "timing_ci_half_width", "timing_target_ci",
                                           "threads", "load_before", "load_after", "busy")}
     return rows, {"plans": plans, "none": none_p, "full": full_p, "timing": timing}
@@ -146,16 +153,14 @@ def frontier_summary(rows: list[dict]) -> dict:
     by = {r["policy"]: r for r in rows if r["status"] == "ok"}
     none, full, sel = by["none"], by["full"], by["selective"]
     plans = [r for r in by.values() if r["kind"] == "plan"]
-    at_full = [r for r in plans if r["peak_bytes"] <= full["peak_bytes"]]
-    best_at_full = min(at_full, key=lambda r: r["time_ratio"], default=None)
+    best_at_full, full_over_plan = versus_fastest_at_no_more_memory(full, plans)  # above 1: the plan is faster
     # A plan dominates a uniform policy only with no more memory and a paired time ratio whose
-    # interval lies below 1 (compile rows are not plans).
+    # interval lies below 1 (compile rows are not plans): the uniform policy is then slower.
     dom = []
     for u in (r for r in by.values() if r["kind"] == "uniform" and r["policy"] != "none"):
-        best = min((p for p in plans if p["peak_bytes"] <= u["peak_bytes"]), key=lambda r: r["time_ratio"],
-                   default=None)
-        verdict = "-" if best is None else time_verdict(*paired_ratio(best, u)[1:])
-        verdict = f"plan {verdict}" if verdict in ("faster", "slower") else verdict
+        best, (_, low, high) = versus_fastest_at_no_more_memory(u, plans)
+        verdict = "-" if best is None else time_verdict(low, high)
+        verdict = {"slower": "plan faster", "faster": "plan slower"}.get(verdict, verdict)
         dom.append({"uniform": u["policy"], "uniform_peak": u["peak_bytes"], "uniform_ratio": u["time_ratio"],
                     "uniform_low": u["time_ratio_low"], "uniform_high": u["time_ratio_high"],
                     "best_plan": best["policy"] if best else "-", "plan_peak": best["peak_bytes"] if best else None,
@@ -166,7 +171,7 @@ def frontier_summary(rows: list[dict]) -> dict:
     speedup = {"speedup_at_full_peak": None, "speedup_at_full_peak_low": None, "speedup_at_full_peak_high": None,
                "speedup_verdict": None}
     if best_at_full is not None:
-        ratio, low, high = paired_ratio(full, best_at_full)  # full over the plan: above 1, the plan is faster
+        ratio, low, high = full_over_plan
         speedup = {**with_interval("speedup_at_full_peak", ratio - 1, low - 1, high - 1),
                    "speedup_verdict": time_verdict(1 / high, 1 / low)}
     saved_total = none["peak_bytes"] - full["peak_bytes"]
@@ -225,7 +230,7 @@ def compile_investigation(quick: bool) -> list[dict]:
     rows = []
     for policy in ["none", "full", "compile:budget=1.0", "compile:budget=0.5", "compile:budget=0.0"]:
         pol = parse_policy(policy)
-        with fresh_compiler_cache(pol):
+        with fresh_compiler_cache(pol.compiles):
             model = workload.build()
             run, _, _ = apply_policy(model, pol)  # compile:budget=B compiles with that activation_memory_budget
             batch = workload.batch(b, s)
@@ -258,7 +263,6 @@ def backward_graph_order() -> dict:
     """Where does the partitioner put recomputation? Capture AOTAutograd's joint-partitioned
     backward graph (same min-cut partitioner inductor uses, eager-executed) for a 4-block
     mlp-chain and list the positions of the forward ops (addmm, relu) it re-runs."""
-    import torch._dynamo
     import torch._functorch.config as fc
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -275,12 +279,10 @@ def backward_graph_order() -> dict:
                 return make_boxed_func(gm.forward)
             return compiler
 
-        torch._dynamo.reset()
-        with fc.patch(activation_memory_budget=budget):
+        with fresh_compiler_cache(), fc.patch(activation_memory_budget=budget):
             backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"),
                                    partition_fn=min_cut_rematerialization_partition)
             workload.loss(torch.compile(workload.build(), backend=backend), workload.batch(2, 8)).backward()
-        torch._dynamo.reset()
         names = [str(n.target) for n in graphs["bw"].graph.nodes if n.op == "call_function"]
         recompute = [i for i, n in enumerate(names) if n in ("aten.addmm.default", "aten.relu.default")]
         grads = [i for i, n in enumerate(names) if n == "aten.threshold_backward.default"]
@@ -292,7 +294,6 @@ def backward_graph_order() -> dict:
 def compile_dropout_check() -> dict:
     """gpt-tiny with dropout: compile:budget=0.5 vs 1.0 gradients, under inductor's own RNG and
     under fallback_random (eager RNG)."""
-    import torch._dynamo
     import torch._functorch.config as fc
     import torch._inductor.config as ic
 
@@ -301,11 +302,9 @@ def compile_dropout_check() -> dict:
 
     def grads(budget, fallback):
         model = workload.build().train()
-        torch._dynamo.reset()
-        with fc.patch(activation_memory_budget=budget), ic.patch(fallback_random=fallback):
+        with fresh_compiler_cache(), fc.patch(activation_memory_budget=budget), ic.patch(fallback_random=fallback):
             torch.manual_seed(0)
             workload.loss(torch.compile(model), batch).backward()
-        torch._dynamo.reset()
         return {n: p.grad for n, p in model.named_parameters()}
 
     out = {}

@@ -13,6 +13,7 @@ from ckptlab.report.analysis import (
     format_summary,
     guide_verdict,
     largest_fitting,
+    on_frontier,
     overhead,
     pareto,
     plans_vs_uniform,
@@ -67,6 +68,15 @@ def test_pareto_needs_a_time_difference_beyond_the_intervals():
     out = pareto(df).set_index("policy")["pareto_optimal"]
     assert out["none"] and out["every=2"] and out["density=0.5"] and out["full"]
     assert not out["layers=0"]
+
+
+def test_on_frontier_is_the_one_dominance_rule():
+    # (memory, time interval) of a..f: a is faster than c beyond the intervals and holds less memory;
+    # a and b overlap in time; d holds the least memory; e is faster than every other but holds
+    # the most; a holds less memory than f, their intervals touching
+    memory = [80, 90, 100, 70, 120, 110]
+    low, high = [9.5, 10.0, 11.0, 11.0, 9.4, 10.5], [10.5, 11.0, 12.0, 12.0, 9.45, 11.5]
+    assert on_frontier(memory, low, high) == [True, True, False, True, True, False]
 
 
 def test_overhead_interval_paired_where_timed_together_else_from_both_intervals():

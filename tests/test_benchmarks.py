@@ -40,7 +40,7 @@ def row(policy, kind, peak, rounds_ms, none_ms):
     ratios = sorted(r / n for r, n in zip(rounds_ms, none_ms))
     ratio = ratios[len(ratios) // 2]
     return {"policy": policy, "kind": kind, "status": "ok", "peak_bytes": peak, "saved_activation_bytes": peak // 2,
-            "round_ms": rounds_ms, "time_ratio": ratio, "time_ratio_low": ratios[0], "time_ratio_high": ratios[-1],
+            "round_ms": rounds_ms, "step_ms": sorted(rounds_ms)[len(rounds_ms) // 2], "time_ratio": ratio, "time_ratio_low": ratios[0], "time_ratio_high": ratios[-1],
             "overhead": ratio - 1, "overhead_low": ratios[0] - 1, "overhead_high": ratios[-1] - 1}
 
 

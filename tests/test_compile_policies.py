@@ -4,13 +4,16 @@ un-checkpointed model, and the compile anchor whose gradients are wrong.
 Compilation takes seconds per graph on a 2-core CPU: one tiny model of our own (3 residual MLP
 blocks with dropout, width 32) and as few compiled models as the claims need."""
 
+import sys
+import types
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ckptlab import Workload, compare, compare_gradients, measure, parse_policy
-from ckptlab.checkpoint.compiled import apply_policy
+from ckptlab.checkpoint.compiled import apply_policy, fresh_compiler_cache
 from ckptlab.run.compiled_plan import _compositions, plan_compiled
 
 BATCH, SEQ = 4, 32
@@ -44,6 +47,16 @@ def dropout_mlp(n_blocks=3):
     return Workload.custom(f"dropout-mlp-{n_blocks}", lambda: Net(n_blocks),
                            lambda batch, seq, generator: (torch.randn(batch, seq, 32, generator=generator),),
                            lambda model, batch: model(batch[0]).pow(2).mean())
+
+
+def test_fresh_compiler_cache_resets_before_and_after_only_for_compiling_work(monkeypatch):
+    resets = []
+    monkeypatch.setitem(sys.modules, "torch._dynamo", types.SimpleNamespace(reset=lambda: resets.append(1)))
+    with fresh_compiler_cache(False):
+        assert resets == []
+    with fresh_compiler_cache():
+        assert resets == [1]
+    assert resets == [1, 1]
 
 
 def test_compile_composes_with_any_ckptlab_policy_and_refuses_what_it_cannot():

@@ -90,6 +90,18 @@ def test_closed_form_is_close_to_measurement(policy):
     assert abs(prediction_error(cf["closed_form_peak_bytes"], p.peak_bytes)) < 0.15
 
 
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_closed_form_counts_16_bit_weights_as_2_bytes(policy):
+    workload = get_workload("gpt-tiny", dropout=0.0)
+    cf = closed_form(workload, 4, 64, policy, dtype="bf16-weights")
+    p = predict(workload, 4, 64, policy, dtype="bf16-weights")
+    assert abs(prediction_error(cf["closed_form_saved_activation_bytes"], p.saved_activation_bytes)) < 0.15
+    assert abs(prediction_error(cf["closed_form_peak_bytes"], p.peak_bytes)) < 0.15
+    fp32 = closed_form(workload, 4, 64, policy, dtype="fp32")
+    # every tensor half as large, but attention's logsumexp (fp32 in both)
+    assert 0.5 < cf["closed_form_peak_bytes"] / fp32["closed_form_peak_bytes"] < 0.52
+
+
 def test_closed_form_block_terms_match_korthikanti_shape():
     cfg = get_workload("gpt-tiny", dropout=0.0).config
     t, h = 4 * 64, cfg.n_embd

@@ -11,8 +11,10 @@ import torch
 from ckptlab import get_workload, predict
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.core.cards import card
+from ckptlab.estimate.fsdp import fsdp_peak, fsdp_units
 from ckptlab.probe.distributed import measure_sharded
-from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, chunked_loss, explain, fsdp_peak, fsdp_units
+from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, explain
+from ckptlab.workloads.models import with_chunked_loss
 
 SPEC = "tests/explain_models.py:factory"
 
@@ -76,6 +78,21 @@ def test_policy_levers_equal_predict_and_a_plan_at_capacity_fits_it():
     assert e.steps[-1].predicted_peak_bytes <= capacity
 
 
+def test_a_peak_in_the_heads_backward_says_the_blocks_still_hold_their_activations():
+    workload = get_workload("gpt-tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    e = explain(workload, 2, 64)
+    assert (e.cause_kind, e.peak_phase, e.peak_block) == ("blocks", "backward", None)
+    assert ("The peak comes in backward, while the loss and the head run theirs, before any block's backward "
+            "has freed its activations.") in e.cause
+    assert "outside the blocks (" not in str(e)
+    # each lever carries its change as settings, and its peak is the prediction of that change
+    by_name = {lv.name: lv for lv in e.levers}
+    assert by_name["bf16 weights"].change == {"dtype": "bf16-weights"}
+    assert by_name["bf16 weights"].predicted_peak_bytes == predict(workload, 2, 64, dtype="bf16-weights").peak_bytes
+    assert by_name["micro-batch 1 x 2 accumulation steps"].change == {"batch_size": 1, "accum_steps": 2}
+    assert all(step.change == by_name[step.name].change for step in e.steps[1:])
+
+
 def test_a_policy_that_checkpoints_no_block_is_named():
     e = explain(token_workload(**BLOCKS_BOUND), 2, 16, "density=0.05")
     assert e.cause_kind == "not_applied"
@@ -131,7 +148,7 @@ def test_import_ckptlab_loads_no_plotting_library():
 
 def test_the_chunked_loss_lever_computes_the_same_loss_and_gradients():
     workload = get_workload("gpt-tiny", n_layer=1, dropout=0.0)
-    chunked = chunked_loss(workload, chunks=3)
+    chunked = with_chunked_loss(workload, chunks=3)
     model = workload.build()
     batch = workload.batch(2, 8)
     results = []

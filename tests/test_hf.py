@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload, measure, predict  # noqa: E402
 from ckptlab.checkpoint.hf import hf_capabilities, hf_layers  # noqa: E402
+from ckptlab.workloads.base import is_transformers_model  # noqa: E402
 from ckptlab.workloads.hf import TINY_LLAMA  # noqa: E402
 
 TINY = ["hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny"]
@@ -74,6 +75,8 @@ def test_tiny_presets_have_the_advertised_architecture():
 
 @pytest.mark.parametrize("name", TINY)
 def test_find_blocks_finds_the_transformer_layers(name):
+    assert is_transformers_model(get_workload(name).build("meta"))
+    assert not is_transformers_model(get_workload("gpt-tiny").build("meta"))
     workload = get_workload(name)
     model = workload.build()
     blocks = find_blocks(model)
@@ -215,10 +218,10 @@ def test_remove_disables_transformers_checkpointing_and_policies_never_nest():
     hf = apply_checkpointing(model, "hf")
     assert model.is_activation_checkpointing and model._require_grads_hooks
     ours = apply_checkpointing(model, "density=0.5")   # replaces the hf policy: no nesting
-    assert hf._removed and not model.is_activation_checkpointing
+    assert hf.removed and not model.is_activation_checkpointing
     assert not model._require_grads_hooks
     back = apply_checkpointing(model, "hf:every_n_layers=2")  # and the other way round
-    assert ours._removed
+    assert ours.removed
     back.remove()
     assert not model.is_activation_checkpointing and not model._require_grads_hooks
     assert all("forward" not in block.__dict__ for block in find_blocks(model))

@@ -84,6 +84,16 @@ def test_timeline_rises_in_forward_and_falls_in_backward():
     assert max(forward) > forward[0] and backward[-1] < max(backward)
 
 
+def test_live_bytes_and_timeline_are_read_while_tracking():
+    with track_memory(device="cpu") as tracker:
+        a = torch.empty(1000)
+        live = tracker.live_bytes()
+        steps = len(tracker.timeline)
+        del a
+        assert len(tracker.live_bytes()) == len(live) - 1 and len(tracker.timeline) == steps + 1
+    assert sorted(live.values()) == [4000] and tracker.timeline[-1][1] == 0
+
+
 def test_views_are_counted_once():
     with track_memory(device="cpu") as tracker:
         x = torch.empty(1000, dtype=torch.float32)

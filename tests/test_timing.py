@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from ckptlab.probe.timing import bootstrap_median, time_interleaved, time_steps, unpaired_median_ratio
+from ckptlab.probe.timing import (
+    bootstrap_median,
+    time_interleaved,
+    time_steps,
+    unpaired_median_ratio,
+    versus_fastest_at_no_more_memory,
+)
 
 
 class FakeClock:
@@ -100,6 +106,17 @@ def test_paired_ratio_of_known_durations_with_independent_noise():
     assert result.stopped == "target" and result.ci_half_width < 0.02
     assert result.ratio_low["slower"] <= 1.3 <= result.ratio_high["slower"]
     assert result.ratio_low["same"] <= 1.0 <= result.ratio_high["same"] and not result.significant("same")
+
+
+def test_the_fastest_rival_at_no_more_memory_is_paired_round_by_round():
+    plan = {"policy": "plan", "peak_bytes": 100, "step_ms": 12.0, "round_ms": [12.0, 12.0, 12.0]}
+    rivals = [{"policy": "small-slow", "peak_bytes": 90, "step_ms": 16.0, "round_ms": [16.0, 16.0, 16.0]},
+              {"policy": "small-fast", "peak_bytes": 100, "step_ms": 15.0, "round_ms": [15.0, 15.0, 15.0]},
+              {"policy": "large-fast", "peak_bytes": 101, "step_ms": 1.0, "round_ms": [1.0, 1.0, 1.0]}]
+    best, (ratio, low, high) = versus_fastest_at_no_more_memory(plan, rivals)
+    assert best["policy"] == "small-fast" and ratio == low == high == pytest.approx(0.8)
+    none, interval = versus_fastest_at_no_more_memory(plan, rivals[2:])
+    assert none is None and all(np.isnan(interval))
 
 
 def test_stops_at_the_time_budget_after_the_minimum_rounds():

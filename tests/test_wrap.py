@@ -4,6 +4,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckptlab import apply_checkpointing, find_blocks, get_workload, parse_policy
+from ckptlab.checkpoint.blocks import handle_of
 from ckptlab.core.policy import KINDS
 from ckptlab.plan.budget import resolve
 from ckptlab.probe.verify import compare_gradients
@@ -106,9 +107,18 @@ def test_applying_twice_replaces_instead_of_nesting():
     second = apply_checkpointing(model, "layers=1")
     workload.loss(model, workload.batch(2, 8)).backward()
     assert second.recompute_count == 1 and first.recompute_count == 0
-    assert "removed" in repr(first)
+    assert "removed" in repr(first) and first.removed and not second.removed
+    assert [handle_of(b) is second for b in find_blocks(model)] == [False, True, False, False]
     second.remove()
-    assert all("forward" not in b.__dict__ for b in find_blocks(model))
+    assert all("forward" not in b.__dict__ and handle_of(b) is None for b in find_blocks(model))
+
+
+def test_inference_runs_are_not_counted_as_recomputes():
+    workload = _gpt(2)
+    model = workload.build()
+    with apply_checkpointing(model, "full") as handle, torch.no_grad():
+        workload.loss(model, workload.batch(2, 8))
+        assert handle.recompute_count == 0
 
 
 def test_invalid_policy_raises_before_touching_the_model():

@@ -135,11 +135,9 @@ def check_parameters(path: Path, values: dict) -> None:
         if "model" in given and ({"model", "policy", "policies", "seq_len", "seq_lens"} & set(values)):
             workload = get_workload(given["model"])
             for seq_len in ([given["seq_len"]] if "seq_len" in given else []) + list(given.get("seq_lens") or []):
-                if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-                    raise ValueError(f"seq_len={seq_len} is invalid for model={given['model']!r}: allowed is "
-                                     f"1..{workload.max_seq_len}")
+                workload.check_shape(1, seq_len)
             for policy in ([given["policy"]] if "policy" in given else []) + list(given.get("policies") or []):
-                check_policy_applies(workload, policy)
+                check_policy_applies(workload, parse_policy(policy))
     except ValueError as exc:
         raise ValueError(f"notebook {path.stem}: {exc}") from None
 

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -26,7 +27,7 @@ class CheckpointHandle:
         self.stacks = list(stacks)   # the stacks the blocks were found in (empty: blocks given)
         self._forward_block_runs = 0  # block forwards that ran inside checkpoint during forward
         self._region_block_runs = 0   # block forwards run by checkpointed regions, recomputes too
-        self._removed = False
+        self.removed = False
 
     @property
     def n_blocks(self) -> int:
@@ -53,13 +54,40 @@ class CheckpointHandle:
     def reset_counts(self) -> None:
         self._forward_block_runs = self._region_block_runs = 0
 
+    def count_forward(self, blocks: int = 1) -> None:
+        """`blocks` block forwards are about to run inside a checkpoint in the forward pass."""
+        self._forward_block_runs += blocks
+
+    def count_region_run(self) -> None:
+        """A checkpointed block's forward is about to run: in forward, or recomputed in backward."""
+        self._region_block_runs += 1
+
+    @contextlib.contextmanager
+    def counting_paused(self):
+        """Block forwards run inside (inference: nothing is saved) are not counted as recomputes."""
+        runs = self._region_block_runs
+        try:
+            yield
+        finally:
+            self._region_block_runs = runs
+
     def remove(self) -> None:
-        if self._removed:
+        if self.removed:
             return
+        self.unmark_blocks()
+        self.removed = True
+
+    def mark(self, forward: Callable) -> Callable:
+        """`forward`, tagged as this handle's: `handle_of` finds the handle on a module whose
+        instance `forward` it is."""
+        forward._ckptlab_handle = self
+        return forward
+
+    def unmark_blocks(self) -> None:
+        """Take this handle's forwards off its blocks: their class's forward runs again."""
         for block in self.blocks:
-            if getattr(block.__dict__.get("forward"), "_ckptlab_handle", None) is self:
+            if handle_of(block) is self:
                 del block.forward
-        self._removed = True
 
     def __enter__(self) -> "CheckpointHandle":
         return self
@@ -68,15 +96,20 @@ class CheckpointHandle:
         self.remove()
 
     def __repr__(self) -> str:
-        state = "removed" if self._removed else "active"
+        state = "removed" if self.removed else "active"
         return (f"CheckpointHandle(policy={str(self.policy)!r}, checkpointed={self.checkpointed_blocks}, "
                 f"n_blocks={self.n_blocks}, {state})")
+
+
+def handle_of(module: nn.Module) -> CheckpointHandle | None:
+    """The handle of the policy whose forward `module` carries (ckptlab's or hf's), or None."""
+    return getattr(module.__dict__.get("forward"), "_ckptlab_handle", None)
 
 
 def remove_earlier_policies(blocks: Sequence[nn.Module]) -> None:
     """Checkpoints never nest: remove whatever ckptlab (or hf) policy these blocks carry."""
     for block in blocks:
-        previous = getattr(block.__dict__.get("forward"), "_ckptlab_handle", None)
+        previous = handle_of(block)
         if previous is not None:
             previous.remove()
 
@@ -92,7 +125,7 @@ def refuse_foreign_checkpointing(model: nn.Module, policy: Policy) -> None:
     layers = [name for name, m in marked
               if not any(other is not m and getattr(other, "gradient_checkpointing", False) is True
                          for other in m.modules())
-              and getattr(m.__dict__.get("forward"), "_ckptlab_handle", None) is None]
+              and handle_of(m) is None]
     if layers:
         shown = ", ".join(layers[:2]) + (f", ... ({len(layers)} layers)" if len(layers) > 2 else "")
         raise ValueError(
@@ -123,5 +156,5 @@ def hidden_state(out):
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
-__all__ = ["CheckpointHandle", "hidden_state", "refuse_foreign_checkpointing", "remove_earlier_policies",
+__all__ = ["CheckpointHandle", "handle_of", "hidden_state", "refuse_foreign_checkpointing", "remove_earlier_policies",
            "split_at_stacks"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,23 @@ from .blocks import CheckpointHandle
 from .wrap import apply_checkpointing
 
 RECOMPILE_LIMIT = 1024   # graphs per code object: every compiled model or block of a run has room
+
+
+@contextlib.contextmanager
+def fresh_compiler_cache(compiles: bool = True):
+    """dynamo's cache emptied before and after the `with` block, so no graph of an earlier model
+    is reused and none outlives this one (nothing happens when `compiles` is False). dynamo is
+    not imported for it: a process that never loaded the compiler has nothing cached."""
+    def reset():
+        dynamo = sys.modules.get("torch._dynamo")
+        if compiles and dynamo is not None:
+            dynamo.reset()
+
+    reset()
+    try:
+        yield
+    finally:
+        reset()
 
 
 @dataclass
@@ -106,4 +124,4 @@ def eager_random():
         yield
 
 
-__all__ = ["Compiled", "RECOMPILE_LIMIT", "apply_policy", "compile_with_budget", "eager_random"]
+__all__ = ["Compiled", "RECOMPILE_LIMIT", "apply_policy", "compile_with_budget", "eager_random", "fresh_compiler_cache"]

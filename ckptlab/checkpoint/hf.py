@@ -96,12 +96,10 @@ class HFCheckpointHandle(CheckpointHandle):
         self._hooks_before = hooks_before
 
     def remove(self) -> None:
-        if self._removed:
+        if self.removed:
             return
         self._disable()
-        for block in self.blocks:
-            if getattr(block.__dict__.get("forward"), "_ckptlab_handle", None) is self:
-                del block.forward
+        self.unmark_blocks()
         # transformers' enable hooks the input embeddings so their output requires grad (for
         # reentrant checkpointing); its disable leaves those hooks in place: take ours out.
         for hook in getattr(self.model, "_require_grads_hooks", None) or []:
@@ -109,7 +107,7 @@ class HFCheckpointHandle(CheckpointHandle):
                 hook.remove()
         if hasattr(self.model, "_require_grads_hooks"):
             self.model._require_grads_hooks = list(self._hooks_before)
-        self._removed = True
+        self.removed = True
 
 
 def apply_hf_checkpointing(model: nn.Module, policy: Policy, blocks: Sequence[nn.Module] | None,
@@ -173,10 +171,10 @@ def _count_recomputes(layer: nn.Module, handle: HFCheckpointHandle, early_stop: 
     hf_checkpoint = layer._gradient_checkpointing_func
 
     def counted_checkpoint(function, *args, **kwargs):
-        handle._forward_block_runs += 1
+        handle.count_forward()
 
         def run(*a, **k):
-            handle._region_block_runs += 1
+            handle.count_region_run()
             return function(*a, **k)
 
         with set_checkpoint_early_stop(early_stop):
@@ -188,8 +186,7 @@ def _count_recomputes(layer: nn.Module, handle: HFCheckpointHandle, early_stop: 
     def forward(*args, **kwargs):
         return class_forward(*args, **kwargs)
 
-    forward._ckptlab_handle = handle
-    layer.forward = forward
+    layer.forward = handle.mark(forward)
 
 
 __all__ = ["HFCheckpointHandle", "apply_hf_checkpointing", "checkpointing_methods", "hf_capabilities", "hf_layers"]

@@ -165,8 +165,7 @@ def _patch_offload(handle: CheckpointHandle, blocks: list[nn.Module], hooks: Cal
             with _hooks():
                 return _inner(*args, **kwargs)
 
-        offload_forward._ckptlab_handle = handle
-        block.forward = offload_forward
+        block.forward = handle.mark(offload_forward)
 
 
 @dataclass
@@ -193,7 +192,7 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
         for i, forward in enumerate(originals):
             # Counted before running: early stop ends a recompute inside the block.
             if not torch.compiler.is_compiling():
-                handle._region_block_runs += 1
+                handle.count_region_run()
             out = forward(*args, **kwargs) if i == 0 else forward(hidden_state(out), *args[1:], **kwargs)
         return out
 
@@ -205,7 +204,7 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
             # recompute that dynamo does not trace): either would break the graph there.
             compiling = torch.compiler.is_compiling()
             if not compiling:
-                handle._forward_block_runs += len(region)
+                handle.count_forward(len(region))
             with contextlib.nullcontext() if compiling else set_checkpoint_early_stop(early_stop):
                 if kwargs and options["use_reentrant"]:
                     # Reentrant checkpoint takes no keyword arguments (Hugging Face layers get
@@ -215,7 +214,7 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
                 else:
                     out = checkpoint(run_region, *args, **options, **kwargs)
         else:  # inference: nothing is saved, so there is nothing to recompute
-            with _paused(handle):
+            with handle.counting_paused():
                 out = run_region(*args, **kwargs)
         if len(region) > 1:
             stash[:] = [_SegmentRun(out, args[1:], kwargs)]
@@ -243,11 +242,9 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
             stash.clear()
         return run.output
 
-    region_forward._ckptlab_handle = handle
-    region[0].forward = region_forward
+    region[0].forward = handle.mark(region_forward)
     for block in region[1:]:
-        follower_forward_for_block = _tag(follower_forward, handle)
-        block.forward = follower_forward_for_block
+        block.forward = handle.mark(functools.partial(follower_forward))
 
 
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")   # transformers' names
@@ -275,22 +272,6 @@ def _refuse_traps(region: list[nn.Module], args: tuple, kwargs: dict, use_reentr
             "no gradient (and backward fails when every block is checkpointed); call "
             "model.enable_input_require_grads() first, or use non-reentrant checkpointing (use_reentrant=False, "
             "ckptlab's default)")
-
-
-def _tag(fn: Callable, handle: CheckpointHandle) -> Callable:
-    def tagged(*args, **kwargs):
-        return fn(*args, **kwargs)
-    tagged._ckptlab_handle = handle
-    return tagged
-
-
-@contextlib.contextmanager
-def _paused(handle: CheckpointHandle):
-    runs = handle._region_block_runs
-    try:
-        yield
-    finally:
-        handle._region_block_runs = runs
 
 
 def _same_arguments(a, b) -> bool:

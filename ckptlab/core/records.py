@@ -90,4 +90,9 @@ def new_record(model: str, batch_size: int, seq_len: int, accum_steps: int = 1, 
     return record
 
 
-__all__ = ["CATEGORIES", "FIELDS", "PHASES", "STATUSES", "new_record"]
+def tokens_per_second(tokens: int, step_ms: float) -> float:
+    """A step's throughput: the tokens it trained on over its time."""
+    return tokens / (step_ms / 1e3)
+
+
+__all__ = ["CATEGORIES", "FIELDS", "PHASES", "STATUSES", "new_record", "tokens_per_second"]

@@ -12,9 +12,16 @@ from ..workloads.models import GPTConfig
 from ..workloads.registry import as_workload
 
 
-def _elem_bytes(dtype: str) -> tuple[int, int]:
-    """(E, R): bytes of a matmul-region activation and of the fp32 residual stream/norm input."""
-    return (2, 4) if dtype == "bf16" else (4, 4)
+def _elem_bytes(dtype: str) -> tuple[int, int, int]:
+    """(E, R, W): bytes of a matmul-region activation; of the residual stream and what runs
+    outside the matmuls (norm inputs and statistics, the loss's log-softmax); of one weight, its
+    gradient and each element of its optimizer state. bf16 autocast halves E only: the weights
+    stay fp32, and autocast runs norms and the loss in fp32. bf16-weights and fp16-weights cast the
+    model and the batch, so every tensor is 2 bytes, the optimizer state too (AdamW allocates it
+    like its parameter)."""
+    if dtype in ("bf16-weights", "fp16-weights"):
+        return 2, 2, 2
+    return (2, 4, 4) if dtype == "bf16" else (4, 4, 4)
 
 
 def gpt_block_bytes(cfg: GPTConfig, batch_size: int, seq_len: int, dtype: str = "fp32",
@@ -22,7 +29,8 @@ def gpt_block_bytes(cfg: GPTConfig, batch_size: int, seq_len: int, dtype: str = 
     """Bytes one ckptlab GPT block keeps for backward, by option, counted op by op.
 
     With T = b*s tokens, h = width, a = heads, E = activation element bytes (4 fp32, 2 bf16
-    autocast), R = 4 (residual stream, LayerNorm inputs stay fp32), p = dropout:
+    autocast or 16-bit weights), R = residual stream and LayerNorm bytes (4, except 2 with 16-bit
+    weights), p = dropout:
 
       keep   R*T*h (ln_1 input = block input)  + E*T*h (qkv input) + 3E*T*h (qkv output = q,k,v)
              + attention: fused  E*T*h (output) + 4*b*a*s (logsumexp)
@@ -30,14 +38,14 @@ def gpt_block_bytes(cfg: GPTConfig, batch_size: int, seq_len: int, dtype: str = 
                                  dropout mask, dropped probabilities; Korthikanti's 5as/h term)
              + E*T*h (proj input) + R*T*h (ln_2 input) + E*T*h (fc input) + 4E*T*h (gelu input)
              + 4E*T*h (mlp proj input) + 2*T*h if p > 0 (two bool dropout masks)
-             + 16*T (two LayerNorms' mean and rstd)
+             + 4R*T (two LayerNorms' mean and rstd)
              fp32 fused: 70*T*h (Korthikanti's 34*s*b*h in 16-bit; ours is 36*T*h in 16-bit)
       full   R*T*h: only the block input (Korthikanti's 2*s*b*h)
       selective (mm): R*T*h + the outputs of the matmuls and attention: 3E+E(attn)+E+4E+E
                       (+ on the math path the two bmm outputs instead of the attention output).
     `fused_attention` defaults to what PyTorch picks on CPU: fused when dropout is 0.
     """
-    E, R = _elem_bytes(dtype)
+    E, R, _ = _elem_bytes(dtype)
     T, h, a, s, b = batch_size * seq_len, cfg.n_embd, cfg.n_head, seq_len, batch_size
     fused = cfg.dropout == 0 if fused_attention is None else fused_attention
     masks = 2 * E * T * h if cfg.dropout > 0 else 0     # CPU dropout multiplies by a same-dtype mask
@@ -48,7 +56,7 @@ def gpt_block_bytes(cfg: GPTConfig, batch_size: int, seq_len: int, dtype: str = 
         qkv_copies = 3 * R * T * h if dtype == "bf16" else R * T * h  # fp32: only the scaled q is new
         attn_keep = qkv_copies + R * T * h + 3 * R * b * a * s * s
         attn_sel = R * T * h + R * b * a * s * s       # q@k^T scores and probs@v output
-    keep = (R + E + 3 * E) * T * h + attn_keep + (E + R + E + 4 * E + 4 * E) * T * h + masks + 16 * T + casts
+    keep = (R + E + 3 * E) * T * h + attn_keep + (E + R + E + 4 * E + 4 * E) * T * h + masks + 4 * R * T + casts
     full = R * T * h
     selective = R * T * h + (3 * E + E + 4 * E + E) * T * h + attn_sel
     # torchtitan-style: attention + every other matmul (math path: the bmm's count as matmuls)
@@ -62,11 +70,12 @@ def closed_form(workload: Workload | str, batch_size: int, seq_len: int, policy:
     """Closed-form saved-activation and peak bytes for the GPT workloads (per-block policies).
 
     saved = sum over blocks of their option's bytes (`gpt_block_bytes`) + the head: the last
-    block's output (ln_f input, R*T*h), lm_head input (E*T*h), log-softmax output (4*T*V) and
+    block's output (ln_f input, R*T*h), lm_head input (E*T*h), log-softmax output (R*T*V) and
     the embedding dropout mask (T*h if p > 0).
-    peak  = parameters + optimizer state (AdamW: 2x fp32 parameters) + saved + the loss
-            backward's two fp32 (T x V) buffers + the largest recompute (keep - kept bytes of one
-            recomputed block, materialised again during its backward).
+    peak  = parameters + optimizer state (AdamW: two more tensors like the parameters), W bytes
+            each + saved + the loss backward's two (T x V) buffers (R bytes each) + the largest
+            recompute (keep - kept bytes of one recomputed block, materialised again during its
+            backward). Element sizes E, R, W by dtype: `_elem_bytes`.
     """
     workload = as_workload(workload)
     policy = as_policy(policy)
@@ -75,7 +84,7 @@ def closed_form(workload: Workload | str, batch_size: int, seq_len: int, policy:
         raise ValueError(f"model={workload.name!r} is invalid for closed_form: allowed are the GPT workloads")
     n = cfg.n_layer
     per = gpt_block_bytes(cfg, batch_size, seq_len, dtype)
-    E, R = _elem_bytes(dtype)
+    E, R, W = _elem_bytes(dtype)
     T, h, V = batch_size * seq_len, cfg.n_embd, cfg.vocab_size
     if policy.kind == "budget" or policy.compiles:
         raise ValueError(f"policy={policy} is invalid for closed_form: resolve a budget to a plan first")
@@ -89,11 +98,11 @@ def closed_form(workload: Workload | str, batch_size: int, seq_len: int, policy:
         modes = policy.modes(n)
         kept = [per[m] for m in modes]
         recompute = max((per["keep"] - k for m, k in zip(modes, kept) if m != "keep"), default=0)
-    head = R * T * h + E * T * h + 4 * T * V + (T * h if cfg.dropout > 0 else 0)
+    head = R * T * h + E * T * h + R * T * V + (T * h if cfg.dropout > 0 else 0)
     saved = sum(kept) + head
     n_params = workload.n_params
-    static = 4 * n_params * (1 + (2 if optimizer == "adamw" else 0))
-    peak = static + saved + 2 * 4 * T * V + recompute
+    static = W * n_params * (1 + (2 if optimizer == "adamw" else 0))
+    peak = static + saved + 2 * R * T * V + recompute
     return {"closed_form_saved_activation_bytes": saved, "closed_form_peak_bytes": peak,
             "closed_form_block_keep_bytes": per["keep"], "closed_form_block_full_bytes": per["full"],
             "closed_form_block_selective_bytes": per["selective"]}

@@ -88,6 +88,11 @@ class Prediction:
     margin_bytes: Optional[int] = None
     host_bytes: Optional[int] = None         # offload on CUDA: pinned host memory at its peak
 
+    @property
+    def held_bytes(self) -> int:
+        """What the prediction holds of the device it is for: on a card its device bytes, else the peak."""
+        return self.device_bytes if self.card is not None else self.peak_bytes
+
     def record(self) -> dict:
         """A flat row, columns named like `measure`'s with a `predicted_` prefix."""
         row = {k: v for k, v in asdict(self).items() if k not in ("peak_by_category", "peak_in_blocks_by_category")}

@@ -44,19 +44,39 @@ ROOFLINE_BYTES_PER_S = 2.0e12
 
 @dataclass
 class Profile:
-    """Per-block memory and recompute-time profile: the planner's only input."""
+    """Per-block memory and recompute-time profile: the planner's only input. An option is one of
+    keep, selective, full; a uniform run is the training step with every block at one option.
+
+    Attributes:
+        n_blocks (int): the blocks of the model, in run order.
+        kept (list[dict[str, int]]): [block][option] bytes the block's forward leaves alive for
+            backward.
+        bwd_peak (list[dict[str, int]]): [block][option] peak live bytes while the block's
+            backward runs, in the uniform run.
+        head (dict[str, int]): [option] peak live bytes before the first block's backward (the
+            forward, the loss and the head's backward), in the uniform run.
+        tail (dict[str, int]): [option] peak live bytes after the last block's backward (the
+            embeddings' backward and the optimizer step), in the uniform run.
+        cost_ms (list[dict[str, float]]): [block][option] milliseconds the option adds to one
+            step by recomputing (0 for keep).
+        peak (dict[str, int]): [option] peak live bytes of the uniform run.
+        cost_basis (str): how cost_ms was had: measured, roofline or given.
+        meta (dict): what it was profiled for (model, loss_fn, batch_size, seq_len, dtype,
+            optimizer) and profile_s, the seconds profiling took.
+    """
 
     n_blocks: int
-    kept: list[dict[str, int]]          # [block][option] bytes left alive for backward
-    bwd_peak: list[dict[str, int]]      # [block][option] peak live bytes during its backward (uniform run)
-    head: dict[str, int]                # [option] peak before the first block backward (uniform run)
-    tail: dict[str, int]                # [option] peak after the last block backward
-    cost_ms: list[dict[str, float]]     # [block][option] recompute time
-    peak: dict[str, int]                # [option] predicted peak of the uniform run
-    cost_basis: str = "measured"        # measured | roofline | given
+    kept: list[dict[str, int]]
+    bwd_peak: list[dict[str, int]]
+    head: dict[str, int]
+    tail: dict[str, int]
+    cost_ms: list[dict[str, float]]
+    peak: dict[str, int]
+    cost_basis: str = "measured"
     meta: dict = field(default_factory=dict)
 
     def delta(self, j: int, option: str) -> int:
+        """Bytes block j keeps under `option` beyond what it keeps under keep (negative: it saves)."""
         return self.kept[j][option] - self.kept[j]["keep"]
 
 
@@ -86,24 +106,21 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
         marks = {"fwd_pre": [None] * n, "fwd_post": [None] * n, "bwd_start": [None] * n, "bwd_end": [None] * n}
         state = {}
 
-        def tracker_live():
-            return state["t"]._tracker
-
         def pre_hook(j):
             def hook(module, args):
-                marks["fwd_pre"][j] = set(tracker_live().live) if "t" in state else None
+                marks["fwd_pre"][j] = set(state["t"].live_bytes()) if "t" in state else None
                 if j == 0 and torch.is_grad_enabled() and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                    end = lambda: marks["bwd_end"].__setitem__(0, len(tracker_live().timeline))
+                    end = lambda: marks["bwd_end"].__setitem__(0, len(state["t"].timeline))
                     return (_Marker.apply(args[0], end),) + tuple(args[1:])
             return hook
 
         def post_hook(j):
             def hook(module, args, out):
                 if "t" in state:
-                    marks["fwd_post"][j] = set(tracker_live().live)
+                    marks["fwd_post"][j] = set(state["t"].live_bytes())
                 h = hidden_state(out)
                 if torch.is_grad_enabled() and h.requires_grad:
-                    start = lambda: marks["bwd_start"].__setitem__(j, len(tracker_live().timeline))
+                    start = lambda: marks["bwd_start"].__setitem__(j, len(state["t"].timeline))
                     marked = _Marker.apply(h, start)
                     return marked if isinstance(out, torch.Tensor) else (marked,) + tuple(out[1:])
             return hook
@@ -118,11 +135,11 @@ def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, optio
                 class _Phases:
                     def phase(self, name):
                         if name == "backward" and not snapshot:
-                            snapshot.update({k: v.nbytes for k, v in tracker._tracker.live.items()})
+                            snapshot.update(tracker.live_bytes())
                         tracker.phase(name)
 
                 step(_Phases())
-            timeline = tracker._tracker.timeline
+            timeline = tracker.timeline
         finally:
             for h in hooks:
                 h.remove()

@@ -72,6 +72,8 @@ def solve(profile: Profile, budget_bytes: int) -> Optional[list[str]]:
 
 
 def _pareto(states):
+    """The states (bytes so far, second value, choice) that no state with no more bytes betters in
+    the second value (cost, or running peak): the only ones a plan can still be built on."""
     states.sort(key=lambda s: (s[0], s[1]))
     out, best_cost = [], math.inf
     for s in states:
@@ -87,14 +89,8 @@ def min_peak(profile: Profile) -> tuple[int, list[str]]:
     head, tail, m = _consts(profile)
     front = [(0, tail, ())]
     for j in range(profile.n_blocks):
-        nxt = [(d + profile.delta(j, o), max(run, m[j][o] + d), choice + (o,))
-               for d, run, choice in front for o in OPTIONS]
-        nxt.sort(key=lambda s: (s[0], s[1]))
-        front, best = [], math.inf
-        for s in nxt:
-            if s[1] < best:
-                front.append(s)
-                best = s[1]
+        front = _pareto([(d + profile.delta(j, o), max(run, m[j][o] + d), choice + (o,))
+                         for d, run, choice in front for o in OPTIONS])
     peak, choice = min(((max(run, head + d), choice) for d, run, choice in front), key=lambda x: x[0])
     return peak, list(choice)
 

@@ -28,7 +28,7 @@ import torch
 from ..core.children import child_environment, die_with_parent
 from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy, as_policy
-from ..core.records import new_record
+from ..core.records import new_record, tokens_per_second
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
@@ -208,7 +208,7 @@ def combine(ranks: list[dict]) -> dict:
                   peak_bytes=max(peaks) if all(p is not None for p in peaks) else None,
                   fits=None if any(r.get("fits") is None for r in ranks) else all(r["fits"] for r in ranks))
     if record["step_ms"]:
-        record["tokens_per_s"] = record["tokens"] / (record["step_ms"] / 1e3)
+        record["tokens_per_s"] = tokens_per_second(record["tokens"], record["step_ms"])
     if bad is not None:
         record.update(status=bad["status"], message=bad.get("message", ""))
     return record

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 from typing import Optional
 
 import torch
 
-from ..checkpoint.compiled import apply_policy
+from ..checkpoint.compiled import apply_policy, fresh_compiler_cache
 from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy
-from ..core.records import CATEGORIES, new_record
+from ..core.records import CATEGORIES, new_record, tokens_per_second
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
-from ..workloads.base import Workload, base_model
+from ..workloads.base import Workload, is_transformers_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 from .memory import allocator_peak, cuda_allocator_stats, parameter_bytes, track_memory
@@ -70,7 +69,7 @@ def measure_policy(
         raise ValueError(f"policy={policy} is invalid here: this measures a concrete policy; ckptlab.measure "
                          "resolves a budget to its plan first")
     report = None
-    with failures_recorded(record, dev), fresh_compiler_cache(policy):
+    with failures_recorded(record, dev), fresh_compiler_cache(policy.compiles):
         report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer, target_ci,
                       max_seconds)
     return (record, report) if with_report else record
@@ -126,7 +125,7 @@ def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_n
     timing = time_interleaved({record["policy"]: step}, device=dev, warmup=warmup, target_ci=target_ci,
                               max_seconds=max_seconds, min_rounds=steps, max_rounds=max(steps, MAX_ROUNDS))
     record.update(timing.row(record["policy"]))
-    record["tokens_per_s"] = record["tokens"] / (record["step_ms"] / 1e3)
+    record["tokens_per_s"] = tokens_per_second(record["tokens"], record["step_ms"])
     return report
 
 
@@ -222,29 +221,6 @@ def policy_notes(record, policy, dev):
     record["note"] = "; ".join(notes)
 
 
-@contextlib.contextmanager
-def fresh_compiler_cache(policy):
-    """For compile policies: dynamo's cache emptied before and after, so no graph of an earlier
-    measurement is reused and none outlives this one."""
-    if not getattr(policy, "compiles", False):
-        yield
-        return
-    import torch._dynamo  # noqa: PLC0415 - the compiler stack is heavy; only compile policies load it
-
-    torch._dynamo.reset()
-    try:
-        yield
-    finally:
-        torch._dynamo.reset()
-
-
-def reset_compiler_cache() -> None:
-    """Empty dynamo's cache if the compiler was ever loaded (if it was not, nothing is cached)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is not None:
-        dynamo.reset()
-
-
 def allocator_step_memory(step, model, optimizer, batch, dev):
     """One step's memory from the allocator rather than from tensors: CUDA's peak counters, or on
     CPU the profiler's `[memory]` events (each allocation and free, with its size and time) —
@@ -265,9 +241,7 @@ def check_policy_applies(workload: Workload, policy: Policy) -> None:
     length on a 4-block model, an hf policy on a model that is not a transformers model), using
     the model built on the meta device: no memory, no time."""
     model = workload.build("meta")
-    transformers_model = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-                             for c in type(base_model(model)).__mro__)
-    if policy.mechanism == "transformers" and not transformers_model:
+    if policy.mechanism == "transformers" and not is_transformers_model(model):
         raise ValueError(f"policy={str(policy)!r} is invalid for model={workload.name!r}: the hf policies apply "
                          "to transformers models (the hf-* presets) only")
     if policy.kind != "budget":  # a budget becomes a plan per cell, from that cell's shapes
@@ -279,5 +253,5 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["allocator_step_memory", "check_policy_applies", "failures_recorded", "fresh_compiler_cache", "measure_policy", "policy_applier",
-           "measurement_record", "policy_notes", "prepare_step", "reset_compiler_cache"]
+__all__ = ["allocator_step_memory", "check_policy_applies", "failures_recorded", "measure_policy", "policy_applier",
+           "measurement_record", "policy_notes", "prepare_step"]

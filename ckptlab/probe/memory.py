@@ -252,6 +252,15 @@ class MemoryTracker:
     def report(self) -> MemoryReport:
         return self._report if self._report is not None else self._tracker.report()
 
+    def live_bytes(self) -> dict[int, int]:
+        """The storages alive now: storage key -> bytes (a key stays the same while it lives)."""
+        return {key: entry.nbytes for key, entry in self._tracker.live.items()}
+
+    @property
+    def timeline(self) -> list[tuple[str, int]]:
+        """(phase, live bytes) after each allocation and free so far, in order."""
+        return self._tracker.timeline
+
 
 @contextlib.contextmanager
 def track_memory(

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -60,6 +60,17 @@ def paired_ratio(row, versus, seed: int = 0) -> tuple[float, float, float]:
     if len(a) == 0 or len(a) != len(b):
         return math.nan, math.nan, math.nan
     return bootstrap_median(a / b, seed)
+
+
+def versus_fastest_at_no_more_memory(row, rivals: Sequence) -> tuple[Optional[Mapping], tuple[float, float, float]]:
+    """The fastest of `rivals` (least `step_ms`) among those holding no more memory than `row`
+    (`peak_bytes`), and `row`'s time over its, paired round by round (`paired_ratio`): (None,
+    NaNs) when no rival is that small. Rows are mappings (dicts, pandas Series) timed together."""
+    smaller = [r for r in rivals if r["peak_bytes"] <= row["peak_bytes"]]
+    if not smaller:
+        return None, (math.nan, math.nan, math.nan)
+    best = min(smaller, key=lambda r: r["step_ms"])
+    return best, paired_ratio(row, best)
 
 
 NO_DIFFERENCE = "no difference"
@@ -287,4 +298,4 @@ def time_steps(step: Callable[[], object], steps: int, warmup: int, device: torc
 
 
 __all__ = ["IntervalTiming", "bootstrap_median", "check_timing_options", "paired_ratio", "time_interleaved", "time_steps",
-           "unpaired_median_ratio"]
+           "unpaired_median_ratio", "versus_fastest_at_no_more_memory"]

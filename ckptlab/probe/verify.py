@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.compiled import apply_policy, eager_random
+from ..checkpoint.compiled import apply_policy, eager_random, fresh_compiler_cache
 from ..core.policy import Policy, as_policy
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
@@ -90,15 +90,8 @@ def like_eager(compiles: bool = True):
     """For a model that compiles (on its first call, inside): a fresh dynamo cache before and
     after (no graph of another model reused, none kept), inductor's random numbers drawn as eager
     draws them."""
-    if not compiles:
+    with fresh_compiler_cache(compiles), eager_random() if compiles else contextlib.nullcontext():
         yield
-        return
-    torch._dynamo.reset()
-    try:
-        with eager_random():
-            yield
-    finally:
-        torch._dynamo.reset()
 
 
 def step_gradients(model: torch.nn.Module, workload: Workload, batch: tuple, seed: int = 0,

@@ -26,7 +26,13 @@ from ..core.units import format_bytes
 from ..estimate.closed_form import closed_form
 from ..estimate.predict import prediction_error
 from ..plan.budget import predict
-from ..probe.timing import NO_DIFFERENCE, bootstrap_median, paired_ratio, time_verdict, unpaired_median_ratio
+from ..probe.timing import (
+    NO_DIFFERENCE,
+    bootstrap_median,
+    time_verdict,
+    unpaired_median_ratio,
+    versus_fastest_at_no_more_memory,
+)
 from ..workloads.models import GPTConfig
 from ..workloads.registry import get_workload
 from .tables import format_table
@@ -96,17 +102,25 @@ def pareto(df: pd.DataFrame, x: str = "peak_bytes", y: str = "step_ms",
     rows["pareto_optimal"] = False
     low_col, high_col = (f"{y}_low", f"{y}_high")
     for _, g in rows.groupby(list(group)):
-        xs, ys = g[x].to_numpy(float), g[y].to_numpy(float)
+        ys = g[y].to_numpy(float)
         lows = g[low_col].to_numpy(float) if low_col in g else ys
         highs = g[high_col].to_numpy(float) if high_col in g else ys
         lows, highs = np.where(np.isnan(lows), ys, lows), np.where(np.isnan(highs), ys, highs)
-        for k, idx in enumerate(g.index):
-            no_more_memory = xs <= xs[k]
-            faster_beyond_interval = highs < lows[k]
-            same_time_less_memory = (xs < xs[k]) & (highs <= lows[k])
-            dominated = np.any(no_more_memory & (faster_beyond_interval | same_time_less_memory))
-            rows.loc[idx, "pareto_optimal"] = not dominated
+        rows.loc[g.index, "pareto_optimal"] = on_frontier(g[x].to_numpy(float), lows, highs)
     return rows
+
+
+def on_frontier(memory, time_low, time_high) -> list[bool]:
+    """Per point, whether no other point dominates it: one dominates when it holds no more
+    memory and is faster beyond the intervals (its time interval lies entirely below this
+    point's), or holds less memory with intervals that only touch. The one rule of dominance."""
+    xs, lows, highs = (np.asarray(v, dtype=float) for v in (memory, time_low, time_high))
+    out = []
+    for k in range(len(xs)):
+        faster_beyond_interval = (xs <= xs[k]) & (highs < lows[k])
+        same_time_less_memory = (xs < xs[k]) & (highs <= lows[k])
+        out.append(not np.any(faster_beyond_interval | same_time_less_memory))
+    return out
 
 
 def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batch_size") -> pd.DataFrame:
@@ -254,11 +268,9 @@ def plans_vs_uniform(df: pd.DataFrame) -> pd.DataFrame:
     out = []
     for _, group in rows.groupby([c for c in TIMING_GROUP if c in rows], sort=False):
         is_plan = group["policy"].str.startswith("budget")
-        uniform, plans = group[~is_plan], group[is_plan]
-        for _, r in plans.iterrows():
-            rivals = uniform[uniform["peak_bytes"] <= r["peak_bytes"]]
-            best = rivals.loc[rivals["step_ms"].idxmin()] if len(rivals) else None
-            ratio, low, high = (math.nan,) * 3 if best is None else paired_ratio(r, best)
+        uniform = [r for _, r in group[~is_plan].iterrows()]
+        for _, r in group[is_plan].iterrows():
+            best, (ratio, low, high) = versus_fastest_at_no_more_memory(r, uniform)
             out.append({"policy": r["policy"], "plan": r.get("plan"), "peak_bytes": r["peak_bytes"],
                         "step_ms": r["step_ms"], "best_uniform": None if best is None else best["policy"],
                         "best_uniform_step_ms": None if best is None else best["step_ms"],
@@ -497,5 +509,5 @@ def _ms_interval(r) -> str:
 
 
 __all__ = ["BUSY_SPREAD", "add_predictions", "GUIDE_SLOWDOWN", "SHAPE", "TIMING_GROUP", "compare_note", "fit_note", "fits_from_run",
-           "format_summary", "guide_verdict", "largest_fitting", "line_fit", "ok", "overhead", "pareto",
+           "format_summary", "guide_verdict", "largest_fitting", "line_fit", "ok", "on_frontier", "overhead", "pareto",
            "plans_vs_uniform", "readable", "slowdown_answer", "summary", "timing_note", "trainer_summary"]

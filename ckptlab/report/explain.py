@@ -5,14 +5,10 @@ would lower its peak.
 live-tensor tracker that `measure` runs), reads where the peak falls and what holds it, names the
 cause in words, and predicts each lever -- another checkpoint policy, a plan at the capacity,
 bf16, a smaller micro-batch with gradient accumulation, a chunked loss, another optimizer -- by
-the same fake step with that one change. Two levers are not fake steps:
-
-  FSDP2 over N ranks is modelled per rank: the peak's parameters, gradients and optimizer state
-  divided by N, its activations and temporaries as they are (each rank keeps its own batch of
-  `batch_size`), plus the largest unit's parameters gathered at once, the units being those
-  `measure_sharded` makes (one per block, the rest of the model as the root);
-  offload moves saved activations to host memory only on CUDA, so on the CPU it is listed but
-  not predicted.
+the same fake step with that one change (`Lever.change`, the settings it changes). FSDP2 over N
+ranks is not a fake step: it is modelled per rank (`ckptlab.estimate.fsdp`). Offload moves saved
+activations to pinned host memory only on CUDA: predicted for a CUDA device, on the CPU it is a
+no-op, listed but not predicted.
 
 With `device="cuda"` every prediction is the CUDA one (`predict(device="cuda")`), and on a card
 (`card=`, or a card's name as `capacity`) every number is the card's device bytes (reserved +
@@ -24,16 +20,9 @@ first, each step a prediction of every change so far, until the peak fits the ca
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
-
-import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..core.cards import parse_capacity
 from ..core.optimizers import implementation
@@ -41,14 +30,15 @@ from ..core.policy import as_policy, plan_policy
 from ..core.units import format_bytes
 from ..core.validate import integer
 from ..estimate.fake_step import DEVICE_CATEGORIES, Prediction, as_card
+from ..estimate.fsdp import fsdp_peak, fsdp_units
 from ..estimate.predict import check_prediction, prediction_error
 from ..plan.budget import measure as measure_step
 from ..plan.budget import plan_budget, predict
 from ..plan.profile import profile_blocks
 from ..plan.solve import min_peak
+from ..probe.step import with_dtype
 from ..workloads.base import Workload
-from ..workloads.models import GPTConfig
-from ..workloads.stacks import find_blocks
+from ..workloads.models import GPTConfig, with_chunked_loss
 
 BREAKDOWN = ("parameters", "frozen_parameters", "gradients", "optimizer_state", "activations_in_blocks",
              "activations_outside_blocks", "temporaries")
@@ -67,14 +57,21 @@ PLAN_COST = "roofline"   # the planner's recompute cost from FLOPs and bytes: no
 
 @dataclass
 class Lever:
-    """One change and the peak it leads to. `basis`: predicted (the same fake step with this
-    change), modelled (FSDP2: module docstring) or not predicted (`cost` says why)."""
+    """One change and the peak it leads to. `change` is what it changes, as the step's settings:
+    policy, dtype, optimizer, batch_size with accum_steps, loss_chunks (a chunked GPT loss), or
+    fsdp_ranks; empty for advice no setting expresses. `basis`: predicted (the same fake step
+    with this change), modelled (FSDP2: module docstring) or not predicted (`cost` says why)."""
 
     name: str
     predicted_peak_bytes: Optional[int]
-    policy: Optional[str]                 # the policy string when the lever is a checkpoint policy or plan
+    change: dict
     cost: str
     basis: str = "predicted"
+
+    @property
+    def policy(self) -> Optional[str]:
+        """The policy it applies, for a checkpoint policy or plan; else None."""
+        return self.change.get("policy")
 
 
 @dataclass
@@ -125,7 +122,7 @@ class Explanation:
 
     def __str__(self) -> str:
         b = self.breakdown
-        where = _where(self.peak_phase, self.peak_block)
+        where = _where(self.peak_phase, self.peak_block, b["activations_in_blocks"] > 0)
         lines = [f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, {self.optimizer}): "
                  f"peak {format_bytes(self.peak_bytes)} {where}"]
         if self.card is not None:
@@ -198,9 +195,9 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     checkpoint_peaks = [(lv.predicted_peak_bytes, lv.policy) for lv in levers
                         if lv.policy and lv.policy != "none" and lv.predicted_peak_bytes is not None]
     if parsed.kind != "none":
-        checkpoint_peaks.append((held(base), applied))
+        checkpoint_peaks.append((base.held_bytes, applied))
     # Ties go to the step's own policy: it already reaches that peak.
-    floor, floor_policy = min(checkpoint_peaks, default=(held(base), "none: the model has no blocks to checkpoint"),
+    floor, floor_policy = min(checkpoint_peaks, default=(base.held_bytes, "none: the model has no blocks to checkpoint"),
                               key=lambda x: (x[0], x[1] != applied))
 
     kind, cause = diagnose(base, breakdown, floor, floor_policy, parsed)
@@ -230,11 +227,6 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     return explanation
 
 
-def held(pred: Prediction) -> int:
-    """What a prediction holds of the device it is for: a card's device bytes, else the peak."""
-    return pred.device_bytes if pred.card is not None else pred.peak_bytes
-
-
 def peak_breakdown(pred: Prediction) -> dict:
     """The prediction's categories at the peak, activations split into those the blocks' forwards
     allocated and the rest (embeddings, logits, loss); on CUDA the allocator's own after them."""
@@ -247,14 +239,19 @@ def peak_breakdown(pred: Prediction) -> dict:
     return breakdown | {c: by[c] for c in DEVICE_CATEGORIES if c in by}   # CUDA: workspaces, rounding, fragmentation
 
 
-def _where(phase: str, block: Optional[int]) -> str:
+def _where(phase: str, block: Optional[int], block_activations_held: bool) -> str:
+    """When the peak comes. In backward outside any block with block activations held, the
+    backward has not reached the blocks yet: each block's backward frees what it saved."""
     if phase == "optimizer":
         return "in the optimizer step"
     if phase == "forward":
         return "in the forward pass"
     if block is not None:
         return f"in the backward of block {block}"
-    return "in backward, outside the blocks (the loss, the head or the embeddings)"
+    if block_activations_held:
+        return ("in backward, while the loss and the head run theirs, before any block's backward has freed "
+                "its activations")
+    return "in backward, outside any block's backward (the loss's, the head's or the embeddings')"
 
 
 def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, policy) -> tuple[str, str]:
@@ -287,20 +284,21 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
         temporaries_in_blocks = temporaries
     blocks = breakdown["activations_in_blocks"] + temporaries_in_blocks
     outside = breakdown["activations_outside_blocks"] + temporaries - temporaries_in_blocks
-    where = _where(pred.peak_phase, pred.peak_block)
+    where = _where(pred.peak_phase, pred.peak_block, breakdown["activations_in_blocks"] > 0)
     if outside >= max(blocks, static):
         return "logits", (
             f"The logits, the loss and their gradients hold the peak: {f(outside)} outside the blocks against "
-            f"{f(blocks)} in them, {where}. Checkpointing the blocks lowers it only to {f(floor)} ({floor_policy}); "
+            f"{f(blocks)} in them. The peak comes {where}. Checkpointing the blocks lowers it only to {f(floor)} ({floor_policy}); "
             f"a chunked loss or a smaller micro-batch shrinks the logits.")
     if blocks >= static:
-        reach = (f"{floor_policy} brings the peak to {f(floor)}" if floor < held(pred) else
+        reach = (f"{floor_policy} brings the peak to {f(floor)}" if floor < pred.held_bytes else
                  f"{policy} already reaches the lowest peak checkpointing gets to, so only other levers can go below it")
         return "blocks", (
-            f"Block activations hold the peak: {f(blocks)} of {f(pred.peak_bytes)}, {where}. Checkpointing is the "
-            f"lever: {reach}.")
+            f"Block activations hold the peak: {f(blocks)} of {f(pred.peak_bytes)}. The peak comes {where}. "
+            f"Checkpointing is the lever: {reach}.")
     return "weights", (
-        f"Weights, gradients and optimizer state hold the peak: {f(static)} of {f(pred.peak_bytes)}, {where}. "
+        f"Weights, gradients and optimizer state hold the peak: {f(static)} of {f(pred.peak_bytes)}. The peak "
+        f"comes {where}. "
         f"Checkpointing lowers only activations (to {f(floor)} at best); bf16 weights, another optimizer or "
         f"FSDP sharding lower the rest.")
 
@@ -311,18 +309,8 @@ def policy_levers(workload: Workload, base: Prediction, applied: str, on: dict) 
     """Each checkpoint policy of POLICY_LEVERS other than the step's own, predicted."""
     if not base.n_blocks:
         return []
-    levers = []
-    for policy, cost in POLICY_LEVERS.items():
-        if policy == applied:
-            continue
-        try:
-            peak = held(predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer,
-                                **on))
-        except (ValueError, RuntimeError) as exc:   # a policy this model cannot take (segments out of order)
-            levers.append(Lever(f"policy {policy}", None, policy, f"not predicted: {exc}", "not predicted"))
-            continue
-        levers.append(Lever(f"policy {policy}", peak, policy, cost))
-    return levers
+    return [predicted_lever(f"policy {policy}", workload, base, applied, {"policy": policy}, cost, on)
+            for policy, cost in POLICY_LEVERS.items() if policy != applied]
 
 
 def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever], on: dict) -> Lever:
@@ -337,9 +325,9 @@ def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever], 
     if set(options) == {"full"} and full is not None:
         peak = full
     else:
-        peak = held(predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer,
-                            **on))
-    return Lever("plan with the lowest peak", peak, policy,
+        peak = (predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer,
+                            **on)).held_bytes
+    return Lever("plan with the lowest peak", peak, {"policy": policy},
                  f"{options.count('full')} full, {options.count('selective')} selective, "
                  f"{options.count('keep')} kept blocks: the planner's lowest peak")
 
@@ -348,17 +336,17 @@ def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int, on:
     """The least-recompute plan that fits `capacity` (`plan_budget`), or why none does. On a card
     the plan's budget is in allocated bytes: the capacity less what the step holds beyond them
     (the context, and the fragmentation of today's step); the plan's device bytes are predicted."""
-    budget = capacity - (held(base) - base.peak_bytes)
+    budget = capacity - (base.held_bytes - base.peak_bytes)
     try:
         plan = plan_budget(workload, base.batch_size, base.seq_len, budget, base.dtype, base.optimizer, cost=PLAN_COST,
                            **on)
     except ValueError as exc:
-        return Lever(f"plan at {format_bytes(capacity)}", None, None, f"no plan fits: {exc}", "not predicted")
+        return Lever(f"plan at {format_bytes(capacity)}", None, {}, f"no plan fits: {exc}", "not predicted")
     peak = plan.predicted_peak_bytes
     if base.card is not None:
-        peak = held(predict(workload, base.batch_size, base.seq_len, f"plan={plan.letters}", base.dtype,
-                            base.optimizer, **on))
-    return Lever(f"plan at {format_bytes(capacity)}", peak, f"plan={plan.letters}",
+        peak = (predict(workload, base.batch_size, base.seq_len, f"plan={plan.letters}", base.dtype,
+                            base.optimizer, **on)).held_bytes
+    return Lever(f"plan at {format_bytes(capacity)}", peak, {"policy": f"plan={plan.letters}"},
                  f"recompute {plan.recompute_ms:.2f} ms/step against {plan.full_recompute_ms:.2f} ms for full "
                  f"({plan.cost_basis}: an assumed accelerator's FLOPs and bandwidth)")
 
@@ -366,36 +354,38 @@ def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int, on:
 def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, breakdown: dict,
                  capacity: Optional[int], ranks: int, on: dict) -> list[Lever]:
     """The levers beyond checkpointing: bf16, micro-batches, a chunked loss, the optimizer, FSDP2, offload."""
-    b, s, dtype, opt = base.batch_size, base.seq_len, base.dtype, base.optimizer
+    dtype, opt = base.dtype, base.optimizer
     levers = []
     if dtype == "fp32":
-        peak = held(predict(workload, b, s, applied, "bf16", opt, **on))
-        levers.append(Lever("bf16 autocast", peak, None, "matmuls in bf16: activations halve, weights stay fp32 "
-                            "(autocast keeps bf16 copies of them in the step)"))
-    levers.append(_predicted_variant("bf16 weights", bf16_weights(workload), base, applied,
-                                     "weights, gradients and optimizer state in bf16: no fp32 master copy, so "
-                                     "small updates round away without a compensated optimizer", on))
-    if b > 1:
+        levers.append(predicted_lever("bf16 autocast", workload, base, applied, {"dtype": "bf16"},
+                                      "matmuls in bf16: activations halve, weights stay fp32 (autocast keeps bf16 "
+                                      "copies of them in the step)", on))
+    if dtype in ("fp32", "bf16"):
+        levers.append(predicted_lever("bf16 weights", workload, base, applied, {"dtype": "bf16-weights"},
+                                      "weights, gradients and optimizer state in bf16: no fp32 master copy, so "
+                                      "small updates round away without a compensated optimizer", on))
+    if base.batch_size > 1:
         levers.append(micro_batch_lever(workload, base, applied, capacity, on))
     if kind == "logits":
         if isinstance(workload.config, GPTConfig):
-            levers.append(_predicted_variant(f"chunked loss ({LOSS_CHUNKS} chunks)", chunked_loss(workload), base, applied,
-                                             "the head and loss run per chunk of tokens under checkpoint: the "
-                                             "head's matmul runs twice", on))
+            levers.append(predicted_lever(f"chunked loss ({LOSS_CHUNKS} chunks)", workload, base, applied,
+                                          {"loss_chunks": LOSS_CHUNKS}, "the head and loss run per chunk of tokens "
+                                          "under checkpoint: the head's matmul runs twice", on))
         else:
-            levers.append(Lever("chunked loss", None, None, "not predicted: ckptlab chunks the loss of its GPT "
+            levers.append(Lever("chunked loss", None, {}, "not predicted: ckptlab chunks the loss of its GPT "
                                 "workloads; compute this model's head and loss per chunk of tokens under "
                                 "checkpoint", "not predicted"))
     if opt.startswith("adamw") and (base.peak_phase == "optimizer" or
                                     breakdown["optimizer_state"] == max(breakdown.values())):
-        peak = held(predict(workload, b, s, applied, dtype, "sgd", **on))
-        levers.append(Lever("SGD", peak, None, "no optimizer state (plain SGD): another training algorithm"))
+        levers.append(predicted_lever("SGD", workload, base, applied, {"optimizer": "sgd"},
+                                      "no optimizer state (plain SGD): another training algorithm", on))
         if implementation(opt, base.device) != "fused":
-            peak = held(predict(workload, b, s, applied, dtype, "adamw-fused", **on))
-            levers.append(Lever("AdamW fused", peak, None,
-                                f"AdamW(fused=True): one kernel per step, without the {implementation(opt, base.device)} "
-                                "implementation's temporaries (the same update)"))
-    levers.append(Lever(f"FSDP2 over {ranks} ranks", fsdp_peak(base, fsdp_units(workload), ranks), None,
+            levers.append(predicted_lever("AdamW fused", workload, base, applied, {"optimizer": "adamw-fused"},
+                                          f"AdamW(fused=True): one kernel per step, without the "
+                                          f"{implementation(opt, base.device)} implementation's temporaries "
+                                          "(the same update)", on))
+    levers.append(Lever(f"FSDP2 over {ranks} ranks", fsdp_peak(base, fsdp_units(with_dtype(workload, dtype)), ranks),
+                        {"fsdp_ranks": ranks},
                         f"{ranks} processes each hold 1/{ranks} of weights, gradients and optimizer state and "
                         "gather one unit at a time: all-gathers and reduce-scatters every step", "modelled"))
     if "+offload" not in applied:
@@ -406,24 +396,41 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
 def offload_lever(workload: Workload, base: Prediction, applied: str, on: dict) -> Lever:
     """Saved activations to pinned host memory: predicted on CUDA (`cuda_device.HostOffload`);
     on a CPU offload is a no-op, so it is named, not predicted."""
-    policy = f"{applied}+offload"
+    change = {"policy": f"{applied}+offload"}
     if base.device != "cuda":
-        return Lever("offload", None, policy, "CUDA only: saved activations go to pinned host memory and come back "
+        return Lever("offload", None, change, "CUDA only: saved activations go to pinned host memory and come back "
                      "in backward (host-device copies); on a CPU it is a no-op: predict for a card to see it",
                      "not predicted")
-    pred = predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer, **on)
-    return Lever("offload", held(pred), policy,
+    pred = predict(workload, base.batch_size, base.seq_len, change["policy"], base.dtype, base.optimizer, **on)
+    return Lever("offload", pred.held_bytes, change,
                  f"what the blocks save goes to pinned host memory ({format_bytes(pred.host_bytes)} at its peak) and "
                  "comes back in backward: host-device copies every step")
 
 
-def _predicted_variant(name: str, variant: Workload, base: Prediction, applied: str, cost: str, on: dict) -> Lever:
+def setting_of(base: Prediction, applied: str) -> dict:
+    """The step `base` predicted, as the settings a lever's `change` updates."""
+    return {"policy": applied, "dtype": base.dtype, "optimizer": base.optimizer, "batch_size": base.batch_size,
+            "accum_steps": 1, "loss_chunks": None}
+
+
+def predict_setting(workload: Workload, seq_len: int, setting: dict, on: dict) -> Prediction:
+    """The fake step of `workload` at `seq_len` with these settings (`setting_of`, changed), on the
+    device `on` names."""
+    if setting["loss_chunks"]:
+        workload = with_chunked_loss(workload, setting["loss_chunks"])
+    return predict(workload, setting["batch_size"], seq_len, setting["policy"], setting["dtype"], setting["optimizer"],
+                   setting["accum_steps"], **on)
+
+
+def predicted_lever(name: str, workload: Workload, base: Prediction, applied: str, change: dict, cost: str,
+                    on: dict) -> Lever:
+    """The lever making `change` to the step, its peak predicted; "not predicted" with the reason
+    when the model cannot take it (segments out of order, code that assumes fp32 tensors)."""
     try:
-        peak = held(predict(variant, base.batch_size, base.seq_len, applied, base.dtype, base.optimizer,
-                            **on))
-    except (ValueError, RuntimeError) as exc:   # a model whose code assumes fp32 tensors
-        return Lever(name, None, None, f"not predicted: {type(exc).__name__}: {exc}", "not predicted")
-    return Lever(name, peak, None, cost)
+        pred = predict_setting(workload, base.seq_len, {**setting_of(base, applied), **change}, on)
+    except (ValueError, RuntimeError) as exc:
+        return Lever(name, None, change, f"not predicted: {type(exc).__name__}: {exc}", "not predicted")
+    return Lever(name, pred.held_bytes, change, cost)
 
 
 def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capacity: Optional[int], on: dict) -> Lever:
@@ -433,77 +440,12 @@ def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capaci
     pred = None
     for micro in [d for d in range(b - 1, 0, -1) if b % d == 0]:
         pred = predict(workload, micro, base.seq_len, applied, base.dtype, base.optimizer, b // micro, **on)
-        if capacity is None or held(pred) <= capacity:
+        if capacity is None or pred.held_bytes <= capacity:
             break
     steps = b // pred.batch_size
-    return Lever(f"micro-batch {pred.batch_size} x {steps} accumulation steps", held(pred), None,
+    return Lever(f"micro-batch {pred.batch_size} x {steps} accumulation steps", pred.held_bytes,
+                 {"batch_size": pred.batch_size, "accum_steps": steps},
                  f"{steps} forward and backward passes per optimizer step: the same tokens, less parallelism per pass")
-
-
-def bf16_weights(workload: Workload) -> Workload:
-    """The workload with its model's weights (and float batch tensors) in bf16."""
-    return dataclasses.replace(workload, make_model=_InBf16(workload.make_model), make_batch=_InBf16(workload.make_batch))
-
-
-class _InBf16:
-    """A workload's make_model or make_batch run with bf16 as the default dtype, so the
-    parameters and float batch tensors are made in bf16 (converting a model afterwards cannot swap
-    tied fake weights); anything else it carries (a transformers workload's task) is the original's."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        if name == "inner":   # not yet set (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __call__(self, *args):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            return self.inner(*args)
-        finally:
-            torch.set_default_dtype(default)
-
-
-def chunked_loss(workload: Workload, chunks: int = LOSS_CHUNKS) -> Workload:
-    """A ckptlab GPT workload whose loss runs the head and cross-entropy over chunks of tokens,
-    each under checkpoint: one chunk's logits exist at a time, in forward and in backward."""
-    return dataclasses.replace(workload, loss_fn=functools.partial(chunked_lm_loss, chunks=chunks))
-
-
-def chunked_lm_loss(model, batch, chunks: int = LOSS_CHUNKS):
-    """The mean cross-entropy of `_gpt_loss`, computed chunk by chunk."""
-    idx, targets = batch
-    hidden = model.hidden(idx).flatten(0, 1)
-    targets = targets.reshape(-1)
-    total = sum(checkpoint(_summed_cross_entropy, model.lm_head, h, t, use_reentrant=False)
-                for h, t in zip(hidden.chunk(chunks), targets.chunk(chunks)))
-    return total / targets.numel()
-
-
-def _summed_cross_entropy(head, hidden, targets):
-    return F.cross_entropy(head(hidden), targets, reduction="sum")
-
-
-def fsdp_units(workload: Workload) -> list[int]:
-    """Parameter bytes of each FSDP2 unit as `measure_sharded` shards the model: one unit per
-    block, the root holding the rest (embeddings, final norm, head)."""
-    model = workload.build("meta")
-    blocks = find_blocks(model)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    units = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks]
-    root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks)
-    return units + [root]
-
-
-def fsdp_peak(pred: Prediction, units: list[int], ranks: int) -> int:
-    """The per-rank peak of FSDP2 over `ranks` ranks, modelled (module docstring); on a card, in
-    its device bytes."""
-    by = pred.peak_by_category
-    sharded = by["parameters"] + by["gradients"] + by["optimizer_state"]
-    return held(pred) - sharded + math.ceil(sharded / ranks) + max(units)
 
 
 # --------------------------------------------------------------------------- waterfall
@@ -514,54 +456,32 @@ def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[L
     the best checkpoint lever, bf16, the micro-batch, the chunked loss, bf16 weights, SGD -- those
     that lower the peak on their own, the most effective first, each kept only if it lowers the
     peak further -- then FSDP2 (modelled on the last step). Stops once the peak fits `capacity`."""
-    steps = [Lever("today", held(base), applied, "")]
-    setting = {"workload": workload, "batch": base.batch_size, "accum": 1, "policy": applied, "dtype": base.dtype,
-               "optimizer": base.optimizer}
-    # One lever of each kind, the lowest peak's (levers are sorted by peak) or, for checkpointing,
-    # the plan that fits the capacity (it recomputes least); the most effective first.
+    steps = [Lever("today", base.held_bytes, {}, "")]
+    setting = setting_of(base, applied)
+    # One lever per setting it changes, the lowest peak's (levers are sorted by peak) or, for
+    # checkpointing, the plan that fits the capacity (it recomputes least); the most effective first.
     chosen: dict = {}
     for lever in levers:
-        if lever.basis != "predicted" or lever.predicted_peak_bytes >= held(base):
+        if lever.basis != "predicted" or lever.predicted_peak_bytes >= base.held_bytes:
             continue
-        kind, update = _change(lever)
-        if kind not in chosen or lever.name.startswith("plan at"):
-            chosen[kind] = (update, lever)
-    changes = sorted(((kind, update, lever) for kind, (update, lever) in chosen.items()),
-                     key=lambda c: c[2].predicted_peak_bytes)
+        changes = tuple(sorted(lever.change))
+        if changes not in chosen or lever.name.startswith("plan at"):
+            chosen[changes] = lever
     last = base
-    for kind, update, lever in changes:
-        if capacity is not None and held(last) <= capacity:
+    for lever in sorted(chosen.values(), key=lambda lv: lv.predicted_peak_bytes):
+        if capacity is not None and last.held_bytes <= capacity:
             break
-        tried = update(dict(setting))
-        pred = predict(tried["workload"], tried["batch"], base.seq_len, tried["policy"], tried["dtype"],
-                       tried["optimizer"], tried["accum"], **on)
-        if held(pred) >= held(last):   # no lower together with the changes before it
+        tried = {**setting, **lever.change}
+        pred = predict_setting(workload, base.seq_len, tried, on)
+        if pred.held_bytes >= last.held_bytes:   # no lower together with the changes before it
             continue
         setting, last = tried, pred
-        steps.append(Lever(lever.name, held(last), setting["policy"] if kind == "checkpoint" else None, lever.cost))
-    if capacity is None or held(last) > capacity:
-        peak = fsdp_peak(last, fsdp_units(setting["workload"]), ranks)
-        steps.append(Lever(f"FSDP2 over {ranks} ranks", peak, None, "", "modelled"))
+        steps.append(Lever(lever.name, last.held_bytes, lever.change, lever.cost))
+    if capacity is None or last.held_bytes > capacity:
+        units = fsdp_units(with_dtype(workload, setting["dtype"]))
+        steps.append(Lever(f"FSDP2 over {ranks} ranks", fsdp_peak(last, units, ranks), {"fsdp_ranks": ranks}, "",
+                           "modelled"))
     return steps
 
 
-def _change(lever: Lever):
-    """(kind, update of the waterfall's setting) for a predicted lever."""
-    name = lever.name
-    if lever.policy:
-        return "checkpoint", lambda s: {**s, "policy": lever.policy}
-    if name == "bf16 autocast":
-        return "dtype", lambda s: {**s, "dtype": "bf16"}
-    if name == "bf16 weights":
-        return "weights", lambda s: {**s, "workload": bf16_weights(s["workload"])}
-    if name.startswith("chunked loss"):
-        return "loss", lambda s: {**s, "workload": chunked_loss(s["workload"])}
-    if name == "SGD":
-        return "optimizer", lambda s: {**s, "optimizer": "sgd"}
-    if name == "AdamW fused":
-        return "optimizer", lambda s: {**s, "optimizer": "adamw-fused"}
-    micro = int(name.split()[1])   # micro-batch M x K accumulation steps
-    return "micro", lambda s: {**s, "batch": micro, "accum": s["batch"] * s["accum"] // micro}
-
-
-__all__ = ["BREAKDOWN", "CAUSES", "Explanation", "Lever", "chunked_loss", "explain", "fsdp_peak", "fsdp_units"]
+__all__ = ["BREAKDOWN", "CAUSES", "Explanation", "Lever", "explain"]

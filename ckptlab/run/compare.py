@@ -21,11 +21,11 @@ import pandas as pd
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ..checkpoint.compiled import Compiled, compile_with_budget
+from ..checkpoint.compiled import Compiled, compile_with_budget, fresh_compiler_cache
 from ..checkpoint.wrap import matmul_and_attention_ops
 from ..core.policy import Policy, parse_policies
-from ..core.records import new_record
-from ..core.validate import choice, integer
+from ..core.records import new_record, tokens_per_second
+from ..core.validate import choice
 from ..plan.budget import resolve
 from ..probe.measure import (
     MAX_ROUNDS,
@@ -34,12 +34,11 @@ from ..probe.measure import (
     policy_applier,
     policy_notes,
     prepare_step,
-    reset_compiler_cache,
 )
 from ..probe.step import DTYPES, device_name, resolve_device, with_dtype
 from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import RELATIVE_TOLERANCE, GradientComparison, gradient_difference, like_eager, step_gradients
-from ..workloads.base import Workload, base_model
+from ..workloads.base import Workload, is_transformers_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 
@@ -52,11 +51,11 @@ CKPTLAB = "ckptlab"
 
 
 @dataclass
-class Config:
-    """One row of the comparison: a label, where it comes from, and how to apply it to a model
-    (`apply(model, record) -> (model to run, compiled?, handle or None)`, as `prepare_step`
-    takes it; None for a ckptlab policy, resolved when it is measured). `ckptlab_policy` is the
-    ckptlab Policy a row applies (None for an anchor)."""
+class Contender:
+    """One row of the comparison (a ckptlab policy, an anchor or a plan): a label, where it comes
+    from, and how to apply it to a model (`apply(model, record) -> (model to run, compiled?,
+    handle or None)`, as `prepare_step` takes it; None for a ckptlab policy, resolved when it is
+    measured). `ckptlab_policy` is the ckptlab Policy a row applies (None for an anchor)."""
 
     policy: str
     source: str
@@ -66,8 +65,9 @@ class Config:
 
 
 @dataclass
-class Shape:
-    """What every configuration of one comparison shares: workload, shape and run settings."""
+class Setup:
+    """What every contender of one comparison shares: the workload, the batch shape, dtype,
+    device and optimizer, and the run settings (memory limit, rounds, warmup)."""
 
     workload: Workload
     batch_size: int
@@ -107,16 +107,16 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
     chosen = chosen_anchors(workload, anchors)
     dev = resolve_device(device)
-    configs = [_ckptlab_config(p) for p in policies] + chosen
+    contenders = [_ckptlab_contender(p) for p in policies] + chosen
 
-    shape = Shape(workload, batch_size, seq_len, dtype, dev)
+    setup = Setup(workload, batch_size, seq_len, dtype, dev)
 
     def add_plans(rows, steps):
         for anchor_row in [r for r in rows if r["source"] != CKPTLAB and r["status"] == "ok"]:
-            _add_plan_for(anchor_row, shape, rows, steps, configs)
+            _add_plan_for(anchor_row, setup, rows, steps, contenders)
 
-    rows = _measure(configs, shape, target_ci, max_seconds, add_plans if anchors else None,
-                    (lambda rows: _verify(rows, configs, shape)) if verify else None)
+    rows = _measure(contenders, setup, target_ci, max_seconds, add_plans if anchors else None,
+                    (lambda rows: _verify(rows, contenders, setup)) if verify else None)
     df = pd.DataFrame(rows)
     df = df[[c for c in COLUMNS if c in df] + [c for c in df if c not in COLUMNS]]
     if out is not None:
@@ -131,33 +131,29 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
     """ckptlab policies at one (batch, seq, dtype, accum), each measured like `measure` (same
     record), then timed together: the records carry paired time ratios to the first policy that
     ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`SweepConfig`)."""
-    shape = Shape(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
+    setup = Setup(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
                   optimizer, steps, warmup)
-    return _measure([_ckptlab_config(p) for p in parse_policies(policies)], shape, target_ci, max_seconds)
+    return _measure([_ckptlab_contender(p) for p in parse_policies(policies)], setup, target_ci, max_seconds)
 
 
-def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None) -> list[dict]:
+def _measure(contenders, setup: Setup, target_ci, max_seconds, after_prepare=None, after_timing=None) -> list[dict]:
     rows, steps = [], {}
-    reset_compiler_cache()
-    try:
-        for config in configs:
-            _prepare(config, shape, rows, steps)
-        if after_prepare is not None:
-            after_prepare(rows, steps)
-        _time_together(rows, steps, shape, target_ci, max_seconds)
-        if after_timing is not None:
-            after_timing(rows)
-    finally:
-        steps.clear()
-        reset_compiler_cache()
+    with fresh_compiler_cache():   # an anchor may compile whatever the policies are
+        try:
+            for contender in contenders:
+                _prepare(contender, setup, rows, steps)
+            if after_prepare is not None:
+                after_prepare(rows, steps)
+            _time_together(rows, steps, setup, target_ci, max_seconds)
+            if after_timing is not None:
+                after_timing(rows)
+        finally:
+            steps.clear()
     return rows
 
 
 def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
-    integer("batch_size", batch_size, 1)
-    integer("seq_len", seq_len, 1)
-    if workload.max_seq_len is not None and seq_len > workload.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is invalid for model={workload.label!r}: allowed is 1..{workload.max_seq_len}")
+    workload.check_shape(batch_size, seq_len)
     for p in policies:
         check_policy_applies(workload, p)
     choice("dtype", dtype, list(DTYPES))
@@ -166,31 +162,31 @@ def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_second
 
 # ----------------------------------------------------------------------------- configurations
 
-def _ckptlab_config(policy: Policy) -> Config:
-    return Config(str(policy), CKPTLAB, ckptlab_policy=policy)
+def _ckptlab_contender(policy: Policy) -> Contender:
+    return Contender(str(policy), CKPTLAB, ckptlab_policy=policy)
 
 
-def anchor_configs(workload: Workload) -> list[Config]:
+def anchor_configs(workload: Workload) -> list[Contender]:
     """The knobs a user would use instead of ckptlab, for this workload (docs/design.md, note "Anchors")."""
-    configs = [
-        Config("torch.utils.checkpoint per block", "torch.utils.checkpoint", _per_block_checkpoint, anchor=True),
-        Config(f"torch.compile activation_memory_budget={COMPILE_ANCHOR_BUDGET}", "torch.compile",
+    contenders = [
+        Contender("torch.utils.checkpoint per block", "torch.utils.checkpoint", _per_block_checkpoint, anchor=True),
+        Contender(f"torch.compile activation_memory_budget={COMPILE_ANCHOR_BUDGET}", "torch.compile",
                _compiled, anchor=True),
     ]
-    if _is_transformers(workload):
-        configs += [
-            Config("transformers checkpointing (every layer)", "transformers", _transformers_checkpointing(), anchor=True),
-            Config("transformers every_n_layers=2", "transformers", _transformers_checkpointing(every_n_layers=2),
+    if is_transformers_model(workload.build("meta")):
+        contenders += [
+            Contender("transformers checkpointing (every layer)", "transformers", _transformers_checkpointing(), anchor=True),
+            Contender("transformers every_n_layers=2", "transformers", _transformers_checkpointing(every_n_layers=2),
                    anchor=True),
-            Config("transformers every_n_layers=4", "transformers", _transformers_checkpointing(every_n_layers=4),
+            Contender("transformers every_n_layers=4", "transformers", _transformers_checkpointing(every_n_layers=4),
                    anchor=True),
-            Config("transformers + torch SAC (context_fn)", "transformers + torch SAC",
+            Contender("transformers + torch SAC (context_fn)", "transformers + torch SAC",
                    _transformers_checkpointing(selective=True), anchor=True),
         ]
-    return configs
+    return contenders
 
 
-def chosen_anchors(workload: Workload, anchors: bool | Sequence[str]) -> list[Config]:
+def chosen_anchors(workload: Workload, anchors: bool | Sequence[str]) -> list[Contender]:
     """`anchor_configs(workload)` for anchors=True, none for False, or the ones a list names
     (ValueError naming one that is not an anchor of this workload)."""
     if isinstance(anchors, bool):
@@ -201,14 +197,6 @@ def chosen_anchors(workload: Workload, anchors: bool | Sequence[str]) -> list[Co
     for label in anchors:
         choice("anchors", label, labels)
     return [c for c in available if c.policy in anchors]
-
-
-def _is_transformers(workload: Workload) -> bool:
-    try:
-        from transformers import PreTrainedModel  # noqa: PLC0415 - transformers comes with the hf extra
-    except ImportError:
-        return False
-    return isinstance(base_model(workload.build("meta")), PreTrainedModel)
 
 
 def _per_block_checkpoint(model, record):
@@ -253,35 +241,35 @@ def _checkpointed(record: dict, n_blocks: int, blocks) -> None:
 
 # ----------------------------------------------------------------------------- measuring
 
-def _new_record(shape: Shape, policy: str, source: str) -> dict:
-    return new_record(shape.workload.label, shape.batch_size, shape.seq_len, shape.accum_steps, policy=policy,
-                      device=str(shape.dev), device_name=device_name(shape.dev), dtype=shape.dtype,
-                      optimizer=shape.optimizer, steps=shape.min_rounds, warmup=shape.warmup,
-                      memory_limit_bytes=shape.limit, source=source, model_hash=shape.workload.spec_hash,
-                      loss_fn=shape.workload.loss_name)
+def _new_record(setup: Setup, policy: str, source: str) -> dict:
+    return new_record(setup.workload.label, setup.batch_size, setup.seq_len, setup.accum_steps, policy=policy,
+                      device=str(setup.dev), device_name=device_name(setup.dev), dtype=setup.dtype,
+                      optimizer=setup.optimizer, steps=setup.min_rounds, warmup=setup.warmup,
+                      memory_limit_bytes=setup.limit, source=source, model_hash=setup.workload.spec_hash,
+                      loss_fn=setup.workload.loss_name)
 
 
-def _prepare(config: Config, shape: Shape, rows, steps) -> None:
+def _prepare(contender: Contender, setup: Setup, rows, steps) -> None:
     """Build, apply and measure the memory of one configuration; keep its step for timing."""
-    record = _new_record(shape, config.policy, config.source)
-    dev = shape.dev
+    record = _new_record(setup, contender.policy, contender.source)
+    dev = setup.dev
     with failures_recorded(record, dev):
-        if config.apply is None:
-            resolved = resolve(config.ckptlab_policy, shape.workload, shape.batch_size, shape.seq_len,
-                               shape.dtype, shape.optimizer)
+        if contender.apply is None:
+            resolved = resolve(contender.ckptlab_policy, setup.workload, setup.batch_size, setup.seq_len,
+                               setup.dtype, setup.optimizer)
             if resolved.plan is not None:
                 record["plan"] = resolved.plan.letters
             policy_notes(record, resolved.policy, dev)
-            config.apply = policy_applier(resolved.policy)
-        step, _ = prepare_step(record, shape.workload, config.apply, dev, shape.dtype, shape.limit, shape.optimizer)
-        steps[config.policy] = step
+            contender.apply = policy_applier(resolved.policy)
+        step, _ = prepare_step(record, setup.workload, contender.apply, dev, setup.dtype, setup.limit, setup.optimizer)
+        steps[contender.policy] = step
     rows.append(record)
 
 
 PLAN_SOURCE = "ckptlab plan"
 
 
-def _add_plan_for(anchor_row: dict, shape: Shape, rows, steps, configs) -> None:
+def _add_plan_for(anchor_row: dict, setup: Setup, rows, steps, contenders) -> None:
     """The planner's plan whose predicted peak fits the anchor's measured peak, as a ckptlab row
     (`plan_at_peak_of` names the anchors whose peak chose it: one row per distinct plan)."""
     peak = int(anchor_row["peak_bytes"])
@@ -289,11 +277,11 @@ def _add_plan_for(anchor_row: dict, shape: Shape, rows, steps, configs) -> None:
     if same_peak is not None:
         same_peak["plan_at_peak_of"] += f"; {anchor_row['policy']}"
         return
-    record = _new_record(shape, f"budget={peak}B", PLAN_SOURCE)
+    record = _new_record(setup, f"budget={peak}B", PLAN_SOURCE)
     record.update(plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)
     try:
-        resolved = resolve(Policy("budget", peak), shape.workload, shape.batch_size, shape.seq_len, shape.dtype,
-                           shape.optimizer)
+        resolved = resolve(Policy("budget", peak), setup.workload, setup.batch_size, setup.seq_len, setup.dtype,
+                           setup.optimizer)
     except ValueError as exc:
         rows.append({**record, "status": "error", "message": str(exc)})
         return
@@ -304,44 +292,44 @@ def _add_plan_for(anchor_row: dict, shape: Shape, rows, steps, configs) -> None:
         existing["plan_at_peak_of"] = "; ".join(filter(None, [existing.get("plan_at_peak_of"), anchor_row["policy"]]))
         existing.setdefault("plan_budget_bytes", peak)
         return
-    config = Config(label, PLAN_SOURCE, policy_applier(resolved.policy), ckptlab_policy=resolved.policy)
-    configs.append(config)
-    _prepare(config, shape, rows, steps)
+    contender = Contender(label, PLAN_SOURCE, policy_applier(resolved.policy), ckptlab_policy=resolved.policy)
+    contenders.append(contender)
+    _prepare(contender, setup, rows, steps)
     rows[-1].update(plan=plan.letters, plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)
 
 
-def _time_together(rows, steps, shape: Shape, target_ci, max_seconds) -> None:
+def _time_together(rows, steps, setup: Setup, target_ci, max_seconds) -> None:
     timed = {r["policy"]: steps[r["policy"]] for r in rows if r["status"] == "ok" and steps.get(r["policy"])}
     if not timed:
         return
-    timing = time_interleaved(timed, device=shape.dev, target_ci=target_ci, max_seconds=max_seconds,
-                              warmup=shape.warmup, min_rounds=shape.min_rounds,
-                              max_rounds=max(shape.min_rounds, MAX_ROUNDS))
+    timing = time_interleaved(timed, device=setup.dev, target_ci=target_ci, max_seconds=max_seconds,
+                              warmup=setup.warmup, min_rounds=setup.min_rounds,
+                              max_rounds=max(setup.min_rounds, MAX_ROUNDS))
     for r in rows:
         if r["policy"] in timed:
             r.update(timing.row(r["policy"]))
             r["round_ms"] = list(timing.times_ms[r["policy"]])  # aligned across rows: any pair can be paired
-            r["tokens_per_s"] = r["tokens"] / (r["step_ms"] / 1e3)
+            r["tokens_per_s"] = tokens_per_second(r["tokens"], r["step_ms"])
 
 
-def _verify(rows, configs, shape: Shape) -> None:
+def _verify(rows, contenders, setup: Setup) -> None:
     """Per row, its gradients against the un-checkpointed eager model's: fresh models from the
     workload's seed, one forward + backward, compiled ones drawing random numbers as eager does
     (`ckptlab.probe.verify`). `gradients` is the verdict (exact | within tolerance | wrong),
     `max_grad_diff` and `max_grad_rel_diff` the differences it judged."""
-    workload, dev = with_dtype(shape.workload, shape.dtype), shape.dev
-    batch = workload.batch(shape.batch_size, shape.seq_len, dev)
-    autocast = DTYPES[shape.dtype]
+    workload, dev = with_dtype(setup.workload, setup.dtype), setup.dev
+    batch = workload.batch(setup.batch_size, setup.seq_len, dev)
+    autocast = DTYPES[setup.dtype]
     reference = step_gradients(workload.build(dev).train(), workload, batch, workload.seed, autocast_dtype=autocast)
-    by_label = {c.policy: c for c in configs}
+    by_label = {c.policy: c for c in contenders}
     for r in rows:
-        config = by_label.get(r["policy"])
+        contender = by_label.get(r["policy"])
         r.update(gradients=None, max_grad_diff=None, max_grad_rel_diff=None)
-        if r["status"] != "ok" or config is None or config.apply is None:
+        if r["status"] != "ok" or contender is None or contender.apply is None:
             continue
         model = workload.build(dev).train()
         try:
-            runner, compiled, _ = config.apply(model, {})
+            runner, compiled, _ = contender.apply(model, {})
             with like_eager(bool(compiled)):
                 loss, grads = step_gradients(model, workload, batch, workload.seed, runner=runner,
                                              autocast_dtype=autocast)
@@ -349,7 +337,7 @@ def _verify(rows, configs, shape: Shape) -> None:
             r["message"] = f"gradient check failed: {type(exc).__name__}: {exc}"
             continue
         check = GradientComparison(r["policy"], reference[0].item(), loss.item(),
-                                   *gradient_difference(*reference, loss, grads), RELATIVE_TOLERANCE[shape.dtype])
+                                   *gradient_difference(*reference, loss, grads), RELATIVE_TOLERANCE[setup.dtype])
         r.update(gradients=check.verdict, max_grad_diff=check.max_abs_diff, max_grad_rel_diff=check.max_rel_diff)
 
 

@@ -30,7 +30,7 @@ import pandas as pd
 from ..core.policy import COMPILE_DIGITS, PLAN_LETTERS, Policy
 from ..core.units import format_bytes
 from ..plan.budget import resolve_budget
-from ..probe.timing import paired_ratio
+from ..probe.timing import versus_fastest_at_no_more_memory
 from ..probe.verify import WRONG
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
@@ -114,15 +114,15 @@ def plan_compiled(workload: Workload | str, batch_size: int, seq_len: int, budge
                            dtype=dtype, verify=True, max_seconds=max_seconds, target_ci=target_ci)
     rows = verification.set_index("policy")
     measured = rows.loc[policy]
-    ok = rows[(rows["status"] == "ok") & (rows["gradients"] != WRONG) & (rows.index != policy)]
-    fitting = ok[ok["peak_bytes"] <= measured["peak_bytes"]]
-    best_uniform = fitting["step_ms"].idxmin() if len(fitting) and measured["status"] == "ok" else None
+    ok = verification[(verification["status"] == "ok") & (verification["gradients"] != WRONG)
+                      & (verification["policy"] != policy)]
+    best, vs_best = (versus_fastest_at_no_more_memory(measured, ok.to_dict("records"))
+                     if measured["status"] == "ok" else (None, None))
     return CompiledPlan(
         letters=chosen, budget_bytes=budget_bytes, predicted_peak_bytes=int(peak), predicted_step_ms=float(step),
         peak_bytes=int(measured["peak_bytes"]) if measured["status"] == "ok" else None,
-        gradients=measured.get("gradients"), best_uniform=best_uniform,
-        vs_best_uniform=None if best_uniform is None or best_uniform == policy
-        else paired_ratio(rows.loc[policy], rows.loc[best_uniform]),
+        gradients=measured.get("gradients"), best_uniform=None if best is None else best["policy"],
+        vs_best_uniform=None if best is None else vs_best,
         options="".join(usable), costing=costing.reset_index(), verification=verification)
 
 

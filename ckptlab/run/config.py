@@ -157,10 +157,11 @@ class SweepConfig:
         self.batch_sizes = sorted(set(integer_list("batch_sizes", self.batch_sizes, 1)))
         self.seq_lens = sorted(set(integer_list("seq_lens", self.seq_lens, 1)))
         self.accum_steps = sorted(set(integer_list("accum_steps", self.accum_steps, 1)))
-        limit = workload.max_seq_len
         for s in self.seq_lens:
-            if limit is not None and s > limit:
-                raise ValueError(f"seq_lens: seq_len={s} is invalid for model={self.model!r}: allowed is 1..{limit}")
+            try:
+                workload.check_shape(1, s)
+            except ValueError as exc:
+                raise ValueError(f"seq_lens: {exc}") from None
         parsed = parse_policies(self.policies, "policies")
         for policy in parsed:
             check_policy_applies(workload, policy)

@@ -34,10 +34,11 @@ try:
 except ImportError:
     raise missing_extra("transformers", "CkptlabCallback") from None
 
+from ..checkpoint.blocks import handle_of
 from ..checkpoint.hf import HFCheckpointHandle, hf_layers
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.policy import parse_policy
-from ..core.records import new_record
+from ..core.records import new_record, tokens_per_second
 from ..core.validate import integer
 from ..probe.memory import CATEGORIES, cuda_allocator_stats, track_memory
 from ..probe.step import device_name, resolve_device
@@ -91,7 +92,7 @@ class CkptlabCallback(TrainerCallback):
                              "run; choose another folder (one run folder per train())")
         layers = hf_layers(model)   # a peft model too: its layers are the transformers model's
         marked = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
-        applied = _ckptlab_handle(model)  # a policy the user applied before train()
+        applied = _user_applied_handle(model)  # a policy the user applied before train()
         if marked and (self.policy is not None or applied is not None):
             which = f"policy={str(self.policy)!r}" if self.policy is not None else \
                 f"the ckptlab policy {str(applied.policy)!r} already on the model"
@@ -240,7 +241,7 @@ class CkptlabCallback(TrainerCallback):
             note="step time includes the live-tensor tracker's hooks" if report else "",
             loss=loss,
             step_ms=step_ms,
-            tokens_per_s=step["tokens"] / (step_ms / 1e3),
+            tokens_per_s=tokens_per_second(step["tokens"], step_ms),
         )
         if self._device.type == "cuda":
             record.update(cuda_allocator_stats(self._device))
@@ -249,11 +250,11 @@ class CkptlabCallback(TrainerCallback):
         self._steps_done += 1
 
 
-def _ckptlab_handle(model: nn.Module):
+def _user_applied_handle(model: nn.Module):
     """The handle of a ckptlab policy (other than transformers' own, which marks layers) that
     some module of `model` carries, or None."""
     for module in model.modules():
-        handle = getattr(module.__dict__.get("forward"), "_ckptlab_handle", None)
+        handle = handle_of(module)
         if handle is not None and not isinstance(handle, HFCheckpointHandle):
             return handle
     return None

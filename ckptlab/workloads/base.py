@@ -170,6 +170,13 @@ def base_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
 
 
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether `model` (or the model a LoRA wrapper holds) is a transformers PreTrainedModel. Read
+    from its classes, so transformers is not imported for a model that is not one."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(base_model(model)).__mro__)
+
+
 def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """`model.to(dtype)`, except a peft model's adapters, which stay fp32: peft upcasts them so
     when it wraps a model loaded in bf16/fp16 (`autocast_adapter_dtype=True`, its default), and
@@ -215,4 +222,4 @@ class _CustomBatch:
         return tuple(batch)
 
 
-__all__ = ["BLOCK_PATHS_ATTRIBUTE", "SPEC_MODULE_PREFIX", "Workload", "base_model", "cast_weights"]
+__all__ = ["BLOCK_PATHS_ATTRIBUTE", "SPEC_MODULE_PREFIX", "Workload", "base_model", "cast_weights", "is_transformers_model"]

@@ -12,12 +12,14 @@ Every workload is seeded: the same name and overrides give the same weights and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..core.validate import integer, number
 from .base import Workload
@@ -176,6 +178,31 @@ def _gpt_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+def chunked_gpt_loss(model: nn.Module, batch: tuple, chunks: int) -> torch.Tensor:
+    """The GPT loss (mean cross-entropy of the next token), the head and cross-entropy run per
+    chunk of tokens, each under checkpoint: one chunk's logits exist at a time, in forward and in
+    backward, and the head's matmul runs twice."""
+    idx, targets = batch
+    hidden = model.hidden(idx).flatten(0, 1)
+    targets = targets.reshape(-1)
+    total = sum(checkpoint(_summed_cross_entropy, model.lm_head, h, t, use_reentrant=False)
+                for h, t in zip(hidden.chunk(chunks), targets.chunk(chunks)))
+    return total / targets.numel()
+
+
+def _summed_cross_entropy(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden), targets, reduction="sum")
+
+
+def with_chunked_loss(workload: Workload, chunks: int) -> Workload:
+    """A GPT workload whose loss is `chunked_gpt_loss` over `chunks` chunks (ValueError for
+    another model: ckptlab chunks the loss of its own GPT only)."""
+    if not isinstance(workload.config, GPTConfig):
+        raise ValueError(f"model={workload.label!r} is invalid for a chunked loss: allowed are the GPT workloads")
+    integer("chunks", chunks, 1)
+    return dataclasses.replace(workload, loss_fn=functools.partial(chunked_gpt_loss, chunks=chunks))
+
+
 def _mlp_batch(cfg: MLPChainConfig, batch_size: int, seq_len: int, gen: torch.Generator) -> tuple:
     return (torch.randn(batch_size, seq_len, cfg.n_embd, generator=gen),)
 
@@ -227,5 +254,6 @@ def _check_override(key: str, value, default) -> None:
 
 
 __all__ = [
-    "GPT", "GPTConfig", "MLPChain", "MLPChainConfig", "PRESETS", "build_preset", "mlp_chain_activation_bytes",
+    "GPT", "GPTConfig", "MLPChain", "MLPChainConfig", "PRESETS", "build_preset", "chunked_gpt_loss",
+    "mlp_chain_activation_bytes", "with_chunked_loss",
 ]
