@@ -36,6 +36,7 @@ import torch
 from torch.utils.checkpoint import get_device_states
 
 from ..core.children import child_environment, die_with_parent
+from ..core.records import new_record
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import failures_recorded, measurement_record, policy_applier, policy_notes, prepare_step
 from ..probe.memory import cuda_memory_snapshot, saved_bytes_by_node
@@ -68,9 +69,9 @@ BUDGET_S = 450.0          # from main() on: with the interpreter's start and the
 REPORT_RESERVE_S = 15.0   # kept back for writing the report when the alarm stops a stage
 
 # The memory cells: (label, workload spec, config overrides, batch, seq), each policy, each
-# attention dropout, in bf16 (flash attention on CUDA). PLAN stands for the planner's plan at
-# the budget halfway between the predicted peaks of none and full. Small model first: what
-# matters most if time runs short is that both models have cells.
+# attention dropout, in bf16 (flash attention on CUDA). PLAN stands for the planner's plan (for
+# CUDA) at the budget halfway between the peaks predicted for the model's none and full cells
+# without dropout, which come before it. Small model first: if time runs short, both have cells.
 SMALL_LLAMA = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048)
 PLAN = "plan"
@@ -220,10 +221,14 @@ def memory_workload(spec: str, overrides: dict, dropout: float):
     return get_workload(spec, **overrides, attention_dropout=dropout)
 
 
-def midpoint_plan(workload, batch_size: int, seq_len: int) -> str:
-    """The planner's plan for the budget halfway between the predicted peaks of none and full."""
-    none, full = (predict(workload, batch_size, seq_len, p, dtype=MEMORY["dtype"]).peak_bytes for p in ("none", "full"))
-    plan = plan_budget(workload, batch_size, seq_len, (none + full) // 2, dtype=MEMORY["dtype"])
+def midpoint_plan(workload, batch_size: int, seq_len: int, cells: list[dict]) -> str:
+    """The planner's plan for CUDA at the budget halfway between the predicted peaks of `cells`'
+    none and full (ValueError when either was not predicted)."""
+    peaks = {c["policy"]: c.get("predicted_peak_bytes") for c in cells}
+    if not (peaks.get("none") and peaks.get("full")):
+        raise ValueError("no plan: none and full of this model were not both predicted")
+    plan = plan_budget(workload, batch_size, seq_len, (peaks["none"] + peaks["full"]) // 2, dtype=MEMORY["dtype"],
+                       optimizer=MEMORY["optimizer"], device="cuda")
     return str(plan.policy)
 
 
@@ -283,12 +288,17 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
             workload = memory_workload(spec, overrides, dropout)
             if policy == PLAN:
                 if label not in plans:
-                    plans[label] = midpoint_plan(memory_workload(spec, overrides, MEMORY["dropouts"][0]), batch_size,
-                                                 seq_len)
+                    same = [c for c in cells if c["model"] == workload.label and c["dropout"] == dropout]
+                    try:
+                        plans[label] = midpoint_plan(workload, batch_size, seq_len, same)
+                    except Exception as exc:  # noqa: BLE001 - the plan's cells fail their claims, saying why
+                        plans[label] = exc
                 policy = plans[label]
             if (label, dropout) not in backends:
                 backends[label, dropout] = backend_on_cuda(workload, batch_size, seq_len, dev)
-            cell = memory_cell(workload, batch_size, seq_len, policy, dropout, dev)
+            cell = (memory_cell(workload, batch_size, seq_len, policy, dropout, dev) if isinstance(policy, str) else
+                    new_record(workload.label, batch_size, seq_len, policy=PLAN, dtype=MEMORY["dtype"], dropout=dropout,
+                               status="error", message=f"no plan: {type(policy).__name__}: {policy}"))
         except BudgetExceeded:
             not_run.append(f"{len(todo) - k} cells from {label} {policy} dropout={dropout:g} on (stopped by the time "
                            "budget while it ran)")
