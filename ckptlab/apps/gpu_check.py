@@ -223,12 +223,13 @@ def memory_workload(spec: str, overrides: dict, dropout: float):
 
 def midpoint_plan(workload, batch_size: int, seq_len: int, cells: list[dict]) -> str:
     """The planner's plan for CUDA at the budget halfway between the predicted peaks of `cells`'
-    none and full (ValueError when either was not predicted)."""
+    none and full (ValueError when either was not predicted). Its recompute costs are the roofline's:
+    which plan it is matters here, not what it costs, and timing blocks on this CPU takes long."""
     peaks = {c["policy"]: c.get("predicted_peak_bytes") for c in cells}
     if not (peaks.get("none") and peaks.get("full")):
         raise ValueError("no plan: none and full of this model were not both predicted")
     plan = plan_budget(workload, batch_size, seq_len, (peaks["none"] + peaks["full"]) // 2, dtype=MEMORY["dtype"],
-                       optimizer=MEMORY["optimizer"], device="cuda")
+                       optimizer=MEMORY["optimizer"], cost="roofline", device="cuda")
     return str(plan.policy)
 
 
@@ -258,12 +259,16 @@ def memory_cell(workload, batch_size: int, seq_len: int, policy: str, dropout: f
 
 
 def backend_on_cuda(workload, batch_size: int, seq_len: int, dev: torch.device) -> str | None:
-    """The attention backend one forward of `workload` ran on `dev` (from its autograd nodes)."""
+    """The attention backend one forward of `workload` ran on `dev` (from its autograd nodes); a
+    forward that fails gives "not known: <why>", which no prediction matches."""
     fresh_allocator(dev)
-    model = workload.build(dev).train()
-    batch = workload.batch(batch_size, seq_len, dev)
-    with torch.autocast(dev.type, dtype=DTYPES[MEMORY["dtype"]]):
-        return attention_backend_of(list(saved_bytes_by_node(workload.loss(model, batch))))
+    try:
+        model = workload.build(dev).train()
+        batch = workload.batch(batch_size, seq_len, dev)
+        with torch.autocast(dev.type, dtype=DTYPES[MEMORY["dtype"]]):
+            return attention_backend_of(list(saved_bytes_by_node(workload.loss(model, batch))))
+    except Exception as exc:  # noqa: BLE001 - the cells' allocated claim fails with the reason
+        return f"not known: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[str]) -> list[Claim]:
