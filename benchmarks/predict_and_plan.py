@@ -10,7 +10,8 @@
      plans dominate the uniform policies (no more memory and a time interval entirely below the
      uniform's, paired round by round; an interval that contains 1 is no difference); at the peak of `full`, the best plan's
      time against full's; what fraction of full's savings selective gets, at what overhead;
-  3. what fits on 24/40/80/141 GiB cards, by prediction, and the cost of predicting a
+  3. what fits on an RTX 4090, A100-40, H100-80 and H200 (their usable bytes, less context and
+     margin), by prediction, and the cost of predicting a
      Llama-7B-shaped GPT at batch 8, seq 4096;
   4. compile:budget: what the budget does to the allocator-measured peak, checked first on a case
      where the answer is known, and where the peak happens.
@@ -419,8 +420,9 @@ def section_fits(args, result) -> None:
     print("\n== 3. what fits, by prediction: GPT 1.3B shape (24 x 2048), bf16 autocast, AdamW ==")
     fits = fits_table(args.quick)
     result["predict_fits"] = fits
-    print(format_table(fits, [("policy", "policy", str), ("capacity", "capacity", str),
+    print(format_table(fits, [("policy", "policy", str), ("card", "capacity", str),
                               ("max batch @ seq 2048", "max_batch_size", str),
+                              ("margin left", "batch_margin_bytes", format_bytes),
                               ("max seq @ batch 1", "max_seq_len", str)]))
     llama = llama_cost()
     result["llama7b"] = llama

@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from ckptlab.core.cards import card
 from ckptlab.core.units import GiB
 from ckptlab.probe.timing import time_verdict
 from ckptlab.report.analysis import (
@@ -90,13 +91,16 @@ def test_fits_from_run_measured_and_extrapolated():
     # peak = 1 GiB + batch * 1 GiB exactly: 24 GiB fits batch 23; under 5 GiB, batch 4 fits, 8 does not.
     df = pd.DataFrame([rec("none", 0.0, b, (1 + b) * GiB, 1.0, limit=limit) for b in (1, 2, 4)]
                       + [rec("none", 0.0, 8, 9 * GiB, None, status="oom", limit=limit)])
-    fits = fits_from_run(df).set_index(["kind", "limit"])
+    fits = fits_from_run(df, {"24 GiB": 24 * GiB}).set_index(["kind", "limit"])
     assert fits.loc[("measured", "5.0 GiB"), "max_batch_size"] == 4
     assert fits.loc[("extrapolated", "24 GiB"), "max_batch_size"] == 23
-    assert fits.loc[("extrapolated", "141 GiB"), "max_batch_size"] == 140
     assert fits.loc[("extrapolated", "24 GiB"), "fit_rms_residual_bytes"] == pytest.approx(0, abs=1e-3)
     assert fits.loc[("extrapolated", "24 GiB"), "fit_points"] == 3
     assert fits.loc[("extrapolated", "24 GiB"), "fit_note"] == "fit of 3 points, residual <0.1%"
+    # by default, the cards: each one's budget (usable less context and margin) in whole GiB, less one
+    cards = fits_from_run(df).set_index(["kind", "limit"])
+    for name in ("rtx4090", "a100-40", "h100-80", "h200"):
+        assert cards.loc[("extrapolated", name), "max_batch_size"] == card(name).budget_bytes // GiB - 1
     by_seq = fits_from_run(df, axis="seq_len")
     assert set(by_seq["kind"]) == {"measured", "no fit"}  # one seq: nothing to fit, and it says so
     notes = by_seq[by_seq.kind == "no fit"].set_index("batch_size")["fit_note"]
@@ -111,13 +115,15 @@ def test_summary_best_config_per_limit():
     s = summary(df).set_index("limit")
     assert s.loc["no limit", "policy"] == "none" and s.loc["no limit", "batch_size"] == 8
     assert s.loc["no limit", "basis"] == "measured"
-    # full: peak = 2.5 GiB per sequence through (2, 5 GiB) and (8, 20 GiB), so batch 9 fits 24 GiB;
-    # none has one ok batch size, no line: the card rows may not rest on it.
-    assert s.loc["24 GiB", "policy"] == "full" and s.loc["24 GiB", "batch_size"] == 9
-    assert s.loc["24 GiB", "basis"] == "extrapolated (line through 2 points)"
-    assert s.loc["24 GiB", "peak_bytes"] == round(22.5 * GiB) and pd.isna(s.loc["24 GiB", "tokens_per_s"])
+    # full: peak = 2.5 GiB per sequence through (2, 5 GiB) and (8, 20 GiB), so batch 9 (22.5 GiB)
+    # fits an RTX 4090's budget (22.7 GiB); none has one ok batch size, no line: the card rows may
+    # not rest on it.
+    assert 22.5 * GiB <= card("rtx4090").budget_bytes < 25 * GiB
+    assert s.loc["rtx4090", "policy"] == "full" and s.loc["rtx4090", "batch_size"] == 9
+    assert s.loc["rtx4090", "basis"] == "extrapolated (line through 2 points)"
+    assert s.loc["rtx4090", "peak_bytes"] == round(22.5 * GiB) and pd.isna(s.loc["rtx4090", "tokens_per_s"])
     text = format_summary(df)
-    assert "4 cells: 3 ok, 1 oom (0 inferred), 0 error" in text and "24 GiB" in text
+    assert "4 cells: 3 ok, 1 oom (0 inferred), 0 error" in text and "rtx4090" in text
     timed = df.assign(step_ms_low=df["step_ms"] - 1, step_ms_high=df["step_ms"] + 2)
     assert "10.0 [9.0, 12.0]" in format_summary(timed)  # the measured row: none at batch 8
 
@@ -147,16 +153,16 @@ def test_summary_cards_agree_with_fits_from_run_far_beyond_the_run_limit():
     s = summary(df).set_index("limit")
     assert s.loc["run limit 20.0 MiB", "policy"] == "none" and s.loc["run limit 20.0 MiB", "batch_size"] == 2
     fits = fits_from_run(df)
-    card = fits[(fits.kind == "extrapolated") & (fits.limit == "24 GiB")].set_index("policy")["max_batch_size"]
-    assert s.loc["24 GiB", "batch_size"] == card.max() == (24 * GiB - 8 * 2**20) // (2 * 2**20)
-    assert s.loc["24 GiB", "policy"] == "full"
+    on_card = fits[(fits.kind == "extrapolated") & (fits.limit == "rtx4090")].set_index("policy")["max_batch_size"]
+    assert s.loc["rtx4090", "batch_size"] == on_card.max() == (card("rtx4090").budget_bytes - 8 * 2**20) // (2 * 2**20)
+    assert s.loc["rtx4090", "policy"] == "full"
 
 
 def test_summary_says_plainly_when_it_cannot_answer_for_a_card():
     df = pd.DataFrame([rec("none", 0.0, 4, 100, 10.0), rec("full", 1.0, 4, 60, 13.0)])
     s = summary(df).set_index("limit")
-    assert pd.isna(s.loc["80 GiB", "policy"])
-    assert s.loc["80 GiB", "basis"] == "cannot answer: no policy has 2+ ok batch sizes to extrapolate from"
+    assert pd.isna(s.loc["h100-80", "policy"])
+    assert s.loc["h100-80", "basis"] == "cannot answer: no policy has 2+ ok batch sizes to extrapolate from"
     assert "cannot answer" in format_summary(df)
 
 

@@ -17,15 +17,19 @@ import pandas as pd
 import torch
 import yaml
 
+from ..core.cards import card, cards
 from ..core.meta import __version__
+from ..core.optimizers import OPTIMIZER_HELP, OPTIMIZERS
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
 from ..core.policy import parse_policy, policy_label
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
+from ..estimate.cuda_semantics import ATTENTION_BACKENDS
+from ..estimate.predict import check_device
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
-from ..probe.step import DTYPE_HELP, DTYPES, OPTIMIZERS
+from ..probe.step import DTYPE_HELP, DTYPES
 from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary
 from ..report.explain import explain
@@ -417,38 +421,93 @@ PREDICT_COLUMNS = [
 ]
 
 
+def cuda_predict_columns(card_name: str | None) -> list:
+    """PREDICT_COLUMNS for a prediction for CUDA: the allocator's numbers, and on a card its
+    device bytes and margin, each labelled with the card they are predicted for."""
+    on = f" ({card_name})" if card_name else " (cuda)"
+    columns = [c for c in PREDICT_COLUMNS if c[1] not in ("predicted_peak_bytes", "closed_form_peak_bytes")]
+    at = [key for _, key, _ in columns].index("predicted_peak_activations_bytes")
+    columns[at:at] = [("allocated" + on, "predicted_peak_bytes", format_bytes),
+                      ("reserved" + on, "predicted_reserved_bytes", format_bytes)]
+    if card_name:
+        columns[at + 2:at + 2] = [("device" + on, "predicted_device_bytes", format_bytes),
+                                  ("margin" + on, "margin_bytes", format_bytes)]
+    columns.insert(at, ("attention", "attention_backend", str))
+    return columns
+
+
+def device_options(args: argparse.Namespace) -> dict:
+    """`predict`'s device, card and attention from --device, --card and --attention (a card means
+    CUDA). Checked as `predict` checks them, before any work."""
+    device = "cuda" if args.card else args.device
+    options = {"device": device, "card": args.card, "attention": args.attention}
+    check_device(**options)
+    return options
+
+
+def predicted_for(options: dict) -> str:
+    """What a command's sizes are predicted for, in words."""
+    if options["card"]:
+        return f"predicted for {card(options['card']).describe()}"
+    return "predicted for CUDA (allocator only, no card)" if options["device"] == "cuda" else "predicted for a CPU"
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside."""
+    on = device_options(args)
     workload = get_workload(args.model, **_model_overrides(args.set))
     rows = []
     for batch in int_list("--batch", args.batch):
         for seq in int_list("--seq", args.seq):
             for policy in policy_list(args.policy):
-                row = predict(workload, batch, seq, policy, dtype=args.dtype).record()
-                try:
-                    row.update(closed_form(workload, batch, seq, row["plan"] and f"plan={row['plan']}" or policy,
-                                           dtype=args.dtype))
-                except ValueError:
-                    pass
+                row = predict(workload, batch, seq, policy, dtype=args.dtype, optimizer=args.optimizer, **on).record()
+                if on["device"] == "cpu":
+                    try:
+                        row.update(closed_form(workload, batch, seq, row["plan"] and f"plan={row['plan']}" or policy,
+                                               dtype=args.dtype))
+                    except ValueError:
+                        pass
                 rows.append(row)
-    print_rows(rows, PREDICT_COLUMNS, args.format,
-               f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, AdamW: predicted, nothing allocated")
+    columns = PREDICT_COLUMNS if on["device"] == "cpu" else cuda_predict_columns(on["card"])
+    print_rows(rows, columns, args.format,
+               f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, {args.optimizer}: "
+               f"{predicted_for(on)}, nothing allocated")
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Choose keep/selective/full per block for a memory budget; print the plan."""
     workload = get_workload(args.model, **_model_overrides(args.set))
-    plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost)
+    on = device_options(args)
+    plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost, **on)
     if args.format != "table":
         row = {"model": args.model, "batch_size": args.batch, "seq_len": args.seq, "dtype": args.dtype,
                "budget": args.budget, "policy": f"plan={plan.letters}", **plan.record(),
-               "plan_none_peak_bytes": plan.none_peak_bytes, "plan_full_peak_bytes": plan.full_peak_bytes}
+               "plan_none_peak_bytes": plan.none_peak_bytes, "plan_full_peak_bytes": plan.full_peak_bytes, **on}
         print_rows([row], [], args.format)
         return 0
-    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype}, budget {args.budget}")
+    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype}, budget {args.budget}: {predicted_for(on)}")
     print(plan)
     print(f"apply it with: --policy plan={plan.letters}")
+    return 0
+
+
+CARD_COLUMNS = [
+    ("card", "name", str),
+    ("", "label", str),
+    ("usable", "usable_bytes", format_bytes),
+    ("context", "context_bytes", format_bytes),
+    ("margin", "required_margin_bytes", format_bytes),
+    ("budget", "budget_bytes", format_bytes),
+    ("arch", "arch", str),
+]
+
+
+def cmd_cards(args: argparse.Namespace) -> int:
+    """The cards a capacity may name, by what they offer."""
+    rows = [{**dataclasses.asdict(c), "budget_bytes": c.budget_bytes} for c in cards()]
+    print_rows(rows, CARD_COLUMNS, args.format, "usable: total_memory as torch reports it; budget: what the "
+               "caching allocator may reserve (usable less context and margin)")
     return 0
 
 
@@ -457,7 +516,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     workload = get_workload(args.model, **_model_overrides(args.set))
     explanation = explain(workload, args.batch, args.seq, args.policy, dtype=args.dtype, optimizer=args.optimizer,
-                          capacity=args.capacity, measure=args.measure, ranks=args.ranks)
+                          capacity=args.capacity, measure=args.measure, ranks=args.ranks, **device_options(args))
     if args.figure:
         explanation.figure(args.figure)
     if args.format == "json":
@@ -485,6 +544,17 @@ def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, pol
     p.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
 
 
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """--device, --card, --attention: what a prediction is for (predict, plan, explain)."""
+    p.add_argument("--device", default="cpu", help="cpu (exact to the byte) | cuda: predict the step as a CUDA card "
+                                                   "runs it (its kernels, autocast, optimizer, cuBLAS workspaces and "
+                                                   "caching allocator)")
+    p.add_argument("--card", default=None, help="a card (`ckptlab cards`): predict for it (implies --device cuda): "
+                                                "its device bytes and the margin left")
+    p.add_argument("--attention", default=None, choices=ATTENTION_BACKENDS,
+                   help="force scaled-dot-product attention's CUDA backend (default: PyTorch's choice)")
+
+
 def add_format_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, default="table",
                    help="table: for reading (default); json, csv: every field of every row, for scripts")
@@ -500,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure", help="measure one training step per policy and print a table")
     add_workload_arguments(p, batch="4", seq="64", policy="none,full")
     p.add_argument("--accum", type=int, default=1, help="gradient-accumulation steps (micro-batches per optimizer step)")
-    p.add_argument("--optimizer", default="adamw", help="adamw | sgd | none (default: adamw)")
+    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
     add_format_argument(p)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--steps", type=int, default=5, help="minimum interleaved timing rounds (median reported)")
@@ -531,8 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_format_argument(p)
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors)")
+    p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors), "
+                                       "for a CPU or a CUDA card")
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
+    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
+    add_device_arguments(p)
     add_format_argument(p)
     p.set_defaults(func=cmd_predict)
 
@@ -540,20 +613,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p, batch="4", seq="64", policy="", lists=False)
     p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of the no-checkpointing peak (0.5)")
     p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
+    add_device_arguments(p)
     add_format_argument(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("explain", help="why memory did not drop: the peak, what holds it, and what each lever "
                                        "would make it (predicted, nothing allocated)")
     add_workload_arguments(p, batch="4", seq="64", policy="none", lists=False)
-    p.add_argument("--optimizer", default="adamw", help="adamw | sgd | none (default: adamw)")
-    p.add_argument("--capacity", default=None, help="e.g. 24GiB: adds the plan that fits it; the waterfall stops there")
+    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
+    p.add_argument("--capacity", default=None, help="a card (rtx4090, a100-80, h100-80, ...: `ckptlab cards`) or a "
+                                                    "size (24GiB): adds the plan that fits it; the waterfall stops there")
     p.add_argument("--ranks", type=int, default=8, help="world size of the FSDP2 lever (default 8)")
+    add_device_arguments(p)
     p.add_argument("--measure", action="store_true", help="also measure the step here, beside the prediction")
     p.add_argument("--figure", default=None, help="save the waterfall figure as FIGURE.png and FIGURE.svg")
     p.add_argument("--format", choices=("table", "json"), default="table",
                    help="table: the report (default); json: every field, for scripts")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("cards", help="the cards a capacity may name: usable bytes, context, margin")
+    add_format_argument(p)
+    p.set_defaults(func=cmd_cards)
 
     p = sub.add_parser("plot", help="redraw every figure of a run folder from its data")
     p.add_argument("run_dir", help="run folder, e.g. results/my-sweep")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..core import validate
+from ..core.cards import parse_capacity
 from ..core.extras import require
 from ..core.parsing import yaml_mapping
 from ..core.policy import parse_policy
@@ -159,13 +160,14 @@ def _value_checks() -> dict:
     dtype = lambda name, v: choice(name, v, list(DTYPES))  # noqa: E731
     policy = lambda name, v: parse_policy(v)  # noqa: E731
     model = lambda name, v: get_workload(v)  # noqa: E731
+    capacity = lambda name, v: parse_capacity(v, name)  # noqa: E731
     return {
         "model": model, "fits_model": model, "device": lambda name, v: resolve_device(v),
         "steps": at_least(1), "warmup": at_least(0), "batch_size": at_least(1), "seq_len": at_least(1),
         "fits_seq_len": at_least(1), "batch_sizes": each(at_least(1), False), "seq_lens": each(at_least(1), False),
         "accum_steps": each(at_least(1)), "policy": policy, "policies": each(policy, False),
         "densities": each(lambda name, v: number(name, v, 0.0, 1.0), False), "dtype": dtype, "dtypes": each(dtype),
-        "memory_limit": size_bytes, "capacity": size_bytes, "fits_capacities": each(size_bytes, False),
+        "memory_limit": size_bytes, "capacity": capacity, "fits_capacities": each(capacity, False),
         "rank": at_least(1), "fits_seq_lens": each(at_least(1), False), "fits_dtype": dtype,
         "budget_fractions": each(lambda name, v: number(name, v, 0.0, 1.0, low_open=True), False),
     }

@@ -1,5 +1,5 @@
 """Byte sizes: parsed from people (`size_bytes`), written back exactly (`size_label`) or for reading
-(`format_bytes`); and the card sizes ckptlab answers for. Imports nothing of ckptlab."""
+(`format_bytes`). The cards ckptlab answers for are in `core.cards`. Imports nothing of ckptlab."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")   # what format_bytes writes
 SIZE_HELP = "a positive size such as 24GiB, 512MiB, 2GB or a number of bytes (at least 1 byte)"
 
 GiB = SIZE_UNITS["gib"]
-CARD_LIMITS = {"24 GiB": 24 * GiB, "40 GiB": 40 * GiB, "80 GiB": 80 * GiB, "141 GiB": 141 * GiB}
 
 
 def size_bytes(name: str, value) -> int:
@@ -64,5 +63,5 @@ def format_bytes(n: float | None, compact: bool = False) -> str:
     return text.rstrip("0").rstrip(".") + unit
 
 
-__all__ = ["BINARY_UNITS", "CARD_LIMITS", "GiB", "SIZE_HELP", "SIZE_UNITS", "format_bytes", "parse_bytes", "size_bytes",
+__all__ = ["BINARY_UNITS", "GiB", "SIZE_HELP", "SIZE_UNITS", "format_bytes", "parse_bytes", "size_bytes",
            "size_label"]

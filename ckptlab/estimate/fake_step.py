@@ -8,6 +8,11 @@ unable to read fake ones it assumes packing and builds a (batch, 1, seq, seq) at
 that the real step never builds (it lets SDPA apply causality). A prediction therefore takes
 the answer the real check gives for ckptlab's batches: one sequence per row
 (`sequences_unpacked`).
+
+For `device="cuda"` the step runs under CUDA's semantics (`cuda_semantics`: the kernels CUDA
+would pick and what they save and allocate; `cuda_autocast`: CUDA autocast's op lists; the
+optimizer implementation torch picks on CUDA), the tracker keeps every allocation in order, and
+`cuda_device` adds the cuBLAS workspaces and replays the trace through the caching allocator.
 """
 
 from __future__ import annotations
@@ -28,14 +33,20 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from ..checkpoint.blocks import CheckpointHandle
 from ..checkpoint.wrap import apply_checkpointing
+from ..core.cards import Card
+from ..core.cards import card as find_card
 from ..core.policy import Policy
 from ..core.records import CATEGORIES
 from ..core.units import format_bytes
-from ..probe.memory import track_memory
+from ..probe.memory import MemoryReport, track_memory
 from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
+from .cuda_autocast import cuda_autocast
+from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, device_memory
+from .cuda_semantics import cuda_semantics
 
 
 @dataclass
@@ -63,21 +74,47 @@ class Prediction:
     block_calls_in_backward: int = 0     # blocks called in backward: the model recomputes them itself
     trainable_param_bytes: int = 0       # as measure's columns of the same names
     frozen_param_bytes: int = 0
+    # The device the step is predicted for. On "cpu" the peak is exact to the byte and the CUDA
+    # fields are None. On "cuda", peak_bytes is max_memory_allocated's peak (the allocator's
+    # rounding and the cuBLAS workspaces included), peak_by_category adds workspaces, rounding
+    # and fragmentation (reserved - allocated), and with a card: device_bytes = reserved + the
+    # card's context, margin_bytes = the card's usable bytes - device_bytes.
+    device: str = "cpu"
+    card: Optional[str] = None
+    attention: Optional[str] = None          # the SDPA backend asked for (None: PyTorch's choice)
+    attention_backend: Optional[str] = None  # the one chosen
+    reserved_bytes: Optional[int] = None
+    device_bytes: Optional[int] = None
+    margin_bytes: Optional[int] = None
 
     def record(self) -> dict:
         """A flat row, columns named like `measure`'s with a `predicted_` prefix."""
         row = {k: v for k, v in asdict(self).items() if k not in ("peak_by_category", "peak_in_blocks_by_category")}
-        for key in ("peak_bytes", "saved_activation_bytes"):
+        for key in ("peak_bytes", "saved_activation_bytes", "reserved_bytes", "device_bytes"):
             row[f"predicted_{key}"] = row.pop(key)
         for c in CATEGORIES:
             row[f"predicted_peak_{c}_bytes"] = self.peak_by_category.get(c, 0)
+        for c in DEVICE_CATEGORIES:
+            row[f"predicted_peak_{c}_bytes"] = self.peak_by_category.get(c)
         row["predicted_peak_activations_in_blocks_bytes"] = self.peak_in_blocks_by_category.get("activations", 0)
         return row
 
     def __str__(self) -> str:
-        return (f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}): "
+        text = (f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}): "
                 f"peak {format_bytes(self.peak_bytes)} in {self.peak_phase}, saved activations "
-                f"{format_bytes(self.saved_activation_bytes)} [{self.predict_s:.1f} s]")
+                f"{format_bytes(self.saved_activation_bytes)}")
+        if self.device == "cuda":
+            text += f"; reserved {format_bytes(self.reserved_bytes)}, attention {self.attention_backend}"
+        if self.card is not None:
+            text += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
+                     f"predicted for {self.card}")
+        return text + f" [{self.predict_s:.1f} s]"
+
+
+# What a CUDA prediction's peak_by_category adds to the tensors' categories: the sum of all but
+# fragmentation is peak_bytes (allocated), the sum of all is reserved_bytes.
+DEVICE_CATEGORIES = ("workspaces", "rounding", "fragmentation")
+DEVICES = ("cpu", "cuda")
 
 
 def fake_modes():
@@ -155,34 +192,76 @@ def sequences_unpacked():
 
 @contextlib.contextmanager
 def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
-                       dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1):
+                       dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1,
+                       device: str = "cpu", card: Optional[str | Card] = None, attention: Optional[str] = None):
     """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
-    optimizer, step) after one untracked warm-up step — the state `measure` tracks from."""
+    optimizer, step) after one untracked warm-up step — the state `measure` tracks from. With
+    device="cuda" the step runs as on `card`'s architecture (default sm80), `attention` forcing
+    the SDPA backend."""
+    with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
+                    attention) as (model, handle, batch, opt, step, _):
+        yield model, handle, batch, opt, step
+
+
+@contextlib.contextmanager
+def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention):
+    """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu")."""
+    card = as_card(card)
     fake_mode = fake_modes()
     workload = with_dtype(workload, dtype)
     model = fake_model(workload, fake_mode)  # as Workload.build, minus the device move
-    with fake_mode, sequences_unpacked():
+    cuda = device == "cuda"
+    semantics = None
+    if cuda:
+        semantics = cuda_semantics(card.arch, attention, card.sm_count or None) if card else cuda_semantics(
+            DEFAULT_ARCH, attention)
+    with fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
         model.train()
         handle = apply_checkpointing(model, policy)
         gen = torch.Generator().manual_seed(workload.seed + 1)
         batch = workload.new_batch(batch_size, seq_len, gen)
-        opt = make_optimizer(optimizer, model)
+        opt = make_optimizer(optimizer, model, device)
         kwargs = {"accum_steps": accum_steps} if accum_steps != 1 else {}
-        step = training_step(model, workload, batch, opt, dtype, **kwargs)
+        step = training_step(model, workload, batch, opt, dtype, autocast=cuda_autocast if cuda else None, **kwargs)
         torch.manual_seed(workload.seed)
         step()
         handle.reset_counts()
-        yield model, handle, batch, opt, step
+        yield model, handle, batch, opt, step, kernels
+
+
+def as_card(card: Optional[str | Card]) -> Optional[Card]:
+    """A card given by name or as itself."""
+    return find_card(card) if isinstance(card, str) else card
+
+
+@dataclass
+class FakeMemory:
+    """One tracked fake step: the tracker's report, the checkpoint handle, and on CUDA the
+    attention backend chosen and the device's view (`cuda_device`)."""
+
+    report: MemoryReport
+    handle: CheckpointHandle
+    attention_backend: Optional[str] = None
+    device: Optional[DeviceMemory] = None
 
 
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
-                optimizer: str = "adamw", accum_steps: int = 1):
-    """One tracked fake training step: (MemoryReport, CheckpointHandle)."""
-    with fake_training_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps) as (
-            model, handle, batch, opt, step):
-        with track_memory(model, opt, inputs=batch, device="cpu", blocks=handle.blocks) as tracker:
+                optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
+                card: Optional[str | Card] = None, attention: Optional[str] = None) -> FakeMemory:
+    """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring)."""
+    cuda, card = device == "cuda", as_card(card)
+    blas = BlasUse() if cuda else contextlib.nullcontext()
+    with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
+                    attention) as (model, handle, batch, opt, step, kernels):
+        with track_memory(model, opt, inputs=batch, device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
             step(tracker)
-        return tracker.report(), handle
+        report = tracker.report()
+        if not cuda:
+            return FakeMemory(report, handle)
+        workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
+        return FakeMemory(report, handle, kernels.attention_backend,
+                          device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card))
 
 
-__all__ = ["Prediction", "castable", "fake_memory", "fake_model", "fake_modes", "fake_training_step", "sequences_unpacked"]
+__all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model",
+           "fake_modes", "fake_training_step", "sequences_unpacked"]

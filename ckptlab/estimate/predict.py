@@ -2,9 +2,12 @@
 
 `predict()` runs the same training step that `measure()` runs (model code, checkpoint wrappers,
 optimizer, live-tensor tracker) under fake tensors (`fake_step`), so the predicted peak is what a
-real CPU run would measure, for shapes far beyond this machine. What it cannot know is in
-docs/design.md, note "What a fake step cannot know". `predict_fits()` answers "the largest batch /
-sequence per policy on a 24/40/80/141 GiB card" from predictions.
+real CPU run would measure, for shapes far beyond this machine. With `device="cuda"` it predicts
+the step as a CUDA card runs it: CUDA's kernels, autocast and optimizer, the cuBLAS workspaces and
+the caching allocator (allocated, reserved), and on a card (`core.cards`) the device bytes and the
+margin left (`fake_step`, `cuda_device`). What it cannot know is in docs/design.md, note "What a
+fake step cannot know". `predict_fits()` answers "the largest batch / sequence per policy on a
+card" from predictions.
 """
 
 from __future__ import annotations
@@ -13,15 +16,16 @@ import math
 import time
 from typing import Iterable, Optional, Sequence
 
+from ..core.cards import DEFAULT_CARDS, Card, fits, margin_left, parse_capacity
+from ..core.cards import card as find_card
+from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy, parse_policy
-from ..core.units import CARD_LIMITS, GiB, parse_bytes
 from ..core.validate import choice, integer
-from ..probe.step import DTYPES, OPTIMIZERS
+from ..probe.step import DTYPES
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
-from .fake_step import Prediction, fake_memory
-
-CAPACITIES_GIB = tuple(limit // GiB for limit in CARD_LIMITS.values())
+from .cuda_semantics import ATTENTION_BACKENDS
+from .fake_step import DEVICES, Prediction, as_card, fake_memory
 
 
 def predict(
@@ -32,35 +36,60 @@ def predict(
     dtype: str = "fp32",
     optimizer: str = "adamw",
     accum_steps: int = 1,
+    device: str = "cpu",
+    card: Optional[str | Card] = None,
+    attention: Optional[str] = None,
 ) -> Prediction:
     """Predict `measure(workload, batch_size, seq_len, policy, dtype=dtype)`'s memory columns
     without allocating: peak bytes (total, by category, phase) and saved-activation bytes.
 
+    `device="cpu"` (default) predicts the step on a CPU, exact to the byte. `device="cuda"`
+    predicts it as a CUDA card runs it: peak_bytes is the allocator's allocated peak,
+    reserved_bytes its reserved peak, and with `card` (a name of `ckptlab.cards()`, default:
+    none, an sm80 card without a context) device_bytes and margin_bytes. `attention` forces
+    scaled-dot-product attention's CUDA backend (flash, efficient or math; default: PyTorch's
+    choice, named in `attention_backend`).
+
     The policy is concrete: `ckptlab.predict` resolves a `budget=` to its plan first.
     Policies that compile cannot be predicted (the compiler's partitioner decides inside the graph):
-    ValueError. Offload is predicted as its base policy (CPU: a no-op), and says so in `note`.
+    ValueError. Offload is predicted as its base policy, and says so in `note`.
     """
-    workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
+    workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps,
+                                        device, card, attention)
     if policy.kind == "budget":
         raise ValueError(f"policy={policy} is invalid here: this predicts a concrete policy; ckptlab.predict "
                          "resolves a budget to its plan first")
     t0 = time.perf_counter()
-    note = "offload predicted as its base policy (no-op on CPU)" if policy.offload else ""
-    report, handle = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
+    on_card = as_card(card)
+    note = f"offload predicted as its base policy (no-op on {'CPU' if device == 'cpu' else 'fake CPU tensors'})" \
+        if policy.offload else ""
+    fake = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention)
+    report, handle = fake.report, fake.handle
+    peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
+    if fake.device is not None:
+        dm = fake.device
+        by_category.update(workspaces=dm.workspace_bytes, rounding=dm.rounding_bytes,
+                           fragmentation=dm.reserved_bytes - dm.allocated_bytes)
+        peak = dm.allocated_bytes
+        cuda = {"reserved_bytes": dm.reserved_bytes, "device_bytes": dm.device_bytes,
+                "attention_backend": fake.attention_backend}
+        if on_card is not None:
+            cuda.update(card=on_card.name, margin_bytes=margin_left(on_card, dm.device_bytes))
     return Prediction(
         model=workload.label, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
         optimizer=optimizer, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
-        peak_bytes=report.peak_bytes, peak_by_category=dict(report.peak_by_category),
+        peak_bytes=peak, peak_by_category=by_category,
         peak_phase=report.peak_phase, saved_activation_bytes=report.saved_activation_bytes or 0,
         predict_s=time.perf_counter() - t0, note=note,
         peak_in_blocks_by_category=dict(report.peak_in_blocks_by_category), peak_block=report.peak_block,
         recompute_count=handle.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
-        **report.param_bytes,
+        device=device, attention=attention, **{**report.param_bytes, **cuda},
     )
 
 
 def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, policy, dtype: str = "fp32",
-                     optimizer: str = "adamw", accum_steps: int = 1) -> tuple[Workload, Policy]:
+                     optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
+                     card: Optional[str | Card] = None, attention: Optional[str] = None) -> tuple[Workload, Policy]:
     """Check every input of `predict` (ValueError naming the first bad one): (workload, policy)."""
     workload = as_workload(workload)
     policy = parse_policy(policy)
@@ -68,10 +97,27 @@ def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, po
     integer("accum_steps", accum_steps, 1)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
+    check_device(device, card, attention)
     if policy.compiles:
         raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
                          "what to save inside the compiled graph; measure it instead")
     return workload, policy
+
+
+def check_device(device: str, card: Optional[str | Card] = None, attention: Optional[str] = None) -> None:
+    """Check what a prediction is for (ValueError naming the first bad one): a device of DEVICES,
+    a card of `ckptlab.cards()` and an attention backend, the last two only for "cuda"."""
+    choice("device", device, DEVICES)
+    if device != "cuda" and (card is not None or attention is not None):
+        given = "card" if card is not None else "attention"
+        raise ValueError(f"{given}={card if card is not None else attention!r} is invalid with device={device!r}: "
+                         "a card and an attention backend are CUDA's; allowed is device='cuda'")
+    if isinstance(card, str):
+        find_card(card)
+    if isinstance(card, Card) and card.arch is None:
+        raise ValueError(f"card={card.name!r} is invalid: a size is not a card; allowed is a card of ckptlab.cards()")
+    if attention is not None:
+        choice("attention", attention, ATTENTION_BACKENDS)
 
 
 def llama7b_shape(**overrides) -> Workload:
@@ -84,37 +130,62 @@ def llama7b_shape(**overrides) -> Workload:
 def predict_fits(
     workload: Workload | str,
     policies: Sequence[str],
-    capacities: Iterable[str | int] = tuple(f"{c}GiB" for c in CAPACITIES_GIB),
+    capacities: Iterable[str | int | Card] = DEFAULT_CARDS,
     seq_len: int = 2048,
     batch_size: int = 1,
     dtype: str = "bf16",
     optimizer: str = "adamw",
     max_batch: int = 1024,
     seq_lens: Optional[Sequence[int]] = None,
+    device: str = "cpu",
+    attention: Optional[str] = None,
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
     `batch_size`. The peak grows monotonically with batch and sequence, so the batch is found by
     doubling then bisection; each step is one `predict`. 0 means not even the smallest fits.
-    (`analysis.fits_from_run` answers the same question from a sweep's measured records.)"""
+    (`analysis.fits_from_run` answers the same question from a sweep's measured records.)
+
+    A capacity is a card (`rtx4090`, see `ckptlab.cards()`; `core.cards.parse_capacity` changes
+    its usable bytes, context or margin) or a size (24GiB). On a card the step is predicted for
+    that card (CUDA, with `attention` as in `predict`) and fits when its device bytes plus the
+    card's margin are at most its usable bytes. A size is compared with the peak on `device`
+    "cpu", with the reserved bytes on "cuda". `batch_margin_bytes` / `seq_margin_bytes` are the
+    bytes left at the largest batch / sequence (None where nothing fits); `basis` says what the
+    row is predicted for."""
     workload = as_workload(workload)
-    caps = [(str(c), parse_bytes(c, "capacity")) for c in capacities]
+    caps = [parse_capacity(c, "capacities") for c in capacities]
+    choice("device", device, DEVICES)
     limit = workload.max_seq_len or 1 << 20
     seq_lens = list(seq_lens) if seq_lens else [2**k for k in range(7, 21) if 2**k <= limit]
     rows = []
     for pol in policies:
-        cache: dict[tuple[int, int], int] = {}
+        cache: dict[tuple, Prediction] = {}
 
-        def peak(b: int, s: int) -> int:
-            if (b, s) not in cache:
-                cache[(b, s)] = predict(workload, b, s, pol, dtype=dtype, optimizer=optimizer).peak_bytes
-            return cache[(b, s)]
+        def predicted(b: int, s: int, cap: Card) -> Prediction:
+            on = cap if cap.arch else None
+            if (b, s, on) not in cache:
+                cuda = on is not None or device == "cuda"
+                cache[(b, s, on)] = predict(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
+                                            device="cuda" if cuda else "cpu", card=on,
+                                            attention=attention if cuda else None)
+            return cache[(b, s, on)]
 
-        for cap_name, cap in caps:
-            rows.append({"model": workload.label, "policy": pol, "capacity": cap_name, "capacity_bytes": cap,
-                         "dtype": dtype, "seq_len": seq_len, "max_batch_size": _largest(lambda b: peak(b, seq_len) <= cap, max_batch),
-                         "batch_size": batch_size,
-                         "max_seq_len": max((s for s in seq_lens if peak(batch_size, s) <= cap), default=0)})
+        for cap in caps:
+            def held(b: int, s: int, cap=cap) -> int:
+                p = predicted(b, s, cap)
+                return p.device_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
+
+            best_batch = _largest(lambda b: fits(cap, held(b, seq_len)), max_batch)
+            best_seq = max((s for s in seq_lens if fits(cap, held(batch_size, s))), default=0)
+            on_device = "cuda" if cap.arch else device
+            rows.append({"model": workload.label, "policy": pol, "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
+                         "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
+                         "max_seq_len": best_seq,
+                         "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len)) if best_batch else None,
+                         "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq)) if best_seq else None,
+                         "device": on_device, "required_margin_bytes": cap.required_margin_bytes,
+                         "basis": f"predicted for {cap.label if cap.arch else on_device}"})
     return rows
 
 
@@ -137,5 +208,5 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-__all__ = ["CAPACITIES_GIB", "check_prediction", "llama7b_shape", "predict",
+__all__ = ["check_device", "check_prediction", "llama7b_shape", "predict",
            "predict_fits", "prediction_error"]

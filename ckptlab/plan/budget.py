@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import Policy, parse_policy, plan_policy
 from ..core.units import format_bytes, parse_bytes
-from ..estimate.fake_step import Prediction, fake_memory
+from ..estimate.fake_step import FakeMemory, Prediction, as_card, fake_memory
 from ..estimate.predict import check_prediction
 from ..estimate.predict import predict as predict_concrete
 from ..probe.measure import measure as measure_concrete
@@ -86,28 +86,36 @@ def resolve_budget(budget, none_peak: int) -> int:
 
 
 def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
-                optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4) -> Plan:
+                optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4, device: str = "cpu",
+                card=None, attention: str | None = None) -> Plan:
     """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
     `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
-    achievable peak, if no plan fits."""
+    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, as
+    `predict`) the plan is made and verified on the CUDA prediction's allocated peak."""
     workload = as_workload(workload)
-    profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost)
+    card = as_card(card)
+    on_device = {"device": device, "card": card, "attention": attention}
+    profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost, **on_device)
     budget_bytes = resolve_budget(budget, profile.peak["keep"])
     target = budget_bytes
+    if device == "cuda":  # the profile counts tensors; the workspaces and the allocator's rounding come on top
+        keep = fake_memory(workload, batch_size, seq_len, plan_policy(["keep"] * profile.n_blocks), dtype, optimizer,
+                           **on_device)
+        target -= _peak(keep) - keep.report.peak_bytes
     for iteration in range(1, max_iterations + 1):
         options = solve(profile, target)
         if options is None:
             lowest, lowest_plan = min_peak(profile)
-            verified = fake_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
-                               optimizer)[0].peak_bytes
+            verified = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
+                                         optimizer, **on_device))
             raise ValueError(
                 f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
                 f"{workload.label} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
                 f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
                 f"{plan_policy(lowest_plan).value}); allowed is a budget >= that"
             )
-        predicted = fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype,
-                            optimizer)[0].peak_bytes
+        predicted = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype,
+                                      optimizer, **on_device))
         if predicted <= budget_bytes:
             break
         target -= predicted - budget_bytes  # the model was optimistic: tighten and re-solve
@@ -122,6 +130,11 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
         full_peak_bytes=profile.peak["full"], cost_basis=profile.cost_basis, iterations=iteration,
         loss_fn=workload.loss_name,
     )
+
+
+def _peak(fake: FakeMemory) -> int:
+    """A fake step's peak as `predict` reports it: on CUDA, the allocator's allocated peak."""
+    return fake.device.allocated_bytes if fake.device is not None else fake.report.peak_bytes
 
 
 def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
@@ -152,15 +165,19 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
-            dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1) -> Prediction:
+            dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
+            card=None, attention: str | None = None) -> Prediction:
     """`ckptlab.estimate.predict.predict` for any policy: a `budget=` is first resolved to the plan
-    `plan_budget` chooses; the prediction names the budget as its policy and the plan in `plan`."""
-    workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
+    `plan_budget` chooses (on the same device); the prediction names the budget as its policy and
+    the plan in `plan`."""
+    on_device = {"device": device, "card": card, "attention": attention}
+    workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps,
+                                        **on_device)
     if policy.kind != "budget":
-        return predict_concrete(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps)
-    plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer)
+        return predict_concrete(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, **on_device)
+    plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer, **on_device)
     prediction = predict_concrete(workload, batch_size, seq_len, plan_policy(plan.options, policy.offload), dtype,
-                                  optimizer, accum_steps)
+                                  optimizer, accum_steps, **on_device)
     return dataclasses.replace(prediction, policy=str(policy), plan=plan.letters)
 
 

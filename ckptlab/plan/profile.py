@@ -75,11 +75,13 @@ class _Marker(torch.autograd.Function):
 
 
 def _memory_profile_run(workload: Workload, batch_size: int, seq_len: int, option: str, dtype: str,
-                        optimizer: str) -> dict:
-    """One instrumented fake training step with every block at `option`."""
+                        optimizer: str, device: dict) -> dict:
+    """One instrumented fake training step with every block at `option`; `device` holds
+    fake_training_step's device, card and attention."""
     n = len(_blocks_of(workload))
     policy = plan_policy([option] * n)
-    with fake_training_step(workload, batch_size, seq_len, policy, dtype, optimizer) as (model, handle, batch, opt, step):
+    with fake_training_step(workload, batch_size, seq_len, policy, dtype, optimizer, **device) as (
+            model, handle, batch, opt, step):
         blocks = handle.blocks
         marks = {"fwd_pre": [None] * n, "fwd_post": [None] * n, "bwd_start": [None] * n, "bwd_end": [None] * n}
         state = {}
@@ -280,18 +282,21 @@ _PROFILE_CACHE: dict = {}
 
 
 def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtype: str = "fp32",
-                   optimizer: str = "adamw", cost: str = "auto") -> Profile:
+                   optimizer: str = "adamw", cost: str = "auto", device: str = "cpu", card=None,
+                   attention: str | None = None) -> Profile:
     """The planner's per-block profile (module docstring). `cost`: measured (per-op wall
     time of a real forward, CPU), roofline (FLOPs and bytes of a fake forward, for shapes that do
-    not fit here) or auto (measured if the uniform keep peak is under 4 GiB). Cached per shape."""
+    not fit here) or auto (measured if the uniform keep peak is under 4 GiB). Cached per shape.
+    The memory is the fake step's on `device` ("cuda": on `card`, with `attention`: `predict`'s)."""
     workload = as_workload(workload)
     if cost not in ("auto", "measured", "roofline"):
         raise ValueError(f"cost={cost!r} is invalid: allowed are auto, measured, roofline")
-    key = (workload.identity, batch_size, seq_len, dtype, optimizer, cost)
+    on_device = {"device": device, "card": card, "attention": attention}
+    key = (workload.identity, batch_size, seq_len, dtype, optimizer, cost, device, getattr(card, "name", card), attention)
     if key in _PROFILE_CACHE:
         return _PROFILE_CACHE[key]
     t0 = time.perf_counter()
-    runs = {o: _memory_profile_run(workload, batch_size, seq_len, o, dtype, optimizer) for o in OPTIONS}
+    runs = {o: _memory_profile_run(workload, batch_size, seq_len, o, dtype, optimizer, on_device) for o in OPTIONS}
     if cost == "auto":
         cost = "measured" if runs["keep"]["peak"] < 4 * 2**30 else "roofline"
     costs = _cost_profile(workload, batch_size, seq_len, dtype, cost)

@@ -26,13 +26,14 @@ from typing import Optional
 import torch
 
 from ..core.children import child_environment, die_with_parent
+from ..core.optimizers import OPTIMIZERS
 from ..core.policy import parse_policy
 from ..core.records import new_record
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .step import DTYPES, OPTIMIZERS
+from .step import DTYPES
 from .timing import check_timing_options
 
 

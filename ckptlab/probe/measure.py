@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.compiled import apply_policy
+from ..core.optimizers import OPTIMIZERS
 from ..core.policy import HF_KINDS, parse_policy
 from ..core.records import CATEGORIES, new_record
 from ..core.units import parse_bytes
@@ -28,7 +29,7 @@ from ..workloads.base import Workload, base_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 from .memory import allocator_peak, cuda_allocator_stats, parameter_bytes, track_memory
-from .step import DTYPES, OPTIMIZERS, device_name, make_optimizer, resolve_device, training_step, with_dtype
+from .step import DTYPES, device_name, make_optimizer, resolve_device, training_step, with_dtype
 from .timing import check_timing_options, time_interleaved
 
 MAX_ROUNDS = 200   # a step timed alone: at most this many rounds, even if the interval stays wide
@@ -165,7 +166,7 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
     model.train()
     runner, compiled, handle = apply(model, record)
     batch = workload.batch(record["batch_size"], record["seq_len"], dev)
-    optimizer = make_optimizer(optimizer_name, model)
+    optimizer = make_optimizer(optimizer_name, model, dev.type)
     step = training_step(runner, workload, batch, optimizer, dtype, record["accum_steps"])
 
     torch.manual_seed(workload.seed)

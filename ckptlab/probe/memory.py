@@ -41,6 +41,10 @@ class MemoryReport:
     peak_block: int | None = None             # the block whose backward held the peak (None: not in one)
     block_calls_in_backward: int = 0          # block calls (module __call__) that ran during backward
     param_bytes: dict[str, int] = field(default_factory=dict)  # `parameter_bytes` of the model tracked
+    # With `trace=True`: every storage allocated and freed, in order, as (action, number, bytes),
+    # action "alloc" or "free", number the storage's own (`_Storage.allocation`). What existed
+    # before the region (parameters, gradients, optimizer state, inputs) comes first, as allocations.
+    trace: list[tuple[str, int, int]] | None = field(repr=False, default=None)
 
 
 @dataclass
@@ -56,10 +60,11 @@ class _Storage:
 
 
 class _Tracker(TorchDispatchMode):
-    def __init__(self, device: torch.device | None, detect_backward: bool = False):
+    def __init__(self, device: torch.device | None, detect_backward: bool = False, trace: bool = False):
         super().__init__()
         self.device = device
         self.detect_backward = detect_backward
+        self.trace: list[tuple[str, int, int]] | None = [] if trace else None
         self.live: dict[int, _Storage] = {}   # by storage key
         self.allocations = 0                  # storages seen so far, numbered in order
         self.peak_allocation = 0              # the number of the storage that set the peak
@@ -98,6 +103,8 @@ class _Tracker(TorchDispatchMode):
         self.allocations += 1
         in_block = self.block_depth > 0
         self.live[key] = _Storage(nbytes, category, self.phase, ref, self.allocations, in_block)
+        if self.trace is not None:
+            self.trace.append(("alloc", self.allocations, nbytes))
         self.by_category[category] += nbytes
         if in_block:
             self.in_blocks[category] += nbytes
@@ -152,6 +159,8 @@ class _Tracker(TorchDispatchMode):
             self.in_blocks[entry.category] -= entry.nbytes
         self.total -= entry.nbytes
         self.timeline.append((self.phase, self.total))
+        if self.trace is not None:
+            self.trace.append(("free", entry.allocation, entry.nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Autograd's engine runs every backward op inside a graph task: a loop ckptlab does not
@@ -191,6 +200,7 @@ class _Tracker(TorchDispatchMode):
             peak_block=self.peak_block,
             block_calls_in_backward=self.block_calls_in_backward,
             timeline=list(self.timeline),
+            trace=None if self.trace is None else list(self.trace),
         )
 
     # -- blocks -------------------------------------------------------------------------------
@@ -251,6 +261,7 @@ def track_memory(
     device: str | torch.device | None = None,
     detect_backward: bool = False,
     blocks: Sequence[nn.Module] = (),
+    trace: bool = False,
 ):
     """Track live tensor memory over a region (typically one training step).
 
@@ -263,11 +274,13 @@ def track_memory(
     `phase`). `blocks` (a model's repeated blocks) adds to the report what of the peak its
     blocks' forwards allocated and which block's backward held the peak. Optimizer state is
     labelled as such at the end, also in the peak's breakdown when the step created it.
+    `trace=True` also keeps every allocation and free in order (`MemoryReport.trace`), for an
+    allocator to replay; off, nothing is kept.
     """
     if device is None and model is not None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else None
-    tracker = _Tracker(torch.device(device) if device is not None else None, detect_backward)
+    tracker = _Tracker(torch.device(device) if device is not None else None, detect_backward, trace)
     params = list(model.parameters()) if model is not None else []
     for p in params:
         tracker.track(p, "parameters" if p.requires_grad else "frozen_parameters")

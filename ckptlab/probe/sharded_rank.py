@@ -115,7 +115,7 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     out.update(n_blocks=handle.n_blocks, block_stacks=handle.stacks_found, effective_density=handle.effective_density,
                checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)))
     batch = rank_batch(workload, spec["batch_size"], spec["seq_len"], rank, world, dev)
-    optimizer = make_optimizer(spec["optimizer"], model)
+    optimizer = make_optimizer(spec["optimizer"], model, dev.type)
     step = training_step(model, workload, batch, optimizer, spec["dtype"], spec["accum_steps"])
     torch.manual_seed(workload.seed + rank)
     step()   # warm-up: optimizer state exists

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import platform
 
 import torch
 
+from ..core.optimizers import implementation_options
 from ..workloads.base import Workload
 
 # name -> autocast dtype (None: no autocast). bf16 is mixed precision: fp32 weights, matmuls in bf16
@@ -27,22 +29,24 @@ def with_dtype(workload: Workload, dtype: str) -> Workload:
     return dataclasses.replace(workload, weights_dtype=weights)
 
 
-OPTIMIZERS = ("adamw", "sgd", "none")
-
-
-def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", accum_steps: int = 1):
+def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", accum_steps: int = 1,
+                  autocast=None):
     """A closure running one forward + backward [+ optimizer step]; pass it a tracker to mark
     phases. Gradients are set to None at the end, as a training loop does between steps.
     With accum_steps > 1 the forward + backward runs that many times on the micro-batch
-    (gradients accumulate, loss scaled by 1/accum_steps) before the one optimizer step."""
+    (gradients accumulate, loss scaled by 1/accum_steps) before the one optimizer step.
+    `autocast(dtype)` makes the context a mixed-precision forward runs in (default:
+    `torch.autocast` on the batch's device); a prediction for CUDA passes CUDA's emulation."""
     autocast_dtype = DTYPES[dtype]
     device_type = batch[0].device.type
+    if autocast is None:
+        autocast = functools.partial(torch.autocast, device_type)
 
     def step(tracker=None):
         for micro in range(accum_steps):
             if tracker is not None and micro:
                 tracker.phase("forward")
-            ctx = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+            ctx = autocast(dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
             with ctx:
                 loss = workload.loss(model, batch)
             if tracker is not None:
@@ -58,12 +62,16 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
     return step
 
 
-def make_optimizer(name: str, model: torch.nn.Module):
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4)
+def make_optimizer(name: str, model: torch.nn.Module, device_type: str = "cpu"):
+    """Optimizer `name` (`core.optimizers.OPTIMIZERS`) over the model's parameters, running the
+    implementation that name means on `device_type` (the parameters' own device, or the one a
+    prediction stands for); None for "none"."""
+    if name == "none":
+        return None
+    options = implementation_options(name, device_type)
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-3)
-    return None
+        return torch.optim.SGD(model.parameters(), lr=1e-3, **options)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, **options)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -96,5 +104,5 @@ def device_name(dev: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-__all__ = ["DTYPES", "DTYPE_HELP", "OPTIMIZERS", "WEIGHT_DTYPES", "device_name", "make_optimizer", "resolve_device",
+__all__ = ["DTYPES", "DTYPE_HELP", "WEIGHT_DTYPES", "device_name", "make_optimizer", "resolve_device",
            "training_step", "with_dtype"]

@@ -4,8 +4,9 @@ returns a new DataFrame and leaves its input alone.
     overhead(df)        step time and memory against the no-checkpointing baseline (density 0)
     pareto(df)          which configurations are on the (peak memory, step time) frontier
     fits_from_run(df)   the largest batch (or seq) per policy that fits a memory limit, from the
-                        run's records: measured for the run's limit, extrapolated for 24/40/80/141
-                        GiB cards from a linear fit (`ckptlab.predict_fits` answers by prediction)
+                        run's records: measured for the run's limit, extrapolated for the RTX 4090,
+                        A100-40, H100-80 and H200 from a linear fit (`ckptlab.predict_fits` answers
+                        by prediction)
     summary(df)         the best configuration per memory limit: measured for the run's limit,
                         from fits_from_run's extrapolation for the card sizes
 """
@@ -19,8 +20,9 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from ..core.cards import card_budgets
 from ..core.policy import Policy, parse_policy, policy_label
-from ..core.units import CARD_LIMITS, format_bytes
+from ..core.units import format_bytes
 from ..estimate.closed_form import closed_form
 from ..estimate.predict import prediction_error
 from ..plan.budget import predict
@@ -112,7 +114,8 @@ def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "
 
     kind="measured": the largest measured value with status ok and fits, for the run's own
     memory limit (one row per group; only if the run had a limit).
-    kind="extrapolated": for each of `limits` (default 24/40/80/141 GiB), from a least-squares
+    kind="extrapolated": for each of `limits` ({label: bytes}; default `card_budgets()`: per card of
+    `DEFAULT_CARDS`, its usable bytes less context and margin), from a least-squares
     line peak_bytes = intercept + slope * axis through the ok cells (needs 2+ distinct values).
     `fit_points` says how many cells the line went through; `fit_rms_residual_bytes` and
     `fit_max_rel_residual` say how straight it was, and are measured only from 3 points on (a
@@ -126,7 +129,7 @@ def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "
         raise ValueError(f"axis={axis!r} is invalid: allowed are batch_size, seq_len")
     other = "seq_len" if axis == "batch_size" else "batch_size"
     keys = ["model", "policy", other, "dtype", "accum_steps"]
-    limits = CARD_LIMITS if limits is None else limits
+    limits = card_budgets() if limits is None else limits
     out = []
     measured = df[df["status"].isin(["ok", "oom"])]
     for key, g in measured.groupby(keys, dropna=False):
@@ -303,8 +306,8 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
 
     The run's own limit (or "no limit"): basis "measured", the highest tokens/s among ok cells
     whose measured peak fits.
-    Each card size (default 24/40/80/141 GiB): from `fits_from_run`'s extrapolation, the same lines
-    its figure draws — the configuration that fits the largest effective batch (batch x
+    Each card (default `card_budgets()`: rtx4090, a100-40, h100-80, h200): from `fits_from_run`'s
+    extrapolation, the same lines its figure draws — the configuration that fits the largest effective batch (batch x
     accumulation) at the longest sequence with a fit; ties go to the higher measured tokens/s.
     `batch_size` is then the extrapolated batch and `peak_bytes` the line's value there; its step
     time and tokens/s were not measured and are left empty. Where no policy has a fit, the row
@@ -320,7 +323,7 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
         out = [{"limit": label, "basis": "measured", **{k: best.get(k) for k in SUMMARY_COLUMNS}}]
     else:
         out = [{"limit": label, "basis": "measured: nothing fits", "policy": None}]
-    cards = CARD_LIMITS if limits is None else limits
+    cards = card_budgets() if limits is None else limits
     fits = fits_from_run(df, cards) if len(rows) else pd.DataFrame()
     lines = fits[fits["kind"] == "extrapolated"] if len(fits) else fits
     for card in cards:

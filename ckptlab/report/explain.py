@@ -11,8 +11,12 @@ the same fake step with that one change. Two levers are not fake steps:
   divided by N, its activations and temporaries as they are (each rank keeps its own batch of
   `batch_size`), plus the largest unit's parameters gathered at once, the units being those
   `measure_sharded` makes (one per block, the rest of the model as the root);
-  offload moves saved activations to host memory only on CUDA; the fake step runs on the CPU,
-  where it is a no-op, so it is listed but not predicted.
+  offload moves saved activations to host memory only on CUDA, so on the CPU it is listed but
+  not predicted.
+
+With `device="cuda"` every prediction is the CUDA one (`predict(device="cuda")`), and on a card
+(`card=`, or a card's name as `capacity`) every number is the card's device bytes (reserved +
+context) and the capacity is the card's usable bytes minus a margin: "predicted for <card>".
 
 The waterfall (`Explanation.steps`) applies the levers one after another, the most effective
 first, each step a prediction of every change so far, until the peak fits the capacity.
@@ -31,10 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..core.cards import parse_capacity
+from ..core.optimizers import implementation
 from ..core.policy import plan_policy
-from ..core.units import format_bytes, parse_bytes
+from ..core.units import format_bytes
 from ..core.validate import integer
-from ..estimate.fake_step import Prediction
+from ..estimate.fake_step import DEVICE_CATEGORIES, Prediction, as_card
 from ..estimate.predict import check_prediction, prediction_error
 from ..plan.budget import measure as measure_step
 from ..plan.budget import plan_budget, predict
@@ -93,7 +99,12 @@ class Explanation:
     cause_kind: str                       # one of CAUSES
     levers: list = field(default_factory=list)      # Lever, sorted by predicted peak
     steps: list = field(default_factory=list)       # Lever: the waterfall, today's peak first
-    capacity_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None  # what the levers' sizes may reach: a size, or a card's usable bytes less its margin
+    capacity_card: str = ""               # the card every size is predicted for, in words ("": none)
+    device: str = "cpu"
+    card: Optional[str] = None            # its name
+    device_bytes: Optional[int] = None    # on a card: reserved + context, what the levers' sizes are
+    margin_bytes: Optional[int] = None    # on a card: its usable bytes less the step's device bytes
     ranks: int = 8                        # the FSDP2 lever's world size
     recompute_count: int = 0              # block forwards the policy ran again in backward
     measured_peak_bytes: Optional[int] = None
@@ -117,13 +128,20 @@ class Explanation:
         where = _where(self.peak_phase, self.peak_block)
         lines = [f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, {self.optimizer}): "
                  f"peak {format_bytes(self.peak_bytes)} {where}"]
+        if self.card is not None:
+            lines[0] += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
+                         f"predicted for {self.capacity_card} (the floor and levers below in its device bytes)")
+        elif self.device == "cuda":
+            lines[0] += " (allocated, predicted for CUDA)"
         if self.measured_peak_bytes is not None or self.measured_note:
             lines.append(f"  measured here: {format_bytes(self.measured_peak_bytes)} {self.measured_note}".rstrip())
         lines.append("  at the peak: " + ", ".join(f"{name.replace('_', ' ')} {format_bytes(b[name])}"
-                                                    for name in BREAKDOWN))
+                                                    for name in b))
         lines.append(f"  cause: {self.cause}")
         lines.append(f"  checkpoint floor: {format_bytes(self.checkpoint_floor_bytes)} ({self.checkpoint_floor_policy})")
         cap = f", capacity {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
+        if self.capacity_card:
+            cap += f": {self.capacity_card} less its margin"
         lines.append(f"  levers (one change each{cap}):")
         for lever in self.levers:
             peak = format_bytes(lever.predicted_peak_bytes) if lever.predicted_peak_bytes is not None else "-"
@@ -141,37 +159,52 @@ class Explanation:
 # --------------------------------------------------------------------------- the explanation
 
 def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none", *, dtype: str = "fp32",
-            optimizer: str = "adamw", capacity=None, measure: bool = False, ranks: int = 8) -> Explanation:
+            optimizer: str = "adamw", capacity=None, measure: bool = False, ranks: int = 8, device: str = "cpu",
+            card=None, attention: Optional[str] = None) -> Explanation:
     """Why the peak of one training step is what it is, and what each lever would make it.
 
     Everything comes from predictions (fake tensors), so any shape works on a laptop;
     `measure=True` also measures the step here and puts its peak beside the prediction.
-    `capacity` (24GiB, or bytes) adds a plan that fits it and stops the waterfall there; `ranks`
-    is the world size of the FSDP2 lever. Bad input raises ValueError before any work."""
+    `capacity` (24GiB, bytes, or a card: its name or a `parse_capacity` Card) adds a plan that fits
+    it and stops the waterfall there; `ranks` is the world size of the FSDP2 lever. `device`,
+    `card` and `attention` are `predict`'s: on a card (or a card as capacity) every number is
+    predicted for that card, its device bytes, and the capacity is its usable bytes less its
+    margin. Bad input raises ValueError before any work."""
     t0 = time.perf_counter()
-    workload, parsed = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer)
-    capacity_bytes = parse_bytes(capacity, "capacity")
+    limit = parse_capacity(capacity) if capacity is not None else None
+    on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
+    device = "cuda" if on_card is not None else device
+    workload, parsed = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, 1, device, on_card,
+                                        attention)
+    if limit is None or limit.arch:   # on a card: what its device bytes may reach
+        limit = on_card
+    capacity_bytes = limit.usable_bytes - limit.required_margin_bytes if limit is not None else None
+    on = {"device": device, "card": on_card, "attention": attention}
     integer("ranks", ranks, 2)
-    base = predict(workload, batch_size, seq_len, parsed, dtype, optimizer)
+    if measure and device != "cpu":
+        raise ValueError(f"measure=True is invalid with device={device!r}: the step is measured here, on the CPU; "
+                         "allowed is measure=False for a prediction for CUDA")
+    base = predict(workload, batch_size, seq_len, parsed, dtype, optimizer, device=device, card=on_card,
+                   attention=attention)
     applied = f"plan={base.plan}" if base.plan else str(parsed)
     breakdown = peak_breakdown(base)
 
-    levers = policy_levers(workload, base, applied)
-    floor_lever = floor_plan_lever(workload, base, levers) if base.n_blocks else None
+    levers = policy_levers(workload, base, applied, on)
+    floor_lever = floor_plan_lever(workload, base, levers, on) if base.n_blocks else None
     if floor_lever is not None:
         levers.append(floor_lever)
     if capacity_bytes is not None and base.n_blocks:
-        levers.append(capacity_plan_lever(workload, base, capacity_bytes))
+        levers.append(capacity_plan_lever(workload, base, capacity_bytes, on))
     checkpoint_peaks = [(lv.predicted_peak_bytes, lv.policy) for lv in levers
                         if lv.policy and lv.policy != "none" and lv.predicted_peak_bytes is not None]
     if parsed.kind != "none":
-        checkpoint_peaks.append((base.peak_bytes, applied))
+        checkpoint_peaks.append((held(base), applied))
     # Ties go to the step's own policy: it already reaches that peak.
-    floor, floor_policy = min(checkpoint_peaks, default=(base.peak_bytes, "none: the model has no blocks to checkpoint"),
+    floor, floor_policy = min(checkpoint_peaks, default=(held(base), "none: the model has no blocks to checkpoint"),
                               key=lambda x: (x[0], x[1] != applied))
 
     kind, cause = diagnose(base, breakdown, floor, floor_policy, parsed)
-    levers += other_levers(workload, base, applied, kind, breakdown, capacity_bytes, ranks)
+    levers += other_levers(workload, base, applied, kind, breakdown, capacity_bytes, ranks, on)
     levers.sort(key=lambda lv: (lv.predicted_peak_bytes is None, lv.predicted_peak_bytes or 0, lv.name))
 
     explanation = Explanation(
@@ -179,9 +212,11 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
         optimizer=optimizer, n_blocks=base.n_blocks, peak_bytes=base.peak_bytes, peak_phase=base.peak_phase,
         peak_block=base.peak_block, breakdown=breakdown, checkpoint_floor_bytes=floor,
         checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
-        capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count,
+        capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count, device=device,
+        card=base.card, capacity_card=on_card.describe() if on_card else "", device_bytes=base.device_bytes,
+        margin_bytes=base.margin_bytes,
     )
-    explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks)
+    explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on)
     if measure:
         record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, optimizer=optimizer, steps=1,
                               warmup=0, max_seconds=0.5)
@@ -195,14 +230,21 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     return explanation
 
 
+def held(pred: Prediction) -> int:
+    """What a prediction holds of the device it is for: a card's device bytes, else the peak."""
+    return pred.device_bytes if pred.card is not None else pred.peak_bytes
+
+
 def peak_breakdown(pred: Prediction) -> dict:
     """The prediction's categories at the peak, activations split into those the blocks' forwards
-    allocated and the rest (embeddings, logits, loss)."""
+    allocated and the rest (embeddings, logits, loss); on CUDA the allocator's own after them."""
     by = pred.peak_by_category
     in_blocks = pred.peak_in_blocks_by_category.get("activations", 0)
-    return {"parameters": by["parameters"], "frozen_parameters": by.get("frozen_parameters", 0), "gradients": by["gradients"],
-            "optimizer_state": by["optimizer_state"], "activations_in_blocks": in_blocks,
-            "activations_outside_blocks": by["activations"] - in_blocks, "temporaries": by["temporaries"]}
+    breakdown = {"parameters": by["parameters"], "frozen_parameters": by.get("frozen_parameters", 0),
+                 "gradients": by["gradients"], "optimizer_state": by["optimizer_state"],
+                 "activations_in_blocks": in_blocks, "activations_outside_blocks": by["activations"] - in_blocks,
+                 "temporaries": by["temporaries"]}
+    return breakdown | {c: by[c] for c in DEVICE_CATEGORIES if c in by}   # CUDA: workspaces, rounding, fragmentation
 
 
 def _where(phase: str, block: Optional[int]) -> str:
@@ -252,7 +294,7 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
             f"{f(blocks)} in them, {where}. Checkpointing the blocks lowers it only to {f(floor)} ({floor_policy}); "
             f"a chunked loss or a smaller micro-batch shrinks the logits.")
     if blocks >= static:
-        reach = (f"{floor_policy} brings the peak to {f(floor)}" if floor < pred.peak_bytes else
+        reach = (f"{floor_policy} brings the peak to {f(floor)}" if floor < held(pred) else
                  f"{policy} already reaches the lowest peak checkpointing gets to, so only other levers can go below it")
         return "blocks", (
             f"Block activations hold the peak: {f(blocks)} of {f(pred.peak_bytes)}, {where}. Checkpointing is the "
@@ -265,7 +307,7 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
 
 # --------------------------------------------------------------------------- levers
 
-def policy_levers(workload: Workload, base: Prediction, applied: str) -> list[Lever]:
+def policy_levers(workload: Workload, base: Prediction, applied: str, on: dict) -> list[Lever]:
     """Each checkpoint policy of POLICY_LEVERS other than the step's own, predicted."""
     if not base.n_blocks:
         return []
@@ -274,7 +316,8 @@ def policy_levers(workload: Workload, base: Prediction, applied: str) -> list[Le
         if policy == applied:
             continue
         try:
-            peak = predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer).peak_bytes
+            peak = held(predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer,
+                                **on))
         except (ValueError, RuntimeError) as exc:   # a policy this model cannot take (segments out of order)
             levers.append(Lever(f"policy {policy}", None, policy, f"not predicted: {exc}", "not predicted"))
             continue
@@ -282,65 +325,76 @@ def policy_levers(workload: Workload, base: Prediction, applied: str) -> list[Le
     return levers
 
 
-def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever]) -> Lever:
+def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever], on: dict) -> Lever:
     """The plan of keep/selective/full per block with the lowest peak (the planner's `min_peak`),
     its peak predicted by a fake run of that plan (or taken from `full`'s lever when it is full
     everywhere: the same model)."""
-    profile = profile_blocks(workload, base.batch_size, base.seq_len, base.dtype, base.optimizer, PLAN_COST)
+    profile = profile_blocks(workload, base.batch_size, base.seq_len, base.dtype, base.optimizer, PLAN_COST,
+                             **on)
     _, options = min_peak(profile)
     policy = str(plan_policy(options))
     full = next((lv.predicted_peak_bytes for lv in levers if lv.policy == "full"), None)
     if set(options) == {"full"} and full is not None:
         peak = full
     else:
-        peak = predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer).peak_bytes
+        peak = held(predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer,
+                            **on))
     return Lever("plan with the lowest peak", peak, policy,
                  f"{options.count('full')} full, {options.count('selective')} selective, "
                  f"{options.count('keep')} kept blocks: the planner's lowest peak")
 
 
-def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int) -> Lever:
-    """The least-recompute plan that fits `capacity` (`plan_budget`), or why none does."""
+def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int, on: dict) -> Lever:
+    """The least-recompute plan that fits `capacity` (`plan_budget`), or why none does. On a card
+    the plan's budget is in allocated bytes: the capacity less what the step holds beyond them
+    (the context, and the fragmentation of today's step); the plan's device bytes are predicted."""
+    budget = capacity - (held(base) - base.peak_bytes)
     try:
-        plan = plan_budget(workload, base.batch_size, base.seq_len, capacity, base.dtype, base.optimizer, cost=PLAN_COST)
+        plan = plan_budget(workload, base.batch_size, base.seq_len, budget, base.dtype, base.optimizer, cost=PLAN_COST,
+                           **on)
     except ValueError as exc:
         return Lever(f"plan at {format_bytes(capacity)}", None, None, f"no plan fits: {exc}", "not predicted")
-    return Lever(f"plan at {format_bytes(capacity)}", plan.predicted_peak_bytes, f"plan={plan.letters}",
+    peak = plan.predicted_peak_bytes
+    if base.card is not None:
+        peak = held(predict(workload, base.batch_size, base.seq_len, f"plan={plan.letters}", base.dtype,
+                            base.optimizer, **on))
+    return Lever(f"plan at {format_bytes(capacity)}", peak, f"plan={plan.letters}",
                  f"recompute {plan.recompute_ms:.2f} ms/step against {plan.full_recompute_ms:.2f} ms for full "
                  f"({plan.cost_basis}: an assumed accelerator's FLOPs and bandwidth)")
 
 
 def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, breakdown: dict,
-                 capacity: Optional[int], ranks: int) -> list[Lever]:
+                 capacity: Optional[int], ranks: int, on: dict) -> list[Lever]:
     """The levers beyond checkpointing: bf16, micro-batches, a chunked loss, the optimizer, FSDP2, offload."""
     b, s, dtype, opt = base.batch_size, base.seq_len, base.dtype, base.optimizer
     levers = []
     if dtype == "fp32":
-        peak = predict(workload, b, s, applied, "bf16", opt).peak_bytes
+        peak = held(predict(workload, b, s, applied, "bf16", opt, **on))
         levers.append(Lever("bf16 autocast", peak, None, "matmuls in bf16: activations halve, weights stay fp32 "
                             "(autocast keeps bf16 copies of them in the step)"))
     levers.append(_predicted_variant("bf16 weights", bf16_weights(workload), base, applied,
                                      "weights, gradients and optimizer state in bf16: no fp32 master copy, so "
-                                     "small updates round away without a compensated optimizer"))
+                                     "small updates round away without a compensated optimizer", on))
     if b > 1:
-        levers.append(micro_batch_lever(workload, base, applied, capacity))
+        levers.append(micro_batch_lever(workload, base, applied, capacity, on))
     if kind == "logits":
         if isinstance(workload.config, GPTConfig):
             levers.append(_predicted_variant(f"chunked loss ({LOSS_CHUNKS} chunks)", chunked_loss(workload), base, applied,
                                              "the head and loss run per chunk of tokens under checkpoint: the "
-                                             "head's matmul runs twice"))
+                                             "head's matmul runs twice", on))
         else:
             levers.append(Lever("chunked loss", None, None, "not predicted: ckptlab chunks the loss of its GPT "
                                 "workloads; compute this model's head and loss per chunk of tokens under "
                                 "checkpoint", "not predicted"))
-    if opt == "adamw" and (base.peak_phase == "optimizer" or
-                           breakdown["optimizer_state"] == max(breakdown.values())):
-        peak = predict(workload, b, s, applied, dtype, "sgd").peak_bytes
+    if opt.startswith("adamw") and (base.peak_phase == "optimizer" or
+                                    breakdown["optimizer_state"] == max(breakdown.values())):
+        peak = held(predict(workload, b, s, applied, dtype, "sgd", **on))
         levers.append(Lever("SGD", peak, None, "no optimizer state (plain SGD): another training algorithm"))
-        levers.append(Lever("AdamW without foreach", None, None,
-                            "CUDA only: the fake step already runs AdamW's for-loop step, PyTorch's choice for "
-                            "CPU tensors; on CUDA the default foreach step holds about one more copy of the "
-                            "parameters while it runs: AdamW(foreach=False) avoids it", "not predicted"))
+        if implementation(opt, base.device) != "fused":
+            peak = held(predict(workload, b, s, applied, dtype, "adamw-fused", **on))
+            levers.append(Lever("AdamW fused", peak, None,
+                                f"AdamW(fused=True): one kernel per step, without the {implementation(opt, base.device)} "
+                                "implementation's temporaries (the same update)"))
     levers.append(Lever(f"FSDP2 over {ranks} ranks", fsdp_peak(base, fsdp_units(workload), ranks), None,
                         f"{ranks} processes each hold 1/{ranks} of weights, gradients and optimizer state and "
                         "gather one unit at a time: all-gathers and reduce-scatters every step", "modelled"))
@@ -351,25 +405,26 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
     return levers
 
 
-def _predicted_variant(name: str, variant: Workload, base: Prediction, applied: str, cost: str) -> Lever:
+def _predicted_variant(name: str, variant: Workload, base: Prediction, applied: str, cost: str, on: dict) -> Lever:
     try:
-        peak = predict(variant, base.batch_size, base.seq_len, applied, base.dtype, base.optimizer).peak_bytes
+        peak = held(predict(variant, base.batch_size, base.seq_len, applied, base.dtype, base.optimizer,
+                            **on))
     except (ValueError, RuntimeError) as exc:   # a model whose code assumes fp32 tensors
         return Lever(name, None, None, f"not predicted: {type(exc).__name__}: {exc}", "not predicted")
     return Lever(name, peak, None, cost)
 
 
-def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capacity: Optional[int]) -> Lever:
+def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capacity: Optional[int], on: dict) -> Lever:
     """The largest micro-batch below `batch_size` that divides it (keeping the effective batch by
     accumulation) and fits `capacity`; without a capacity, the largest one."""
     b = base.batch_size
     pred = None
     for micro in [d for d in range(b - 1, 0, -1) if b % d == 0]:
-        pred = predict(workload, micro, base.seq_len, applied, base.dtype, base.optimizer, b // micro)
-        if capacity is None or pred.peak_bytes <= capacity:
+        pred = predict(workload, micro, base.seq_len, applied, base.dtype, base.optimizer, b // micro, **on)
+        if capacity is None or held(pred) <= capacity:
             break
     steps = b // pred.batch_size
-    return Lever(f"micro-batch {pred.batch_size} x {steps} accumulation steps", pred.peak_bytes, None,
+    return Lever(f"micro-batch {pred.batch_size} x {steps} accumulation steps", held(pred), None,
                  f"{steps} forward and backward passes per optimizer step: the same tokens, less parallelism per pass")
 
 
@@ -432,28 +487,29 @@ def fsdp_units(workload: Workload) -> list[int]:
 
 
 def fsdp_peak(pred: Prediction, units: list[int], ranks: int) -> int:
-    """The per-rank peak of FSDP2 over `ranks` ranks, modelled (module docstring)."""
+    """The per-rank peak of FSDP2 over `ranks` ranks, modelled (module docstring); on a card, in
+    its device bytes."""
     by = pred.peak_by_category
     sharded = by["parameters"] + by["gradients"] + by["optimizer_state"]
-    return pred.peak_bytes - sharded + math.ceil(sharded / ranks) + max(units)
+    return held(pred) - sharded + math.ceil(sharded / ranks) + max(units)
 
 
 # --------------------------------------------------------------------------- waterfall
 
 def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[Lever], capacity: Optional[int],
-              ranks: int) -> list[Lever]:
+              ranks: int, on: dict) -> list[Lever]:
     """Today's peak, then one lever after another, each step a prediction of every change so far:
     the best checkpoint lever, bf16, the micro-batch, the chunked loss, bf16 weights, SGD -- those
     that lower the peak on their own, the most effective first, each kept only if it lowers the
     peak further -- then FSDP2 (modelled on the last step). Stops once the peak fits `capacity`."""
-    steps = [Lever("today", base.peak_bytes, applied, "")]
+    steps = [Lever("today", held(base), applied, "")]
     setting = {"workload": workload, "batch": base.batch_size, "accum": 1, "policy": applied, "dtype": base.dtype,
                "optimizer": base.optimizer}
     # One lever of each kind, the lowest peak's (levers are sorted by peak) or, for checkpointing,
     # the plan that fits the capacity (it recomputes least); the most effective first.
     chosen: dict = {}
     for lever in levers:
-        if lever.basis != "predicted" or lever.predicted_peak_bytes >= base.peak_bytes:
+        if lever.basis != "predicted" or lever.predicted_peak_bytes >= held(base):
             continue
         kind, update = _change(lever)
         if kind not in chosen or lever.name.startswith("plan at"):
@@ -462,16 +518,16 @@ def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[L
                      key=lambda c: c[2].predicted_peak_bytes)
     last = base
     for kind, update, lever in changes:
-        if capacity is not None and last.peak_bytes <= capacity:
+        if capacity is not None and held(last) <= capacity:
             break
         tried = update(dict(setting))
         pred = predict(tried["workload"], tried["batch"], base.seq_len, tried["policy"], tried["dtype"],
-                       tried["optimizer"], tried["accum"])
-        if pred.peak_bytes >= last.peak_bytes:   # no lower together with the changes before it
+                       tried["optimizer"], tried["accum"], **on)
+        if held(pred) >= held(last):   # no lower together with the changes before it
             continue
         setting, last = tried, pred
-        steps.append(Lever(lever.name, last.peak_bytes, setting["policy"] if kind == "checkpoint" else None, lever.cost))
-    if capacity is None or last.peak_bytes > capacity:
+        steps.append(Lever(lever.name, held(last), setting["policy"] if kind == "checkpoint" else None, lever.cost))
+    if capacity is None or held(last) > capacity:
         peak = fsdp_peak(last, fsdp_units(setting["workload"]), ranks)
         steps.append(Lever(f"FSDP2 over {ranks} ranks", peak, None, "", "modelled"))
     return steps
@@ -490,6 +546,8 @@ def _change(lever: Lever):
         return "loss", lambda s: {**s, "workload": chunked_loss(s["workload"])}
     if name == "SGD":
         return "optimizer", lambda s: {**s, "optimizer": "sgd"}
+    if name == "AdamW fused":
+        return "optimizer", lambda s: {**s, "optimizer": "adamw-fused"}
     micro = int(name.split()[1])   # micro-batch M x K accumulation steps
     return "micro", lambda s: {**s, "batch": micro, "accum": s["batch"] * s["accum"] // micro}
 

@@ -310,9 +310,9 @@ def what_fits_plot(df: pd.DataFrame, path=None, seq_len: Optional[int] = None, d
         ax.set_yscale("log", base=2)
     else:  # one batch size per policy and no run limit: the legend says why there is nothing to draw
         _empty(fig, ax, "no limit to compare with: see the legend")
+    kinds = bars.drop_duplicates("limit").set_index("limit")["kind"]
     ax.set_xticks(np.arange(len(limits)) + width * (len(policies) - 1) / 2,
-                  [f"{lim}\n{'extrapolated' if lim in analysis.CARD_LIMITS else 'measured'}" for lim in limits],
-                  fontsize=8)
+                  [f"{lim}\n{kinds[lim]}" for lim in limits], fontsize=8)
     ax.set(ylabel="largest batch that fits (log2)", title=f"what fits: seq {seq_len}, {dtype}, accum {accum_steps}")
     ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(alpha=0.3, axis="y")

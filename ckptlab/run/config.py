@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..core.optimizers import OPTIMIZERS
 from ..core.parsing import yaml_mapping
 from ..core.policy import parse_policy
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer, integer_list, no_credential, non_empty, number, output_folder
 from ..probe.measure import check_policy_applies
-from ..probe.step import DTYPES, OPTIMIZERS, resolve_device
+from ..probe.step import DTYPES, resolve_device
 from ..probe.timing import check_timing_options
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
@@ -77,7 +78,8 @@ class SweepConfig:
     """A memory limit such as 2GiB (emulated on CPU); a cell above it is recorded as oom.
     Stored in bytes."""
     optimizer: str = option("adamw", "--optimizer")
-    """adamw, sgd or none: its state counts in the peak."""
+    """adamw (torch's pick on the device: foreach on CUDA, the for-loop on CPU), adamw-foreach,
+    adamw-fused, adamw-forloop, sgd or none: its state and temporaries count in the peak."""
     seed: int = option(0, "--seed")
     """Seed of the model's weights and of the batches."""
     nproc: int = option(1, "--nproc")

@@ -4,7 +4,7 @@
 (`<spec>+lora=R`), per policy and sequence length, memory by category: frozen weights, trainable
 weights, their gradients and optimizer state, activations. `lora_fits` predicts (fake tensors,
 nothing allocated) a LoRA fine-tune's peak per policy and sequence length, and which of them
-fit each capacity.
+fit each capacity (a card such as rtx4090, or a size).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Sequence
 
 import pandas as pd
 
+from ..core.cards import fits, margin_left, parse_capacity
 from ..core.records import CATEGORIES
-from ..core.units import parse_bytes
 from ..core.validate import integer
 from ..estimate.predict import predict
 from ..plan.budget import measure
@@ -39,14 +39,17 @@ def lora_vs_full(model: str, rank: int, seq_lens: Sequence[int], batch_size: int
     return pd.DataFrame(rows)
 
 
-def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequence[str] = ("24GiB",),
+def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequence[str] = ("rtx4090",),
               policies: Sequence[str] = ("none", "full"), batch_size: int = 1,
               dtype: str = "bf16-weights") -> pd.DataFrame:
-    """Predicted peak of `model`'s LoRA fine-tune per (policy, sequence length), by category, and
-    `fits_<capacity>`: whether it fits that card. Predictions: exact on CPU against `measure`;
-    on a GPU, attention kernels differ (see the design's note on what a fake step cannot know)."""
+    """Predicted peak of `model`'s LoRA fine-tune per (policy, sequence length), by category (the
+    CPU prediction, exact against `measure` on a CPU), and per capacity `fits_<capacity>`: on a
+    card, whether the step predicted for that card (`predict(device="cuda", card=...)`) fits it
+    (`core.cards.fits`: device bytes plus the card's margin within its usable bytes), with
+    `device_<card>_bytes` and `margin_<card>_bytes` (its usable bytes left); on a size, whether
+    the CPU peak does."""
     spec = f"{model}+lora={rank}"
-    caps = {str(c): parse_bytes(c, "capacity") for c in capacities}
+    caps = [parse_capacity(c, "capacities") for c in capacities]
     rows = []
     for policy in policies:
         for seq_len in seq_lens:
@@ -54,7 +57,12 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
             row = {"model": spec, "policy": policy, "seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
                    "predicted_peak_bytes": p.peak_bytes,
                    **{f"predicted_peak_{c}_bytes": p.peak_by_category.get(c, 0) for c in CATEGORIES}}
-            row.update({f"fits_{name}": p.peak_bytes <= cap for name, cap in caps.items()})
+            for cap in caps:
+                held = p.peak_bytes
+                if cap.arch:
+                    held = predict(spec, batch_size, seq_len, policy, dtype=dtype, device="cuda", card=cap).device_bytes
+                    row.update({f"device_{cap.name}_bytes": held, f"margin_{cap.name}_bytes": margin_left(cap, held)})
+                row[f"fits_{cap.name}"] = fits(cap, held)
             rows.append(row)
     return pd.DataFrame(rows)
 

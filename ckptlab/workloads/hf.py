@@ -66,7 +66,7 @@ LLAMA_3_2_1B = dict(
                          low_freq_factor=1.0, original_max_position_embeddings=8192),
 )
 # Llama-2-7B's shape with positions for 32k tokens (as long-context fine-tunes extend it): what
-# "a 7B model with LoRA on a 24 GB card" means, for prediction.
+# "a 7B model with LoRA on an RTX 4090" (a "24 GB" card) means, for prediction.
 LLAMA_7B = dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
                 num_key_value_heads=32, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
                 bos_token_id=1, eos_token_id=2)

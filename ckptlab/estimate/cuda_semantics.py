@@ -1,0 +1,364 @@
+"""What a CUDA training step allocates and keeps, on CPU fake tensors.
+
+A CPU-only torch cannot run backward on fake CUDA tensors, so `predict(device="cuda")` runs the
+step on CPU fake tensors inside `cuda_semantics()`, which makes the ops whose CUDA kernels keep
+other tensors than the CPU's allocate and save what the CUDA kernels would:
+
+- `scaled_dot_product_attention`: the backend PyTorch's CUDA dispatcher would choose
+  (`flash_refusal`, `efficient_refusal`), then flash and memory-efficient attention as custom
+  autograd Functions whose forward and backward allocate the kernels' outputs, saved tensors and
+  scratch buffers (`torch.empty` of the right shape and dtype, nothing computed), and the math
+  backend as the composite ops CUDA runs (fp32 upcast, a bool dropout mask).
+- `dropout`: CUDA's fused `native_dropout` keeps a 1-byte bool mask where the CPU keeps one in
+  the input's dtype.
+- Autocast: CPU autocast, wherever it is entered (the step, or torch.utils.checkpoint
+  recomputing a region), follows CUDA autocast's op lists (`estimate.cuda_autocast`).
+
+The two ops get kernels for the AutogradCPU dispatch key (a torch.library registration, removed
+on exit), not a TorchFunctionMode: a mode is off while it handles `loss.backward()`, so it would
+miss the recomputations that checkpointing runs inside backward. Every rule names the PyTorch
+source it follows; the rules are torch 2.11's (the GPU check's torch), read from PyTorch's main
+branch where the two agree. The model, and what it leaves out: docs/design.md, note "What a fake
+step cannot know".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..core.validate import choice
+from .cuda_autocast import cuda_autocast_policies
+
+ATTENTION_BACKENDS = ("flash", "efficient", "math")
+
+# Compute capability of each architecture, and the streaming multiprocessors of the card the name
+# usually means (NVIDIA's data sheets: A100 108, RTX 3090 82, RTX 4090 128, H100 SXM and H200
+# 132): flash attention's forward splits the keys when a batch leaves SMs idle.
+ARCHS = {"sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0)}
+SM_COUNTS = {"sm80": 108, "sm86": 82, "sm89": 128, "sm90": 132}
+
+
+@dataclass
+class CudaSemantics:
+    """Yielded by `cuda_semantics`: what the step's attention calls chose."""
+
+    arch: str
+    attention: Optional[str]           # the user's override; None: PyTorch's choice
+    sm_count: int
+    backend_calls: dict[str, int] = field(default_factory=dict)  # per backend, recomputations included
+
+    @property
+    def attention_backend(self) -> str:
+        """"flash", "flash+math", ... in ATTENTION_BACKENDS order; "none" without an SDPA call."""
+        used = [b for b in ATTENTION_BACKENDS if self.backend_calls.get(b)]
+        return "+".join(used) if used else "none"
+
+
+@contextlib.contextmanager
+def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
+                   sm_count: Optional[int] = None) -> Iterator[CudaSemantics]:
+    """Inside a FakeTensorMode, around the whole step (forward, backward with its recomputations,
+    optimizer): attention, dropout and autocast allocate and keep what their CUDA kernels would
+    on a GPU of architecture `arch`. `attention` forces a backend (ValueError at the first call
+    it cannot serve, naming why); `sm_count` defaults to the SMs of the arch's usual card."""
+    choice("arch", arch, tuple(ARCHS))
+    if attention is not None:
+        choice("attention", attention, ATTENTION_BACKENDS)
+    if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
+        raise ValueError(f"sm_count={sm_count!r} is invalid: allowed is an integer >= 1")
+    semantics = CudaSemantics(arch, attention, sm_count or SM_COUNTS[arch])
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel", on purpose
+        lib.impl("scaled_dot_product_attention", lambda *a, **k: _attention(semantics, *a, **k), "AutogradCPU")
+        lib.impl("dropout", dropout, "AutogradCPU")
+    try:
+        with cuda_autocast_policies():
+            yield semantics
+    finally:
+        lib._destroy()
+
+
+def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+               scale=None, enable_gqa=False):
+    """attention.cpp scaled_dot_product_attention with CUDA's choice (sdp_utils.cpp
+    select_sdp_backend: the first of flash, efficient, math whose checks pass). Under autocast
+    the inputs arrive cast: SDPA is on CUDA autocast's lower-precision list."""
+    why_not = {"flash": flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, semantics.arch),
+               "efficient": efficient_refusal(query, key, value, enable_gqa),
+               "math": None}
+    backend = semantics.attention or next(b for b in ATTENTION_BACKENDS if why_not[b] is None)
+    if why_not[backend] is not None:
+        raise ValueError(f"attention={backend!r} is impossible for this attention call: {why_not[backend]}; "
+                         f"allowed here: {', '.join(b for b in ATTENTION_BACKENDS if why_not[b] is None)}")
+    semantics.backend_calls[backend] = semantics.backend_calls.get(backend, 0) + 1
+    if backend == "flash":
+        return flash_attention(query, key, value, dropout_p, semantics.sm_count)
+    if backend == "efficient":
+        return efficient_attention(query, key, value, attn_mask)
+    return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+# ---------------------------------------------------------------------------- the backend choice
+# aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (select_sdp_backend, can_use_*) and
+# sdp_utils_cpp.h: the first backend of flash, efficient, math whose checks all pass. Each check
+# returns why it fails, or None.
+
+def _common_refusal(query, key, value) -> Optional[str]:
+    if not (query.dim() == key.dim() == value.dim() == 4):
+        return "the fused kernels need 4-D query, key and value"
+    if query.size(0) != key.size(0) or query.size(0) != value.size(0):
+        return "the fused kernels need one batch size for query, key and value"
+    if query.size(-2) == 0 or key.size(-2) == 0:
+        return "the fused kernels refuse an empty sequence"
+    return None
+
+
+def _heads_refusal(query, key, value, enable_gqa: bool, supports_gqa: bool) -> Optional[str]:
+    hq, hk, hv = query.size(-3), key.size(-3), value.size(-3)
+    if enable_gqa and supports_gqa:
+        if hk != hv or hq % hk:
+            return f"grouped-query attention needs key and value heads ({hk}, {hv}) equal and dividing {hq}"
+        return None
+    if not hq == hk == hv:
+        return (f"query, key and value have {hq}, {hk}, {hv} heads"
+                + (" and this kernel has no grouped-query attention in torch 2.11" if enable_gqa else ""))
+    return None
+
+
+def flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, arch) -> Optional[str]:
+    """can_use_flash_attention, check by check, in its order."""
+    common = _common_refusal(query, key, value)
+    if common:
+        return common
+    if attn_mask is not None:
+        return "flash attention takes no attn_mask"
+    d = query.size(-1)
+    if not (d == key.size(-1) == value.size(-1) and d <= 256):
+        return f"flash attention needs one head dim <= 256 for q, k, v (got {d}, {key.size(-1)}, {value.size(-1)})"
+    if arch in ("sm86", "sm89") and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        if not (d <= 192 or (dropout_p == 0 and d > 224)):
+            return f"flash attention's backward on {arch} refuses head dim {d}" + (" with dropout" if dropout_p else "")
+    if is_causal and query.size(-2) != key.size(-2):
+        return "flash attention's is_causal needs seq_len_q == seq_len_k"
+    if query.dtype not in (torch.float16, torch.bfloat16) or not query.dtype == key.dtype == value.dtype:
+        return f"flash attention needs fp16 or bf16 (got {query.dtype})"
+    heads = _heads_refusal(query, key, value, enable_gqa, supports_gqa=True)
+    if heads:
+        return heads
+    if not all(t.stride(-1) == 1 or d == 1 for t in (query, key, value)):
+        return "the fused kernels need the last dimension contiguous"
+    return None
+
+
+def efficient_refusal(query, key, value, enable_gqa) -> Optional[str]:
+    """can_use_mem_efficient_attention on sm80+ (masks and dropout are supported)."""
+    common = _common_refusal(query, key, value)
+    if common:
+        return common
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not query.dtype == key.dtype == value.dtype:
+        return f"memory-efficient attention needs fp16, bf16 or fp32 (got {query.dtype})"
+    # minimum_gemm_alignment on sm80+: 8 elements in fp16/bf16, 4 in fp32, for head dims and for
+    # the tensors' storage offsets (check_data_ptr_alignment_mem_efficient).
+    align = 8 if query.element_size() == 2 else 4
+    dq, dv = query.size(-1), value.size(-1)
+    if dq != key.size(-1) or dq % align or dv % align:
+        return f"memory-efficient attention needs head dims divisible by {align} (got {dq}, {key.size(-1)}, {dv})"
+    if any(t.storage_offset() % align for t in (query, key, value)):
+        return f"memory-efficient attention needs storage offsets aligned to {align} elements"
+    if not all(t.stride(-1) == 1 for t in (query, key, value)):
+        return "the fused kernels need the last dimension contiguous"
+    return _heads_refusal(query, key, value, enable_gqa, supports_gqa=False)
+
+
+# ---------------------------------------------------------------------------- flash attention
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def flash_attention(query, key, value, dropout_p, sm_count):
+    """attention.cpp: the head dim is padded to a multiple of 8 (copies, which the kernel saves)
+    and the output sliced back."""
+    d = query.size(-1)
+    if d % 8:
+        query, key, value = (F.pad(t, (0, 8 - d % 8)) for t in (query, key, value))
+    out = _Flash.apply(query, key, value, dropout_p, sm_count)
+    return out[..., :d] if d % 8 else out
+
+
+class _Flash(torch.autograd.Function):
+    """_scaled_dot_product_flash_attention_cuda -> flash_api.cpp mha_fwd / mha_bwd, whose tensors
+    are [b, s, h, d] views of the [b, h, s, d] inputs. derivatives.yaml: the backward keeps query,
+    key, value, output, logsumexp and the rng_state / unused pair (always on the device since the
+    flash-attention submodule: "[Note] BC breaking change to flash seed/offset")."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, dropout_p, sm_count):
+        b, hq, sq, d = query.shape
+        q_t = query.transpose(1, 2)
+        out = torch.empty_like(q_t).transpose(1, 2)
+        lse = torch.empty(b, hq, sq, dtype=torch.float32)
+        # set_params_splitkv: without dropout, a batch that leaves SMs idle splits the keys and
+        # accumulates in fp32 buffers for the length of the kernel.
+        splits = 1 if dropout_p else _flash_splits(b * hq * math.ceil(sq / 64), sm_count * 2,
+                                                    math.ceil(key.size(-2) / (256 if d <= 64 else 128 if d <= 128 else 64)))
+        accumulators = () if splits == 1 else (  # alive until the kernel returns
+            torch.empty(splits, b, hq, sq, dtype=torch.float32),
+            torch.empty(splits, b, hq, sq, _round_up(d, 32 if d <= 128 else 64), dtype=torch.float32))
+        rng_state = torch.empty(2, dtype=torch.uint64)
+        unused = torch.empty((), dtype=torch.uint64)
+        del accumulators
+        ctx.save_for_backward(query, key, value, out, lse, rng_state, unused)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value = ctx.saved_tensors[:3]
+        b, hq, sq, d = query.shape
+        hk, sk = key.size(1), key.size(2)
+        # _flash_attention_backward: dout as a contiguous [b, s, h, d] (out is one already).
+        dout = grad.transpose(1, 2).contiguous()
+        dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (query, key, value))
+        softmax_d = torch.empty(b, hq, _round_up(sq, 128), dtype=torch.float32)
+        dq_accum = torch.empty(b, _round_up(sq, 128), hq, _round_up(d, 32 if d <= 128 else 64), dtype=torch.float32)
+        if hk != hq:  # MQA / GQA: dk, dv per query head, summed over the groups afterwards
+            dk_expanded = torch.empty(b, sk, hq, d, dtype=query.dtype)
+            dv_expanded = torch.empty(b, sk, hq, d, dtype=query.dtype)
+            torch.sum(dk_expanded.view(b, sk, hk, hq // hk, d), 3, out=dk)
+            torch.sum(dv_expanded.view(b, sk, hk, hq // hk, d), 3, out=dv)
+        del dout, softmax_d, dq_accum
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
+
+
+def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int = 128) -> int:
+    """flash_api.cpp num_splits_heuristic: the fewest splits within 85% of the best SM occupancy."""
+    if blocks >= 0.8 * sm_slots:
+        return 1
+    max_splits = min(max_splits, sm_slots, key_blocks)
+    efficiency = []
+    for n in range(1, max_splits + 1):
+        eligible = n == 1 or math.ceil(key_blocks / n) != math.ceil(key_blocks / (n - 1))
+        waves = blocks * n / sm_slots
+        efficiency.append(waves / math.ceil(waves) if eligible else 0.0)
+    best = max(efficiency, default=0.0)
+    return next((n for n, e in enumerate(efficiency, 1) if e and e >= 0.85 * best), 1)
+
+
+# ---------------------------------------------------------------------------- memory-efficient attention
+
+def efficient_attention(query, key, value, attn_mask):
+    """attention.cpp: a bool mask becomes an additive one in the query's dtype, then
+    preprocess_mask expands it to [b, h, s_q, s_k] and pads the last dim to a multiple of 16."""
+    if attn_mask is not None:
+        attn_mask = _additive_mask(attn_mask, query.dtype)
+        attn_mask = attn_mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+        if attn_mask.size(-1) % 16:
+            attn_mask = F.pad(attn_mask, (0, 16 - attn_mask.size(-1) % 16))[..., :key.size(2)]
+        elif any(s % 16 for s in attn_mask.stride()[:3]):
+            attn_mask = attn_mask.contiguous()
+    keep_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return _Efficient.apply(query, key, value, attn_mask, keep_lse)
+
+
+class _Efficient(torch.autograd.Function):
+    """attention.cu _efficient_attention_forward and attention_backward.cu
+    _efficient_attention_backward. Causality and dropout change no allocation. The seed and
+    offset are CPU scalars outside CUDA-graph capture (Note [Seed and Offset Device]): no device
+    bytes, none here. The backward's workspace (kernel_backward.h workspace_size: fp32
+    accumulators that depend on the kernel chosen) is not modelled."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, bias, keep_lse):
+        b, h, sq, _ = query.shape
+        dv = value.size(-1)
+        out = torch.empty(b, sq, h, dv, dtype=query.dtype).transpose(1, 2)
+        # kAlignLSE = 32: the logsumexp is padded for the backward's blocks.
+        lse = torch.empty(b, h, _round_up(sq, 32) if keep_lse else 0, dtype=torch.float32)
+        # Kernels for head dims > 128 keep the output in global memory: fp32 accumulator
+        # (kNeedsOutputAccumulatorBuffer) when the output is fp16 / bf16.
+        if query.element_size() == 2 and max(query.size(-1), dv) > 128:
+            accumulator = torch.empty(b, sq, h, dv, dtype=torch.float32)
+            del accumulator
+        ctx.save_for_backward(query, key, value, bias, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, bias, _, _ = ctx.saved_tensors
+        b, h, sq, d = query.shape
+        sk, dv = key.size(2), value.size(-1)
+        packed = (sq == sk and d == dv and query.untyped_storage()._cdata == key.untyped_storage()._cdata
+                  == value.untyped_storage()._cdata)
+        if packed:  # q, k, v cut from one projection: one [b, s, 3, h, d] chunk for the three grads
+            chunk = torch.empty(b, sq, 3, h, d, dtype=query.dtype)
+            dq, dk, dv_ = chunk.select(2, 0), chunk.select(2, 1), chunk.select(2, 2)
+        else:
+            dq = torch.empty(b, sq, h, d, dtype=query.dtype)
+            dk = torch.empty(b, sk, h, d, dtype=key.dtype)
+            dv_ = torch.empty(b, sk, h, dv, dtype=value.dtype)
+        dbias = None
+        if bias is not None and ctx.needs_input_grad[3]:
+            dbias = torch.empty(*bias.shape[:-1], _round_up(bias.size(-1), 16), dtype=bias.dtype)[..., :bias.size(-1)]
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None
+
+
+# ---------------------------------------------------------------------------- math
+
+def _additive_mask(mask, dtype):
+    """convert_boolean_attn_mask: a bool mask as 0 where kept, -inf where masked."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.scalar_tensor(0.0, dtype=dtype), torch.scalar_tensor(-math.inf, dtype=dtype))
+
+
+def math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """attention.cpp _scaled_dot_product_attention_math, op by op: fp16 / bf16 inputs are upcast
+    to fp32 (allowFP16BF16ReductionMathSDP is off by default), the (s_q x s_k) scores and
+    probabilities are materialised, grouped-query keys and values repeated, and dropout is
+    at::dropout, which on CUDA is native_dropout with its bool mask."""
+    origin = query.dtype
+    if origin in (torch.float16, torch.bfloat16):
+        query, key, value = query.float(), key.float(), value.float()
+    factor = math.sqrt(scale if scale is not None else 1 / math.sqrt(query.size(-1)))
+    query = query * factor
+    if is_causal:
+        attn_mask = _additive_mask(torch.ones(query.size(-2), key.size(-2), dtype=torch.bool).tril(), query.dtype)
+    elif attn_mask is not None:
+        attn_mask = _additive_mask(attn_mask, query.dtype)
+    if enable_gqa and key.size(-3) != query.size(-3):
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    attn = query @ (key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        attn = attn + attn_mask
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if dropout_p > 0:
+        attn = torch.native_dropout(attn, dropout_p, True)[0]
+    out = (attn @ value).to(origin)
+    attn.to(origin)  # the second output, the probabilities in the input dtype: made, then dropped
+    return out
+
+
+# ---------------------------------------------------------------------------- dropout
+
+def dropout(input, p, train):
+    """aten::dropout as Dropout.cpp runs it on CUDA: for 0 < p < 1 the fused native_dropout,
+    whose backward keeps a bool mask; anything else as on CPU. (In-place dropout_ takes the
+    unfused path on CUDA too: it is not replaced.)"""
+    if not train or p == 0 or input.numel() == 0:
+        return input
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype)
+    return torch.native_dropout(input, p, True)[0]
+
+
+__all__ = ["ARCHS", "ATTENTION_BACKENDS", "CudaSemantics", "SM_COUNTS", "cuda_semantics", "efficient_refusal",
+           "flash_refusal"]

@@ -1,0 +1,112 @@
+"""Cards by what they offer: the table, the one capacity parser, and card names accepted wherever a
+capacity is (predict_fits, explain, the notebooks' parameters, the command line)."""
+
+import dataclasses
+
+import pytest
+
+import ckptlab
+from ckptlab.apps.cli import main as cli_main
+from ckptlab.apps.notebooks import _value_checks
+from ckptlab.core.cards import (
+    CONTEXT_BYTES_PER_SM,
+    DEFAULT_CARDS,
+    DEFAULT_MARGIN_BYTES,
+    KERNEL_IMAGES_BYTES,
+    Card,
+    card,
+    cards,
+    fits,
+    margin_left,
+    parse_capacity,
+)
+from ckptlab.estimate.predict import predict, predict_fits
+
+GiB, MiB = 2**30, 2**20
+NAMES = ["rtx3090", "rtx4090", "a10", "l4", "a100-40", "a100-80", "h100-80", "h200"]
+
+
+def test_the_table_has_each_card_by_what_it_offers():
+    table = ckptlab.cards()
+    assert [c.name for c in table] == NAMES and table == cards()
+    assert all(isinstance(c, Card) and dataclasses.is_dataclass(c) for c in table)
+    nominal = {"rtx3090": 24, "rtx4090": 24, "a10": 24, "l4": 24, "a100-40": 40, "a100-80": 80, "h100-80": 80,
+               "h200": 141}
+    for c in table:
+        # every card offers less than its name's GiB, and more than 90% of it
+        assert 0.9 * nominal[c.name] * GiB < c.usable_bytes < nominal[c.name] * GiB, c.name
+        assert c.context_bytes == CONTEXT_BYTES_PER_SM * c.sm_count + KERNEL_IMAGES_BYTES
+        assert c.required_margin_bytes == DEFAULT_MARGIN_BYTES
+        assert c.budget_bytes == c.usable_bytes - c.context_bytes - DEFAULT_MARGIN_BYTES
+    caps = {c.name: c.compute_capability for c in table}
+    assert caps["rtx3090"] == caps["a10"] == (8, 6) and caps["rtx4090"] == caps["l4"] == (8, 9)
+    assert caps["a100-40"] == caps["a100-80"] == (8, 0) and caps["h100-80"] == caps["h200"] == (9, 0)
+    assert card("h100-80").cublas_workspace_bytes == 32 * MiB > card("a100-80").cublas_workspace_bytes
+    assert set(DEFAULT_CARDS) <= set(NAMES)
+
+
+@pytest.mark.parametrize("bad", ["rtx5090", "", None, 24])
+def test_a_bad_card_name_is_one_line_listing_the_names(bad):
+    with pytest.raises(ValueError) as info:
+        card(bad)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"card={bad!r} is invalid: allowed are ")
+    assert all(name in message for name in NAMES)
+
+
+def test_a_capacity_is_a_card_or_a_size_and_either_can_be_adjusted():
+    assert parse_capacity("RTX4090 ") is card("rtx4090")
+    size = parse_capacity("24GiB")
+    assert (size.name, size.usable_bytes, size.context_bytes, size.required_margin_bytes, size.arch) == (
+        "24GiB", 24 * GiB, 0, 0, None)
+    assert size.budget_bytes == 24 * GiB and parse_capacity(1000).name == "1KB"
+    mine = parse_capacity("rtx4090", usable_bytes="23GiB", context_bytes="600MiB", required_margin_bytes=0)
+    assert (mine.usable_bytes, mine.context_bytes, mine.required_margin_bytes, mine.arch) == (
+        23 * GiB, 600 * MiB, 0, "sm89")
+    assert parse_capacity(mine) is mine
+    with pytest.raises(ValueError, match=r"^capacities='lots' is invalid: allowed is a card \(rtx3090, .*h200\) "
+                                         r"or a positive size such as 24GiB"):
+        parse_capacity("lots", "capacities")
+    with pytest.raises(ValueError, match=r"usable_bytes=0 is invalid"):
+        parse_capacity("rtx4090", usable_bytes=0)
+
+
+def test_fits_keeps_the_margin_and_margin_left_is_usable_less_device_bytes():
+    c = card("rtx4090")
+    edge = c.usable_bytes - DEFAULT_MARGIN_BYTES
+    assert fits(c, edge) and not fits(c, edge + 1)
+    assert margin_left(c, edge) == DEFAULT_MARGIN_BYTES and margin_left(c, c.usable_bytes + 1) == -1
+    size = parse_capacity("16MiB")   # a plain size keeps no margin
+    assert fits(size, 16 * MiB) and not fits(size, 16 * MiB + 1)
+
+
+def test_predict_fits_takes_card_names_and_shows_the_margin_left():
+    workload = ckptlab.get_workload("gpt-tiny", n_layer=2)
+    peak = predict(workload, 1, 16, "full").peak_bytes
+    # An RTX 4090 told it has context + margin + that peak usable leaves the step exactly that
+    # peak: batch 1 fits, as on a plain size of the peak's bytes, with the card's margin left over.
+    exact = parse_capacity("rtx4090", usable_bytes=card("rtx4090").context_bytes + DEFAULT_MARGIN_BYTES + peak)
+    on_card, on_size = predict_fits(workload, ["full"], capacities=[exact, f"{peak}B"], seq_len=16, batch_size=1,
+                                    dtype="fp32", max_batch=2, seq_lens=[16])
+    assert predict(workload, 2, 16, "full").peak_bytes > peak
+    assert on_card["capacity"] == "rtx4090" and on_size["capacity"] == f"{peak}B"
+    assert on_card["max_batch_size"] == on_size["max_batch_size"] == 1
+    assert on_card["max_seq_len"] == on_size["max_seq_len"] == 16
+    assert on_size["batch_margin_bytes"] == on_size["seq_margin_bytes"] == 0
+    assert on_card["batch_margin_bytes"] == on_card["seq_margin_bytes"] == DEFAULT_MARGIN_BYTES
+    with pytest.raises(ValueError, match=r"capacities='rtx5090' is invalid: allowed is a card \(rtx3090"):
+        predict_fits(workload, ["full"], capacities=["rtx5090"])
+
+
+def test_notebook_parameters_and_the_command_line_take_card_names(capsys):
+    checks = _value_checks()
+    checks["capacity"]("capacity", "h100-80")
+    checks["fits_capacities"]("fits_capacities", ["rtx4090", "24GiB"])
+    with pytest.raises(ValueError, match=r"fits_capacities='rtx5090' is invalid"):
+        checks["fits_capacities"]("fits_capacities", ["rtx4090", "rtx5090"])
+    assert cli_main(["cards"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in NAMES) and "RTX 4090" in out and "23.6 GiB" in out
+    assert cli_main(["explain", "--model", "gpt-tiny", "--capacity", "rtx5090"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: capacity='rtx5090' is invalid: allowed is a card (rtx3090")

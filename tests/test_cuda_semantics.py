@@ -1,0 +1,233 @@
+"""CUDA semantics on CPU fake tensors: each rule of estimate.cuda_semantics / cuda_autocast on a
+tiny step, its bytes counted by hand from the CUDA kernels' allocations."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ckptlab import apply_checkpointing, get_workload, track_memory
+from ckptlab.estimate.cuda_autocast import cuda_autocast
+from ckptlab.estimate.cuda_semantics import cuda_semantics
+from ckptlab.estimate.fake_step import fake_model
+
+B, H, S, D = 2, 4, 64, 16
+BF16 = torch.bfloat16
+
+
+def _leaves(*shapes, dtype=BF16):
+    return [torch.randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
+
+
+def _attention_step(dtype=BF16, dropout_p=0.1, shape=(B, H, S, D), kv_heads=None, **semantics):
+    """One SDPA layer tracked: q, k, v made in forward (clones, which keep nothing for backward),
+    attention, a sum as the loss. Returns (report, CudaSemantics)."""
+    kv_shape = (shape[0], kv_heads or shape[1], *shape[2:])
+    with FakeTensorMode():
+        qb, kb, vb = _leaves(shape, kv_shape, kv_shape, dtype=dtype)
+        with cuda_semantics(**semantics) as cuda, track_memory() as tracker:
+            q, k, v = qb.clone(), kb.clone(), vb.clone()
+            loss = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                  enable_gqa=kv_heads is not None).sum()
+            tracker.phase("backward")
+            loss.backward()
+        return tracker.report(), cuda
+
+
+def test_flash_keeps_q_k_v_out_logsumexp_and_its_rng_state_by_hand():
+    report, cuda = _attention_step()
+    assert cuda.attention_backend == "flash" and cuda.backend_calls == {"flash": 1}
+    qkv_out = 4 * B * H * S * D * 2          # q, k, v and the output, bf16
+    lse = B * H * S * 4                      # logsumexp, fp32 [b, h, s_q]
+    rng = 2 * 8 + 8                          # rng_state uint64[2] and the unused uint64 scalar
+    loss = 2                                 # the bf16 loss, alive when forward ends
+    assert report.saved_activation_bytes == qkv_out + lse + rng + loss
+    # Backward's peak: what forward kept, the loss's grad (a 0-d bf16 expanded), dout made
+    # contiguous, dq, dk, dv, softmax_d fp32 [b, h, s_q rounded to 128] and the fp32 dq
+    # accumulator [b, s_q rounded to 128, h, d rounded to 32].
+    s128, d32 = 128, 32
+    backward = 2 + B * S * H * D * 2 + 3 * B * H * S * D * 2 + B * H * s128 * 4 + B * s128 * H * d32 * 4
+    assert report.peak_phase == "backward"
+    assert report.peak_bytes == report.saved_activation_bytes + backward
+
+
+def test_flash_backward_with_grouped_query_attention_expands_dk_dv_before_the_sum():
+    hk = 2
+    report, cuda = _attention_step(kv_heads=hk)
+    assert cuda.attention_backend == "flash"
+    q_bytes, kv_bytes = B * H * S * D * 2, B * hk * S * D * 2
+    kept = 2 * q_bytes + 2 * kv_bytes + B * H * S * 4 + 24 + 2     # q, out, k, v, lse, rng, loss
+    assert report.saved_activation_bytes == kept
+    # dout, dq, dk, dv, softmax_d, the dq accumulator, and dk, dv per query head
+    backward = 2 + 2 * q_bytes + 2 * kv_bytes + B * H * 128 * 4 + B * 128 * H * 32 * 4 + 2 * q_bytes
+    assert report.peak_bytes == kept + backward
+
+
+def test_flash_pads_a_head_dim_to_a_multiple_of_8_and_keeps_the_padded_copies():
+    d = 12
+    report, _ = _attention_step(shape=(B, H, S, d))
+    clones = 3 * B * H * S * d * 2                 # the unpadded q, k, v (the test's locals)
+    padded = 4 * B * H * S * 16 * 2                # padded q, k, v and the padded output
+    assert report.saved_activation_bytes == clones + padded + B * H * S * 4 + 24 + 2
+
+
+def test_flash_without_dropout_on_a_small_batch_splits_the_keys_in_fp32_buffers():
+    # b*h*ceil(s/64) = 32 blocks fill 15% of an A100's 2 x 108 slots; the 4 blocks of 256 keys
+    # split 4 ways (num_splits_heuristic), into fp32 [4, b, h, s] and [4, b, h, s, d] buffers.
+    b, h, s, d = 1, 2, 1024, 64
+    report, _ = _attention_step(dropout_p=0.0, shape=(b, h, s, d))
+    kept = 4 * b * h * s * d * 2 + b * h * s * 4 + 24
+    assert report.peak_phase == "forward"
+    assert report.peak_bytes == kept + 4 * b * h * s * 4 + 4 * b * h * s * d * 4
+    # an H100's 132 SMs split it the same; a batch of 8 fills an A100 and does not split
+    assert _attention_step(dropout_p=0.0, shape=(8, h, s, d))[0].peak_phase == "backward"
+
+
+def test_efficient_keeps_a_logsumexp_padded_to_32_and_no_device_seed():
+    s = 48  # padded to 64 in the logsumexp (kAlignLSE); seed and offset are host scalars
+    report, cuda = _attention_step(dtype=torch.float32, shape=(B, H, s, D))
+    assert cuda.attention_backend == "efficient"
+    assert report.saved_activation_bytes == 4 * B * H * s * D * 4 + B * H * 64 * 4 + 4
+
+
+def test_math_on_cuda_materialises_fp32_scores_and_a_bool_dropout_mask():
+    report, cuda = _attention_step(attention="math")
+    assert cuda.attention_backend == "math"
+    # the bf16 q, k, v; their fp32 upcasts as matmul keeps them (q and k^T scaled, v); the fp32
+    # probabilities softmax keeps, the bool dropout mask and the dropped probabilities; the loss
+    bhsd, bhss = B * H * S * D, B * H * S * S
+    assert report.saved_activation_bytes == 3 * bhsd * 2 + 3 * bhsd * 4 + bhss * (4 + 1 + 4) + 2
+
+
+def test_checkpoint_keeps_its_rng_states_off_the_device():
+    # torch.utils.checkpoint stashes torch.get_rng_state() (CPU) and, on CUDA, the Philox state
+    # from torch.cuda.get_rng_state(), a 16-byte CPU tensor: none of it is device memory, and
+    # the fake step counts none of it either.
+    with FakeTensorMode():
+        (x,) = _leaves((4, 64), dtype=torch.float32)
+        with cuda_semantics(), track_memory() as tracker:
+            h = x.clone()
+            y = torch.utils.checkpoint.checkpoint(lambda t: F.dropout(t, 0.1, True), h, use_reentrant=False)
+            tracker.phase("backward")
+            y.sum().backward()
+    assert tracker.report().saved_activation_bytes == 2 * 4 * 64 * 4  # h and y, nothing else
+
+
+def _backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, **semantics):
+    with FakeTensorMode(), cuda_semantics(**semantics) as cuda:
+        q, k, v = (t.detach().requires_grad_() for t in (q(), k(), v()))
+        F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask() if attn_mask else None, dropout_p=dropout_p,
+                                       is_causal=is_causal, enable_gqa=enable_gqa)
+        return cuda.attention_backend
+
+
+def _t(*shape, dtype=BF16):
+    return lambda: torch.randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(q=_t(2, 4, 8, 16, dtype=torch.float32), k=_t(2, 4, 8, 16, dtype=torch.float32),
+          v=_t(2, 4, 8, 16, dtype=torch.float32)), "efficient"),
+    (dict(q=_t(2, 4, 8, 16), k=_t(2, 4, 8, 16), v=_t(2, 4, 8, 16), dropout_p=0.1, is_causal=True), "flash"),
+    (dict(q=_t(2, 4, 8, 16), k=_t(2, 4, 8, 16), v=_t(2, 4, 8, 16), attn_mask=lambda: torch.ones(8, 8, dtype=bool)),
+     "efficient"),
+    (dict(q=_t(2, 4, 8, 300), k=_t(2, 4, 8, 300), v=_t(2, 4, 8, 300)), "math"),     # > 256, not a multiple of 8
+    (dict(q=_t(2, 4, 8, 16), k=_t(2, 2, 8, 16), v=_t(2, 2, 8, 16), enable_gqa=True), "flash"),
+    (dict(q=_t(2, 4, 8, 16, dtype=torch.float32), k=_t(2, 2, 8, 16, dtype=torch.float32),
+          v=_t(2, 2, 8, 16, dtype=torch.float32), enable_gqa=True), "math"),       # efficient has no GQA in 2.11
+    (dict(q=_t(2, 4, 8, 224), k=_t(2, 4, 8, 224), v=_t(2, 4, 8, 224), arch="sm86"), "efficient"),
+    (dict(q=_t(2, 4, 8, 224), k=_t(2, 4, 8, 224), v=_t(2, 4, 8, 224), arch="sm80"), "flash"),
+])
+def test_backend_choice_follows_pytorchs_cuda_rules(case, expected):
+    assert _backend(**case) == expected
+
+
+def test_an_impossible_override_is_refused_naming_why():
+    fp32 = dict(q=_t(2, 4, 8, 16, dtype=torch.float32), k=_t(2, 4, 8, 16, dtype=torch.float32),
+                v=_t(2, 4, 8, 16, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"attention='flash' is impossible.*fp16 or bf16.*allowed here: efficient, math"):
+        _backend(**fp32, attention="flash")
+    assert _backend(**fp32, attention="math") == "math"
+    with pytest.raises(ValueError, match="attention='fast' is invalid: allowed are flash, efficient, math"):
+        _backend(**fp32, attention="fast")
+    with pytest.raises(ValueError, match="arch='sm70' is invalid"):
+        _backend(**fp32, arch="sm70")
+
+
+@pytest.mark.parametrize("cuda, mask_bytes_per_element", [(True, 1), (False, 4)])
+def test_dropout_keeps_a_bool_mask_on_cuda_and_one_of_the_input_dtype_on_cpu(cuda, mask_bytes_per_element):
+    n = 4 * 64
+    with FakeTensorMode():
+        (x,) = _leaves((4, 64), dtype=torch.float32)
+        drop = nn.Dropout(0.1)
+        with cuda_semantics() if cuda else contextlib.nullcontext(), track_memory() as tracker:
+            y = drop(x.clone())
+            tracker.phase("backward")
+            y.sum().backward()
+        assert y.grad_fn.name() == ("NativeDropoutBackward0" if cuda else "MulBackward0")
+    # kept: the output (alive) and the mask
+    assert tracker.report().saved_activation_bytes == n * 4 + n * mask_bytes_per_element
+
+
+def _node_names(node) -> set:
+    names, todo = set(), [node]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in names:
+            names.add(node.name())
+            todo.extend(f for f, _ in node.next_functions)
+    return names
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func.__name__, out.dtype if isinstance(out, torch.Tensor) else None))
+        return out
+
+
+def test_cuda_autocast_runs_norms_and_softmax_in_fp32_matmuls_in_bf16_and_caches_weight_casts():
+    with FakeTensorMode():
+        lin, ln = nn.Linear(16, 16), nn.LayerNorm(16)
+        x = torch.randn(2, 8, 16)
+        with cuda_autocast(BF16), _Ops() as ops:
+            y = lin(x)
+            assert (y.dtype, ln(y).dtype, torch.softmax(y, -1).dtype, F.log_softmax(y, -1).dtype) == (
+                BF16, torch.float32, torch.float32, torch.float32)
+            assert (y @ y.transpose(1, 2)).dtype == BF16 and y.pow(2).dtype == torch.float32
+            assert "ToCopyBackward0" in _node_names(y.grad_fn)  # the weight's cast, recorded by autograd
+            lin(x)
+        weight_casts = [c for c in ops.calls if c == ("_to_copy.default", BF16)]
+        assert len(weight_casts) == 2 + 2  # weight and bias once each for two calls; x twice
+        with torch.autocast("cpu", dtype=BF16):  # CPU autocast is CPU's again outside
+            assert ln(lin(x)).dtype == BF16
+    with pytest.raises(ValueError, match="dtype=torch.float32 is invalid"):
+        with cuda_autocast(torch.float32):
+            pass
+
+
+def test_checkpoint_recompute_runs_under_the_mode_with_the_same_backend():
+    workload = get_workload("gpt-tiny", n_layer=2, n_embd=64, n_head=4)
+    fake_mode = FakeTensorMode()
+    model = fake_model(workload, fake_mode)
+    with fake_mode:
+        handle = apply_checkpointing(model, "full")
+        batch = workload.new_batch(2, 32, torch.Generator().manual_seed(0))
+        with cuda_semantics() as cuda, track_memory(model, inputs=batch) as tracker:
+            with cuda_autocast(BF16):
+                loss = workload.loss(model, batch)
+            tracker.phase("backward")
+            loss.backward()
+        assert handle.recompute_count == 2
+        assert all(p.grad is not None for p in model.parameters())
+    assert cuda.backend_calls == {"flash": 4}  # two blocks' forwards and their recomputations
+    assert tracker.report().peak_bytes > 0
