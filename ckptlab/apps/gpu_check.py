@@ -20,6 +20,7 @@ import csv
 import gc
 import importlib.util
 import json
+import multiprocessing
 import os
 import platform
 import re
@@ -52,6 +53,7 @@ from ..report.gpu_validation import (
     Claim,
     allocator_gap,
     attention_backend_of,
+    cell_label,
     exit_status,
     frontier_claim,
     memory_measured_claim,
@@ -70,8 +72,8 @@ REPORT_RESERVE_S = 15.0   # kept back for writing the report when the alarm stop
 
 # The memory cells: (label, workload spec, config overrides, batch, seq), each policy, each
 # attention dropout, in bf16 (flash attention on CUDA). PLAN stands for the planner's plan (for
-# CUDA) at the budget halfway between the peaks predicted for the model's none and full cells
-# without dropout, which come before it. Small model first: if time runs short, both have cells.
+# CUDA) at the budget halfway between the peaks predicted for the model's none and full without
+# dropout. Small model first, the plans' cells last: if time runs short, both models have cells.
 SMALL_LLAMA = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048)
 PLAN = "plan"
@@ -221,22 +223,44 @@ def memory_workload(spec: str, overrides: dict, dropout: float):
     return get_workload(spec, **overrides, attention_dropout=dropout)
 
 
-def midpoint_plan(workload, batch_size: int, seq_len: int, cells: list[dict]) -> str:
-    """The planner's plan for CUDA at the budget halfway between the predicted peaks of `cells`'
-    none and full (ValueError when either was not predicted). Its recompute costs are the roofline's:
-    which plan it is matters here, not what it costs, and timing blocks on this CPU takes long."""
-    peaks = {c["policy"]: c.get("predicted_peak_bytes") for c in cells}
-    if not (peaks.get("none") and peaks.get("full")):
-        raise ValueError("no plan: none and full of this model were not both predicted")
-    plan = plan_budget(workload, batch_size, seq_len, (peaks["none"] + peaks["full"]) // 2, dtype=MEMORY["dtype"],
-                       optimizer=MEMORY["optimizer"], cost="roofline", device="cuda")
+# Predictions run on CPU fake tensors while the GPU measures: in worker processes (spawned, so no
+# CUDA state is inherited), each handed everything it needs (a worker does not see MEMORY).
+
+def predicted(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, policy: str, dtype: str,
+              optimizer: str) -> dict:
+    """One cell's `predict(device="cuda")` as record columns; a prediction that fails is the cell's
+    `prediction_message`, which fails its claims with the reason."""
+    try:
+        p = predict(memory_workload(spec, overrides, dropout), batch_size, seq_len, policy, dtype=dtype,
+                    optimizer=optimizer, device="cuda")
+    except Exception as exc:  # noqa: BLE001 - the cell's claims fail with the reason; the others go on
+        return {"prediction_message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return dict(predicted_peak_bytes=p.peak_bytes, predicted_reserved_bytes=p.reserved_bytes,
+                predicted_backend=p.attention_backend, predicted_saved_bytes=p.saved_activation_bytes)
+
+
+def midpoint_plan(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, dtype: str,
+                  optimizer: str) -> str:
+    """The planner's plan for CUDA at the budget halfway between the peaks predicted for none and
+    full. Its recompute costs are the roofline's: which plan it is matters here, not what it
+    costs, and timing blocks on a CPU takes long."""
+    workload = memory_workload(spec, overrides, dropout)
+    none, full = (predict(workload, batch_size, seq_len, p, dtype=dtype, optimizer=optimizer, device="cuda").peak_bytes
+                  for p in ("none", "full"))
+    plan = plan_budget(workload, batch_size, seq_len, (none + full) // 2, dtype=dtype, optimizer=optimizer,
+                       cost="roofline", device="cuda")
     return str(plan.policy)
 
 
+def prediction_workers() -> int:
+    """Worker processes for the predictions: the CPUs but two (the measuring process and the GPU's
+    driver), at most eight (each holds a fake model; a GPU host has 16 cores or more)."""
+    return max(1, min(8, (os.cpu_count() or 1) - 2))
+
+
 def memory_cell(workload, batch_size: int, seq_len: int, policy: str, dropout: float, dev: torch.device) -> dict:
-    """One cell: one step measured on CUDA (as `measure` does, without its timing), its allocator
-    peaks counted from what the device held before it; then `predict(device="cuda")` on CPU fake
-    tensors. A prediction that fails is the cell's `prediction_message`, not the stage's end."""
+    """One cell measured on CUDA: one step as `measure` takes it, without its timing, its allocator
+    peaks counted from what the device held before it."""
     fresh_allocator(dev)
     dtype, optimizer = MEMORY["dtype"], MEMORY["optimizer"]
     record, workload, parsed, dev, limit = measurement_record(workload, batch_size, seq_len, policy, device=str(dev),
@@ -248,13 +272,6 @@ def memory_cell(workload, batch_size: int, seq_len: int, policy: str, dropout: f
         prepare_step(record, workload, policy_applier(parsed), dev, dtype, limit, optimizer)
         if dev.type == "cuda":  # as prepare_step takes out what the device allocated before
             record["cuda_max_reserved_bytes"] -= reserved_before
-    if record["status"] == "ok":
-        try:
-            p = predict(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer, device="cuda")
-            record.update(predicted_peak_bytes=p.peak_bytes, predicted_reserved_bytes=p.reserved_bytes,
-                          predicted_backend=p.attention_backend, predicted_saved_bytes=p.saved_activation_bytes)
-        except Exception as exc:  # noqa: BLE001 - the cell fails its claims with the reason; the others go on
-            record["prediction_message"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return record
 
 
@@ -273,43 +290,68 @@ def backend_on_cuda(workload, batch_size: int, seq_len: int, dev: torch.device) 
 
 def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[str]) -> list[Claim]:
     """The memory claims from the same cells: each measured on CUDA (the tracker against the
-    allocator), and predicted with CUDA semantics (allocated and reserved against the allocator's).
-    Cells run in order while they fit; the ones left out are named in the claims."""
+    allocator) and predicted with CUDA semantics (allocated and reserved against the allocator's).
+    Cells are measured in order while they fit, their predictions made meanwhile by worker
+    processes; the cells left out, or not predicted in the time, are named in the claims."""
     workspace, rng = library_workspace_bytes(dev), rng_state_bytes(dev)
     notes.append(f"Library workspaces measured on this device: {workspace} B; one saved RNG state: {rng} B of "
                  "device memory.")
-    todo = [(model, dropout, policy) for model in MEMORY["models"] for dropout in MEMORY["dropouts"]
-            for policy in MEMORY["policies"]]
-    cells, not_run, plans, backends, per_cell = [], [], {}, {}, ESTIMATES["memory_cell"]
-    for k, ((label, spec, overrides, batch_size, seq_len), dropout, policy) in enumerate(todo):
-        if k and label != todo[k - 1][0][0]:   # a larger model: what a cell of the last one took is no estimate
-            per_cell = max(per_cell, ESTIMATES["memory_cell"])
-        if not budget.fits(per_cell + REPORT_RESERVE_S):
-            not_run.append(f"{len(todo) - k} cells from {label} {policy} dropout={dropout:g} on "
-                           f"({budget.reason(per_cell)})")
-            break
-        t0 = time.monotonic()
-        try:
-            workload = memory_workload(spec, overrides, dropout)
-            if policy == PLAN:
-                if label not in plans:
-                    same = [c for c in cells if c["model"] == workload.label and c["dropout"] == dropout]
+    dtype, optimizer = MEMORY["dtype"], MEMORY["optimizer"]
+    # The plans' cells last: their plans are made (in a worker) while the GPU measures the others.
+    todo = sorted([(model, dropout, policy) for model in MEMORY["models"] for dropout in MEMORY["dropouts"]
+                   for policy in MEMORY["policies"]], key=lambda cell: cell[2] == PLAN)
+    cells, pending, not_run, backends, per_cell = [], [], [], {}, ESTIMATES["memory_cell"]
+    with multiprocessing.get_context("spawn").Pool(prediction_workers()) as pool:   # terminated on the way out
+        plans = {label: pool.apply_async(midpoint_plan, (spec, overrides, MEMORY["dropouts"][0], b, s, dtype, optimizer))
+                 for label, spec, overrides, b, s in MEMORY["models"] if PLAN in MEMORY["policies"]}
+        predictions = {(label, dropout, policy): pool.apply_async(predicted, (spec, overrides, dropout, b, s, policy,
+                                                                              dtype, optimizer))
+                       for (label, spec, overrides, b, s), dropout, policy in todo if policy != PLAN}
+        for k, ((label, spec, overrides, batch_size, seq_len), dropout, policy) in enumerate(todo):
+            if k and label != todo[k - 1][0][0]:   # another model: what a cell of the last one took is no estimate
+                per_cell = max(per_cell, ESTIMATES["memory_cell"])
+            if not budget.fits(per_cell + REPORT_RESERVE_S):
+                not_run.append(f"{len(todo) - k} cells from {label} {policy} dropout={dropout:g} on "
+                               f"({budget.reason(per_cell)})")
+                break
+            t0 = time.monotonic()
+            try:
+                workload = memory_workload(spec, overrides, dropout)
+                key = (label, dropout, policy)
+                if policy == PLAN:
                     try:
-                        plans[label] = midpoint_plan(workload, batch_size, seq_len, same)
+                        policy = plans[label].get(max(0.1, budget.left() - 2 * REPORT_RESERVE_S))
+                    except multiprocessing.TimeoutError:
+                        not_run.append(f"{len(todo) - k} cells from {label} {PLAN} dropout={dropout:g} on (no plan "
+                                       "within the time budget)")
+                        break
                     except Exception as exc:  # noqa: BLE001 - the plan's cells fail their claims, saying why
-                        plans[label] = exc
-                policy = plans[label]
-            if (label, dropout) not in backends:
-                backends[label, dropout] = backend_on_cuda(workload, batch_size, seq_len, dev)
-            cell = (memory_cell(workload, batch_size, seq_len, policy, dropout, dev) if isinstance(policy, str) else
-                    new_record(workload.label, batch_size, seq_len, policy=PLAN, dtype=MEMORY["dtype"], dropout=dropout,
-                               status="error", message=f"no plan: {type(policy).__name__}: {policy}"))
-        except BudgetExceeded:
-            not_run.append(f"{len(todo) - k} cells from {label} {policy} dropout={dropout:g} on (stopped by the time "
-                           "budget while it ran)")
-            break
-        cells.append(dict(cell, measured_backend=backends[label, dropout]))
-        per_cell = time.monotonic() - t0
+                        policy = exc
+                    if isinstance(policy, str):
+                        predictions[key] = pool.apply_async(predicted, (spec, overrides, dropout, batch_size, seq_len,
+                                                                        policy, dtype, optimizer))
+                if (label, dropout) not in backends:
+                    backends[label, dropout] = backend_on_cuda(workload, batch_size, seq_len, dev)
+                cell = (memory_cell(workload, batch_size, seq_len, policy, dropout, dev) if isinstance(policy, str) else
+                        new_record(workload.label, batch_size, seq_len, policy=PLAN, dtype=dtype, dropout=dropout,
+                                   status="error", message=f"no plan: {type(policy).__name__}: {policy}"))
+            except BudgetExceeded:
+                not_run.append(f"{len(todo) - k} cells from {label} {policy} dropout={dropout:g} on (stopped by the "
+                               "time budget while it ran)")
+                break
+            cells.append(dict(cell, measured_backend=backends[label, dropout]))
+            pending.append(predictions.get(key))
+            per_cell = time.monotonic() - t0
+        for cell, prediction in zip(list(cells), pending):   # the claims are written before the alarm
+            if prediction is None or cell["status"] != "ok":
+                continue
+            try:
+                cell.update(prediction.get(max(0.1, budget.left() - 2 * REPORT_RESERVE_S)))
+            except (multiprocessing.TimeoutError, BudgetExceeded):
+                cells.remove(cell)
+                not_run.append(f"{cell_label(cell)} (not predicted within the time budget)")
+            except Exception as exc:  # noqa: BLE001 - a worker that failed: the cell's claims fail with why
+                cell["prediction_message"] = f"{type(exc).__name__}: {exc}"
     write_csv(cells, out / "memory" / "cells.csv")
     gaps = allocator_gap(cells, workspace, rng)
     write_csv(gaps, out / "memory" / "allocator_gap.csv")

@@ -137,7 +137,7 @@ def attention_backend_of(nodes: Sequence[str]) -> Optional[str]:
     for prefix, backend in ATTENTION_NODES.items():
         if any(n.startswith(prefix) for n in nodes):
             return backend
-    return "math" if any(n.startswith("SoftmaxBackward") for n in nodes) else None
+    return "math" if any(n.startswith(("SoftmaxBackward", "SafeSoftmaxBackward")) for n in nodes) else None
 
 
 def prediction_errors(cells: Sequence[dict], allocated_target: float = ALLOCATED_TARGET,
