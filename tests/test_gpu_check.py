@@ -8,6 +8,7 @@ import platform
 import re
 import subprocess
 import sys
+import types
 from importlib import metadata
 from pathlib import Path
 
@@ -537,3 +538,17 @@ def test_saved_bytes_by_node_on_a_hand_counted_model_real_and_fake():
     assert saved() == {"AddmmBackward0": 4 * 8 * 4, "ReluBackward0": 4 * 16 * 4}
     with FakeTensorMode():
         assert saved() == {"AddmmBackward0": 128, "ReluBackward0": 256}
+
+
+def test_the_prediction_is_for_the_card_the_device_is(monkeypatch):
+    def device(major, minor, total_memory):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda dev: types.SimpleNamespace(major=major, minor=minor, total_memory=total_memory))
+
+    cuda = torch.device("cuda", 0)
+    device(9, 0, 150_110_126_080)                     # what an H200 reports (143,158 MiB)
+    assert gpu_check.card_of(cuda).name == "h200"
+    device(9, 0, 85_045_477_376)
+    assert gpu_check.card_of(cuda).name == "h100-80"
+    device(7, 5, 16 * 2**30)                           # a T4: no card of its capability in the table
+    assert gpu_check.card_of(cuda) is None and gpu_check.card_of(torch.device("cpu")) is None

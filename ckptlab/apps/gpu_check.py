@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import get_device_states
 
+from ..core.cards import Card, cards
 from ..core.children import child_environment, die_with_parent
 from ..core.records import new_record
 from ..plan.budget import plan_budget, predict
@@ -227,29 +228,44 @@ def memory_workload(spec: str, overrides: dict, dropout: float):
 # CUDA state is inherited), each handed everything it needs (a worker does not see MEMORY).
 
 def predicted(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, policy: str, dtype: str,
-              optimizer: str) -> dict:
-    """One cell's `predict(device="cuda")` as record columns; a prediction that fails is the cell's
-    `prediction_message`, which fails its claims with the reason."""
+              optimizer: str, card: Card | None) -> dict:
+    """One cell's `predict(device="cuda", card=card)` as record columns; a prediction that fails is
+    the cell's `prediction_message`, which fails its claims with the reason."""
     try:
         p = predict(memory_workload(spec, overrides, dropout), batch_size, seq_len, policy, dtype=dtype,
-                    optimizer=optimizer, device="cuda")
+                    optimizer=optimizer, device="cuda", card=card)
     except Exception as exc:  # noqa: BLE001 - the cell's claims fail with the reason; the others go on
         return {"prediction_message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     return dict(predicted_peak_bytes=p.peak_bytes, predicted_reserved_bytes=p.reserved_bytes,
-                predicted_backend=p.attention_backend, predicted_saved_bytes=p.saved_activation_bytes)
+                predicted_device_bytes=p.device_bytes, predicted_backend=p.attention_backend,
+                predicted_saved_bytes=p.saved_activation_bytes)
 
 
 def midpoint_plan(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, dtype: str,
-                  optimizer: str) -> str:
+                  optimizer: str, card: Card | None) -> str:
     """The planner's plan for CUDA at the budget halfway between the peaks predicted for none and
     full. Its recompute costs are the roofline's: which plan it is matters here, not what it
     costs, and timing blocks on a CPU takes long."""
     workload = memory_workload(spec, overrides, dropout)
-    none, full = (predict(workload, batch_size, seq_len, p, dtype=dtype, optimizer=optimizer, device="cuda").peak_bytes
-                  for p in ("none", "full"))
+    none, full = (predict(workload, batch_size, seq_len, p, dtype=dtype, optimizer=optimizer, device="cuda",
+                          card=card).peak_bytes for p in ("none", "full"))
     plan = plan_budget(workload, batch_size, seq_len, (none + full) // 2, dtype=dtype, optimizer=optimizer,
-                       cost="roofline", device="cuda")
+                       cost="roofline", device="cuda", card=card)
     return str(plan.policy)
+
+
+WORKER_START_S = 90.0     # a spawned worker imports torch, ckptlab and transformers: seconds, not minutes
+
+
+def card_of(dev: torch.device) -> Card | None:
+    """The card of the table this device is: its compute capability (which decides the attention
+    kernels and cuBLAS's workspace), the nearest usable bytes; None when no card has its
+    capability (the prediction's default card then)."""
+    if dev.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(dev)
+    same = [c for c in cards() if c.compute_capability == (props.major, props.minor)]
+    return min(same, key=lambda c: abs(c.usable_bytes - props.total_memory), default=None)
 
 
 def prediction_workers() -> int:
@@ -296,16 +312,22 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
     workspace, rng = library_workspace_bytes(dev), rng_state_bytes(dev)
     notes.append(f"Library workspaces measured on this device: {workspace} B; one saved RNG state: {rng} B of "
                  "device memory.")
-    dtype, optimizer = MEMORY["dtype"], MEMORY["optimizer"]
+    dtype, optimizer, card = MEMORY["dtype"], MEMORY["optimizer"], card_of(dev)
+    notes.append(f"Predicted for the card {card.label if card else 'of no entry of the table (the default card)'}.")
     # The plans' cells last: their plans are made (in a worker) while the GPU measures the others.
     todo = sorted([(model, dropout, policy) for model in MEMORY["models"] for dropout in MEMORY["dropouts"]
                    for policy in MEMORY["policies"]], key=lambda cell: cell[2] == PLAN)
     cells, pending, not_run, backends, per_cell = [], [], [], {}, ESTIMATES["memory_cell"]
     with multiprocessing.get_context("spawn").Pool(prediction_workers()) as pool:   # terminated on the way out
-        plans = {label: pool.apply_async(midpoint_plan, (spec, overrides, MEMORY["dropouts"][0], b, s, dtype, optimizer))
+        try:   # a worker that cannot start is respawned for ever: that is a failure, not a wait
+            pool.apply_async(os.getpid).get(WORKER_START_S)
+        except multiprocessing.TimeoutError:
+            raise RuntimeError(f"the prediction workers did not start within {WORKER_START_S:.0f} s") from None
+        plans = {label: pool.apply_async(midpoint_plan, (spec, overrides, MEMORY["dropouts"][0], b, s, dtype, optimizer,
+                                                         card))
                  for label, spec, overrides, b, s in MEMORY["models"] if PLAN in MEMORY["policies"]}
         predictions = {(label, dropout, policy): pool.apply_async(predicted, (spec, overrides, dropout, b, s, policy,
-                                                                              dtype, optimizer))
+                                                                              dtype, optimizer, card))
                        for (label, spec, overrides, b, s), dropout, policy in todo if policy != PLAN}
         for k, ((label, spec, overrides, batch_size, seq_len), dropout, policy) in enumerate(todo):
             if k and label != todo[k - 1][0][0]:   # another model: what a cell of the last one took is no estimate
@@ -329,7 +351,7 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
                         policy = exc
                     if isinstance(policy, str):
                         predictions[key] = pool.apply_async(predicted, (spec, overrides, dropout, batch_size, seq_len,
-                                                                        policy, dtype, optimizer))
+                                                                        policy, dtype, optimizer, card))
                 if (label, dropout) not in backends:
                     backends[label, dropout] = backend_on_cuda(workload, batch_size, seq_len, dev)
                 cell = (memory_cell(workload, batch_size, seq_len, policy, dropout, dev) if isinstance(policy, str) else
@@ -352,6 +374,12 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
                 not_run.append(f"{cell_label(cell)} (not predicted within the time budget)")
             except Exception as exc:  # noqa: BLE001 - a worker that failed: the cell's claims fail with why
                 cell["prediction_message"] = f"{type(exc).__name__}: {exc}"
+    if dev.type == "cuda":   # reported beside the card table's estimate, not judged
+        free, total = torch.cuda.mem_get_info(dev)
+        outside = total - free - torch.cuda.memory_reserved(dev)
+        notes.append(f"Outside the caching allocator (CUDA context, kernel images) the device holds {outside} B after "
+                     "the memory cells (total - free - reserved; other processes on the card count too); the card "
+                     f"table estimates {card.context_bytes if card else '-'} B.")
     write_csv(cells, out / "memory" / "cells.csv")
     gaps = allocator_gap(cells, workspace, rng)
     write_csv(gaps, out / "memory" / "allocator_gap.csv")
