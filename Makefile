@@ -52,8 +52,10 @@ bench: $(STAMP)
 
 # GPU validation (ckptlab/apps/gpu_check.py): every claim ckptlab makes about a GPU, within 8 minutes,
 # into results/gpu-check-<device>/ with report.md (pass or fail per claim). Exits 2 without a GPU.
-gpu-check: $(STAMP)
-	$(BIN)/python -m ckptlab.apps.gpu_check
+# It builds nothing: the venv's Python where there is one, else the machine's own python3 (a GPU
+# image without network has its own torch; the check needs nothing else to start).
+gpu-check:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,python3) -m ckptlab.apps.gpu_check
 
 clean:
 	rm -rf $(VENV)

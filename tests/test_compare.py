@@ -2,9 +2,11 @@
 gradient check, the files and the CLI. Timing tests assert properties of intervals, not times."""
 
 import contextlib
+import gc
 import json
 import subprocess
 import sys
+import weakref
 
 import pandas as pd
 import pytest
@@ -72,8 +74,35 @@ def test_full_recompute_is_significantly_slower():
     assert full["peak_bytes"] < none["peak_bytes"] and full["saved_activation_bytes"] < none["saved_activation_bytes"]
 
 
-def test_one_row_per_policy_with_memory_time_and_interval_columns(tmp_path):
+def resident_optimizers_at_each_gradient_check(monkeypatch) -> list[int]:
+    """How many of the optimizers the timed configurations built are alive each time the gradient
+    check runs a model: each holds its model's state, which on a card must be gone by then (a 1B
+    model: 13.8 GiB each), as the check builds fresh models."""
+    import ckptlab.probe.measure as measure_module
+    import ckptlab.run.compare as compare_module
+
+    optimizers, alive = [], []
+    make_optimizer, step_gradients = measure_module.make_optimizer, compare_module.step_gradients
+
+    def tracked(*args, **kwargs):
+        optimizer = make_optimizer(*args, **kwargs)
+        optimizers.append(weakref.ref(optimizer))
+        return optimizer
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in optimizers))
+        return step_gradients(*args, **kwargs)
+
+    monkeypatch.setattr(measure_module, "make_optimizer", tracked)
+    monkeypatch.setattr(compare_module, "step_gradients", counting)
+    return alive
+
+
+def test_one_row_per_policy_with_memory_time_and_interval_columns(tmp_path, monkeypatch):
+    resident = resident_optimizers_at_each_gradient_check(monkeypatch)
     df = compare("gpt-tiny", 1, 16, "none,density=0.5,full", max_seconds=0.5, verify=True, out=tmp_path)
+    assert resident == [0, 0, 0, 0]   # the reference's check and each row's: no timed configuration left
     assert list(df["policy"]) == ["none", "density=0.5", "full"]
     assert list(df["effective_density"]) == [0.0, 0.5, 1.0]
     for column in ("policy", "source", "effective_density", "peak_bytes", "saved_activation_bytes", "step_ms",
@@ -170,3 +199,4 @@ def test_cuda_configurations_timed_together_with_events():
     assert df.loc["full", "peak_bytes"] < df.loc["none", "peak_bytes"]
     # Each configuration's allocator peak excludes the other configuration's resident weights.
     assert df.loc["full", "cuda_max_allocated_bytes"] < df.loc["none", "cuda_max_allocated_bytes"]
+

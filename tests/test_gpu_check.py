@@ -1,9 +1,16 @@
 """The GPU validation on CPU: its refusal without a GPU, its time budget, and every verdict it
 draws from records, on synthetic records whose answers are known."""
 
+import csv
 import math
+import os
+import platform
+import re
 import subprocess
 import sys
+import types
+from importlib import metadata
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -11,10 +18,13 @@ import torch
 
 from ckptlab.apps import gpu_check
 from ckptlab.core.records import new_record
+from ckptlab.probe.memory import saved_bytes_by_node
 from ckptlab.report import gpu_validation as gv
 from ckptlab.report.analysis import trainer_summary
 
 from .conftest import requires_cuda
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def block(n: int) -> int:
@@ -28,13 +38,87 @@ def cell(policy="none", tracker=0, allocated=None, requested=None, recomputes=No
                       recompute_count=recomputes, **values)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
-def test_without_a_gpu_it_exits_2_with_one_line_and_writes_nothing(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ckptlab.apps.gpu_check"], capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 2
-    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
-    assert "no CUDA device is available" in proc.stderr
-    assert not (tmp_path / "results").exists()
+def torch_only_site(folder: Path) -> Path:
+    """A folder of links to torch and its required distributions (as its metadata names them,
+    recursively), and nothing else: what a GPU image without the lock's packages offers."""
+    from packaging.requirements import Requirement
+
+    folder.mkdir()
+    todo, seen = ["torch"], set()
+    while todo:
+        name = todo.pop()
+        if name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        dist = metadata.distribution(name)
+        todo += [r.name for r in map(Requirement, dist.requires or []) if not r.marker or r.marker.evaluate({"extra": ""})]
+        for top in {Path(str(f)).parts[0] for f in dist.files or []}:
+            source = Path(str(dist.locate_file(top)))
+            if not top.endswith((".dist-info", ".pth")) and top not in ("__pycache__", "..", "bin") and source.exists() \
+                    and not (folder / top).exists():
+                (folder / top).symlink_to(source)
+    return folder
+
+
+def recording_pip(folder: Path) -> Path:
+    """A bin folder whose pip, pip3 and python3 -m pip record that they were called (in `called`)."""
+    folder.mkdir()
+    for name in ("pip", "pip3"):
+        script = folder / name
+        script.write_text(f'#!/bin/sh\necho "{name} $*" >> {folder / "called"}\nexit 1\n')
+        script.chmod(0o755)
+    return folder
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_with_only_torch_importable_it_starts_exits_2_with_one_line_and_never_calls_pip(tmp_path):
+    site, bin_dir, work = torch_only_site(tmp_path / "site"), recording_pip(tmp_path / "bin"), tmp_path / "work"
+    work.mkdir()
+    # -S: no site-packages, so no pandas, numpy, matplotlib, yaml, transformers; torch alone warns that
+    # it runs without numpy (its own warning, ignored here: the check's line is the one asserted).
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin",
+           "HOME": str(tmp_path), "PYTHONWARNINGS": "ignore:Failed to initialize NumPy"}
+    # `python3 -m ckptlab.apps.gpu_check`, and on the way out the optional packages it imported
+    run_and_list = ("import atexit, runpy, sys; atexit.register(lambda: print(sorted({m.split('.')[0] for m in "
+                    "sys.modules} & {'numpy', 'pandas', 'yaml', 'matplotlib', 'transformers', 'tqdm', 'papermill', "
+                    "'nbformat'}))); runpy.run_module('ckptlab.apps.gpu_check', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-S", "-c", run_and_list], capture_output=True, text=True, cwd=work, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "[]\n"
+    assert len(proc.stderr.strip().splitlines()) == 1 and "gpu-check: no CUDA device is available" in proc.stderr
+    assert list(work.iterdir()) == [] and not (bin_dir / "called").exists()
+
+
+def test_the_check_installs_and_downloads_nothing():
+    """No module the check runs spawns pip or reaches the network: read in their sources."""
+    # pip as a command's word, ensurepip, `-m pip`; the network's clients. ("pip install ..." in a
+    # message tells a user what to run and is allowed.)
+    forbidden = re.compile(r"""ensurepip|["']pip3?["']|-m pip|urllib\.request|import requests|requests\.(?:get|post)|"""
+                           r"""from_pretrained|snapshot_download|hf_hub_download""")
+    modules = [m for name, m in sys.modules.items() if name.startswith("ckptlab.") and getattr(m, "__file__", None)]
+    sources = [Path(m.__file__) for m in modules] + [ROOT / "benchmarks" / "overhead.py"]
+    assert Path(gpu_check.__file__) in sources and len(sources) > 20
+    found = {str(p.relative_to(ROOT)): forbidden.findall(p.read_text()) for p in sources}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_make_gpu_check_needs_no_venv():
+    dry = subprocess.run(["make", "-n", "gpu-check", "VENV=/nonexistent"], capture_output=True, text=True, cwd=ROOT)
+    assert dry.returncode == 0 and dry.stdout.strip() == "python3 -m ckptlab.apps.gpu_check"
+
+
+def test_a_stage_whose_package_is_missing_is_skipped_saying_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "NEEDS", dict(gpu_check.NEEDS, overhead=("numpy", "no_such_package_here")))
+    monkeypatch.setattr(gpu_check, "memory_stage", lambda *a: [])
+    monkeypatch.setattr(gpu_check, "trainer_stage", lambda *a: gv.Claim(gv.TRAINER_CLAIM, gv.PASS, "", counts=False))
+    monkeypatch.setattr(gpu_check, "frontier_stage", lambda *a: gv.Claim(gv.FRONTIER_CLAIM, gv.PASS, ""))
+    monkeypatch.setattr(gpu_check, "snapshot_stage", lambda *a: "")
+    claims, _ = gpu_check.run_check(tmp_path, torch.device("cpu"), gpu_check.TimeBudget(600))
+    assert [(c.name, c.status, c.summary) for c in claims] == [
+        (gv.OVERHEAD_CLAIM, gv.SKIPPED, "not tested: needs no_such_package_here, not installed here"),
+        (gv.TRAINER_CLAIM, gv.PASS, ""), (gv.FRONTIER_CLAIM, gv.PASS, "")]
+    assert gv.exit_status(claims) == 3
+    assert gpu_check.missing(["torch", "no_such_package_here"]) == ["no_such_package_here"]
 
 
 # ----------------------------------------------------------------------------- memory, measured
@@ -54,10 +138,10 @@ def test_the_allocator_difference_is_explained_term_by_term():
     unexplained = cell("none", tracker, allocated + extra, requested + extra, 0)
     no_requested = cell("selective", tracker, allocated, None, 12)
     oom = cell("density=0.5", None, None, None, status="oom")
-    gaps = gv.allocator_gap(pd.DataFrame([explained, unexplained, no_requested, oom]), workspace, rng_state)
+    gaps = gv.allocator_gap([explained, unexplained, no_requested, oom], workspace, rng_state)
 
     assert len(gaps) == 3
-    a, b, c = gaps.to_dict("records")
+    a, b, c = gaps
     assert a["rounding_bytes"] == rounding and a["workspace_bytes"] == workspace
     assert a["rng_state_bytes"] == rng_state * regions
     assert a["gap_bytes"] == allocated - tracker and a["rest_bytes"] == 0 and a["explained"]
@@ -67,46 +151,94 @@ def test_the_allocator_difference_is_explained_term_by_term():
 
     claim = gv.memory_measured_claim(gaps)
     assert claim.status == gv.FAIL and "2 cells beyond it" in claim.summary
-    assert gv.memory_measured_claim(gaps.iloc[:1]).status == gv.PASS
+    assert gv.memory_measured_claim(gaps[:1]).status == gv.PASS
     assert "rounding" in claim.details and "gpt2-small b=8 s=1024 full bf16" in claim.details
-    assert gv.memory_measured_claim(gv.allocator_gap(pd.DataFrame(), 0, 0)).status == gv.FAIL
+    assert gv.memory_measured_claim(gv.allocator_gap([], 0, 0)).status == gv.FAIL
 
 
 def test_a_rest_just_inside_the_limit_is_explained_and_a_negative_rest_counts_too():
     tracker = 10_000_000
     inside = cell("none", tracker, tracker + 100_000, tracker + 100_000, 0)      # rest 1.0% exactly
     below = cell("full", tracker, tracker - 150_000, tracker - 150_000, 0)       # the allocator saw less: -1.5%
-    gaps = gv.allocator_gap(pd.DataFrame([inside, below]), workspace_bytes=0, rng_state_bytes=0)
-    assert gaps["explained"].tolist() == [True, False]
-    assert gaps["rest_frac"].tolist() == pytest.approx([0.01, -0.015])
+    gaps = gv.allocator_gap([inside, below], workspace_bytes=0, rng_state_bytes=0)
+    assert [g["explained"] for g in gaps] == [True, False]
+    assert [g["rest_frac"] for g in gaps] == pytest.approx([0.01, -0.015])
 
 
 # ----------------------------------------------------------------------------- memory, predicted
 
-def test_prediction_errors_per_cell_and_the_ops_named_where_kernels_differ():
-    mib = 2**20
-    cells = pd.DataFrame([
-        cell("none", 100 * mib, 110 * mib, dropout=0.0, saved_activation_bytes=50 * mib,
-             predicted_peak_bytes=101 * mib, predicted_saved_bytes=50 * mib),
-        cell("full", 100 * mib, 104 * mib, dropout=0.0, saved_activation_bytes=20 * mib,
-             predicted_peak_bytes=98.5 * mib, predicted_saved_bytes=21 * mib),
-        cell("none", 100 * mib, 104 * mib, dropout=0.1, saved_activation_bytes=50 * mib,
-             predicted_peak_bytes=160 * mib, predicted_saved_bytes=110 * mib),
-    ])
-    errors = gv.prediction_errors(cells)
-    assert errors["peak_error"].tolist() == pytest.approx([0.01, -0.015, 0.6])
-    assert errors["saved_error"].tolist() == pytest.approx([0.0, 0.05, 1.2])
-    assert errors["allocator_error"].tolist() == pytest.approx([101 / 110 - 1, 98.5 / 104 - 1, 160 / 104 - 1])
-    assert errors["within_target"].tolist() == [True, True, False]
-    assert errors["cpu_vs_cuda"].iloc[0] == ""
-    assert "scaled_dot_product_attention" in errors["cpu_vs_cuda"].iloc[2] and "dropout" in errors["cpu_vs_cuda"].iloc[2]
+def predicted_cell(policy, allocated, reserved, predicted, predicted_reserved, dropout=0.1, backend="flash",
+                   predicted_backend="flash", **values):
+    return cell(policy, allocated, allocated, allocated, dropout=dropout, cuda_max_reserved_bytes=reserved,
+                predicted_peak_bytes=predicted, predicted_reserved_bytes=predicted_reserved,
+                measured_backend=backend, predicted_backend=predicted_backend, **values)
 
-    claim = gv.memory_predicted_claim(errors)   # dropout cells are reported, not judged
-    assert claim.status == gv.PASS
-    assert "+60.00%" in claim.summary and "scaled_dot_product_attention" in claim.details
-    errors.loc[1, "predicted_peak_bytes"] = 97 * mib
-    assert gv.memory_predicted_claim(gv.prediction_errors(errors)).status == gv.FAIL
-    assert gv.memory_predicted_claim(errors[errors["dropout"] > 0]).status == gv.FAIL
+
+def test_the_cuda_prediction_is_judged_against_max_allocated_and_max_reserved():
+    gib = 2**30
+    cells = [
+        predicted_cell("none", 20 * gib, 22 * gib, 20.3 * gib, 21.0 * gib, dropout=0.0),   # +1.5%, -4.5%
+        predicted_cell("full", 10 * gib, 12 * gib, 9.81 * gib, 12.5 * gib),                # -1.9%, +4.2%
+        predicted_cell("selective", 14 * gib, 16 * gib, 14 * gib, 16 * gib, backend=None),  # backend not seen: not judged
+    ]
+    errors = gv.prediction_errors(cells)
+    assert [e["allocated_error"] for e in errors] == pytest.approx([0.015, -0.019, 0.0])
+    assert [e["reserved_error"] for e in errors] == pytest.approx([-1 / 22, 0.5 / 12, 0.0])
+    assert all(e["allocated_within"] and e["reserved_within"] and e["backend_agrees"] and not e["problem"]
+               for e in errors)
+    for quantity, name in (("allocated", gv.ALLOCATED_CLAIM), ("reserved", gv.RESERVED_CLAIM)):
+        claim = gv.memory_predicted_claim(errors, quantity)
+        assert claim.name == name and claim.status == gv.PASS, claim.summary
+    allocated = gv.memory_predicted_claim(errors, "allocated")
+    assert allocated.summary.startswith("3 cells, errors -1.90% .. +1.50% (target ±2%)")
+    assert "attention backend predicted as CUDA ran it in 3 of 3 cells" in allocated.summary
+    assert "gpt2-small b=8 s=1024 full bf16 dropout=0.1" in allocated.details and "flash" in allocated.details
+    assert gv.ALLOCATED_CLAIM == "memory, predicted: max allocated (±2%)"
+    assert gv.RESERVED_CLAIM == "memory, predicted: max reserved (±5%)"
+
+
+@pytest.mark.parametrize("change, allocated_status, reserved_status, words", [
+    (dict(predicted_peak_bytes=1.021), gv.FAIL, gv.PASS, "1 beyond it"),            # +2.1% allocated
+    (dict(predicted_reserved_bytes=1.06), gv.PASS, gv.FAIL, "1 beyond it"),         # +6% reserved
+    (dict(predicted_backend="math"), gv.FAIL, gv.PASS, "in 1 of 2 cells"),          # the wrong kernel chosen
+    (dict(predicted_peak_bytes=None, predicted_reserved_bytes=None, prediction_message="TypeError: device"),
+     gv.FAIL, gv.FAIL, "not predicted: TypeError: device"),
+    (dict(status="oom", message="CUDA out of memory"), gv.FAIL, gv.FAIL, "oom: CUDA out of memory"),
+])
+def test_a_cell_beyond_its_target_or_not_judged_fails_the_claim(change, allocated_status, reserved_status, words):
+    gib = 2**30
+    good = predicted_cell("none", 10 * gib, 12 * gib, 10 * gib, 12 * gib)
+    bad = predicted_cell("full", 10 * gib, 12 * gib, 10 * gib, 12 * gib)
+    for key, value in change.items():
+        bad[key] = value * bad[key] if isinstance(value, float) else value
+    errors = gv.prediction_errors([good, bad])
+    allocated, reserved = (gv.memory_predicted_claim(errors, q) for q in ("allocated", "reserved"))
+    assert (allocated.status, reserved.status) == (allocated_status, reserved_status)
+    assert words in (allocated.summary if allocated.status == gv.FAIL else reserved.summary)
+
+
+def test_cells_left_out_for_time_make_the_claim_skipped_not_passed():
+    gib = 2**30
+    errors = gv.prediction_errors([predicted_cell("none", 10 * gib, 12 * gib, 10 * gib, 12 * gib)])
+    not_run = ["8 cells from hf-llama-1b none dropout=0 on (needs about 12 s, 3 s of the 450 s budget left)"]
+    claim = gv.memory_predicted_claim(errors, "allocated", not_run)
+    assert claim.status == gv.SKIPPED and "not run: 8 cells from hf-llama-1b" in claim.summary
+    assert gv.memory_predicted_claim([], "reserved", not_run).status == gv.SKIPPED
+    assert gv.memory_predicted_claim([], "reserved").status == gv.FAIL
+
+
+def test_the_attention_backend_is_read_from_the_autograd_nodes():
+    assert gv.attention_backend_of(["AddmmBackward0", "ScaledDotProductFlashAttentionBackward0"]) == "flash"
+    assert gv.attention_backend_of(["ScaledDotProductEfficientAttentionBackward0", "SoftmaxBackward0"]) == "efficient"
+    assert gv.attention_backend_of(["ScaledDotProductCudnnAttentionBackward0"]) == "cudnn"
+    assert gv.attention_backend_of(["BmmBackward0", "SoftmaxBackward0", "NativeDropoutBackward0"]) == "math"
+    assert gv.attention_backend_of(["SafeSoftmaxBackward0", "LogSoftmaxBackward0"]) == "math"
+    assert gv.attention_backend_of(["LogSoftmaxBackward0"]) is None      # the loss's, not attention's
+    assert gv.attention_backend_of(["AddmmBackward0"]) is None
+    # a real forward on CPU (bf16 without dropout takes the flash kernel for CPU, whose node names it)
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    nodes = saved_bytes_by_node(torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum())
+    assert gv.attention_backend_of(list(nodes)) in ("flash", "math")
 
 
 # ----------------------------------------------------------------------------- time and the frontier
@@ -213,8 +345,10 @@ def test_the_report_says_pass_or_fail_per_claim_and_the_exit_status_follows():
     assert gv.exit_status(claims) == 3
     assert gv.exit_status(claims[:2]) == 0                     # a reported-only claim does not count
     assert gv.exit_status(claims + [gv.Claim(gv.OVERHEAD_CLAIM, gv.FAIL, "")]) == 1
-    text = gv.report_markdown(claims, "NVIDIA H200", 480, 401, ["a note"])
+    text = gv.report_markdown(claims, "NVIDIA H200", 480, 401, ["a note"],
+                              {"Python": "3.12.3", "torch": "2.11.0 (CUDA 12.8)", "pandas": "2.2.3", "papermill": None})
     assert text.startswith("# GPU validation on NVIDIA H200: INCOMPLETE")
+    assert "Ran on: Python 3.12.3, torch 2.11.0 (CUDA 12.8), pandas 2.2.3; not installed: papermill." in text
     assert "| memory, measured | pass | 16 cells |" in text
     assert "| the seed's claim (Trainer ~20% slower) | fail (reported only) | +50% |" in text
     assert "| time and the frontier | skipped | not tested: needs about 300 s" in text
@@ -238,8 +372,8 @@ def test_the_time_budget_skips_what_no_longer_fits():
 def test_every_stage_is_skipped_with_its_reason_when_no_time_is_left(tmp_path):
     budget = gpu_check.TimeBudget(0.0)
     claims, notes = gpu_check.run_check(tmp_path, torch.device("cpu"), budget)
-    assert [c.name for c in claims] == [gv.MEMORY_MEASURED_CLAIM, gv.MEMORY_PREDICTED_CLAIM, gv.OVERHEAD_CLAIM,
-                                        gv.TRAINER_CLAIM, gv.FRONTIER_CLAIM]
+    assert [c.name for c in claims] == [gv.MEMORY_MEASURED_CLAIM, gv.ALLOCATED_CLAIM, gv.RESERVED_CLAIM,
+                                        gv.OVERHEAD_CLAIM, gv.TRAINER_CLAIM, gv.FRONTIER_CLAIM]
     assert all(c.status == gv.SKIPPED and "budget left" in c.summary for c in claims)
     assert gv.exit_status(claims) == 3 and notes == []
 
@@ -249,10 +383,18 @@ def test_the_configured_cells_and_groups_are_valid_before_a_gpu_sees_them():
     from ckptlab.run.compare import chosen_anchors
     from ckptlab.workloads.registry import get_workload
 
-    for policy in gpu_check.MEMORY["policies"] + tuple(p for _, ps, _ in gpu_check.GROUPS for p in ps):
+    memory_policies = tuple(p for p in gpu_check.MEMORY["policies"] if p != gpu_check.PLAN)
+    assert set(gpu_check.MEMORY["policies"]) == {"none", "full", "selective", gpu_check.PLAN}
+    for policy in memory_policies + tuple(p for _, ps, _ in gpu_check.GROUPS for p in ps):
         parse_policy(policy)
     assert all(ps[0] == "none" for _, ps, _ in gpu_check.GROUPS)   # each group's time baseline and noise floor
+    assert gpu_check.MEMORY["dtype"] == "bf16" and gpu_check.MEMORY["dropouts"] == (0.0, 0.1)
     pytest.importorskip("transformers")
+    for _, spec, overrides, batch_size, seq_len in gpu_check.MEMORY["models"]:
+        workload = gpu_check.memory_workload(spec, overrides, 0.1)
+        workload.check_shape(batch_size, seq_len)
+        assert workload.config.model_type == "llama" and workload.config.attention_dropout == 0.1
+    assert [m[1:] for m in gpu_check.MEMORY["models"]][-1] == ("hf-llama-1b", {}, 2, 2048)
     llama = get_workload(gpu_check.FRONTIER["model"])
     llama.check_shape(gpu_check.FRONTIER["batch_size"], gpu_check.FRONTIER["seq_len"])
     named = [a for _, _, anchors in gpu_check.GROUPS for a in anchors]
@@ -266,8 +408,9 @@ def test_the_configured_cells_and_groups_are_valid_before_a_gpu_sees_them():
 def tiny_check(monkeypatch):
     """The check's stages at a tiny size on CPU, the CUDA-only probes stubbed: the data flow from
     measurements to claims runs here before it runs on a GPU."""
-    monkeypatch.setattr(gpu_check, "MEMORY", dict(gpu_check.MEMORY, model="gpt-tiny", batch_size=2, seq_len=32,
-                                                  policies=("full",)))
+    monkeypatch.setattr(gpu_check, "MEMORY", dict(gpu_check.MEMORY, policies=(gpu_check.PLAN, "none", "full"), dropouts=(0.1,),
+                                                  models=(("tiny", "hf-llama-tiny", {"num_hidden_layers": 2}, 2, 32),)))
+    monkeypatch.setattr(gpu_check, "prediction_workers", lambda: 2)
     monkeypatch.setattr(gpu_check, "FRONTIER", dict(model="gpt-tiny", batch_size=2, seq_len=32, dtype="fp32"))
     monkeypatch.setattr(gpu_check, "GROUPS", (("tiny", ("none", "full"), ("torch.utils.checkpoint per block",)),))
     monkeypatch.setattr(gpu_check, "COMPARE_TIMING_S", 0.5)
@@ -281,17 +424,21 @@ def tiny_check(monkeypatch):
 
 
 def test_the_memory_and_frontier_stages_run_end_to_end_on_cpu(tiny_check, tmp_path):
+    pytest.importorskip("transformers")
     cpu = torch.device("cpu")
     notes = []
-    measured, predicted = gpu_check.memory_stage(tmp_path, cpu, tiny_check, notes)
+    measured, allocated, reserved = gpu_check.memory_stage(tmp_path, cpu, tiny_check, notes)
     assert measured.status == gv.FAIL and "no cell was measured on CUDA" in measured.summary   # CPU has no allocator counters
-    assert predicted.status == gv.PASS, predicted.summary   # CPU measured against CPU predicted: the same kernels
-    assert "with dropout: 1 cells" in predicted.summary
-    cells = pd.read_csv(tmp_path / "memory" / "cells.csv")
-    assert len(cells) == 2 and set(cells["dropout"]) == {0.0, 0.1}
-    by_node = pd.read_csv(tmp_path / "memory" / "saved_by_node.csv")   # CPU real against CPU fake: the same
-    assert set(by_node["dropout"]) == {0.0, 0.1} and (by_node["predicted_bytes"] == by_node["measured_bytes"]).all()
-    assert "dropout 0.1): the same at every node" in predicted.details
+    for claim in (allocated, reserved):    # predicted for CUDA, measured on a CPU: nothing to judge, and it says so
+        assert claim.status == gv.FAIL and "3 cells not judged" in claim.summary and "no allocator counters" in claim.summary
+    with open(tmp_path / "memory" / "cells.csv") as f:
+        cells = list(csv.DictReader(f))
+    assert [(c["policy"][:5], c["dropout"], c["status"]) for c in cells] == [  # the plan's cell last, its plan
+        ("none", "0.1", "ok"), ("full", "0.1", "ok"), ("plan=", "0.1", "ok")]  # made meanwhile in a worker
+    assert all(int(c["predicted_peak_bytes"]) > 0 and int(c["predicted_reserved_bytes"]) >= int(c["predicted_peak_bytes"])
+               and c["predicted_backend"] for c in cells)
+    assert {c["measured_backend"] for c in cells} == {"math"}   # CPU's kernels with dropout, read from the nodes
+    assert (tmp_path / "memory" / "prediction_errors.csv").exists()
     frontier = gpu_check.frontier_stage(tmp_path, cpu, tiny_check)
     rows = pd.read_csv(tmp_path / "compare" / "frontier.csv")
     assert set(rows["group"]) == {"tiny"} and "torch.utils.checkpoint per block" in set(rows["policy"])
@@ -301,7 +448,16 @@ def test_the_memory_and_frontier_stages_run_end_to_end_on_cpu(tiny_check, tmp_pa
     assert (tmp_path / "compare" / "tiny" / "figures" / "compare.png").exists()
 
 
-def test_the_overhead_and_trainer_stages_run_end_to_end_on_cpu(tiny_check, tmp_path):
+def test_the_overhead_and_trainer_stages_run_end_to_end_on_cpu(tiny_check, tmp_path, monkeypatch):
+    commands, run = [], subprocess.run
+
+    def recorded(args, *rest, **kwargs):   # every child the stages start, and what PATH offers it as pip
+        commands.append([str(a) for a in args])
+        return run(args, *rest, **kwargs)
+
+    bin_dir = recording_pip(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(subprocess, "run", recorded)
     cpu = torch.device("cpu")
     overhead = gpu_check.overhead_stage(tmp_path, cpu, tiny_check)
     assert overhead.name == gv.OVERHEAD_CLAIM and "ckptlab full / manual full" in overhead.summary
@@ -310,6 +466,7 @@ def test_the_overhead_and_trainer_stages_run_end_to_end_on_cpu(tiny_check, tmp_p
     trainer = gpu_check.trainer_stage(tmp_path, cpu)
     assert trainer.name == gv.TRAINER_CLAIM and not trainer.counts and "timed steps" in trainer.summary
     assert (tmp_path / "trainer" / "summary.csv").exists()
+    assert commands and not any("pip" in a for c in commands for a in c) and not (bin_dir / "called").exists()
 
 
 def test_arguments_are_refused_with_one_line(capsys):
@@ -329,8 +486,8 @@ def test_the_alarm_stops_a_stage_and_the_stages_after_it_are_skipped(tmp_path, m
     with gpu_check.budget_alarm(0.2):
         claims, notes = gpu_check.run_check(tmp_path, torch.device("cpu"), gpu_check.TimeBudget(600))
     assert ran == []
-    assert [c.summary for c in claims[:2]] == ["not tested: stopped by the time budget while it ran"] * 2
-    assert all("spent by an earlier stage" in c.summary for c in claims[2:])
+    assert [c.summary for c in claims[:3]] == ["not tested: stopped by the time budget while it ran"] * 3
+    assert all("spent by an earlier stage" in c.summary for c in claims[3:])
     assert gv.exit_status(claims) == 3
 
 
@@ -345,12 +502,13 @@ def test_a_stage_that_crashes_fails_its_claim_and_the_others_run(tmp_path, monke
     monkeypatch.setattr(gpu_check, "snapshot_stage", lambda *a: None)
     budget = gpu_check.TimeBudget(600)
     claims, notes = gpu_check.run_check(tmp_path, torch.device("cpu"), budget)
-    assert [c.status for c in claims] == [gv.FAIL, gv.FAIL, gv.PASS, gv.FAIL, gv.SKIPPED]
+    assert [c.status for c in claims] == [gv.FAIL, gv.FAIL, gv.FAIL, gv.PASS, gv.FAIL, gv.SKIPPED]
     assert claims[0].summary == "RuntimeError: CUDA error: an illegal memory access (errors.txt)"
     assert "Traceback" in (tmp_path / "errors.txt").read_text()
     assert gpu_check.finish(tmp_path, claims, notes, "Fake GPU", budget, {"torch": "x"}) == 1
     assert (tmp_path / "report.md").read_text().startswith("# GPU validation on Fake GPU: FAIL")
     assert '"device": "Fake GPU"' in (tmp_path / "claims.json").read_text()
+    assert f"Ran on: Python {platform.python_version()}, torch {torch.__version__}" in (tmp_path / "report.md").read_text()
 
 
 @requires_cuda
@@ -382,20 +540,15 @@ def test_saved_bytes_by_node_on_a_hand_counted_model_real_and_fake():
         assert saved() == {"AddmmBackward0": 128, "ReluBackward0": 256}
 
 
-def test_saved_differences_name_the_nodes_whose_bytes_differ():
-    cpu = {"AddmmBackward0": 100, "ScaledDotProductFlashAttentionForCpuBackward0": 40, "MulBackward0": 64}
-    cuda = {"AddmmBackward0": 100, "ScaledDotProductFlashAttentionBackward0": 36, "NativeDropoutBackward0": 16}
-    diff = gv.saved_differences(cpu, cuda)
-    assert diff["node"].tolist() == ["MulBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
-                                     "ScaledDotProductFlashAttentionBackward0", "NativeDropoutBackward0"]
-    assert diff["difference_bytes"].tolist() == [64, 40, -36, -16]
-    assert gv.saved_differences(cpu, dict(cpu)).empty
-    mib = 2**20
-    cells = pd.DataFrame([cell("none", 100 * mib, 104 * mib, dropout=0.1, saved_activation_bytes=50 * mib,
-                               predicted_peak_bytes=130 * mib, predicted_saved_bytes=80 * mib)])
-    errors = gv.prediction_errors(cells, differences={0.1: diff})
-    assert errors["cpu_vs_cuda"].iloc[0].startswith("MulBackward0, ScaledDotProductFlashAttentionForCpuBackward0")
-    claim = gv.memory_predicted_claim(pd.concat([errors, gv.prediction_errors(cells.assign(dropout=0.0))]),
-                                      differences={0.1: diff, 0.0: diff.iloc[0:0]})
-    assert "policy none, dropout 0.1" in claim.details and "NativeDropoutBackward0" in claim.details
-    assert "dropout 0): the same at every node" in claim.details
+def test_the_prediction_is_for_the_card_the_device_is(monkeypatch):
+    def device(major, minor, total_memory):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda dev: types.SimpleNamespace(major=major, minor=minor, total_memory=total_memory))
+
+    cuda = torch.device("cuda", 0)
+    device(9, 0, 150_110_126_080)                     # what an H200 reports (143,158 MiB)
+    assert gpu_check.card_of(cuda).name == "h200"
+    device(9, 0, 85_045_477_376)
+    assert gpu_check.card_of(cuda).name == "h100-80"
+    device(7, 5, 16 * 2**30)                           # a T4: no card of its capability in the table
+    assert gpu_check.card_of(cuda) is None and gpu_check.card_of(torch.device("cpu")) is None

@@ -222,3 +222,41 @@ def test_a_measured_step_time_carries_its_interval_threads_and_load():
     assert record["rounds"] >= 3 and record["threads"] == torch.get_num_threads()
     assert record["load_before"] >= 0 and isinstance(record["busy"], bool)
     assert record["time_ratio"] is None and record["timing_baseline"] is None  # timed alone: no ratio
+
+
+def test_cuda_events_are_recorded_on_the_stream_of_the_device_the_step_runs_on(monkeypatch):
+    """cuda:1 while cuda:0 is current: events without a device would go on cuda:0's stream and
+    time nothing of the step. The CUDA calls are stood in for, so this runs without a GPU."""
+    current, log = ["cuda:0"], []
+
+    class Device:   # torch.cuda.device(dev): dev is current inside
+        def __init__(self, dev):
+            self.dev = str(dev)
+
+        def __enter__(self):
+            self.before, current[0] = current[0], self.dev
+
+        def __exit__(self, *exc):
+            current[0] = self.before
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self, stream=None):
+            log.append(("record", stream, current[0]))
+            self.at = len(log)
+
+        def elapsed_time(self, end):
+            return float(end.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: f"stream of {dev}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: log.append(("synchronize", str(dev), current[0])))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    result = time_interleaved({"step": lambda: log.append(("step", None, current[0]))}, device="cuda:1", warmup=0,
+                              min_rounds=1, max_rounds=1)
+    assert log == [("synchronize", "cuda:1", "cuda:1"), ("record", "stream of cuda:1", "cuda:1"),
+                   ("step", None, "cuda:1"), ("record", "stream of cuda:1", "cuda:1"),
+                   ("synchronize", "cuda:1", "cuda:1")]
+    assert result.times_ms["step"] == [2.0] and current[0] == "cuda:0"

@@ -232,3 +232,17 @@ def test_a_run_with_one_timed_step_has_no_interval_and_claims_no_difference():
 
 def pd_isna(value) -> bool:
     return value != value
+
+
+def test_trainer_trains_on_one_device_where_several_gpus_are_visible(tmp_path, monkeypatch):
+    """transformers' Trainer wraps the model in DataParallel when it counts more than one GPU:
+    here it is told there are two (on CPU), and DataParallel refuses to be built."""
+    class Refused(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("Trainer wrapped the model in DataParallel")
+
+    monkeypatch.setattr(transformers.TrainingArguments, "n_gpu", property(lambda self: 2))
+    monkeypatch.setattr(torch.nn, "DataParallel", Refused)
+    df = compare_trainer_runs(tmp_path, ["none"], MODEL, batch_size=2, seq_len=16, accum_steps=1, max_steps=1,
+                              track_steps=0)
+    assert len(df) == 1 and df["effective_batch_size"].iloc[0] == 2

@@ -1,67 +1,86 @@
-"""GPU validation (`make gpu-check`): ckptlab's claims about a GPU, tested in one command within
-a stated time budget (BUDGET_S), into results/gpu-check-<device>/ with a report.md that says pass
-or fail per claim. The verdicts are computed by `ckptlab.report.gpu_validation` (tested on CPU);
-the claims, and how the budget is kept: docs/design.md, note "The GPU check".
+"""GPU validation (`python3 -m ckptlab.apps.gpu_check`, or `make gpu-check`): ckptlab's claims about a
+GPU, tested in one command within a stated time budget (BUDGET_S), into
+results/gpu-check-<device>/ with a report.md that says pass or fail per claim and what it ran on.
+The verdicts are computed by `ckptlab.report.gpu_validation` (tested on CPU); the claims, and how
+the budget is kept: docs/design.md, note "The GPU check".
 
-Without a CUDA device it exits with status 2 and one line; it never pretends to pass. Exit status
-on a GPU: 0 every claim passed, 1 one failed, 3 one was skipped for time (not tested).
+It runs from a checkout with the machine's own Python and torch: it needs nothing but torch to
+start, uses the other packages (transformers, pandas, matplotlib, numpy) where they are installed
+and skips, saying so, the claims that need one that is not. It installs nothing and downloads
+nothing (every model is built from a config, with random weights; Hugging Face is set offline).
+
+Without a CUDA device it exits with status 2 and one line, writing nothing; it never pretends to
+pass. Exit status on a GPU: 0 every claim passed, 1 one failed, 3 one was skipped (not tested).
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import gc
+import importlib.util
 import json
+import multiprocessing
+import os
+import platform
 import re
 import signal
 import subprocess
 import sys
 import time
 import traceback
+from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-import pandas as pd
 import torch
 from torch.utils.checkpoint import get_device_states
 
+from ..core.cards import Card, cards
 from ..core.children import child_environment, die_with_parent
-from ..core.policy import Policy
-from ..estimate.fake_step import fake_training_step
-from ..plan.budget import measure, predict
+from ..core.policy import Policy, parse_policy
+from ..core.records import new_record
+from ..plan.budget import plan_budget, predict
+from ..probe.measure import failures_recorded, measurement_record, policy_applier, policy_notes, prepare_step
 from ..probe.memory import cuda_memory_snapshot, saved_bytes_by_node
 from ..probe.step import DTYPES
 from ..report.gpu_validation import (
+    ALLOCATED_CLAIM,
     FAIL,
     FRONTIER_CLAIM,
     MEMORY_MEASURED_CLAIM,
-    MEMORY_PREDICTED_CLAIM,
     OVERHEAD_CLAIM,
+    RESERVED_CLAIM,
     TRAINER_CLAIM,
     Claim,
     allocator_gap,
+    attention_backend_of,
+    cell_label,
     exit_status,
     frontier_claim,
-    frontier_rows,
     memory_measured_claim,
     memory_predicted_claim,
     overhead_claim,
     prediction_errors,
     report_markdown,
-    saved_differences,
     skipped,
     trainer_claim,
 )
-from ..report.plots import compare_plot
-from ..run.compare import compare
 from ..run.provenance import environment, source_commit
 from ..workloads.registry import get_workload
 
 BUDGET_S = 450.0          # from main() on: with the interpreter's start and the report, within 8 minutes
 REPORT_RESERVE_S = 15.0   # kept back for writing the report when the alarm stops a stage
 
-MEMORY = dict(model="gpt2-small", batch_size=8, seq_len=1024, dtype="bf16",
-              policies=("none", "selective", "density=0.5", "full"), dropouts=(0.0, 0.1))
+# The memory cells: (label, workload spec, config overrides, batch, seq), each policy, each
+# attention dropout, in bf16 (flash attention on CUDA). PLAN stands for the planner's plan (for
+# CUDA) at the budget halfway between the peaks predicted for the model's none and full without
+# dropout. Small model first, the plans' cells last: if time runs short, both models have cells.
+SMALL_LLAMA = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
+                   num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048)
+PLAN = "plan"
+MEMORY = dict(models=(("small Llama", "hf-llama-tiny", SMALL_LLAMA, 8, 1024), ("hf-llama-1b", "hf-llama-1b", {}, 2, 2048)),
+              dtype="bf16", optimizer="adamw", policies=("none", "full", "selective", PLAN), dropouts=(0.0, 0.1))
 OVERHEAD_TIMING_S = 60.0  # its rounds stop earlier at ±0.3%, enough to show +1% on a steady GPU
 OVERHEAD_ARGS = ["--model", "gpt2-small", "--batch", "8", "--seq", "1024", "--target-ci", "0.003", "--threads", "1"]
 TRAINER = dict(model="hf-llama-1b", batch_size=2, seq_len=1024, accum_steps=1, max_steps=20, track_steps=1)
@@ -82,6 +101,12 @@ COMPARE_TIMING_S = 30.0   # timing rounds per group, at most (GPU steps are stea
 
 # Prior estimates (seconds) until the check has timed a stage of the kind itself.
 ESTIMATES = dict(memory_cell=12.0, overhead=90.0, trainer=90.0, compare_config=30.0, compile=75.0, snapshot=20.0)
+
+# What each stage imports beyond torch: a stage whose packages are not all installed is skipped.
+NEEDS = dict(memory=("transformers",), overhead=("numpy",), trainer=("transformers", "accelerate", "pandas", "matplotlib"),
+             frontier=("transformers", "numpy", "pandas", "matplotlib"), snapshot=("transformers",))
+# The packages whose versions report.md names (None: not installed).
+REPORTED_PACKAGES = ("transformers", "accelerate", "peft", "numpy", "pandas", "matplotlib", "papermill", "nbformat")
 
 
 class BudgetExceeded(BaseException):
@@ -118,6 +143,33 @@ def group_estimate(n_configs: int, n_compiled: int, per_config_s: float, compile
 
 def run_dir_name(device_name: str) -> str:
     return "gpu-check-" + (re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "cuda")
+
+
+def missing(packages) -> list[str]:
+    """The packages of `packages` that cannot be imported here (looked up, not imported)."""
+    return [p for p in packages if importlib.util.find_spec(p) is None]
+
+
+def versions() -> dict:
+    """What the check runs on, for report.md: Python, torch (with its CUDA), and each of
+    REPORTED_PACKAGES' version or None."""
+    found = {"Python": platform.python_version(), "torch": f"{torch.__version__} (CUDA {torch.version.cuda})"}
+    for name in REPORTED_PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """Records as a CSV file (every key of every row a column), with the standard library only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 # ----------------------------------------------------------------------------- CUDA measurements
@@ -169,76 +221,173 @@ def rng_state_bytes(dev: torch.device) -> int:
 
 # ----------------------------------------------------------------------------- stages
 
-def memory_cell(workload, policy: str, dropout: float, dev: torch.device) -> dict:
-    """One cell: measured on CUDA (its time is not a claim here), then predicted on CPU."""
+def memory_workload(spec: str, overrides: dict, dropout: float):
+    return get_workload(spec, **overrides, attention_dropout=dropout)
+
+
+# Predictions run on CPU fake tensors while the GPU measures: in worker processes (spawned, so no
+# CUDA state is inherited), each handed everything it needs (a worker does not see MEMORY).
+
+def predicted(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, policy: str, dtype: str,
+              optimizer: str, card: Card | None) -> dict:
+    """One cell's `predict(device="cuda", card=card)` as record columns; a prediction that fails is
+    the cell's `prediction_message`, which fails its claims with the reason."""
+    try:
+        p = predict(memory_workload(spec, overrides, dropout), batch_size, seq_len, policy, dtype=dtype,
+                    optimizer=optimizer, device="cuda", card=card)
+    except Exception as exc:  # noqa: BLE001 - the cell's claims fail with the reason; the others go on
+        return {"prediction_message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return dict(predicted_peak_bytes=p.peak_bytes, predicted_reserved_bytes=p.reserved_bytes,
+                predicted_device_bytes=p.device_bytes, predicted_backend=p.attention_backend,
+                predicted_saved_bytes=p.saved_activation_bytes)
+
+
+def midpoint_plan(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, dtype: str,
+                  optimizer: str, card: Card | None) -> str:
+    """The planner's plan for CUDA at the budget halfway between the peaks predicted for none and
+    full. Its recompute costs are the roofline's: which plan it is matters here, not what it
+    costs, and timing blocks on a CPU takes long."""
+    workload = memory_workload(spec, overrides, dropout)
+    none, full = (predict(workload, batch_size, seq_len, p, dtype=dtype, optimizer=optimizer, device="cuda",
+                          card=card).peak_bytes for p in ("none", "full"))
+    plan = plan_budget(workload, batch_size, seq_len, (none + full) // 2, dtype=dtype, optimizer=optimizer,
+                       cost="roofline", device="cuda", card=card)
+    return str(plan.policy)
+
+
+WORKER_START_S = 90.0     # a spawned worker imports torch, ckptlab and transformers: seconds, not minutes
+
+
+def card_of(dev: torch.device) -> Card | None:
+    """The card of the table this device is: its compute capability (which decides the attention
+    kernels and cuBLAS's workspace), the nearest usable bytes; None when no card has its
+    capability (the prediction's default card then)."""
+    if dev.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(dev)
+    same = [c for c in cards() if c.compute_capability == (props.major, props.minor)]
+    return min(same, key=lambda c: abs(c.usable_bytes - props.total_memory), default=None)
+
+
+def prediction_workers() -> int:
+    """Worker processes for the predictions: the CPUs but two (the measuring process and the GPU's
+    driver), at most eight (each holds a fake model; a GPU host has 16 cores or more)."""
+    return max(1, min(8, (os.cpu_count() or 1) - 2))
+
+
+def memory_cell(workload, batch_size: int, seq_len: int, policy: str, dropout: float, dev: torch.device) -> dict:
+    """One cell measured on CUDA: one step as `measure` takes it, without its timing, its allocator
+    peaks counted from what the device held before it."""
     fresh_allocator(dev)
-    record = measure(workload, MEMORY["batch_size"], MEMORY["seq_len"], policy, device=str(dev),
-                     dtype=MEMORY["dtype"], steps=2, warmup=1, max_seconds=0.1)
+    dtype, optimizer = MEMORY["dtype"], MEMORY["optimizer"]
+    record, workload, parsed, dev, limit = measurement_record(workload, batch_size, seq_len, parse_policy(policy), device=str(dev),
+                                                              dtype=dtype, optimizer=optimizer)
     record["dropout"] = dropout
-    if record["status"] == "ok":
-        p = predict(workload, MEMORY["batch_size"], MEMORY["seq_len"], policy, dtype=MEMORY["dtype"])
-        record.update(predicted_peak_bytes=p.peak_bytes, predicted_saved_bytes=p.saved_activation_bytes)
+    reserved_before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+    with failures_recorded(record, dev):
+        policy_notes(record, parsed, dev)
+        prepare_step(record, workload, policy_applier(parsed), dev, dtype, limit, optimizer)
+        if dev.type == "cuda":  # as prepare_step takes out what the device allocated before
+            record["cuda_max_reserved_bytes"] -= reserved_before
     return record
 
 
-def saved_by_node(workload, dev: torch.device) -> dict[str, int]:
-    """What one forward at the memory cells' shape leaves for backward, by autograd node, without
-    checkpointing: on `dev` for real, or (dev None) predicted on CPU fake tensors."""
-    b, s, dtype = MEMORY["batch_size"], MEMORY["seq_len"], DTYPES[MEMORY["dtype"]]
-    if dev is None:
-        with fake_training_step(workload, b, s, Policy("none"), MEMORY["dtype"], "none") as (model, _, batch, _, _):
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-                return saved_bytes_by_node(workload.loss(model, batch))
-    model = workload.build(dev).train()
-    batch = workload.batch(b, s, dev)
-    with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
-        return saved_bytes_by_node(workload.loss(model, batch))
+def backend_on_cuda(workload, batch_size: int, seq_len: int, dev: torch.device) -> str | None:
+    """The attention backend one forward of `workload` ran on `dev` (from its autograd nodes); a
+    forward that fails gives "not known: <why>", which no prediction matches."""
+    fresh_allocator(dev)
+    try:
+        model = workload.build(dev).train()
+        batch = workload.batch(batch_size, seq_len, dev)
+        with torch.autocast(dev.type, dtype=DTYPES[MEMORY["dtype"]]):
+            return attention_backend_of(list(saved_bytes_by_node(workload.loss(model, batch))))
+    except Exception as exc:  # noqa: BLE001 - the cells' allocated claim fails with the reason
+        return f"not known: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[str]) -> list[Claim]:
-    """Claims 1 and 2 from the same cells: each measured on CUDA and predicted on CPU."""
+    """The memory claims from the same cells: each measured on CUDA (the tracker against the
+    allocator) and predicted with CUDA semantics (allocated and reserved against the allocator's).
+    Cells are measured in order while they fit, their predictions made meanwhile by worker
+    processes; the cells left out, or not predicted in the time, are named in the claims."""
     workspace, rng = library_workspace_bytes(dev), rng_state_bytes(dev)
     notes.append(f"Library workspaces measured on this device: {workspace} B; one saved RNG state: {rng} B of "
                  "device memory.")
-    cells, per_cell = [], ESTIMATES["memory_cell"]
-    todo = [(dropout, policy) for dropout in MEMORY["dropouts"] for policy in MEMORY["policies"]]
-    for k, (dropout, policy) in enumerate(todo):
-        if not budget.fits(per_cell + REPORT_RESERVE_S):
-            notes.append(f"Memory: {len(todo) - k} cells left out for time ({budget.reason(per_cell)}).")
-            break
-        t0 = time.monotonic()
-        try:
-            cells.append(memory_cell(get_workload(MEMORY["model"], dropout=dropout), policy, dropout, dev))
-        except BudgetExceeded:
-            notes.append("Memory: the time budget ran out during a cell; the claims use the cells before it.")
-            break
-        per_cell = time.monotonic() - t0
-    differences, by_node = {}, []
-    for dropout in MEMORY["dropouts"]:   # which op keeps what, side by side, where time allows
-        if not budget.fits(per_cell + REPORT_RESERVE_S):
-            break
-        try:
-            workload = get_workload(MEMORY["model"], dropout=dropout)
-            fresh_allocator(dev)
-            on_cuda, on_cpu = saved_by_node(workload, dev), saved_by_node(workload, None)
-        except BudgetExceeded:
-            break
-        differences[dropout] = saved_differences(on_cpu, on_cuda)
-        by_node += [dict(dropout=dropout, node=n, predicted_bytes=on_cpu.get(n, 0), measured_bytes=on_cuda.get(n, 0))
-                    for n in dict.fromkeys([*on_cpu, *on_cuda])]
-    (out / "memory").mkdir(parents=True, exist_ok=True)
-    df = pd.DataFrame(cells)
-    df.to_csv(out / "memory" / "cells.csv", index=False)
-    gaps = allocator_gap(df, workspace, rng)
-    gaps.to_csv(out / "memory" / "allocator_gap.csv", index=False)
-    measured = memory_measured_claim(gaps)
-    with_prediction = df[df["status"] == "ok"] if len(df) else df
-    if "predicted_peak_bytes" not in with_prediction or with_prediction.empty:
-        return [measured, Claim(MEMORY_PREDICTED_CLAIM, FAIL, "no cell was measured ok on CUDA")]
-    pd.DataFrame(by_node).to_csv(out / "memory" / "saved_by_node.csv", index=False)
-    errors = prediction_errors(with_prediction, differences=differences)
-    errors.to_csv(out / "memory" / "prediction_errors.csv", index=False)
-    return [measured, memory_predicted_claim(errors, differences=differences)]
+    dtype, optimizer, card = MEMORY["dtype"], MEMORY["optimizer"], card_of(dev)
+    notes.append(f"Predicted for the card {card.label if card else 'of no entry of the table (the default card)'}.")
+    # The plans' cells last: their plans are made (in a worker) while the GPU measures the others.
+    todo = sorted([(model, dropout, policy) for model in MEMORY["models"] for dropout in MEMORY["dropouts"]
+                   for policy in MEMORY["policies"]], key=lambda cell: cell[2] == PLAN)
+    cells, pending, not_run, backends, per_cell = [], [], [], {}, ESTIMATES["memory_cell"]
+    with multiprocessing.get_context("spawn").Pool(prediction_workers()) as pool:   # terminated on the way out
+        try:   # a worker that cannot start is respawned for ever: that is a failure, not a wait
+            pool.apply_async(os.getpid).get(WORKER_START_S)
+        except multiprocessing.TimeoutError:
+            raise RuntimeError(f"the prediction workers did not start within {WORKER_START_S:.0f} s") from None
+        plans = {label: pool.apply_async(midpoint_plan, (spec, overrides, MEMORY["dropouts"][0], b, s, dtype, optimizer,
+                                                         card))
+                 for label, spec, overrides, b, s in MEMORY["models"] if PLAN in MEMORY["policies"]}
+        predictions = {(label, dropout, policy): pool.apply_async(predicted, (spec, overrides, dropout, b, s, policy,
+                                                                              dtype, optimizer, card))
+                       for (label, spec, overrides, b, s), dropout, policy in todo if policy != PLAN}
+        for k, ((label, spec, overrides, batch_size, seq_len), dropout, policy) in enumerate(todo):
+            if k and label != todo[k - 1][0][0]:   # another model: what a cell of the last one took is no estimate
+                per_cell = max(per_cell, ESTIMATES["memory_cell"])
+            if not budget.fits(per_cell + REPORT_RESERVE_S):
+                not_run.append(f"{len(todo) - k} cells from {label} {policy} dropout={dropout:g} on "
+                               f"({budget.reason(per_cell)})")
+                break
+            t0 = time.monotonic()
+            try:
+                workload = memory_workload(spec, overrides, dropout)
+                key = (label, dropout, policy)
+                if policy == PLAN:
+                    try:
+                        policy = plans[label].get(max(0.1, budget.left() - 2 * REPORT_RESERVE_S))
+                    except multiprocessing.TimeoutError:
+                        not_run.append(f"{len(todo) - k} cells from {label} {PLAN} dropout={dropout:g} on (no plan "
+                                       "within the time budget)")
+                        break
+                    except Exception as exc:  # noqa: BLE001 - the plan's cells fail their claims, saying why
+                        policy = exc
+                    if isinstance(policy, str):
+                        predictions[key] = pool.apply_async(predicted, (spec, overrides, dropout, batch_size, seq_len,
+                                                                        policy, dtype, optimizer, card))
+                if (label, dropout) not in backends:
+                    backends[label, dropout] = backend_on_cuda(workload, batch_size, seq_len, dev)
+                cell = (memory_cell(workload, batch_size, seq_len, policy, dropout, dev) if isinstance(policy, str) else
+                        new_record(workload.label, batch_size, seq_len, policy=PLAN, dtype=dtype, dropout=dropout,
+                                   status="error", message=f"no plan: {type(policy).__name__}: {policy}"))
+            except BudgetExceeded:
+                not_run.append(f"{len(todo) - k} cells from {label} {policy} dropout={dropout:g} on (stopped by the "
+                               "time budget while it ran)")
+                break
+            cells.append(dict(cell, measured_backend=backends[label, dropout]))
+            pending.append(predictions.get(key))
+            per_cell = time.monotonic() - t0
+        for cell, prediction in zip(list(cells), pending):   # the claims are written before the alarm
+            if prediction is None or cell["status"] != "ok":
+                continue
+            try:
+                cell.update(prediction.get(max(0.1, budget.left() - 2 * REPORT_RESERVE_S)))
+            except (multiprocessing.TimeoutError, BudgetExceeded):
+                cells.remove(cell)
+                not_run.append(f"{cell_label(cell)} (not predicted within the time budget)")
+            except Exception as exc:  # noqa: BLE001 - a worker that failed: the cell's claims fail with why
+                cell["prediction_message"] = f"{type(exc).__name__}: {exc}"
+    if dev.type == "cuda":   # reported beside the card table's estimate, not judged
+        free, total = torch.cuda.mem_get_info(dev)
+        outside = total - free - torch.cuda.memory_reserved(dev)
+        notes.append(f"Outside the caching allocator (CUDA context, kernel images) the device holds {outside} B after "
+                     "the memory cells (total - free - reserved; other processes on the card count too); the card "
+                     f"table estimates {card.context_bytes if card else '-'} B.")
+    write_csv(cells, out / "memory" / "cells.csv")
+    gaps = allocator_gap(cells, workspace, rng)
+    write_csv(gaps, out / "memory" / "allocator_gap.csv")
+    errors = prediction_errors(cells)
+    write_csv(errors, out / "memory" / "prediction_errors.csv")
+    return [memory_measured_claim(gaps), memory_predicted_claim(errors, "allocated", not_run),
+            memory_predicted_claim(errors, "reserved", not_run)]
 
 
 def overhead_stage(out: Path, dev: torch.device, budget: TimeBudget) -> Claim:
@@ -264,9 +413,10 @@ def overhead_stage(out: Path, dev: torch.device, budget: TimeBudget) -> Claim:
 
 
 def trainer_stage(out: Path, dev: torch.device) -> Claim:
-    from ..report.analysis import trainer_summary  # noqa: PLC0415 - kept beside the transformers import below
-    from ..report.plots import trainer_plot  # noqa: PLC0415 - as above
-    from ..run.trainer import TRANSFORMERS_FLAG, compare_trainer_runs  # noqa: PLC0415 - transformers is heavy
+    # transformers, pandas and matplotlib: imported by the stage that needs them (NEEDS), not to start
+    from ..report.analysis import trainer_summary  # noqa: PLC0415
+    from ..report.plots import trainer_plot  # noqa: PLC0415
+    from ..run.trainer import TRANSFORMERS_FLAG, compare_trainer_runs  # noqa: PLC0415
 
     folder = out / "trainer"
     df = compare_trainer_runs(folder, runs=("none", TRANSFORMERS_FLAG), device=dev.type, **TRAINER)
@@ -278,6 +428,12 @@ def trainer_stage(out: Path, dev: torch.device) -> Claim:
 
 def frontier_stage(out: Path, dev: torch.device, budget: TimeBudget) -> Claim:
     """The groups in order while they fit; the claim from the groups that ran, naming the rest."""
+    import pandas as pd  # noqa: PLC0415 - pandas and matplotlib: as trainer_stage
+
+    from ..report.gpu_validation import frontier_rows  # noqa: PLC0415
+    from ..report.plots import compare_plot  # noqa: PLC0415
+    from ..run.compare import compare  # noqa: PLC0415
+
     workload = get_workload(FRONTIER["model"])
     frames, not_run = [], []
     per_config, compile_s = ESTIMATES["compare_config"], ESTIMATES["compile"]
@@ -308,36 +464,44 @@ def frontier_stage(out: Path, dev: torch.device, budget: TimeBudget) -> Claim:
     return frontier_claim(rows, not_run)
 
 
-def snapshot_stage(out: Path, dev: torch.device) -> None:
+def snapshot_stage(out: Path, dev: torch.device) -> str:
     """A CUDA memory snapshot of one memory cell (snapshot.pickle, for https://pytorch.org/memory_viz):
-    where the allocator's bytes went, for reading a rest that the report could not explain."""
+    where the allocator's bytes went, for reading a rest that the report could not explain. Returns
+    what the cell was."""
+    label, spec, overrides, batch_size, seq_len = MEMORY["models"][0]
+    dropout, dtype, optimizer = MEMORY["dropouts"][-1], MEMORY["dtype"], MEMORY["optimizer"]
     fresh_allocator(dev)
-    workload = get_workload(MEMORY["model"], dropout=0.0)
+    record, workload, policy, dev, limit = measurement_record(memory_workload(spec, overrides, dropout), batch_size,
+                                                              seq_len, Policy("full"), device=str(dev), dtype=dtype,
+                                                              optimizer=optimizer)
     with cuda_memory_snapshot(str(out / "memory" / "snapshot.pickle")):
-        measure(workload, MEMORY["batch_size"], MEMORY["seq_len"], "density=0.5", device=str(dev),
-                dtype=MEMORY["dtype"], steps=1, warmup=0, max_seconds=0.1)
+        prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, optimizer)
+    return f"{label} b={batch_size} s={seq_len} full {dtype} dropout={dropout:g}"
 
 
 # ----------------------------------------------------------------------------- the check
 
 def run_check(out: Path, dev: torch.device, budget: TimeBudget) -> tuple[list[Claim], list[str]]:
-    """Every stage in order of priority, each skipped when it does not fit what is left; a stage
-    that fails with an exception is a failed claim (its traceback in errors.txt), the others run;
-    when the alarm stops a stage, it and the stages after it are skipped."""
+    """Every stage in order of priority, each skipped when a package it needs is not installed or
+    it does not fit what is left; a stage that fails with an exception is a failed claim (its
+    traceback in errors.txt), the others run; when the alarm stops a stage, it and the stages
+    after it are skipped."""
     claims: list[Claim] = []
     notes: list[str] = []
     stages = [
-        ((MEMORY_MEASURED_CLAIM, MEMORY_PREDICTED_CLAIM), ESTIMATES["memory_cell"] + 10,
+        ("memory", (MEMORY_MEASURED_CLAIM, ALLOCATED_CLAIM, RESERVED_CLAIM), ESTIMATES["memory_cell"] + 10,
          lambda: memory_stage(out, dev, budget, notes)),
-        ((OVERHEAD_CLAIM,), ESTIMATES["overhead"], lambda: [overhead_stage(out, dev, budget)]),
-        ((TRAINER_CLAIM,), ESTIMATES["trainer"], lambda: [trainer_stage(out, dev)]),
-        ((FRONTIER_CLAIM,), 0.0, lambda: [frontier_stage(out, dev, budget)]),
+        ("overhead", (OVERHEAD_CLAIM,), ESTIMATES["overhead"], lambda: [overhead_stage(out, dev, budget)]),
+        ("trainer", (TRAINER_CLAIM,), ESTIMATES["trainer"], lambda: [trainer_stage(out, dev)]),
+        ("frontier", (FRONTIER_CLAIM,), 0.0, lambda: [frontier_stage(out, dev, budget)]),
     ]
     stopped = False
-    for names, need, stage in stages:
+    for stage_name, names, need, stage in stages:
         counts = [n != TRAINER_CLAIM for n in names]
-        if stopped or not budget.fits(need + REPORT_RESERVE_S):
-            reason = "the time budget was spent by an earlier stage" if stopped else budget.reason(need)
+        absent = missing(NEEDS[stage_name])
+        if stopped or absent or not budget.fits(need + REPORT_RESERVE_S):
+            reason = ("the time budget was spent by an earlier stage" if stopped
+                      else f"needs {', '.join(absent)}, not installed here" if absent else budget.reason(need))
             claims += [skipped(n, reason, c) for n, c in zip(names, counts)]
             continue
         try:
@@ -351,11 +515,11 @@ def run_check(out: Path, dev: torch.device, budget: TimeBudget) -> tuple[list[Cl
             message = str(exc).splitlines()[0] if str(exc) else ""
             claims += [Claim(n, FAIL, f"{type(exc).__name__}: {message} (errors.txt)", counts=c)
                        for n, c in zip(names, counts)]
-    if not stopped and budget.fits(ESTIMATES["snapshot"] + REPORT_RESERVE_S):
+    if not stopped and not missing(NEEDS["snapshot"]) and budget.fits(ESTIMATES["snapshot"] + REPORT_RESERVE_S):
         try:
-            snapshot_stage(out, dev)
-            notes.append("memory/snapshot.pickle: the allocator's history of one cell (gpt2-small b=8 s=1024 "
-                         "density=0.5 bf16), for https://pytorch.org/memory_viz.")
+            cell = snapshot_stage(out, dev)
+            notes.append(f"memory/snapshot.pickle: the allocator's history of one cell ({cell}), for "
+                         "https://pytorch.org/memory_viz.")
         except BudgetExceeded:
             notes.append("No memory snapshot: the time budget ran out while it was taken.")
         except Exception as exc:  # noqa: BLE001 - a diagnosis only: its failure is noted, the report still written
@@ -381,12 +545,15 @@ def budget_alarm(seconds: float):
 def main(argv: list[str] | None = None, results: str = "results") -> int:
     if argv:
         print(f"gpu-check: arguments={' '.join(argv)!r} are invalid: allowed is none (the check is fixed: "
-              "python -m ckptlab.apps.gpu_check)", file=sys.stderr)
+              "python3 -m ckptlab.apps.gpu_check)", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device is available on this machine (torch.cuda.is_available() is False); "
-              "this check needs one NVIDIA GPU: run `make gpu-check` on a GPU machine.", file=sys.stderr)
+              "this check needs one NVIDIA GPU: run `python3 -m ckptlab.apps.gpu_check` on a GPU machine.",
+              file=sys.stderr)
         return 2
+    # Nothing is downloaded: every model is built from a config. Set before transformers is imported.
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     dev = torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(dev)
     out = Path(results) / run_dir_name(name)
@@ -399,16 +566,17 @@ def main(argv: list[str] | None = None, results: str = "results") -> int:
 
 
 def finish(out: Path, claims: list[Claim], notes: list[str], device: str, budget: TimeBudget, env: dict) -> int:
-    """report.md and claims.json (every claim, the environment, the commit) into `out`; the report
-    printed; the exit status returned."""
+    """report.md and claims.json (every claim, the versions it ran on, the environment, the
+    commit) into `out`; the report printed; the exit status returned."""
+    ran_on = versions()
     meta = {"device": device, "budget_s": budget.seconds, "elapsed_s": budget.elapsed(), "commit": source_commit(),
-            "environment": env, "claims": [vars(c) for c in claims]}
+            "versions": ran_on, "environment": env, "claims": [vars(c) for c in claims]}
     (out / "claims.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
-    report = report_markdown(claims, device, budget.seconds, budget.elapsed(), notes)
+    report = report_markdown(claims, device, budget.seconds, budget.elapsed(), notes, ran_on)
     (out / "report.md").write_text(report)
     print(report)
     status = exit_status(claims)
-    print({0: "gpu-check passed", 1: "gpu-check FAILED", 3: "gpu-check INCOMPLETE: claims skipped for time"}[status]
+    print({0: "gpu-check passed", 1: "gpu-check FAILED", 3: "gpu-check INCOMPLETE: claims skipped (not tested)"}[status]
           + f": {out / 'report.md'}", file=sys.stderr if status else sys.stdout)
     return status
 

@@ -8,9 +8,9 @@ import os
 import time
 from pathlib import Path
 
-from ..run.cells import now
 from ..run.cluster import job_state, make_executor, poll_jobs, wait_for_local_results
 from ..run.config import job_options
+from ..run.provenance import now
 from ..run.store import fresh_run_folder
 from .notebook_exec import NotebookRun, execute, relative, write_json
 

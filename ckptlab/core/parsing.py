@@ -8,8 +8,6 @@ import inspect
 import textwrap
 from pathlib import Path
 
-import yaml
-
 
 def split_list(text: str) -> list[str]:
     """'none,density=0.5,layers=0,2' -> ['none', 'density=0.5', 'layers=0,2']: a comma starts a
@@ -28,6 +26,8 @@ def yaml_mapping(name: str, path) -> dict:
     """The mapping a YAML file holds: plain YAML only (a tag such as !!python/object is refused,
     never run); a missing file, malformed text or anything but a mapping is a ValueError naming
     `name` and the file."""
+    import yaml  # noqa: PLC0415 - read only here: `import ckptlab` needs nothing but torch
+
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{name}={str(path)!r} is invalid: no such file; allowed is a path to a .yaml file")

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 
 CONFIDENCE = 0.95
@@ -39,6 +38,8 @@ def bootstrap_median(values, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES
                      confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """(median, low, high): the median of `values` and its percentile-bootstrap interval, from a
     seeded numpy generator (the same values give the same interval)."""
+    import numpy as np  # noqa: PLC0415 - numpy is not torch's dependency: `import ckptlab` needs only torch
+
     x = np.asarray(values, dtype=float)
     if x.ndim != 1 or len(x) == 0 or not np.all(np.isfinite(x)):
         raise ValueError(f"values={values!r} is invalid: allowed is a non-empty 1-d sequence of finite numbers")
@@ -55,6 +56,8 @@ def paired_ratio(row, versus, seed: int = 0) -> tuple[float, float, float]:
     """(median, low, high): `row`'s time over `versus`'s from their per-round times (`round_ms`),
     paired round by round; the two were timed in the same interleaved rounds (one `compare`, or
     one timing group of a sweep). NaN where either has no round times."""
+    import numpy as np  # noqa: PLC0415 - numpy is not torch's dependency: `import ckptlab` needs only torch
+
     a, b = (np.asarray(r.get("round_ms") if isinstance(r.get("round_ms"), list) else [], dtype=float)
             for r in (row, versus))
     if len(a) == 0 or len(a) != len(b):
@@ -97,6 +100,8 @@ def unpaired_median_ratio(values, baseline, seed: int = 0, resamples: int = BOOT
     the members of a round) would claim a cancellation of drift that never happened. The unpaired
     interval is wider; that width is the honest price of not interleaving. The samples may differ
     in length."""
+    import numpy as np  # noqa: PLC0415 - numpy is not torch's dependency: `import ckptlab` needs only torch
+
     x, base = (np.asarray(v, dtype=float) for v in (values, baseline))
     for name, given, arr in (("values", values, x), ("baseline", baseline, base)):
         if arr.ndim != 1 or len(arr) == 0 or not np.all(np.isfinite(arr)) or np.any(arr <= 0):
@@ -237,6 +242,8 @@ def _rotated(names: list[str], r: int) -> list[str]:
 
 def _summarize(times: dict[str, list[float]], names: list[str], seed: int) -> dict:
     """Medians and intervals; a single round has no interval (NaN), only a value."""
+    import numpy as np  # noqa: PLC0415 - numpy is not torch's dependency: `import ckptlab` needs only torch
+
     base = np.asarray(times[names[0]])
     out = {k: {} for k in ("step", "step_low", "step_high", "ratio", "ratio_low", "ratio_high")}
     widths = []
@@ -256,9 +263,9 @@ def _summarize(times: dict[str, list[float]], names: list[str], seed: int) -> di
     return out
 
 
-def _median_interval(values: np.ndarray, seed: int) -> tuple[float, float, float]:
+def _median_interval(values, seed: int) -> tuple[float, float, float]:
     if len(values) < 2:
-        return float(np.median(values)), math.nan, math.nan
+        return (float(values[0]) if len(values) else math.nan), math.nan, math.nan
     return bootstrap_median(values, seed)
 
 
@@ -271,13 +278,18 @@ def _cpu_timer(clock: Callable[[], float]) -> Callable[[Callable[[], object]], f
 
 
 def _cuda_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Events on `device`'s current stream, the step run with `device` current: an event recorded
+    without a device would go on the current device's stream and time nothing of a step that runs
+    on another card (cuda:1 while cuda:0 is current)."""
     def timer(step):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize(device)
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record(stream)
+            step()
+            end.record(stream)
+            torch.cuda.synchronize(device)
         return start.elapsed_time(end)
     return timer
 

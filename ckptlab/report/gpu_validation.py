@@ -1,4 +1,4 @@
-"""The GPU validation's verdicts (`make gpu-check`), computed from its records alone.
+"""The GPU validation's verdicts (`python3 -m ckptlab.apps.gpu_check`), computed from its records alone.
 
 `apps/gpu_check.py` measures on the GPU; everything it concludes from the measurements is here,
 plain functions of records with CPU tests on synthetic records whose answers are known, so the
@@ -6,13 +6,16 @@ first GPU run is not the first run of this code. One `Claim` per claim of the va
 
     memory, measured    the tracker's peak against `torch.cuda.max_memory_allocated`, the
                         difference explained term by term (`allocator_gap`)
-    memory, predicted   `predict` on CPU fake tensors against the CUDA measurement
-                        (`prediction_errors`)
+    memory, predicted   `predict(device="cuda")` on CPU fake tensors against the CUDA step:
+                        the allocated peak (±2%) and the reserved peak (±5%), and the attention
+                        backend CUDA ran (`prediction_errors`)
     time and frontier   `compare --anchors --verify`: intervals and gradient verdicts
                         (`frontier_rows`)
     overhead            ckptlab's wrapper against a hand-written checkpoint loop
     the seed's claim    transformers' Trainer with gradient checkpointing, "~20% slower"
 
+The memory claims read records as lists of dicts and need nothing but the standard library (the
+check runs where only torch is installed); the frontier's and the Trainer's read DataFrames.
 Every interval is read by `probe.timing.time_verdict`, the one verdict function.
 """
 
@@ -20,33 +23,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
-
-import pandas as pd
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..core.units import format_bytes
 from ..probe.timing import NO_DIFFERENCE, time_verdict
-from .analysis import GUIDE_SLOWDOWN, guide_verdict, pareto
 from .tables import format_table
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 UNEXPLAINED_LIMIT = 0.01   # of the tracker's peak: the allocator's difference left unexplained
-PREDICTION_TARGET = 0.02   # predicted peak against the CUDA measurement
+ALLOCATED_TARGET = 0.02    # predicted peak_bytes against torch.cuda.max_memory_allocated
+RESERVED_TARGET = 0.05     # predicted reserved_bytes against torch.cuda.max_memory_reserved
 OVERHEAD_TARGET = 1.01     # ckptlab full / hand-written full: the whole interval at most +1%
 # A gradient difference counts as noise up to this many times the un-checkpointed model's own
 # rerun difference: the largest of millions of nondeterministic differences varies between draws.
 NOISE_FACTOR = 2.0
 
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
-MEMORY_MEASURED_CLAIM, MEMORY_PREDICTED_CLAIM = "memory, measured", "memory, predicted"
+MEMORY_MEASURED_CLAIM = "memory, measured"
+ALLOCATED_CLAIM = f"memory, predicted: max allocated (±{ALLOCATED_TARGET:.0%})"
+RESERVED_CLAIM = f"memory, predicted: max reserved (±{RESERVED_TARGET:.0%})"
 OVERHEAD_CLAIM, TRAINER_CLAIM, FRONTIER_CLAIM = "overhead", "the seed's claim (Trainer ~20% slower)", "time and the frontier"
 
-# What the CPU kernels a fake step runs keep for backward where CUDA's keep something else,
-# when dropout > 0 (with dropout 0 both take fused attention and keep no mask).
-CPU_VS_CUDA_WITH_DROPOUT = (
-    "scaled_dot_product_attention: CPU takes the math path and keeps (s x s) attention matrices per "
-    "head, CUDA's flash kernel keeps its log-sum-exp and an RNG state",
-    "dropout: CPU multiplies by a mask of the input's dtype, CUDA's native_dropout keeps a 1-byte mask",
-)
+# The autograd node scaled_dot_product_attention leaves, by the backend that ran it (PyTorch's
+# derivatives.yaml); the math backend leaves the matmuls and softmax it is made of, and no node of its own.
+ATTENTION_NODES = {"ScaledDotProductFlashAttention": "flash", "ScaledDotProductEfficientAttention": "efficient",
+                   "ScaledDotProductCudnnAttention": "cudnn"}
 
 
 @dataclass
@@ -68,8 +71,8 @@ def skipped(name: str, reason: str, counts: bool = True) -> Claim:
 
 # ----------------------------------------------------------------------------- memory, measured
 
-def allocator_gap(records: pd.DataFrame, workspace_bytes: int, rng_state_bytes: int,
-                  limit: float = UNEXPLAINED_LIMIT) -> pd.DataFrame:
+def allocator_gap(records: Sequence[dict], workspace_bytes: int, rng_state_bytes: int,
+                  limit: float = UNEXPLAINED_LIMIT) -> list[dict]:
     """Per ok cell measured on CUDA: the allocator's peak minus the tracker's, and its parts.
 
         gap        = cuda_max_allocated_bytes - peak_bytes
@@ -85,10 +88,10 @@ def allocator_gap(records: pd.DataFrame, workspace_bytes: int, rng_state_bytes: 
 
     A cell without the allocator's requested bytes has an unknown rounding: its rest is NaN
     and it is not explained."""
-    rows = (records[(records["status"] == "ok") & records["cuda_max_allocated_bytes"].notna()]
-            if {"status", "cuda_max_allocated_bytes"} <= set(records) else records.iloc[0:0])
     out = []
-    for r in rows.to_dict("records"):
+    for r in records:
+        if r.get("status") != "ok" or not _known(r.get("cuda_max_allocated_bytes")):
+            continue
         tracker, allocated = float(r["peak_bytes"]), float(r["cuda_max_allocated_bytes"])
         requested = r.get("cuda_max_requested_bytes")
         rounding = allocated - float(requested) if _known(requested) else math.nan
@@ -103,23 +106,21 @@ def allocator_gap(records: pd.DataFrame, workspace_bytes: int, rng_state_bytes: 
             "rest_frac": rest / tracker if tracker else math.nan,
             "explained": bool(abs(rest) <= limit * tracker) if not math.isnan(rest) else False,
         })
-    return pd.DataFrame(out, columns=["cell", "peak_bytes", "cuda_max_allocated_bytes", "gap_bytes", "rounding_bytes",
-                                      "workspace_bytes", "rng_state_bytes", "explained_bytes", "rest_bytes",
-                                      "rest_frac", "explained"])
+    return out
 
 
-def memory_measured_claim(gaps: pd.DataFrame, limit: float = UNEXPLAINED_LIMIT) -> Claim:
+def memory_measured_claim(gaps: Sequence[dict], limit: float = UNEXPLAINED_LIMIT) -> Claim:
     """Pass when every cell's unexplained rest is within `limit` of its peak."""
     name = MEMORY_MEASURED_CLAIM
-    if gaps.empty:
+    if not gaps:
         return Claim(name, FAIL, "no cell was measured on CUDA")
-    worst = gaps.loc[gaps["rest_frac"].abs().fillna(math.inf).idxmax()]
-    bad = int((~gaps["explained"]).sum())
+    worst = max(gaps, key=lambda g: math.inf if math.isnan(g["rest_frac"]) else abs(g["rest_frac"]))
+    bad = sum(not g["explained"] for g in gaps)
     summary = (f"{len(gaps)} cells; the largest unexplained rest is {_pct(worst['rest_frac'])} of the peak "
                f"({worst['cell']}); limit ±{limit:.0%}")
     if bad:
         summary += f"; {bad} cells beyond it"
-    details = format_table(gaps.to_dict("records"), [
+    details = format_table(list(gaps), [
         ("cell", "cell", str), ("tracker peak", "peak_bytes", _bytes), ("max allocated", "cuda_max_allocated_bytes", _bytes),
         ("difference", "gap_bytes", _bytes), ("rounding", "rounding_bytes", _bytes),
         ("workspaces", "workspace_bytes", _bytes), ("RNG states", "rng_state_bytes", _bytes),
@@ -129,73 +130,74 @@ def memory_measured_claim(gaps: pd.DataFrame, limit: float = UNEXPLAINED_LIMIT) 
 
 # ----------------------------------------------------------------------------- memory, predicted
 
-def saved_differences(predicted: dict[str, int], measured: dict[str, int]) -> pd.DataFrame:
-    """The autograd nodes whose saved bytes differ between a CPU prediction and the CUDA step
-    (`probe.memory.saved_bytes_by_node` of each; a node on one side only has 0 on the other):
-    node, predicted_bytes, measured_bytes, difference_bytes (predicted - measured), largest
-    difference first."""
-    rows = [{"node": node, "predicted_bytes": predicted.get(node, 0), "measured_bytes": measured.get(node, 0)}
-            for node in dict.fromkeys([*predicted, *measured])]
-    df = pd.DataFrame(rows, columns=["node", "predicted_bytes", "measured_bytes"])
-    df["difference_bytes"] = df["predicted_bytes"] - df["measured_bytes"]
-    df = df[df["difference_bytes"] != 0]
-    return df.iloc[df["difference_bytes"].abs().argsort()[::-1]].reset_index(drop=True)
+def attention_backend_of(nodes: Sequence[str]) -> Optional[str]:
+    """The backend scaled_dot_product_attention ran, read from the autograd nodes one forward left
+    (`probe.memory.saved_bytes_by_node`'s keys): flash, efficient or cudnn by their nodes, math
+    when a softmax is there and none of theirs, None when neither (no attention seen)."""
+    for prefix, backend in ATTENTION_NODES.items():
+        if any(n.startswith(prefix) for n in nodes):
+            return backend
+    return "math" if any(n.startswith(("SoftmaxBackward", "SafeSoftmaxBackward")) for n in nodes) else None
 
 
-def prediction_errors(cells: pd.DataFrame, target: float = PREDICTION_TARGET,
-                      differences: Optional[dict[float, pd.DataFrame]] = None) -> pd.DataFrame:
-    """Per cell with a CUDA measurement (`peak_bytes`, `saved_activation_bytes`,
-    `cuda_max_allocated_bytes`) and a CPU prediction (`predicted_peak_bytes`,
-    `predicted_saved_bytes`) and its `dropout`: the relative errors, whether the peak's is within
-    ±`target`, and in `cpu_vs_cuda` the ops whose CPU kernels keep other tensors than CUDA's: the
-    nodes of `differences[dropout]` (`saved_differences`) where measured, else for dropout > 0
-    the ops known to differ (CPU_VS_CUDA_WITH_DROPOUT)."""
-    out = cells.copy()
-    out["cell"] = [cell_label(r) for r in cells.to_dict("records")]
-    out["peak_error"] = out["predicted_peak_bytes"] / out["peak_bytes"] - 1
-    out["saved_error"] = out["predicted_saved_bytes"] / out["saved_activation_bytes"] - 1
-    out["allocator_error"] = out["predicted_peak_bytes"] / out["cuda_max_allocated_bytes"] - 1
-    out["within_target"] = out["peak_error"].abs() <= target
-    differences = differences or {}
-    out["cpu_vs_cuda"] = [", ".join(differences[d]["node"]) if d in differences
-                          else "; ".join(CPU_VS_CUDA_WITH_DROPOUT) if d > 0 else "" for d in out["dropout"]]
+def prediction_errors(cells: Sequence[dict], allocated_target: float = ALLOCATED_TARGET,
+                      reserved_target: float = RESERVED_TARGET) -> list[dict]:
+    """Per cell (a record measured on CUDA, with `predicted_peak_bytes`, `predicted_reserved_bytes`
+    and `predicted_backend` from `predict(device="cuda")`, `measured_backend` from the CUDA step's
+    autograd nodes, `prediction_message` when the prediction failed): the relative errors against
+    `cuda_max_allocated_bytes` and `cuda_max_reserved_bytes`, each `within` its target, whether
+    the backends agree, and `problem`: why the cell cannot be judged (not measured ok, not
+    predicted), else empty."""
+    out = []
+    for r in cells:
+        row = {"cell": cell_label(r), "status": r.get("status"),
+               **{k: r.get(k) for k in ("cuda_max_allocated_bytes", "predicted_peak_bytes", "cuda_max_reserved_bytes",
+                                        "predicted_reserved_bytes", "measured_backend", "predicted_backend")}}
+        row["allocated_error"] = _relative(r.get("predicted_peak_bytes"), r.get("cuda_max_allocated_bytes"))
+        row["reserved_error"] = _relative(r.get("predicted_reserved_bytes"), r.get("cuda_max_reserved_bytes"))
+        row["allocated_within"] = abs(row["allocated_error"]) <= allocated_target
+        row["reserved_within"] = abs(row["reserved_error"]) <= reserved_target
+        row["backend_agrees"] = r.get("measured_backend") is None or r.get("predicted_backend") == r.get("measured_backend")
+        row["problem"] = (f"{r.get('status')}: {r.get('message')}" if r.get("status") != "ok"
+                          else f"not predicted: {r['prediction_message']}" if r.get("prediction_message")
+                          else "no allocator counters" if math.isnan(row["allocated_error"]) else "")
+        out.append(row)
     return out
 
 
-def memory_predicted_claim(errors: pd.DataFrame, target: float = PREDICTION_TARGET,
-                           differences: Optional[dict[float, pd.DataFrame]] = None) -> Claim:
-    """Pass when every cell without dropout (the same kernels' tensors on both sides) is within
-    ±`target`; cells with dropout are reported with the ops that differ, not judged. The details
-    list every cell, and for each dropout in `differences` the autograd nodes whose saved bytes
-    differ (policy none)."""
-    name = MEMORY_PREDICTED_CLAIM
-    same_kernels = errors[errors["dropout"] == 0]
-    if same_kernels.empty:
-        return Claim(name, FAIL, "no cell without dropout was both measured and predicted")
-    bad = int((~same_kernels["within_target"]).sum())
-    worst = same_kernels["peak_error"].abs().max()
-    summary = (f"without dropout: {len(same_kernels)} cells, the largest peak error {_pct(worst)} "
-               f"(target ±{target:.0%})" + (f", {bad} beyond it" if bad else ""))
-    with_dropout = errors[errors["dropout"] > 0]
-    if len(with_dropout):
-        summary += (f"; with dropout: {len(with_dropout)} cells, errors {_pct(with_dropout['peak_error'].min())} .. "
-                    f"{_pct(with_dropout['peak_error'].max())}, not judged: the CPU kernels keep other tensors "
-                    "(scaled_dot_product_attention, dropout)")
-    details = format_table(errors.to_dict("records"), [
-        ("cell", "cell", str), ("dropout", "dropout", str), ("measured", "peak_bytes", _bytes),
-        ("predicted", "predicted_peak_bytes", _bytes), ("error", "peak_error", _pct),
-        ("saved error", "saved_error", _pct), ("vs max allocated", "allocator_error", _pct),
-        ("within", "within_target", str)])
-    if len(with_dropout):
-        details += "\n\nWith dropout the CPU kernels keep other tensors than CUDA's:\n" + "\n".join(
-            f"- {op}" for op in CPU_VS_CUDA_WITH_DROPOUT)
-    for dropout, diff in (differences or {}).items():
-        details += (f"\n\nSaved for backward, by autograd node, CPU prediction against CUDA (policy none, dropout "
-                    f"{dropout:g}): " + ("the same at every node" if diff.empty else "\n" + format_table(
-                        diff.to_dict("records"), [("node", "node", str), ("predicted", "predicted_bytes", _bytes),
-                                                  ("CUDA", "measured_bytes", _bytes),
-                                                  ("difference", "difference_bytes", _bytes)])))
-    return Claim(name, FAIL if bad else PASS, summary, details)
+def memory_predicted_claim(errors: Sequence[dict], quantity: str, not_run: Sequence[str] = ()) -> Claim:
+    """The claim for `quantity` "allocated" (±ALLOCATED_TARGET, and the attention backend the
+    prediction chose is the one CUDA ran) or "reserved" (±RESERVED_TARGET): pass when every cell
+    was measured, predicted and is within; fail when one was not; skipped when none failed but
+    cells were left out (`not_run`, with why: not tested is not passed)."""
+    name, target = {"allocated": (ALLOCATED_CLAIM, ALLOCATED_TARGET), "reserved": (RESERVED_CLAIM, RESERVED_TARGET)}[quantity]
+    left_out = f"; not run: {', '.join(not_run)}" if not_run else ""
+    if not errors:
+        return Claim(name, SKIPPED if not_run else FAIL, "no cell was measured" + left_out)
+    judged = [e for e in errors if not e["problem"]]
+    bad = [e for e in judged if not e[f"{quantity}_within"] or (quantity == "allocated" and not e["backend_agrees"])]
+    problems = [e for e in errors if e["problem"]]
+    if judged:
+        errs = [e[f"{quantity}_error"] for e in judged]
+        summary = (f"{len(judged)} cells, errors {_pct(min(errs))} .. {_pct(max(errs))} (target ±{target:.0%})"
+                   + (f", {len(bad)} beyond it" if bad else ""))
+    else:
+        summary = "no cell could be judged"
+    if quantity == "allocated":
+        wrong = [e for e in judged if not e["backend_agrees"]]
+        summary += (f"; attention backend predicted as CUDA ran it in {len(judged) - len(wrong)} of {len(judged)} cells"
+                    if judged else "")
+    if problems:
+        summary += f"; {len(problems)} cells not judged ({problems[0]['cell']}: {problems[0]['problem']})"
+    status = FAIL if bad or problems or not judged else SKIPPED if not_run else PASS
+    measured, predicted = ("cuda_max_allocated_bytes", "predicted_peak_bytes") if quantity == "allocated" else \
+        ("cuda_max_reserved_bytes", "predicted_reserved_bytes")
+    details = format_table(list(errors), [
+        ("cell", "cell", str), (f"measured max {quantity}", measured, _bytes), ("predicted", predicted, _bytes),
+        ("error", f"{quantity}_error", _pct), ("within", f"{quantity}_within", str),
+        ("backend CUDA ran", "measured_backend", str), ("predicted backend", "predicted_backend", str),
+        ("not judged", "problem", str)])
+    return Claim(name, status, summary + left_out, details)
 
 
 # ----------------------------------------------------------------------------- time and frontier
@@ -214,6 +216,8 @@ def frontier_rows(df: pd.DataFrame, factor: float = NOISE_FACTOR) -> pd.DataFram
     `factor` x the floor (exactly equal when the floor is 0), else "differs"; a compiled row runs
     other kernels, whose rounding differs, and is "compiled: reported". Every row of a group
     compared without `verify` (no `max_grad_diff` at all) is "not verified"."""
+    from .analysis import pareto  # noqa: PLC0415 - pandas: the frontier's claim needs it, the check's start does not
+
     df = df.copy()
     if "group" not in df:
         df["group"] = 0
@@ -227,7 +231,7 @@ def frontier_rows(df: pd.DataFrame, factor: float = NOISE_FACTOR) -> pd.DataFram
         floor, verified = g["max_grad_diff"].iloc[0], g["max_grad_diff"].notna().any()
         for i, r in zip(g.index, g.to_dict("records")):
             verdicts[i] = _grad_verdict(r, floor, factor) if verified else "not verified"
-    df["grad_verdict"] = pd.Series(verdicts)
+    df["grad_verdict"] = df.index.map(verdicts)
     front = pareto(df, group=("group",))
     df["pareto_optimal"] = front["pareto_optimal"].reindex(df.index).fillna(False).astype(bool)
     return df
@@ -309,6 +313,8 @@ def overhead_claim(ratio: float, low: float, high: float, target: float = OVERHE
 def trainer_claim(summary: pd.DataFrame, run: str = "gradient_checkpointing") -> Claim:
     """transformers' own checkpointing against none, from `trainer_summary`: pass when the
     overhead's interval includes the guide's ~20% (`guide_verdict`). Reported, not counted."""
+    from .analysis import GUIDE_SLOWDOWN, guide_verdict  # noqa: PLC0415 - pandas, as frontier_rows
+
     name = TRAINER_CLAIM
     row = summary[summary["run"] == run]
     if row.empty or "overhead" not in summary:
@@ -339,12 +345,17 @@ def exit_status(claims: list[Claim]) -> int:
 
 
 def report_markdown(claims: list[Claim], device: str, budget_s: float, elapsed_s: float,
-                    notes: Optional[list[str]] = None) -> str:
-    """report.md: the verdict per claim first, then each claim's table."""
+                    notes: Optional[list[str]] = None, versions: Optional[dict[str, Optional[str]]] = None) -> str:
+    """report.md: the verdict per claim first, then what it ran on (`versions`: package -> version,
+    None when not installed), then each claim's table."""
     verdict = {0: "PASS", 1: "FAIL", 3: "INCOMPLETE (claims skipped)"}[exit_status(claims)]
     lines = [f"# GPU validation on {device}: {verdict}", "",
-             f"Ran {elapsed_s:.0f} s of a {budget_s:.0f} s budget (`make gpu-check`, `ckptlab/apps/gpu_check.py`).", "",
-             "| claim | result | |", "|---|---|---|"]
+             f"Ran {elapsed_s:.0f} s of a {budget_s:.0f} s budget (`python3 -m ckptlab.apps.gpu_check`).", ""]
+    if versions:
+        present = ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None)
+        absent = ", ".join(k for k, v in versions.items() if v is None)
+        lines += [f"Ran on: {present}" + (f"; not installed: {absent}" if absent else "") + ".", ""]
+    lines += ["| claim | result | |", "|---|---|---|"]
     for c in claims:
         lines.append(f"| {c.name} | {c.status}{'' if c.counts else ' (reported only)'} | {c.summary} |")
     for note in notes or []:
@@ -365,6 +376,11 @@ def cell_label(r: dict) -> str:
     return " ".join(parts)
 
 
+def _relative(predicted, measured) -> float:
+    """predicted / measured - 1; NaN when either is unknown or measured is 0."""
+    return predicted / measured - 1 if _known(predicted) and _known(measured) and measured else math.nan
+
+
 def _known(v) -> bool:
     return v is not None and not (isinstance(v, float) and math.isnan(v))
 
@@ -383,8 +399,8 @@ def _num(v, fmt: str) -> str:
     return "-" if not _known(v) else format(v, fmt)
 
 
-__all__ = ["CPU_VS_CUDA_WITH_DROPOUT", "Claim", "FAIL", "FRONTIER_CLAIM", "MEMORY_MEASURED_CLAIM",
-           "MEMORY_PREDICTED_CLAIM", "NOISE_FACTOR", "OVERHEAD_CLAIM", "OVERHEAD_TARGET", "PASS", "PREDICTION_TARGET",
-           "SKIPPED", "TRAINER_CLAIM", "UNEXPLAINED_LIMIT", "allocator_gap", "cell_label", "exit_status", "frontier_claim",
-           "frontier_rows", "is_compiled", "memory_measured_claim", "memory_predicted_claim", "overhead_claim",
-           "prediction_errors", "report_markdown", "saved_differences", "skipped", "trainer_claim"]
+__all__ = ["ALLOCATED_CLAIM", "ALLOCATED_TARGET", "ATTENTION_NODES", "Claim", "FAIL", "FRONTIER_CLAIM",
+           "MEMORY_MEASURED_CLAIM", "NOISE_FACTOR", "OVERHEAD_CLAIM", "OVERHEAD_TARGET", "PASS", "RESERVED_CLAIM",
+           "RESERVED_TARGET", "SKIPPED", "TRAINER_CLAIM", "UNEXPLAINED_LIMIT", "allocator_gap", "attention_backend_of",
+           "cell_label", "exit_status", "frontier_claim", "frontier_rows", "is_compiled", "memory_measured_claim",
+           "memory_predicted_claim", "overhead_claim", "prediction_errors", "report_markdown", "skipped", "trainer_claim"]

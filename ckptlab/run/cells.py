@@ -4,7 +4,6 @@ batch b of a group ran out of memory, larger batches are recorded as `oom`, infe
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ from ..plan.budget import measure
 from ..probe.distributed import measure_sharded
 from .compare import measure_together
 from .config import SweepConfig
+from .provenance import now
 from .store import RunWriter
 
 RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (isolated cells)
@@ -206,9 +206,5 @@ def child_main() -> int:
     return 0
 
 
-def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
 __all__ = ["CELL_TIMEOUT_S", "OomInference", "cell_id", "failed_record", "inferred_oom_record", "measure_cells",
-           "measure_together_cells", "now", "run_cell", "run_cells", "run_isolated", "timing_groups"]
+           "measure_together_cells", "run_cell", "run_cells", "run_isolated", "timing_groups"]

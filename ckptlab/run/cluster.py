@@ -23,8 +23,9 @@ from typing import Callable, Optional
 
 from tqdm.auto import tqdm
 
-from .cells import OomInference, cell_id, failed_record, measure_cells, now, run_cell
+from .cells import OomInference, cell_id, failed_record, measure_cells, run_cell
 from .config import JobOptions, SweepConfig
+from .provenance import now
 
 
 def make_executor(options: JobOptions, timeout_s: Optional[float] = None):

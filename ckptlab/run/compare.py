@@ -12,6 +12,7 @@ plan at each anchor's measured peak (docs/design.md, note "Anchors").
 from __future__ import annotations
 
 import functools
+import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,10 @@ def _measure(contenders, setup: Setup, target_ci, max_seconds, after_prepare=Non
             if after_prepare is not None:
                 after_prepare(rows, steps)
             _time_together(rows, steps, setup, target_ci, max_seconds)
+            # Each step holds its model and optimizer state: freed before the gradient check builds
+            # fresh models, so the device holds the check's models, not every contender's too.
+            steps.clear()
+            gc.collect()
             if after_timing is not None:
                 after_timing(rows)
         finally:

@@ -3,6 +3,7 @@ commit). Deliberately no environment variables, no command line and no absolute 
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import platform
 import subprocess
@@ -15,8 +16,11 @@ import torch
 from ..core.meta import __version__
 from ..core.units import format_bytes
 from ..probe.step import device_name
-from .cells import now
 from .config import SweepConfig
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def run_metadata(config: SweepConfig, previous: Optional[dict] = None) -> dict:
@@ -89,4 +93,4 @@ def source_commit(root: Path = Path(__file__).resolve().parents[2]) -> Optional[
     return (commit + ("-dirty" if dirty else "")) or None
 
 
-__all__ = ["environment", "run_metadata", "source_commit"]
+__all__ = ["environment", "now", "run_metadata", "source_commit"]

@@ -25,10 +25,10 @@ from typing import Optional, Sequence
 import pandas as pd
 
 from ..core.policy import policy_label
-from .cells import now, run_cells
+from .cells import run_cells
 from .cluster import run_as_jobs
 from .config import RESUME_MUST_MATCH, SweepConfig
-from .provenance import run_metadata
+from .provenance import now, run_metadata
 from .store import RunWriter, load_run, read_meta, read_records
 
 

@@ -43,8 +43,7 @@ from ..core.validate import integer
 from ..probe.memory import CATEGORIES, cuda_allocator_stats, track_memory
 from ..probe.step import device_name, resolve_device
 from ..workloads.registry import as_workload
-from .cells import now
-from .provenance import environment
+from .provenance import environment, now
 from .store import RunWriter, check_replaceable, fresh_run_folder, load_run, read_records
 
 TRANSFORMERS_FLAG = "gradient_checkpointing"  # run label: TrainingArguments' own checkpointing
@@ -341,7 +340,7 @@ def compare_trainer_runs(
         run_dir = fresh_run_folder(out / run)   # a rerun replaces a run folder ckptlab made, nothing else
         callback = CkptlabCallback(run_dir, policies[run], track_steps=track_steps, model_name=workload.name)
         with tempfile.TemporaryDirectory() as scratch:
-            args = TrainingArguments(
+            args = OneDeviceArguments(
                 output_dir=scratch, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accum_steps,
                 max_steps=max_steps, learning_rate=learning_rate, logging_steps=1, save_strategy="no", report_to="none",
                 disable_tqdm=True, seed=seed, data_seed=seed, use_cpu=dev.type == "cpu",
@@ -357,6 +356,16 @@ def compare_trainer_runs(
     return pd.concat(frames, ignore_index=True)
 
 
+class OneDeviceArguments(TrainingArguments):
+    """TrainingArguments on one device. Where several GPUs are visible, Trainer counts them all
+    (`n_gpu`), wraps the model in `nn.DataParallel` and splits every batch over them: another step
+    than the one measured, with another model object than the one the callback checkpoints."""
+
+    @property
+    def n_gpu(self) -> int:
+        return min(super().n_gpu, 1)
+
+
 class _RandomTokens(torch.utils.data.Dataset):
     """Random token sequences from a seeded generator; labels are the inputs (the model shifts)."""
 
@@ -370,4 +379,4 @@ class _RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-__all__ = ["CkptlabCallback", "compare_trainer_runs"]
+__all__ = ["CkptlabCallback", "OneDeviceArguments", "compare_trainer_runs"]
