@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from ckptlab import Workload, compare, compare_gradients, parse_policy
 from ckptlab.checkpoint.compiled import apply_policy
 from ckptlab.probe.measure import measure
-from ckptlab.run.compiled_plan import _compositions, plan_compiled
+from ckptlab.plan.compiled import compositions
+from ckptlab.run.compiled_plan import plan_compiled
 
 BATCH, SEQ = 4, 32
 
@@ -107,7 +108,7 @@ def test_a_budget_per_block_compiles_each_block_and_never_silently_runs_eager():
 
 
 def test_compiled_plan_counts_and_bad_input():
-    assert sorted(_compositions(3, 2)) == [(0, 3), (1, 2), (2, 1), (3, 0)]
+    assert sorted(compositions(3, 2)) == [(0, 3), (1, 2), (2, 1), (3, 0)]
     for bad, says in (({"options": "fx"}, "options='fx'"), ({"options": "f0"}, "k included"),
                       ({"budget": "lots"}, "budget=lots")):
         with pytest.raises(ValueError, match=says):

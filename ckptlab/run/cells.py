@@ -12,14 +12,14 @@ import sys
 import time
 from typing import Callable, Iterable, Optional
 
-from tqdm.auto import tqdm
-
 from ..core.children import child_environment, die_with_parent, exit_when_orphaned
+from ..core.policy import parse_policy
 from ..core.records import new_record
 from ..plan.budget import measure
 from ..probe.distributed import measure_sharded
 from .compare import measure_together
 from .config import SweepConfig
+from .progress import progress_bar
 from .store import RunWriter
 
 RECORD_PREFIX = "CKPTLAB_RECORD "   # marks the child's result line on stdout (isolated cells)
@@ -40,8 +40,8 @@ def run_cells(config: SweepConfig, writer: RunWriter, done: list[dict]) -> list[
     finished = {r.get("cell_id") for r in done}
     cells = config.cells()
     todo = [c for c in cells if cell_id(c) not in finished]
-    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), disable=not config.progress,
-               desc=f"sweep {config.model}", unit="cell")
+    bar = progress_bar(len(cells), f"sweep {config.model}", "cell", config.progress)
+    bar.update(len(cells) - len(todo))
 
     def measure_one(config: SweepConfig, cell: dict) -> dict:
         bar.set_postfix_str(cell_id(cell), refresh=False)
@@ -163,6 +163,13 @@ def run_cell(config: SweepConfig, cell: dict) -> dict:
                                memory_limit=config.memory_limit, optimizer=config.optimizer,
                                accum_steps=cell["accum_steps"], seed=config.seed, model_overrides=config.model_overrides,
                                target_ci=config.target_ci)
+    policy = parse_policy(cell["policy"])
+    if policy.kind == "budget" and policy.compiled:  # a compiled plan is chosen from measured costs: compare measures them
+        return measure_together(config.workload(), cell["batch_size"], cell["seq_len"], [cell["policy"]],
+                                device=config.device, dtype=cell["dtype"], accum_steps=cell["accum_steps"],
+                                memory_limit_bytes=config.memory_limit, optimizer=config.optimizer,
+                                steps=config.steps, warmup=config.warmup, target_ci=config.target_ci,
+                                max_seconds=config.max_seconds)[-1]
     return measure(config.workload(), cell["batch_size"], cell["seq_len"], cell["policy"], device=config.device,
                    dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
                    memory_limit=config.memory_limit, optimizer=config.optimizer,

@@ -5,8 +5,11 @@
 Each configuration's memory is measured once with the live-tensor tracker (as `measure` does);
 then all are timed together in interleaved rounds (`ckptlab.probe.timing`), so every row's
 `time_ratio` to the first policy has a 95% interval and `significant` says whether it excludes 1.
-`anchors=True` adds other frameworks' knobs, each applied through its own API, and the planner's
-plan at each anchor's measured peak (docs/design.md, note "Anchors").
+`anchors=True` adds other frameworks' knobs, each applied through its own API, and at each
+anchor's measured peak the planner's plan and the compiled plan (docs/design.md, note "Anchors").
+A compiled plan (`budget=B+compile`, or one at an anchor's peak) is chosen from measured costs
+(`ckptlab.plan.compiled`): each option's uniform compiled plan is built, its gradients checked and
+timed briefly, then the chosen plan is built and timed with everything else, its gradients checked.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from ..checkpoint.compiled import Compiled, compile_with_budget
 from ..checkpoint.wrap import matmul_and_attention_ops
-from ..core.policy import parse_policy, plan_policy
+from ..core.policy import Policy, parse_policy, plan_policy
 from ..core.records import new_record
 from ..core.validate import choice, integer
 from ..plan.budget import plan_budget
+from ..plan.compiled import KEEP, UniformCost, check_options, choose_compiled, uniform_policy
 from ..probe.measure import (
     MAX_ROUNDS,
     check_policy_applies,
@@ -38,15 +42,25 @@ from ..probe.measure import (
 )
 from ..probe.step import DTYPES, device_name, resolve_device, with_dtype
 from ..probe.timing import check_timing_options, time_interleaved
-from ..probe.verify import RELATIVE_TOLERANCE, GradientComparison, gradient_difference, like_eager, step_gradients
+from ..probe.verify import (
+    RELATIVE_TOLERANCE,
+    WRONG,
+    GradientComparison,
+    gradient_difference,
+    like_eager,
+    step_gradients,
+)
 from ..workloads.base import Workload, base_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
+from .progress import Progress
 
 COLUMNS = ["policy", "source", "effective_density", "peak_bytes", "saved_activation_bytes", "step_ms",
            "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high", "significant",
            "rounds", "threads", "load_before", "load_after", "busy", "status", "message"]
-COMPILE_ANCHOR_BUDGET = 0.5
+COMPILE_ANCHOR_BUDGETS = (0.0, 0.25, 0.5, 0.75)   # torch.compile's activation_memory_budget, one anchor each
+COMPILED_PLAN_OPTIONS = "ksf05"   # what a compiled plan chooses among: keep, selective, full, budgets 0 and 0.5
+COSTING_SHARE = 0.25              # of max_seconds: timing the options' uniform compiled plans
 OPTIMIZER = "adamw"
 CKPTLAB = "ckptlab"
 
@@ -61,6 +75,11 @@ class Config:
     source: str
     apply: Optional[Callable] = None
     anchor: bool = False
+
+    @property
+    def compiled_budget(self) -> bool:
+        """`budget=B+compile`: resolved to a compiled plan from measured costs, after the others."""
+        return self.apply is None and _is_compiled_budget(parse_policy(self.policy))
 
 
 @dataclass
@@ -88,8 +107,8 @@ class Shape:
 
 def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: Sequence[str] | str, *,
             dtype: str = "fp32", device: str = "cpu", target_ci: float = 0.02, max_seconds: float = 120,
-            anchors: bool | Sequence[str] = False, verify: bool = False,
-            out: Optional[str | Path] = None) -> pd.DataFrame:
+            anchors: bool | Sequence[str] = False, verify: bool = False, compiled_options: str = COMPILED_PLAN_OPTIONS,
+            progress: bool = True, out: Optional[str | Path] = None) -> pd.DataFrame:
     """One row per configuration; the first policy is the time baseline.
 
     `anchors` is True for every anchor of this workload, or a list of anchor labels (as
@@ -99,23 +118,39 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     max_seconds of timing); `verify=True` adds `gradients`, each row's verdict against the
     un-checkpointed eager model (exact | within tolerance | wrong, `ckptlab.probe.verify`), and
     the largest absolute and relative differences it judged (`max_grad_diff`, `max_grad_rel_diff`);
+    compiled plans (rows with `plan_cost_basis`) always carry their verdict.
+    `compiled_options` are the plan letters and compile-budget digits a compiled plan chooses
+    among (`ckptlab.plan.compiled`); "" leaves the compiled plans at the anchors' peaks out.
+    `progress` shows the phases on a terminal (`ckptlab.run.progress`).
     `out=DIR` writes compare.csv and compare.json there (`ckptlab.report.plots.compare_plot` draws them)."""
     workload = as_workload(workload)
     policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
     policies = list(dict.fromkeys(str(parse_policy(p)) if isinstance(p, str) and p else p for p in policies))
     _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
+    if compiled_options or any(_is_compiled_budget(parse_policy(p)) for p in policies):
+        check_options(compiled_options)
     chosen = chosen_anchors(workload, anchors)
     dev = resolve_device(device)
     configs = [_ckptlab_config(p) for p in policies] + chosen
-
     shape = Shape(workload, batch_size, seq_len, dtype, dev)
+    bar = Progress(f"compare {workload.label}", progress)
 
     def add_plans(rows, steps):
-        for anchor_row in [r for r in rows if r["source"] != CKPTLAB and r["status"] == "ok"]:
+        anchor_rows = [r for r in rows if r["source"] != CKPTLAB and r["status"] == "ok"] if anchors else []
+        if anchor_rows:
+            bar.phase("eager plans at the anchors' peaks", len(anchor_rows), "plan")
+        for anchor_row in anchor_rows:
             _add_plan_for(anchor_row, shape, rows, steps, configs)
+            bar.step(anchor_row["policy"])
+        requests = [(parse_policy(c.policy).value, c.policy, None) for c in configs if c.compiled_budget]
+        if compiled_options:
+            requests += [(int(r["peak_bytes"]), None, r["policy"]) for r in anchor_rows]
+        if requests:
+            _add_compiled_plans(requests, compiled_options or COMPILED_PLAN_OPTIONS, shape, rows, steps, configs,
+                                target_ci, max_seconds, bar)
 
-    rows = _measure(configs, shape, target_ci, max_seconds, add_plans if anchors else None,
-                    (lambda rows: _verify(rows, configs, shape)) if verify else None)
+    rows = _measure(configs, shape, target_ci, max_seconds, add_plans,
+                    (lambda rows: _verify(rows, configs, shape, bar)) if verify else None, bar)
     df = pd.DataFrame(rows)
     df = df[[c for c in COLUMNS if c in df] + [c for c in df if c not in COLUMNS]]
     if out is not None:
@@ -132,21 +167,38 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
     ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`SweepConfig`)."""
     shape = Shape(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
                   optimizer, steps, warmup)
-    return _measure([_ckptlab_config(p) for p in policies], shape, target_ci, max_seconds)
+    configs = [_ckptlab_config(p) for p in policies]
+
+    def add_plans(rows, steps):
+        requests = [(parse_policy(c.policy).value, c.policy, None) for c in configs if c.compiled_budget]
+        if requests:
+            _add_compiled_plans(requests, COMPILED_PLAN_OPTIONS, shape, rows, steps, configs, target_ci, max_seconds,
+                                Progress("measure", False))
+    return _measure(configs, shape, target_ci, max_seconds, add_plans)
 
 
-def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None) -> list[dict]:
+def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None,
+             bar: Optional[Progress] = None) -> list[dict]:
+    """Prepare every configuration (a compiled budget's after the others, by `after_prepare`),
+    time them together, then `after_timing`; rows in the order of `configs`."""
     rows, steps = [], {}
+    bar = bar or Progress("measure", False)
     reset_compiler_cache()
     try:
-        for config in configs:
+        ready = [c for c in configs if not c.compiled_budget]
+        bar.phase("build, compile and measure memory", len(ready), "config")
+        for config in ready:
             _prepare(config, shape, rows, steps)
+            bar.step(config.policy)
         if after_prepare is not None:
             after_prepare(rows, steps)
-        _time_together(rows, steps, shape, target_ci, max_seconds)
+        order = {c.policy: i for i, c in enumerate(configs)}
+        rows.sort(key=lambda r: order.get(r["policy"], len(order)))
+        _time_together(rows, steps, shape, target_ci, max_seconds, bar)
         if after_timing is not None:
             after_timing(rows)
     finally:
+        bar.close()
         steps.clear()
         reset_compiler_cache()
     return rows
@@ -172,13 +224,16 @@ def _ckptlab_config(text: str) -> Config:
     return Config(str(policy), CKPTLAB)
 
 
+def _is_compiled_budget(policy: Policy) -> bool:
+    return policy.kind == "budget" and policy.compiled
+
+
 def anchor_configs(workload: Workload) -> list[Config]:
     """The knobs a user would use instead of ckptlab, for this workload (docs/design.md, note "Anchors")."""
     configs = [
         Config("torch.utils.checkpoint per block", "torch.utils.checkpoint", _per_block_checkpoint, anchor=True),
-        Config(f"torch.compile activation_memory_budget={COMPILE_ANCHOR_BUDGET}", "torch.compile",
-               _compiled, anchor=True),
-    ]
+    ] + [Config(f"torch.compile activation_memory_budget={budget}", "torch.compile", _compiled(budget), anchor=True)
+         for budget in COMPILE_ANCHOR_BUDGETS]
     if _is_transformers(workload):
         configs += [
             Config("transformers checkpointing (every layer)", "transformers", _transformers_checkpointing(), anchor=True),
@@ -221,10 +276,12 @@ def _per_block_checkpoint(model, record):
     return model, False, None
 
 
-def _compiled(model, record):
-    record["note"] = "torch.compile: peak from the profiler's allocator events"
-    compiled = Compiled()
-    return compile_with_budget(model, COMPILE_ANCHOR_BUDGET, compiled), compiled, None
+def _compiled(budget: float):
+    def apply(model, record):
+        record["note"] = "torch.compile: peak from the profiler's allocator events"
+        compiled = Compiled()
+        return compile_with_budget(model, budget, compiled), compiled, None
+    return apply
 
 
 def _transformers_checkpointing(every_n_layers: Optional[int] = None, selective: bool = False):
@@ -313,25 +370,107 @@ def _add_plan_for(anchor_row: dict, shape: Shape, rows, steps, configs) -> None:
     rows[-1].update(plan=plan.letters, plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)
 
 
-def _time_together(rows, steps, shape: Shape, target_ci, max_seconds) -> None:
+def _add_compiled_plans(requests, options: str, shape: Shape, rows, steps, configs, target_ci, max_seconds,
+                        bar: Progress) -> None:
+    """Compiled plans from measured costs (`ckptlab.plan.compiled`), one per request
+    `(budget, label, anchor)`: a `budget=B+compile` policy (label; a fraction B is of the compiled
+    all-keep plan's measured peak) or an anchor's measured peak in bytes (anchor: its name). Each
+    option's uniform compiled plan is built and its gradients checked (an option whose gradients
+    are wrong is never chosen), the uniform plans are timed together for `COSTING_SHARE` of
+    `max_seconds`, then each chosen plan is built and its gradients checked; all of them are timed
+    again with every other row."""
+    n = len(find_blocks(shape.workload.build("meta")))
+    letters = check_options(options)
+    bar.phase("compiled plans: build and compile each option's uniform plan", len(letters), "option")
+    uniform = {}
+    for o in letters:
+        label = uniform_policy(o, n)
+        if not any(r["policy"] == label for r in rows):
+            config = Config(label, PLAN_SOURCE)
+            configs.append(config)
+            _prepare(config, shape, rows, steps)
+        uniform[o] = next(r for r in rows if r["policy"] == label)
+        bar.step(label)
+    _verify(list(uniform.values()), configs, shape, bar)
+    right = {o: r for o, r in uniform.items() if r["status"] == "ok" and r["gradients"] != WRONG}
+    keep = uniform[KEEP]
+    if KEEP not in right:
+        reason = f"the compiled all-keep plan {keep['policy']} did not run or its gradients are wrong: " + (
+            keep.get("message") or str(keep.get("gradients")))
+        for budget, label, anchor in requests:
+            rows.append({**_new_record(shape, label or f"budget={budget}B+compile", PLAN_SOURCE),
+                         "plan_at_peak_of": anchor, "status": "error", "message": reason})
+        return
+    costing = _time_alone({r["policy"]: steps[r["policy"]] for r in right.values()}, shape, target_ci,
+                          max_seconds * COSTING_SHARE, bar, "compiled plans: time each option's uniform plan")
+    costs = {o: UniformCost(int(r["peak_bytes"]), costing.step_ms[r["policy"]]) for o, r in right.items()}
+    for r in right.values():
+        r["plan_costing_step_ms"] = costing.step_ms[r["policy"]]
+    chosen = []
+    bar.phase("compiled plans: build the chosen plans", len(requests), "plan")
+    for budget, label, anchor in requests:
+        budget_bytes = int(budget * keep["peak_bytes"]) if isinstance(budget, float) else int(budget)
+        try:
+            choice = choose_compiled(costs, n, budget_bytes, shape.workload.label)
+        except ValueError as exc:
+            rows.append({**_new_record(shape, label or f"budget={budget_bytes}B+compile", PLAN_SOURCE),
+                         "plan_at_peak_of": anchor, "plan_budget_bytes": budget_bytes, "status": "error",
+                         "message": str(exc)})
+            continue
+        existing = next((r for r in rows if r["policy"] == str(choice.policy)), None)
+        if existing is not None and label is None:  # the same plan is already a row: name this anchor there
+            existing["plan_at_peak_of"] = "; ".join(filter(None, [existing.get("plan_at_peak_of"), anchor]))
+            existing.setdefault("plan_budget_bytes", budget_bytes)
+            bar.step(str(choice.policy))
+            continue
+        if existing is not None:  # a budget's plan is a uniform plan already measured: its row, under the budget's name
+            rows.append({**existing, "policy": label, "source": CKPTLAB, "same_as": existing["policy"], **choice.record()})
+            bar.step(str(choice.policy))
+            continue
+        config = next(c for c in configs if c.policy == label) if label else Config(str(choice.policy), PLAN_SOURCE)
+        config.apply = policy_applier(choice.policy)
+        if label is None:
+            configs.append(config)
+        _prepare(config, shape, rows, steps)
+        rows[-1].update(choice.record(), plan_at_peak_of=anchor)
+        chosen.append(rows[-1])
+        bar.step(str(choice.policy))
+    _verify(chosen, configs, shape, bar)
+
+
+def _time_alone(timed: dict, shape: Shape, target_ci, max_seconds, bar: Progress, what: str):
+    """`time_interleaved` over `timed` with the comparison's settings, its rounds on the bar."""
+    bar.phase(what, None, "round")
+
+    def on_round(rounds, half_width):
+        bar.step(f"widest interval ±{half_width:.1%} (target ±{target_ci:.0%})")
+    return time_interleaved(timed, device=shape.dev, target_ci=target_ci, max_seconds=max_seconds,
+                            warmup=shape.warmup, min_rounds=shape.min_rounds,
+                            max_rounds=max(shape.min_rounds, MAX_ROUNDS), on_round=on_round)
+
+
+def _time_together(rows, steps, shape: Shape, target_ci, max_seconds, bar: Progress) -> None:
     timed = {r["policy"]: steps[r["policy"]] for r in rows if r["status"] == "ok" and steps.get(r["policy"])}
     if not timed:
         return
-    timing = time_interleaved(timed, device=shape.dev, target_ci=target_ci, max_seconds=max_seconds,
-                              warmup=shape.warmup, min_rounds=shape.min_rounds,
-                              max_rounds=max(shape.min_rounds, MAX_ROUNDS))
+    timing = _time_alone(timed, shape, target_ci, max_seconds, bar, f"time {len(timed)} configurations together")
     for r in rows:
-        if r["policy"] in timed:
-            r.update(timing.row(r["policy"]))
-            r["round_ms"] = list(timing.times_ms[r["policy"]])  # aligned across rows: any pair can be paired
+        name = r.get("same_as") or r["policy"]  # a row measured under another name shares its times
+        if name in timed:
+            r.update(timing.row(name))
+            r["round_ms"] = list(timing.times_ms[name])  # aligned across rows: any pair can be paired
             r["tokens_per_s"] = r["tokens"] / (r["step_ms"] / 1e3)
 
 
-def _verify(rows, configs, shape: Shape) -> None:
-    """Per row, its gradients against the un-checkpointed eager model's: fresh models from the
-    workload's seed, one forward + backward, compiled ones drawing random numbers as eager does
-    (`ckptlab.probe.verify`). `gradients` is the verdict (exact | within tolerance | wrong),
-    `max_grad_diff` and `max_grad_rel_diff` the differences it judged."""
+def _verify(rows, configs, shape: Shape, bar: Progress) -> None:
+    """Per row not yet checked, its gradients against the un-checkpointed eager model's: fresh
+    models from the workload's seed, one forward + backward, compiled ones drawing random numbers
+    as eager does (`ckptlab.probe.verify`). `gradients` is the verdict (exact | within tolerance |
+    wrong), `max_grad_diff` and `max_grad_rel_diff` the differences it judged."""
+    rows = [r for r in rows if "gradients" not in r]
+    if not rows:
+        return
+    bar.phase("verify gradients", len(rows), "config")
     workload, dev = with_dtype(shape.workload, shape.dtype), shape.dev
     batch = workload.batch(shape.batch_size, shape.seq_len, dev)
     autocast = DTYPES[shape.dtype]
@@ -340,6 +479,7 @@ def _verify(rows, configs, shape: Shape) -> None:
     for r in rows:
         config = by_label.get(r["policy"])
         r.update(gradients=None, max_grad_diff=None, max_grad_rel_diff=None)
+        bar.step(r["policy"])
         if r["status"] != "ok" or config is None or config.apply is None:
             continue
         model = workload.build(dev).train()
