@@ -1,8 +1,10 @@
 """The benchmarks' verdicts follow their intervals: the wrapper-overhead verdict of
 benchmarks/overhead.py and the plan-against-uniform claims of benchmarks/predict_and_plan.py, on
-intervals and per-round times with a known answer; and overhead.py end to end at a tiny shape."""
+intervals and per-round times with a known answer; overhead.py end to end at a tiny shape; and
+frontier.py's smallest setting end to end, with the goal read from per-anchor verdicts."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ def load(name):
 
 overhead = load("overhead")
 predict_and_plan = load("predict_and_plan")
+frontier = load("frontier")
 
 
 @pytest.mark.parametrize("low, high, difference, target", [
@@ -88,3 +91,29 @@ def test_overhead_benchmark_refuses_a_bad_option_before_any_work(capsys):
     with pytest.raises(SystemExit):
         overhead.main(["--model", "mlp-chain"])
     assert "--model 'mlp-chain' is invalid: allowed is a GPT workload" in capsys.readouterr().err
+
+
+def test_frontier_smallest_setting_writes_one_report_entry_per_anchor(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    report = frontier.run_shape("tiny", 0.3, None, tmp_path)
+    written = json.loads((tmp_path / "tiny" / "report.json").read_text())
+    assert written["anchors"] == json.loads(json.dumps(report["anchors"]))
+    assert [e["anchor"] for e in written["anchors"]] == frontier.SHAPES["tiny"]["anchors"]
+    for entry in written["anchors"]:
+        assert entry["anchor_gradients"] == "exact" and entry["anchor_peak_bytes"] > 0
+        assert entry["ckptlab_peak_bytes"] <= entry["anchor_peak_bytes"] and entry["ckptlab_gradients"] != "wrong"
+        low, high = entry["vs_anchor_low"], entry["vs_anchor_high"]
+        assert low <= entry["vs_anchor"] <= high and entry["verdict"] == frontier.time_verdict(low, high)
+    assert (tmp_path / "tiny" / "report.md").read_text().startswith("## tiny:")
+    assert "| anchor | its peak |" in capsys.readouterr().out   # printed too
+
+
+def test_frontier_goal_needs_every_compile_point_no_slower_and_one_faster():
+    def entry(anchor, verdict):
+        return {"anchor": anchor, "verdict": verdict}
+    points = frontier.COMPILE_ANCHORS
+    assert frontier.goal([entry(a, "no difference") for a in points[:-1]] + [entry(points[-1], "faster")])["reached"]
+    assert not frontier.goal([entry(a, "no difference") for a in points])["reached"]             # none faster
+    assert not frontier.goal([entry(a, "faster") for a in points[:-1]] + [entry(points[-1], "slower")])["reached"]
+    assert not frontier.goal([entry(a, "faster") for a in points[:-1]])["reached"]                # a point missing
+    assert not frontier.goal([entry(a, "faster") for a in points[:-1]] + [{"anchor": points[-1]}])["reached"]

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from ckptlab import Workload, compare, compare_gradients, parse_policy
 from ckptlab.checkpoint.compiled import apply_policy
-from ckptlab.probe.measure import measure
 from ckptlab.plan.compiled import compositions
+from ckptlab.probe.measure import measure
 from ckptlab.run.compiled_plan import plan_compiled
 
 BATCH, SEQ = 4, 32
