@@ -198,3 +198,13 @@ def test_a_measured_step_time_carries_its_interval_threads_and_load():
     assert record["rounds"] >= 3 and record["threads"] == torch.get_num_threads()
     assert record["load_before"] >= 0 and isinstance(record["busy"], bool)
     assert record["time_ratio"] is None and record["timing_baseline"] is None  # timed alone: no ratio
+
+
+def test_every_round_reports_the_widest_half_width_reached_so_far():
+    clock = FakeClock()
+    jitter = iter(np.random.default_rng(5).lognormal(0.0, 0.05, size=10_000))
+    seen = []
+    result = time_interleaved({"base": clock.step(10, jitter), "other": clock.step(12, jitter)}, min_rounds=5,
+                              max_rounds=400, max_seconds=1e6, clock=clock, on_round=lambda r, w: seen.append((r, w)))
+    assert [r for r, _ in seen] == list(range(1, result.rounds + 1))
+    assert seen[0][1] == float("inf") and seen[-1][1] == result.ci_half_width < 0.02
