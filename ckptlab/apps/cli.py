@@ -58,6 +58,7 @@ POLICY_EXAMPLES = [
     ("compile", "torch.compile (compile:budget=0.5 sets PyTorch's activation_memory_budget)"),
     ("full+offload", "any policy with saved activations in host memory (offload alone: none+offload)"),
     ("full+compile", "any policy, then torch.compile (plan=00kf+compile: a compile budget per block)"),
+    ("budget=0.5+compile", "the compiled plan for a budget, chosen from measured compiled runs (compare, sweep)"),
     ("hf", "transformers models: their own checkpointing (hf:every_n_layers=2, hf:offload)"),
 ]
 
@@ -548,8 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p, batch="4", seq="64", policy="none,density=0.5,full", lists=False)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--anchors", action="store_true",
-                   help="add torch.utils.checkpoint, torch.compile and (transformers models) transformers' own "
-                        "checkpointing, and planner plans at each anchor's peak")
+                   help="add torch.utils.checkpoint, torch.compile at memory budgets 0, 0.25, 0.5, 0.75 and "
+                        "(transformers models) transformers' own checkpointing, and at each anchor's peak the "
+                        "planner's eager plan and the compiled plan (chosen from measured compiled runs)")
     p.add_argument("--verify", action="store_true", help="add each row's gradient verdict against the eager un-checkpointed model (exact | within tolerance | wrong)")
     p.add_argument("--target-ci", type=float, default=0.02, help="stop timing at this interval half-width (0.02: ±2%%)")
     p.add_argument("--max-seconds", type=float, default=120, help="time budget for the timing rounds")
