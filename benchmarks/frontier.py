@@ -65,6 +65,7 @@ COMPILED_OPTIONS = "ksf025"   # a compiled plan's per-block options: keep, selec
 POLICIES = ["none", "every=4", "every=2", "selective", "full",
             "compile", "every=2+compile", "selective+compile", "full+compile"]
 EAGER_POLICIES = ["none", "selective", "full"]
+COMPILE_POINT_POLICIES = ["none", "selective", "full", "compile", "selective+compile", "full+compile"]
 CKPTLAB_SOURCES = ("ckptlab", "ckptlab plan")
 COMPILE_ANCHORS = [f"torch.compile activation_memory_budget={b}" for b in COMPILE_ANCHOR_BUDGETS]
 
@@ -138,14 +139,17 @@ def report_text(name, df, best) -> str:
     return "\n".join(lines)
 
 
-def run_shape(name: str, max_seconds: float, seq, out) -> dict:
+def run_shape(name: str, max_seconds: float, seq, out, compile_points_only: bool = False) -> dict:
+    """One shape's comparison, report and files; `compile_points_only`: the torch.compile anchors
+    alone, with fewer policies (less than half the configurations, for a busy machine)."""
     shape = SHAPES[name]
     compiled = shape.get("compiled", True)
     workload = get_workload("hf-llama-tiny", **shape["overrides"])
+    policies = COMPILE_POINT_POLICIES if compile_points_only else POLICIES if compiled else EAGER_POLICIES
+    anchors = COMPILE_ANCHORS if compile_points_only else shape.get("anchors", True)
     folder = Path(out) / name if out else None
     t0 = time.perf_counter()
-    df = compare(workload, shape["batch_size"], seq or shape["seq_len"], POLICIES if compiled else EAGER_POLICIES,
-                 anchors=shape.get("anchors", True), verify=True, compiled_options=COMPILED_OPTIONS if compiled else "", max_seconds=max_seconds,
+    df = compare(workload, shape["batch_size"], seq or shape["seq_len"], policies, anchors=anchors, verify=True, compiled_options=COMPILED_OPTIONS if compiled else "", max_seconds=max_seconds,
                  out=folder)
     best = best_per_anchor(df)
     text = report_text(name, df, best)
@@ -158,11 +162,14 @@ def run_shape(name: str, max_seconds: float, seq, out) -> dict:
               "device_name": first["device_name"], "torch": torch.__version__, "rounds": int(first["rounds"]),
               "threads": int(first["threads"]), "load_before": first["load_before"], "load_after": first["load_after"],
               "busy": bool(first["busy"]), "seconds": round(seconds), "max_seconds": max_seconds,
+              "compile_points_only": compile_points_only, "compiled_options": COMPILED_OPTIONS if compiled else "",
               "anchors": best, **({"goal": goal(best)} if compiled else {})}
     if folder is not None:
         (folder / "report.json").write_text(json.dumps(report, indent=1, default=_plain) + "\n")
         (folder / "report.md").write_text(text + f"\n\n({seconds:.0f} s for this shape; `python benchmarks/frontier.py "
-                                          f"--shapes {name} --max-seconds {max_seconds:g}`, torch {torch.__version__})\n")
+                                          f"--shapes {name} --max-seconds {max_seconds:g}"
+                                          f"{' --compile-points-only' if compile_points_only else ''}`, "
+                                          f"torch {torch.__version__})\n")
         compare_plot(df, folder / "compare")
     return report
 
@@ -179,6 +186,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seconds", type=float, default=120, help="timing budget per shape")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared machine)")
     parser.add_argument("--out", default=None, help="folder: one subfolder per shape (compare table, report.json)")
+    parser.add_argument("--compile-points-only", action="store_true",
+                        help="only the torch.compile anchors, with policies none, selective, full and their compiled "
+                             "forms: less than half the configurations")
     args = parser.parse_args(argv)
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
     for name in names:
@@ -186,7 +196,7 @@ def main(argv=None) -> int:
             parser.error(f"--shapes: {name!r} is invalid: allowed are {', '.join(SHAPES)}")
     torch.set_num_threads(args.threads)
     for name in names:
-        run_shape(name, args.max_seconds, args.seq, args.out)
+        run_shape(name, args.max_seconds, args.seq, args.out, args.compile_points_only)
     return 0
 
 

@@ -169,7 +169,7 @@ def run_cell(config: SweepConfig, cell: dict) -> dict:
                                 device=config.device, dtype=cell["dtype"], accum_steps=cell["accum_steps"],
                                 memory_limit_bytes=config.memory_limit, optimizer=config.optimizer,
                                 steps=config.steps, warmup=config.warmup, target_ci=config.target_ci,
-                                max_seconds=config.max_seconds)[-1]
+                                max_seconds=config.max_seconds)[0]
     return measure(config.workload(), cell["batch_size"], cell["seq_len"], cell["policy"], device=config.device,
                    dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
                    memory_limit=config.memory_limit, optimizer=config.optimizer,

@@ -164,7 +164,9 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
                      warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 30) -> list[dict]:
     """ckptlab policies at one (batch, seq, dtype, accum), each measured like `measure` (same
     record), then timed together: the records carry paired time ratios to the first policy that
-    ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`SweepConfig`)."""
+    ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`SweepConfig`).
+    A `budget=B+compile` becomes the compiled plan chosen from measured costs; the uniform
+    compiled plans measured to cost it are timed too but not returned: one record per policy."""
     shape = Shape(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
                   optimizer, steps, warmup)
     configs = [_ckptlab_config(p) for p in policies]
@@ -174,7 +176,8 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
         if requests:
             _add_compiled_plans(requests, COMPILED_PLAN_OPTIONS, shape, rows, steps, configs, target_ci, max_seconds,
                                 Progress("measure", False))
-    return _measure(configs, shape, target_ci, max_seconds, add_plans)
+    wanted = {c.policy for c in configs}  # a compiled budget's costing rows are not cells of their own
+    return [r for r in _measure(configs, shape, target_ci, max_seconds, add_plans) if r["policy"] in wanted]
 
 
 def _measure(configs, shape: Shape, target_ci, max_seconds, after_prepare=None, after_timing=None,
