@@ -127,7 +127,7 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     policies = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
     policies = list(dict.fromkeys(str(parse_policy(p)) if isinstance(p, str) and p else p for p in policies))
     _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
-    if compiled_options or any(_is_compiled_budget(parse_policy(p)) for p in policies):
+    if compiled_options:
         check_options(compiled_options)
     chosen = chosen_anchors(workload, anchors)
     dev = resolve_device(device)
