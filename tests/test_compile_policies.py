@@ -141,3 +141,16 @@ def test_a_compiled_plan_mixes_measured_options_to_the_least_predicted_time_that
     assert mixed.compile_budgets() == [1.0, 0.0, 0.0, 0.0] and mixed.record()["plan"] == mixed.letters
     with pytest.raises(ValueError, match="lowest measured peak of a uniform plan with right gradients is 60 B"):
         choose_compiled(costs, 4, 59)
+
+
+@pytest.mark.slow  # compiles about ten models: minutes on 2 cores
+def test_compare_adds_the_compiled_plan_at_an_anchors_peak_with_its_verdict():
+    anchor = "torch.compile activation_memory_budget=0.5"
+    df = compare(dropout_mlp(2), 8, 64, ["none", "budget=0.9+compile"], anchors=[anchor], compiled_options="kf0",
+                 max_seconds=0.3)
+    compiled = df[df["plan_cost_basis"].notna()]
+    at_anchor = compiled[compiled["plan_at_peak_of"] == anchor].iloc[0]
+    assert at_anchor["peak_bytes"] <= df.set_index("policy").loc[anchor, "peak_bytes"]   # measured, fits
+    assert at_anchor["gradients"] == "within tolerance" and "0" not in at_anchor["plan"]    # dropout: budget 0 wrong
+    budget = df.set_index("policy").loc["budget=0.9+compile"]
+    assert budget["plan"] and budget["gradients"] == "within tolerance" and budget["round_ms"]
