@@ -423,7 +423,7 @@ def _add_compiled_plans(requests, options: str, shape: Shape, rows, steps, confi
         existing = next((r for r in rows if r["policy"] == str(choice.policy)), None)
         if existing is not None and label is None:  # the same plan is already a row: name this anchor there
             existing["plan_at_peak_of"] = "; ".join(filter(None, [existing.get("plan_at_peak_of"), anchor]))
-            existing.setdefault("plan_budget_bytes", budget_bytes)
+            existing.update({k: v for k, v in choice.record().items() if existing.get(k) is None})
             bar.step(str(choice.policy))
             continue
         if existing is not None:  # a budget's plan is a uniform plan already measured: its row, under the budget's name
