@@ -36,10 +36,12 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from ckptlab import compare, get_workload
 from ckptlab.core.units import format_bytes
+from ckptlab.plan.compiled import uniform_policy
 from ckptlab.probe.timing import paired_ratio, time_verdict
 from ckptlab.probe.verify import WRONG
 from ckptlab.report.plots import compare_plot
@@ -93,6 +95,46 @@ def best_per_anchor(df) -> list[dict]:
     return out
 
 
+def pair(df, name: str, versus: str, question: str) -> dict | None:
+    """`name`'s time over `versus`'s, paired round by round, with both peaks; None unless both ran."""
+    rows = df[df["status"] == "ok"].set_index("policy", drop=False)
+    if name not in rows.index or versus not in rows.index:
+        return None
+    a, b = rows.loc[name], rows.loc[versus]
+    ratio, low, high = paired_ratio(a, b)
+    return {"question": question, "row": name, "versus": versus, "row_peak_bytes": int(a["peak_bytes"]),
+            "versus_peak_bytes": int(b["peak_bytes"]), "row_gradients": a["gradients"],
+            "versus_gradients": b["gradients"], "ratio": ratio, "low": low, "high": high,
+            "verdict": time_verdict(low, high)}
+
+
+def findings(df) -> list[dict]:
+    """What wins, measured in one comparison: compiling the head, embeddings and loss with the
+    blocks (one graph) against compiling block by block; the compiled plan at each torch.compile
+    anchor's peak against the eager plan there; each compiled plan against the fastest uniform
+    compiled plan (one option for every block) at or below its peak."""
+    n = int(df["n_blocks"].dropna().iloc[0])
+    out = [pair(df, "compile", uniform_policy("k", n), "one graph (head and embeddings compiled too) vs block by "
+                "block, budget 1"),
+           pair(df, f"torch.compile activation_memory_budget={0.5}", uniform_policy("5", n),
+                "one graph vs block by block, budget 0.5"),
+           pair(df, f"torch.compile activation_memory_budget={0.0}", uniform_policy("0", n),
+                "one graph vs block by block, budget 0")]
+    ok = df[(df["status"] == "ok") & (df["gradients"] != WRONG)]
+    uniform = ok[ok["policy"].str.fullmatch(r"plan=(.)\1*\+compile")]
+    for plan in ok[ok["plan_cost_basis"].notna()].to_dict("records") if "plan_cost_basis" in ok else []:
+        for anchor in str(plan.get("plan_at_peak_of") or "").split("; "):
+            eager = ok[(ok["source"] == "ckptlab plan") & ~ok["policy"].str.contains("compile", regex=False)
+                       & ok["plan_at_peak_of"].fillna("").str.contains(anchor, regex=False)] if anchor else ok.iloc[:0]
+            if len(eager):
+                out.append(pair(df, plan["policy"], eager["policy"].iloc[0], f"compiled plan vs eager plan at {anchor}'s peak"))
+        rivals = uniform[(uniform["peak_bytes"] <= plan["peak_bytes"]) & (uniform["policy"] != plan["policy"])]
+        if len(rivals):
+            best = rivals.loc[rivals["time_ratio"].idxmin(), "policy"]
+            out.append(pair(df, plan["policy"], best, "compiled plan vs the fastest uniform compiled plan at or below its peak"))
+    return [f for f in out if f is not None]
+
+
 def goal(best: list[dict]) -> dict:
     """At every torch.compile budget point's peak, is ckptlab's best no slower (the interval says
     so), and at least once faster? Each point's verdict, and whether the goal is reached."""
@@ -131,10 +173,19 @@ def report_text(name, df, best) -> str:
         lines.append(anchor + f" {b['ckptlab']} | {format_bytes(b['ckptlab_peak_bytes'])} | {b['ckptlab_gradients']} | "
                      f"{b['vs_anchor']:.3f} [{b['vs_anchor_low']:.3f}, {b['vs_anchor_high']:.3f}] ({b['verdict']}"
                      f"{'; the anchor' + chr(39) + 's gradients are wrong' if b['anchor_gradients'] == WRONG else ''}) |")
+    found = findings(df)
+    if found:
+        lines += ["", "| what wins | row | its peak | versus | its peak | row time / versus time [95% CI] |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {f['question']} | {f['row']} | {format_bytes(f['row_peak_bytes'])} | {f['versus']} | "
+                  f"{format_bytes(f['versus_peak_bytes'])} | {f['ratio']:.3f} [{f['low']:.3f}, {f['high']:.3f}] "
+                  f"({f['verdict']}) |" for f in found]
     if SHAPES[name].get("compiled", True):
         reached = goal(best)
+        wrong = {b["anchor"] for b in best if b["anchor_gradients"] == WRONG}
         lines += ["", "At torch.compile's budget points: " + "; ".join(
-            f"{a.split('=')[-1]}: {v}" for a, v in reached["compile_points"].items())
+            f"{a.split('=')[-1]}: {v}{' (its gradients are wrong)' if a in wrong else ''}"
+            for a, v in reached["compile_points"].items())
             + f". Goal (no slower at every point, faster at one): {'reached' if reached['reached'] else 'NOT reached'}."]
     return "\n".join(lines)
 
@@ -149,29 +200,46 @@ def run_shape(name: str, max_seconds: float, seq, out, compile_points_only: bool
     anchors = COMPILE_ANCHORS if compile_points_only else shape.get("anchors", True)
     folder = Path(out) / name if out else None
     t0 = time.perf_counter()
-    df = compare(workload, shape["batch_size"], seq or shape["seq_len"], policies, anchors=anchors, verify=True, compiled_options=COMPILED_OPTIONS if compiled else "", max_seconds=max_seconds,
-                 out=folder)
+    df = compare(workload, shape["batch_size"], seq or shape["seq_len"], policies, anchors=anchors, verify=True,
+                 compiled_options=COMPILED_OPTIONS if compiled else "", max_seconds=max_seconds, out=folder)
+    run = {"seconds": round(time.perf_counter() - t0), "max_seconds": max_seconds,
+           "compile_points_only": compile_points_only, "compiled_options": COMPILED_OPTIONS if compiled else ""}
+    return write_report(name, df, run, folder)
+
+
+def write_report(name: str, df, run: dict, folder) -> dict:
+    """Print the shape's report; with a folder, write report.md, report.json and the figure there."""
     best = best_per_anchor(df)
     text = report_text(name, df, best)
-    seconds = time.perf_counter() - t0
-    print(text + f"\n\n({seconds:.0f} s for this shape)")
+    took = f"{run['seconds']:.0f} s for this shape" if run["seconds"] is not None else "time not recorded"
+    print(text + f"\n\n({took})")
     sys.stdout.flush()
     first = df[df["status"] == "ok"].iloc[0]
-    report = {"shape": name, "model": "hf-llama-tiny", "overrides": shape["overrides"],
+    report = {"shape": name, "model": "hf-llama-tiny", "overrides": SHAPES[name]["overrides"],
               "batch_size": int(first["batch_size"]), "seq_len": int(first["seq_len"]), "dtype": first["dtype"],
               "device_name": first["device_name"], "torch": torch.__version__, "rounds": int(first["rounds"]),
               "threads": int(first["threads"]), "load_before": first["load_before"], "load_after": first["load_after"],
-              "busy": bool(first["busy"]), "seconds": round(seconds), "max_seconds": max_seconds,
-              "compile_points_only": compile_points_only, "compiled_options": COMPILED_OPTIONS if compiled else "",
-              "anchors": best, **({"goal": goal(best)} if compiled else {})}
+              "busy": bool(first["busy"]), **run, "anchors": best, "findings": findings(df),
+              **({"goal": goal(best)} if SHAPES[name].get("compiled", True) else {})}
     if folder is not None:
         (folder / "report.json").write_text(json.dumps(report, indent=1, default=_plain) + "\n")
-        (folder / "report.md").write_text(text + f"\n\n({seconds:.0f} s for this shape; `python benchmarks/frontier.py "
-                                          f"--shapes {name} --max-seconds {max_seconds:g}"
-                                          f"{' --compile-points-only' if compile_points_only else ''}`, "
+        (folder / "report.md").write_text(text + f"\n\n({took}; `python benchmarks/"
+                                          f"frontier.py --shapes {name} --max-seconds {run['max_seconds'] or '?'}"
+                                          f"{' --compile-points-only' if run['compile_points_only'] else ''}`, "
                                           f"torch {torch.__version__})\n")
         compare_plot(df, folder / "compare")
     return report
+
+
+def report_again(name: str, out) -> dict:
+    """The report of a shape already measured, from DIR/<shape>/compare.json (and report.json's run
+    settings): what `--report-only` does after the code that reads a comparison changed."""
+    folder = Path(out) / name
+    df = pd.DataFrame(json.loads((folder / "compare.json").read_text()))
+    report = folder / "report.json"
+    previous = json.loads(report.read_text()) if report.exists() else {}
+    run = {k: previous.get(k) for k in ("seconds", "max_seconds", "compile_points_only", "compiled_options")}
+    return write_report(name, df, run, folder)
 
 
 def _plain(value):
@@ -186,6 +254,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seconds", type=float, default=120, help="timing budget per shape")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared machine)")
     parser.add_argument("--out", default=None, help="folder: one subfolder per shape (compare table, report.json)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="measure nothing: rewrite each shape's report from its compare.json in --out")
     parser.add_argument("--compile-points-only", action="store_true",
                         help="only the torch.compile anchors, with policies none, selective, full and their compiled "
                              "forms: less than half the configurations")
@@ -195,8 +265,13 @@ def main(argv=None) -> int:
         if name not in SHAPES:
             parser.error(f"--shapes: {name!r} is invalid: allowed are {', '.join(SHAPES)}")
     torch.set_num_threads(args.threads)
+    if args.report_only and not args.out:
+        parser.error("--report-only needs --out, the folder the shapes were measured into")
     for name in names:
-        run_shape(name, args.max_seconds, args.seq, args.out, args.compile_points_only)
+        if args.report_only:
+            report_again(name, args.out)
+        else:
+            run_shape(name, args.max_seconds, args.seq, args.out, args.compile_points_only)
     return 0
 
 
