@@ -1,10 +1,13 @@
 """The benchmarks' verdicts follow their intervals: the wrapper-overhead verdict of
 benchmarks/overhead.py and the plan-against-uniform claims of benchmarks/predict_and_plan.py, on
-intervals and per-round times with a known answer; and overhead.py end to end at a tiny shape."""
+intervals and per-round times with a known answer; overhead.py end to end at a tiny shape; and
+frontier.py's smallest setting end to end, with the goal read from per-anchor verdicts."""
 
 import importlib.util
+import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -19,6 +22,7 @@ def load(name):
 
 overhead = load("overhead")
 predict_and_plan = load("predict_and_plan")
+frontier = load("frontier")
 
 
 @pytest.mark.parametrize("low, high, difference, target", [
@@ -90,8 +94,63 @@ def test_overhead_benchmark_refuses_a_bad_option_before_any_work(capsys):
     assert "--model 'mlp-chain' is invalid: allowed is a GPT workload" in capsys.readouterr().err
 
 
+def test_frontier_smallest_setting_writes_one_report_entry_per_anchor(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    report = frontier.run_shape("tiny", 0.3, None, tmp_path)
+    written = json.loads((tmp_path / "tiny" / "report.json").read_text())
+    assert written["anchors"] == json.loads(json.dumps(report["anchors"]))
+    assert [e["anchor"] for e in written["anchors"]] == frontier.SHAPES["tiny"]["anchors"]
+    for entry in written["anchors"]:
+        assert entry["anchor_gradients"] == "exact" and entry["anchor_peak_bytes"] > 0
+        assert entry["ckptlab_peak_bytes"] <= entry["anchor_peak_bytes"] and entry["ckptlab_gradients"] != "wrong"
+        low, high = entry["vs_anchor_low"], entry["vs_anchor_high"]
+        assert low <= entry["vs_anchor"] <= high and entry["verdict"] == frontier.time_verdict(low, high)
+    assert (tmp_path / "tiny" / "report.md").read_text().startswith("## tiny:")
+    assert "| anchor | its peak |" in capsys.readouterr().out   # printed too
+    again = frontier.report_again("tiny", tmp_path)   # the same report, read back from compare.json
+    assert json.loads(json.dumps(again["anchors"], default=frontier._plain)) == written["anchors"]
+
+
+def test_frontier_goal_needs_every_compile_point_no_slower_and_one_faster():
+    def entry(anchor, verdict):
+        return {"anchor": anchor, "verdict": verdict}
+    points = frontier.COMPILE_ANCHORS
+    assert frontier.goal([entry(a, "no difference") for a in points[:-1]] + [entry(points[-1], "faster")])["reached"]
+    assert not frontier.goal([entry(a, "no difference") for a in points])["reached"]             # none faster
+    assert not frontier.goal([entry(a, "faster") for a in points[:-1]] + [entry(points[-1], "slower")])["reached"]
+    assert not frontier.goal([entry(a, "faster") for a in points[:-1]])["reached"]                # a point missing
+    assert not frontier.goal([entry(a, "faster") for a in points[:-1]] + [{"anchor": points[-1]}])["reached"]
+
+
+def test_frontier_findings_pair_rows_of_one_comparison():
+    none_ms = [100.0] * 5
+
+    def timed(policy, source, peak, rounds_ms, **extra):
+        return {"policy": policy, "source": source, "status": "ok", "peak_bytes": peak, "gradients": "within tolerance",
+                "round_ms": rounds_ms, "n_blocks": 2, "time_ratio": rounds_ms[0] / 100, "plan_cost_basis": None,
+                "plan_at_peak_of": None, **extra}
+    anchor = "torch.compile activation_memory_budget=0.5"
+    df = pd.DataFrame([
+        timed("none", "ckptlab", 100, none_ms),
+        timed("compile", "ckptlab", 90, [90.0, 91, 92, 93, 94]),
+        timed("plan=kk+compile", "ckptlab plan", 95, [95.0, 96, 97, 98, 99]),
+        timed(anchor, "torch.compile", 70, [93.0] * 5),
+        timed("plan=ff+compile", "ckptlab plan", 60, [99.0] * 5),
+        timed("plan=fk", "ckptlab plan", 70, [110.0] * 5, plan_at_peak_of=anchor),
+        timed("plan=fk+compile", "ckptlab plan", 65, [94.0] * 5, plan_at_peak_of=anchor, plan_cost_basis="measured"),
+    ])
+    found = {f["question"]: f for f in frontier.findings(df)}
+    whole = found["one graph (head and embeddings compiled too) vs block by block, budget 1"]
+    assert (whole["row"], whole["versus"], whole["verdict"]) == ("compile", "plan=kk+compile", "faster")
+    eager = found[f"compiled plan vs eager plan at {anchor}'s peak"]
+    assert eager["versus"] == "plan=fk" and eager["ratio"] == pytest.approx(94 / 110) and eager["verdict"] == "faster"
+    uniform = found["compiled plan vs the fastest uniform compiled plan at or below its peak"]
+    assert uniform["versus"] == "plan=ff+compile" and uniform["verdict"] == "faster"
+    assert "one graph vs block by block, budget 0.5" not in found   # plan=55+compile was not measured
+
+
 # Each benchmark's smallest setting: a run of every step at toy size, so that a rename in ckptlab
-# cannot break a benchmark silently. overhead.py runs end to end above.
+# cannot break a benchmark silently. overhead.py and frontier.py run end to end above.
 SMALLEST = {
     "predict_and_plan": ["--quick", "--skip-compile", "--max-seconds", "0.5"],
     "sweep_cost": ["--quick"],
@@ -99,7 +158,7 @@ SMALLEST = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem != "overhead"))
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in ("overhead", "frontier")))
 def test_every_benchmark_runs_its_smallest_setting(name, capsys):
     assert name in SMALLEST, f"benchmarks/{name}.py: add its smallest setting to SMALLEST"
     load(name).main(SMALLEST[name])

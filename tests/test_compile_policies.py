@@ -12,9 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ckptlab
 from ckptlab import Workload, compare, compare_gradients, measure, parse_policy
 from ckptlab.checkpoint.compiled import apply_policy, fresh_compiler_cache
-from ckptlab.run.compiled_plan import _compositions, plan_compiled
+from ckptlab.plan.compiled import UniformCost, choose_compiled, compositions
+from ckptlab.run.compiled_plan import plan_compiled
 
 BATCH, SEQ = 4, 32
 
@@ -98,7 +100,8 @@ def test_compile_gradients_within_tolerance_and_budget_zero_wrong():
 
 def test_full_compile_holds_less_than_compile_with_right_gradients_and_the_wrong_anchor_is_marked():
     workload = dropout_mlp()
-    df = compare(workload, BATCH, SEQ, ["compile", "full+compile"], anchors=True, verify=True, max_seconds=0.5)
+    df = compare(workload, BATCH, SEQ, ["compile", "full+compile"], verify=True, max_seconds=0.5, compiled_options="",
+                 anchors=["torch.compile activation_memory_budget=0.5", "torch.utils.checkpoint per block"])
     rows = df.set_index("policy")
     assert (rows.loc[["compile", "full+compile"], "status"] == "ok").all(), df[["policy", "status", "message"]]
     assert rows.loc["full+compile", "peak_bytes"] < rows.loc["compile", "peak_bytes"]
@@ -119,7 +122,9 @@ def test_a_budget_per_block_compiles_each_block_and_never_silently_runs_eager():
 
 
 def test_compiled_plan_counts_and_bad_input():
-    assert sorted(_compositions(3, 2)) == [(0, 3), (1, 2), (2, 1), (3, 0)]
+    assert sorted(compositions(3, 2)) == [(0, 3), (1, 2), (2, 1), (3, 0)]
+    with pytest.raises(ValueError, match="a compiled budget's plan is chosen from measured costs"):
+        ckptlab.measure(dropout_mlp(2), 2, 8, "budget=0.5+compile")
     for bad, says in (({"options": "fx"}, "options='fx'"), ({"options": "f0"}, "k included"),
                       ({"budget": "lots"}, "budget=lots")):
         with pytest.raises(ValueError, match=says):
@@ -129,11 +134,38 @@ def test_compiled_plan_counts_and_bad_input():
 @pytest.mark.slow  # compiles about ten models: minutes on 2 cores
 def test_compiled_plan_choice_rests_on_measurements_and_is_verified_by_one():
     plan = plan_compiled(dropout_mlp(2), 8, 64, 0.8, options="kf0", max_seconds=0.3)
-    costing = plan.costing.set_index("policy")
-    assert costing.loc["plan=00+compile", "gradients"] == "wrong" and "0" not in plan.options  # never chosen
+    rows = plan.comparison.set_index("policy")
+    assert rows.loc["plan=00+compile", "gradients"] == "wrong" and "0" not in plan.options  # never chosen
     assert set(plan.letters) <= set("kf") and plan.letters != "kk"
-    assert plan.peak_bytes == plan.verification.set_index("policy").loc[plan.policy, "peak_bytes"]  # measured
+    assert plan.peak_bytes == rows.loc["budget=0.8+compile", "peak_bytes"]  # measured
     assert plan.fits and plan.gradients == "within tolerance"
+    assert "measured" in str(plan) and "predicted" in str(plan)
+
+
+def test_a_compiled_plan_mixes_measured_options_to_the_least_predicted_time_that_fits():
+    # 4 blocks; all-keep holds 100 and takes 10; full saves 10 per block for +2 each; budget 0 saves
+    # 5 per block for +0.5 each (its uniform plan: 80 MB, 12 ms).
+    costs = {"k": UniformCost(100, 10.0), "f": UniformCost(60, 18.0), "0": UniformCost(80, 12.0)}
+    assert choose_compiled(costs, 4, 100).letters == "kkkk"
+    mixed = choose_compiled(costs, 4, 75)   # 25 to save: 3 x budget 0 + 1 x full (25) beats 2 x full + ... (+4.5 ms)
+    assert sorted(mixed.letters) == sorted("f000") and mixed.letters[0] == "f"   # the options saving most first
+    assert (mixed.predicted_peak_bytes, mixed.predicted_step_ms) == (75, 13.5)
+    assert mixed.compile_budgets() == [1.0, 0.0, 0.0, 0.0] and mixed.record()["plan"] == mixed.letters
+    with pytest.raises(ValueError, match="lowest measured peak of a uniform plan with right gradients is 60 B"):
+        choose_compiled(costs, 4, 59)
+
+
+@pytest.mark.slow  # compiles about ten models: minutes on 2 cores
+def test_compare_adds_the_compiled_plan_at_an_anchors_peak_with_its_verdict():
+    anchor = "torch.compile activation_memory_budget=0.5"
+    df = compare(dropout_mlp(2), 8, 64, ["none", "budget=0.9+compile"], anchors=[anchor], compiled_options="kf0",
+                 max_seconds=0.3)
+    compiled = df[df["plan_cost_basis"].notna()]
+    at_anchor = compiled[compiled["plan_at_peak_of"] == anchor].iloc[0]
+    assert at_anchor["peak_bytes"] <= df.set_index("policy").loc[anchor, "peak_bytes"]   # measured, fits
+    assert at_anchor["gradients"] == "within tolerance" and "0" not in at_anchor["plan"]    # dropout: budget 0 wrong
+    budget = df.set_index("policy").loc["budget=0.9+compile"]
+    assert budget["plan"] and budget["gradients"] == "within tolerance" and budget["round_ms"]
 
 
 def test_the_context_fn_notice_stays_off_the_terminal():

@@ -260,3 +260,13 @@ def test_cuda_events_are_recorded_on_the_stream_of_the_device_the_step_runs_on(m
                    ("step", None, "cuda:1"), ("record", "stream of cuda:1", "cuda:1"),
                    ("synchronize", "cuda:1", "cuda:1")]
     assert result.times_ms["step"] == [2.0] and current[0] == "cuda:0"
+
+
+def test_every_round_reports_the_widest_half_width_reached_so_far():
+    clock = FakeClock()
+    jitter = iter(np.random.default_rng(5).lognormal(0.0, 0.05, size=10_000))
+    seen = []
+    result = time_interleaved({"base": clock.step(10, jitter), "other": clock.step(12, jitter)}, min_rounds=5,
+                              max_rounds=400, max_seconds=1e6, clock=clock, on_round=lambda r, w: seen.append((r, w)))
+    assert [r for r, _ in seen] == list(range(1, result.rounds + 1))
+    assert seen[0][1] == float("inf") and seen[-1][1] == result.ci_half_width < 0.02

@@ -36,6 +36,7 @@ from ..report.explain import explain
 from ..report.plots import compare_plot, redraw_all
 from ..report.tables import format_table
 from ..run.compare import compare, measure_together
+from ..run.compiled_plan import plan_compiled
 from ..run.config import SweepConfig
 from ..run.store import RunLockedError
 from ..run.sweep import sweep
@@ -458,6 +459,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Choose keep/selective/full per block for a memory budget; print the plan."""
     workload = get_workload(args.model, **_model_overrides(args.set))
+    if args.compile:
+        return _compiled_plan(args, workload)
     on = device_options(args)
     plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost, **on)
     if args.format != "table":
@@ -489,6 +492,31 @@ def cmd_cards(args: argparse.Namespace) -> int:
     print_rows(rows, CARD_COLUMNS, args.format, "usable: total_memory as torch reports it; budget: what the "
                "caching allocator may reserve (usable less context and margin)")
     return 0
+
+
+def _compiled_plan(args: argparse.Namespace, workload) -> int:
+    """`plan --compile`: a plan for the compiled model, from measured costs, and measured."""
+    if args.threads is not None:
+        integer("--threads", args.threads, 1)
+        torch.set_num_threads(args.threads)
+    plan = plan_compiled(workload, args.batch, args.seq, args.budget, options=args.options, dtype=args.dtype,
+                         max_seconds=args.max_seconds, target_ci=args.target_ci)
+    if args.format != "table":
+        row = {"model": args.model, "batch_size": args.batch, "seq_len": args.seq, "dtype": args.dtype,
+               "budget": args.budget, "policy": plan.policy, "plan": plan.letters,
+               "plan_budget_bytes": plan.budget_bytes, "plan_predicted_peak_bytes": plan.predicted_peak_bytes,
+               "plan_predicted_step_ms": plan.predicted_step_ms, "peak_bytes": plan.peak_bytes,
+               "step_ms": plan.step_ms, "gradients": plan.gradients, "fits": plan.fits}
+        print_rows([row], [], args.format)
+        return 0 if plan.fits else 1
+    first = plan.comparison.iloc[0]
+    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype}, budget {args.budget} of the compiled model "
+          f"(a fraction is of the compiled all-keep plan's measured peak); {int(first['rounds'])} interleaved "
+          f"rounds, load {first['load_before']:.1f} -> {first['load_after']:.1f}"
+          + (" (busy: more load than cores)" if first["busy"] else ""))
+    print(plan)
+    print(f"apply it with: --policy {plan.policy}")
+    return 0 if plan.fits else 1
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -570,8 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p, batch="4", seq="64", policy="none,density=0.5,full", lists=False)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--anchors", action="store_true",
-                   help="add torch.utils.checkpoint, torch.compile and (transformers models) transformers' own "
-                        "checkpointing, and planner plans at each anchor's peak")
+                   help="add torch.utils.checkpoint, torch.compile at memory budgets 0, 0.25, 0.5, 0.75 and "
+                        "(transformers models) transformers' own checkpointing, and at each anchor's peak the "
+                        "planner's eager plan and the compiled plan (chosen from measured compiled runs)")
     p.add_argument("--verify", action="store_true", help="add each row's gradient verdict against the eager un-checkpointed model (exact | within tolerance | wrong)")
     p.add_argument("--target-ci", type=float, default=0.02, help="stop timing at this interval half-width (0.02: ±2%%)")
     p.add_argument("--max-seconds", type=float, default=120, help="time budget for the timing rounds")
@@ -594,6 +623,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of the no-checkpointing peak (0.5)")
     p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
     add_device_arguments(p)
+    p.add_argument("--compile", action="store_true",
+                   help="a plan for the compiled model: per block keep/selective/full or a compile budget, chosen "
+                        "from measured uniform compiled plans, then measured (peak, time, gradients); minutes")
+    p.add_argument("--options", default="ksf05", help="with --compile: what a block may take: k s f, digits d for "
+                   "compile budget d/10 (default ksf05)")
+    p.add_argument("--max-seconds", type=float, default=60, help="with --compile: time budget for the timing rounds")
+    p.add_argument("--target-ci", type=float, default=0.02, help="with --compile: stop timing at this interval half-width")
+    p.add_argument("--threads", type=int, default=None, help="with --compile: CPU threads (default: PyTorch's)")
     add_format_argument(p)
     p.set_defaults(func=cmd_plan)
 

@@ -421,6 +421,7 @@ HF_KINDS = tuple(k.name for k in KINDS.values() if k.mechanism == "transformers"
 COMPOSITIONS = (   # what '+' adds to a kind, one example each
     ("full+offload", "any policy with saved activations in host memory (offload alone: none+offload)"),
     ("full+compile", "any policy, then torch.compile (plan=00kf+compile: a compile budget per block)"),
+    ("budget=0.5+compile", "the compiled plan for a budget, chosen from measured compiled runs (compare, sweep)"),
 )
 POLICY_HELP = ("one of: " + " | ".join(k.syntax for k in KINDS.values() if k.mechanism != "transformers")
                + "; any of them +offload, any but compile +compile; transformers models also: "

@@ -167,6 +167,9 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     workload, policy = as_workload(workload), as_policy(policy)
     if policy.kind != "budget":
         return measure_policy(workload, batch_size, seq_len, policy, **options)
+    if policy.compiled:  # chosen from measured compiled runs, which ckptlab.run measures
+        raise ValueError(f"policy={policy} is invalid here: a compiled budget's plan is chosen from measured costs; "
+                         "allowed is ckptlab.compare(..., [policy]), a sweep, or `ckptlab plan --compile`")
     with_report = options.pop("with_report", False)
     record = measurement_record(workload, batch_size, seq_len, policy, **options)[0]
     try:
@@ -179,8 +182,6 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     measured = result[0] if with_report else result
     plan = resolved.plan
     planned = f"plan {plan.letters} (predicted peak {plan.predicted_peak_bytes} B <= budget {plan.budget_bytes} B)"
-    if policy.compiled:
-        planned += ", predicted for the eager model: compiled, only the measured peak holds"
     measured.update(policy=str(policy), plan=plan.letters,
                     note="; ".join(filter(None, [planned, measured.get("note")])))
     return result

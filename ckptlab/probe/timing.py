@@ -176,12 +176,15 @@ class IntervalTiming:
 def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: torch.device | str = "cpu",
                      warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 60.0,
                      min_rounds: int = 5, max_rounds: int = 200, threads: Optional[int] = None,
-                     seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> IntervalTiming:
+                     seed: int = 0, clock: Callable[[], float] = time.perf_counter,
+                     on_round: Optional[Callable[[int, float], None]] = None) -> IntervalTiming:
     """Time `configs` (name -> zero-argument step; the first is the baseline) with the protocol of
     docs/design.md, note "The timing protocol". `threads` defaults to PyTorch's current setting;
     it is set for the measurement, restored after, and recorded. `min_rounds` are always run (the
     time budget does not cut them short); at most `max_rounds`. `clock` (seconds) times CPU steps
-    and the budget; a test can hand in a clock it controls."""
+    and the budget; a test can hand in a clock it controls. `on_round(rounds, half_width)` is called
+    after every timed round with the widest relative interval half-width so far (inf before an
+    interval exists), for a progress bar."""
     names = list(configs)
     if not names:
         raise ValueError("configs={} is invalid: allowed is a mapping of at least one name to a step function")
@@ -212,9 +215,12 @@ def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: tor
             for name in _rotated(names, r):
                 times[name].append(timer(configs[name]))
             rounds = r + 1
+            if on_round is not None or rounds >= min_rounds:
+                summary = _summarize(times, names, seed)
+            if on_round is not None:
+                on_round(rounds, summary["half_width"])
             if rounds < min_rounds:
                 continue
-            summary = _summarize(times, names, seed)
             if rounds >= MIN_ROUNDS_FOR_TARGET and summary["half_width"] < target_ci:
                 stopped = "target"
                 break

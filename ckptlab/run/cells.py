@@ -11,14 +11,13 @@ import sys
 import time
 from typing import Callable, Iterable, Optional
 
-from tqdm.auto import tqdm
-
 from ..core.children import child_environment, die_with_parent, exit_when_orphaned
 from ..core.records import new_record
 from ..plan.budget import measure
 from ..probe.distributed import measure_sharded
 from .compare import measure_together
 from .config import SweepConfig
+from .progress import progress_bar
 from .provenance import now
 from .store import RunWriter
 
@@ -40,8 +39,8 @@ def run_cells(config: SweepConfig, writer: RunWriter, done: list[dict]) -> list[
     finished = {r.get("cell_id") for r in done}
     cells = config.cells()
     todo = [c for c in cells if cell_id(c) not in finished]
-    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), disable=not config.progress,
-               desc=f"sweep {config.model}", unit="cell")
+    bar = progress_bar(len(cells), f"sweep {config.model}", "cell", config.progress)
+    bar.update(len(cells) - len(todo))
 
     def measure_one(config: SweepConfig, cell: dict) -> dict:
         bar.set_postfix_str(cell_id(cell), refresh=False)
@@ -163,7 +162,14 @@ def run_cell(config: SweepConfig, cell: dict) -> dict:
                                memory_limit=config.memory_limit, optimizer=config.optimizer,
                                accum_steps=cell["accum_steps"], seed=config.seed, model_overrides=config.model_overrides,
                                target_ci=config.target_ci)
-    return measure(config.workload(), cell["batch_size"], cell["seq_len"], config.policy(cell["policy"]), device=config.device,
+    policy = config.policy(cell["policy"])
+    if policy.kind == "budget" and policy.compiled:  # a compiled plan is chosen from measured costs: compare measures them
+        return measure_together(config.workload(), cell["batch_size"], cell["seq_len"], [policy],
+                                device=config.device, dtype=cell["dtype"], accum_steps=cell["accum_steps"],
+                                memory_limit_bytes=config.memory_limit, optimizer=config.optimizer,
+                                steps=config.steps, warmup=config.warmup, target_ci=config.target_ci,
+                                max_seconds=config.max_seconds)[0]
+    return measure(config.workload(), cell["batch_size"], cell["seq_len"], policy, device=config.device,
                    dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
                    memory_limit=config.memory_limit, optimizer=config.optimizer,
                    accum_steps=cell["accum_steps"], target_ci=config.target_ci, max_seconds=config.max_seconds)

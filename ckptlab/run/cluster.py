@@ -21,10 +21,9 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
-from tqdm.auto import tqdm
-
 from .cells import OomInference, cell_id, failed_record, measure_cells, run_cell
 from .config import JobOptions, SweepConfig
+from .progress import progress_bar
 from .provenance import now
 
 
@@ -94,8 +93,8 @@ def run_as_jobs(config: SweepConfig, writer, done: list[dict]) -> list[dict]:
     options = config.job_options()
     oom = OomInference(config, done)
     cells = config.cells()
-    bar = tqdm(total=len(cells), initial=len(finished & {cell_id(c) for c in cells}), disable=not config.progress,
-               desc=f"sweep {config.model} (submitit)", unit="cell")
+    bar = progress_bar(len(cells), f"sweep {config.model} (submitit)", "cell", config.progress)
+    bar.update(len(finished & {cell_id(c) for c in cells}))
 
     def keep(record: dict, cell: dict, job_id=None, isolated=False) -> None:
         record.pop("_cell", None)

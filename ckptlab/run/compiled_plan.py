@@ -1,40 +1,30 @@
-"""A plan for a compiled model: one option per block, each block compiled on its own.
+"""A plan for a compiled model, measured: `plan_compiled` is `compare(..., ["none", "budget=B+compile"])`
+read back as one result.
 
-The eager planner (`ckptlab.plan`) predicts peaks with fake tensors, which do not follow
-inductor: what a compiled block keeps is the partitioner's choice. So here every number the
-choice rests on is measured, and the only prediction is the sum at the end:
-
-1. measure: for each option o (k keep, s selective, f full, a digit d: compile budget d/10),
-   the uniform plan `plan=oooo+compile`, all timed together (`compare`), each with its
-   gradient verdict against the eager un-checkpointed model;
-2. cost: an option whose gradients are wrong is dropped; each remaining option's per-block
-   effect is its uniform run's difference to all-keep, divided by the number of blocks (peak
-   saved, step time added);
-3. choose (predicted): the mix of options with the least predicted step time whose predicted
-   peak (all-keep's peak minus the blocks' savings) fits the budget; blocks are identical, so
-   only how many blocks take each option matters;
-4. verify (measured): the chosen plan timed together with all-keep and with every uniform plan
-   whose measured peak is at or below the chosen plan's, with gradients checked; the result
-   says whether it fits, and its time against the best such uniform plan, paired, with its 95%
-   interval.
+The choice rests on measurements only (`ckptlab.plan.compiled`): each option's uniform plan
+`plan=oooo+compile` is built, its peak measured, its gradients checked against the eager
+un-checkpointed model (an option whose gradients are wrong is dropped) and its time measured in
+interleaved rounds; the mix with the least predicted time whose predicted peak fits is then
+built, its peak measured, its gradients checked, and timed together with `none` and every
+uniform plan. Measured: every peak, time and gradient verdict of a row. Predicted: only the
+chosen plan's `predicted_peak_bytes` and `predicted_step_ms` (sums of the uniform plans' shares).
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import pandas as pd
 
-from ..core.policy import COMPILE_DIGITS, PLAN_LETTERS, Policy
-from ..core.units import format_bytes
-from ..plan.budget import resolve_budget
-from ..probe.timing import versus_fastest_at_no_more_memory
+from ..core.policy import Policy, parse_policy
+from ..core.units import format_bytes, parse_bytes
+from ..plan.compiled import COMPILED_DESCRIPTION, check_options, describe_blocks
+from ..probe.timing import paired_ratio, time_verdict, versus_fastest_at_no_more_memory
 from ..probe.verify import WRONG
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
-from ..workloads.stacks import find_blocks
 from .compare import compare
 
 
@@ -44,15 +34,16 @@ class CompiledPlan:
 
     letters: str
     budget_bytes: int
-    predicted_peak_bytes: int       # all-keep's measured peak minus the chosen options' measured savings
-    predicted_step_ms: float
+    predicted_peak_bytes: int       # predicted: all-keep's measured peak minus the chosen options' measured savings
+    predicted_step_ms: float        # predicted: all-keep's measured time plus the chosen options' measured additions
     peak_bytes: Optional[int]       # measured
+    step_ms: Optional[float]        # measured
     gradients: Optional[str]        # measured verdict
+    options: str                    # the options whose gradients were right
     best_uniform: Optional[str]     # the fastest uniform plan at or below the chosen plan's measured peak
     vs_best_uniform: Optional[tuple[float, float, float]]  # (median, low, high) paired time ratio
-    options: str                    # the options whose gradients were right
-    costing: pd.DataFrame           # step 1's rows
-    verification: pd.DataFrame      # step 4's rows
+    vs_none: Optional[tuple[float, float, float]]          # (median, low, high) paired time ratio to eager none
+    comparison: pd.DataFrame        # every row measured: none, the uniform plans, the chosen plan
 
     @property
     def policy(self) -> str:
@@ -63,82 +54,65 @@ class CompiledPlan:
         return self.peak_bytes is not None and self.peak_bytes <= self.budget_bytes
 
     def __str__(self) -> str:
-        lines = [f"plan {self.letters}+compile for budget {format_bytes(self.budget_bytes)}: predicted peak "
-                 f"{format_bytes(self.predicted_peak_bytes)}, measured {format_bytes(self.peak_bytes or 0)} "
-                 f"({'fits' if self.fits else 'does NOT fit'}), gradients {self.gradients}"]
-        if self.vs_best_uniform is not None:
-            ratio, low, high = self.vs_best_uniform
-            lines.append(f"  time / {self.best_uniform}: {ratio:.3f} [{low:.3f}, {high:.3f}] (95% interval)")
+        lines = [f"plan {self.letters}+compile for budget {format_bytes(self.budget_bytes)} "
+                 f"(options with right gradients: {', '.join(self.options)}):",
+                 *("  " + line for line in describe_blocks(self.letters)),
+                 f"  peak: measured {format_bytes(self.peak_bytes or 0)} "
+                 f"({'fits' if self.fits else 'does NOT fit'}); predicted {format_bytes(self.predicted_peak_bytes)}",
+                 f"  step: measured {self.step_ms:.1f} ms; predicted {self.predicted_step_ms:.1f} ms"
+                 if self.step_ms is not None else "  step: not measured",
+                 f"  gradients (measured, against the eager model without checkpointing): {self.gradients}"]
+        for name, versus in (("none (eager)", self.vs_none), (self.best_uniform, self.vs_best_uniform)):
+            if versus is not None and not math.isnan(versus[0]):
+                ratio, low, high = versus
+                lines.append(f"  time / {name}: {ratio:.3f} [{low:.3f}, {high:.3f}] (measured, paired, 95% interval: "
+                             f"{time_verdict(low, high)})")
+        lines.append(f"  {COMPILED_DESCRIPTION}")
         return "\n".join(lines)
 
 
 def plan_compiled(workload: Workload | str, batch_size: int, seq_len: int, budget, *, options: str = "ksf05",
-                  dtype: str = "fp32", max_seconds: float = 30, target_ci: float = 0.02) -> CompiledPlan:
+                  dtype: str = "fp32", max_seconds: float = 30, target_ci: float = 0.02,
+                  progress: bool = True) -> CompiledPlan:
     """The least-time plan of per-block compiled options whose peak fits `budget` (a size such
-    as 512MiB, bytes, or a fraction in (0, 1] of the compiled all-keep peak), chosen from
-    measurements (module docstring). `options` are plan letters: k, s, f and budget digits."""
+    as 512MiB, bytes, or a fraction in (0, 1] of the compiled all-keep plan's measured peak),
+    chosen from measurements and then measured (module docstring). `options` are plan letters
+    k, s, f and budget digits. Raises ValueError for bad input before any work, and when no plan fits."""
     workload = as_workload(workload)
-    letters = _check(options)
-    resolve_budget(budget, 1)  # bad input fails here, before any work
-    n = len(find_blocks(workload.build("meta")))
-    uniform = {o: str(Policy("plan", o * n, compiled=True)) for o in letters}
-    costing = compare(workload, batch_size, seq_len, [Policy("plan", o * n, compiled=True) for o in letters], dtype=dtype, verify=True,
-                      max_seconds=max_seconds, target_ci=target_ci).set_index("policy")
-    keep = costing.loc[uniform["k"]]
-    if keep["status"] != "ok":
-        raise RuntimeError(f"the compiled all-keep plan did not run: {keep['message']}")
-    budget_bytes = resolve_budget(budget, int(keep["peak_bytes"]))
-    usable = [o for o in letters if costing.loc[uniform[o], "status"] == "ok"
-              and costing.loc[uniform[o], "gradients"] != WRONG]
-    saving = {o: (keep["peak_bytes"] - costing.loc[uniform[o], "peak_bytes"]) / n for o in usable}
-    added = {o: (costing.loc[uniform[o], "step_ms"] - keep["step_ms"]) / n for o in usable}
-    best = None
-    for counts in _compositions(n, len(usable)):
-        peak = keep["peak_bytes"] - sum(c * saving[o] for c, o in zip(counts, usable))
-        step = keep["step_ms"] + sum(c * added[o] for c, o in zip(counts, usable))
-        if peak <= budget_bytes and (best is None or step < best[0]):
-            best = (step, peak, counts)
-    if best is None:
-        raise ValueError(f"budget={format_bytes(budget_bytes)} is infeasible for {workload.label} compiled at "
-                         f"batch_size={batch_size}, seq_len={seq_len}: the lowest measured peak of a uniform plan "
-                         f"with right gradients is {format_bytes(min(keep['peak_bytes'] - n * saving[o] for o in usable))}; "
-                         "allowed is a budget >= that")
-    step, peak, counts = best
-    # The options that save most go first, as the eager planner's plans recompute early blocks.
-    order = sorted(zip(usable, counts), key=lambda oc: -saving[oc[0]])
-    chosen = "".join(o * c for o, c in order)
-    policy = str(Policy("plan", chosen, compiled=True))
-    rivals = [o * n for o in usable if costing.loc[uniform[o], "peak_bytes"] <= peak]
-    verification = compare(workload, batch_size, seq_len,
-                           [Policy("plan", letters, compiled=True) for letters in dict.fromkeys(["k" * n, chosen, *rivals])],
-                           dtype=dtype, verify=True, max_seconds=max_seconds, target_ci=target_ci)
-    rows = verification.set_index("policy")
-    measured = rows.loc[policy]
-    ok = verification[(verification["status"] == "ok") & (verification["gradients"] != WRONG)
-                      & (verification["policy"] != policy)]
-    best, vs_best = (versus_fastest_at_no_more_memory(measured, ok.to_dict("records"))
-                     if measured["status"] == "ok" else (None, None))
+    check_options(options)
+    policy = Policy("budget", _budget_value(budget), compiled=True)
+    label = str(policy)
+    df = compare(workload, batch_size, seq_len, [Policy("none"), policy], dtype=dtype,
+                 max_seconds=max_seconds, target_ci=target_ci, compiled_options=options, progress=progress)
+    rows = df.set_index("policy", drop=False)
+    chosen = df[df["plan_cost_basis"].notna()] if "plan_cost_basis" in df else df.iloc[:0]
+    if not len(chosen):
+        failed = df[df["policy"] == label]
+        reason = failed["message"].iloc[0] if len(failed) else "no compiled plan was chosen"
+        raise ValueError(reason) if "infeasible" in str(reason) else RuntimeError(reason)
+    plan = chosen.iloc[0]
+    ok = plan["status"] == "ok"
+    uniform = df[df["policy"].str.fullmatch(r"plan=(.)\1*\+compile") & (df["status"] == "ok")
+                 & (df["gradients"] != WRONG) & (df["policy"] != f"plan={plan['plan']}+compile")]
+    best, versus = versus_fastest_at_no_more_memory(plan, [r for _, r in uniform.iterrows()]) if ok else (None, None)
+    best_uniform = None if best is None else best["policy"]
     return CompiledPlan(
-        letters=chosen, budget_bytes=budget_bytes, predicted_peak_bytes=int(peak), predicted_step_ms=float(step),
-        peak_bytes=int(measured["peak_bytes"]) if measured["status"] == "ok" else None,
-        gradients=measured.get("gradients"), best_uniform=None if best is None else best["policy"],
-        vs_best_uniform=None if best is None else vs_best,
-        options="".join(usable), costing=costing.reset_index(), verification=verification)
+        letters=plan["plan"], budget_bytes=int(plan["plan_budget_bytes"]),
+        predicted_peak_bytes=int(plan["plan_predicted_peak_bytes"]),
+        predicted_step_ms=float(plan["plan_predicted_step_ms"]),
+        peak_bytes=int(plan["peak_bytes"]) if ok else None, step_ms=float(plan["step_ms"]) if ok else None,
+        gradients=plan["gradients"], options=plan["plan_options"], best_uniform=best_uniform,
+        vs_best_uniform=None if best is None else versus,
+        vs_none=paired_ratio(plan, rows.loc["none"]) if ok else None, comparison=df)
 
 
-def _check(options: str) -> list[str]:
-    allowed = set(PLAN_LETTERS) | set(COMPILE_DIGITS)
-    if not isinstance(options, str) or not options or set(options) - allowed or "k" not in options:
-        raise ValueError(f"options={options!r} is invalid: allowed are plan letters k, s, f and budget digits "
-                         "0-9, k included (the baseline), e.g. ksf05")
-    return list(dict.fromkeys(options))
-
-
-def _compositions(n: int, k: int):
-    """Every way to give n identical blocks one of k options: tuples of k counts summing to n."""
-    for cuts in itertools.combinations(range(n + k - 1), k - 1):
-        bounds = (-1, *cuts, n + k - 1)
-        yield tuple(bounds[i + 1] - bounds[i] - 1 for i in range(k))
+def _budget_value(budget) -> float | int:
+    """A budget as `budget=` holds it, checked before any work: a fraction, or bytes from a size."""
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return budget
+    if isinstance(budget, str):
+        return parse_policy(f"budget={budget.removeprefix('budget=')}").value
+    return parse_bytes(budget, "budget")
 
 
 __all__ = ["CompiledPlan", "plan_compiled"]

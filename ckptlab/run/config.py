@@ -110,7 +110,7 @@ class SweepConfig:
     """Add the cells missing from an existing run folder; off, a folder that holds records is
     refused."""
     progress: bool = option(True, "--progress")
-    """A progress bar, and the summary printed at the end."""
+    """A progress bar on a terminal (none when stderr is piped), and the summary printed at the end."""
 
     # ------------------------------------------------------------------ how cells run
     isolate: Optional[bool] = option(None, "--isolate")
