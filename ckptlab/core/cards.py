@@ -70,6 +70,12 @@ class Card:
         """What the caching allocator may reserve (workspaces included) for a step to fit."""
         return self.usable_bytes - self.context_bytes - self.required_margin_bytes
 
+    @property
+    def basis(self) -> str:
+        """What a number for this capacity is: "predicted for RTX 4090"; for a plain size, the CPU's
+        prediction ("predicted on this CPU for 24.0 GiB")."""
+        return f"predicted for {self.label}" if self.arch else f"predicted on this CPU for {self.label}"
+
     def describe(self) -> str:
         """"RTX 4090 (23.6 GiB usable)", or the size for a plain one: the words of a table's header."""
         return f"{self.label} ({format_bytes(self.usable_bytes)} usable)" if self.arch else self.label

@@ -184,7 +184,7 @@ def predict_fits(
                          "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len)) if best_batch else None,
                          "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq)) if best_seq else None,
                          "device": on_device, "required_margin_bytes": cap.required_margin_bytes,
-                         "basis": f"predicted for {cap.label if cap.arch else on_device}"})
+                         "basis": cap.basis if cap.arch or device == "cpu" else f"predicted for {device}"})
     return rows
 
 
