@@ -1,8 +1,9 @@
 """Cards by what they offer: the table, the one capacity parser, and card names accepted wherever a
-capacity is (predict_fits, explain, the notebooks' parameters, the command line)."""
+capacity is (predict_fits, lora_fits, explain, the notebooks' parameters, the command line)."""
 
 import dataclasses
 
+import pandas as pd
 import pytest
 
 import ckptlab
@@ -21,6 +22,7 @@ from ckptlab.core.cards import (
     parse_capacity,
 )
 from ckptlab.estimate.predict import predict, predict_fits
+from ckptlab.run.finetune import longest_fitting, lora_fits
 
 GiB, MiB = 2**30, 2**20
 NAMES = ["rtx3090", "rtx4090", "a10", "l4", "a100-40", "a100-80", "h100-80", "h200"]
@@ -82,15 +84,19 @@ def test_fits_keeps_the_margin_and_margin_left_is_usable_less_device_bytes():
 
 def test_predict_fits_takes_card_names_and_shows_the_margin_left():
     workload = ckptlab.get_workload("gpt-tiny", n_layer=2)
+    on_rtx = predict(workload, 1, 16, "full", device="cuda", card="rtx4090")
     peak = predict(workload, 1, 16, "full").peak_bytes
-    # An RTX 4090 told it has context + margin + that peak usable leaves the step exactly that
-    # peak: batch 1 fits, as on a plain size of the peak's bytes, with the card's margin left over.
-    exact = parse_capacity("rtx4090", usable_bytes=card("rtx4090").context_bytes + DEFAULT_MARGIN_BYTES + peak)
+    # An RTX 4090 told it has that step's device bytes + its margin usable fits batch 1 with
+    # exactly the margin left (and a larger batch only if the allocator reserves no more for it),
+    # as a plain size of the CPU peak fits it with nothing left.
+    exact = parse_capacity("rtx4090", usable_bytes=on_rtx.device_bytes + DEFAULT_MARGIN_BYTES)
     on_card, on_size = predict_fits(workload, ["full"], capacities=[exact, f"{peak}B"], seq_len=16, batch_size=1,
                                     dtype="fp32", max_batch=2, seq_lens=[16])
     assert predict(workload, 2, 16, "full").peak_bytes > peak
     assert on_card["capacity"] == "rtx4090" and on_size["capacity"] == f"{peak}B"
-    assert on_card["max_batch_size"] == on_size["max_batch_size"] == 1
+    assert on_size["max_batch_size"] == 1 and on_card["max_batch_size"] >= 1
+    largest = predict(workload, on_card["max_batch_size"], 16, "full", device="cuda", card=exact)
+    assert largest.device_bytes == on_rtx.device_bytes
     assert on_card["max_seq_len"] == on_size["max_seq_len"] == 16
     assert on_size["batch_margin_bytes"] == on_size["seq_margin_bytes"] == 0
     assert on_card["batch_margin_bytes"] == on_card["seq_margin_bytes"] == DEFAULT_MARGIN_BYTES
@@ -110,3 +116,16 @@ def test_notebook_parameters_and_the_command_line_take_card_names(capsys):
     assert cli_main(["explain", "--model", "gpt-tiny", "--capacity", "rtx5090"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: capacity='rtx5090' is invalid: allowed is a card (rtx3090")
+
+
+def test_lora_fits_takes_card_names_and_says_the_margin_at_the_longest_sequence():
+    table = lora_fits("hf-llama-tiny", 4, [16], ["h200", "1KiB"], ["none"], dtype="fp32")
+    h200 = card("h200")
+    on_h200 = predict("hf-llama-tiny+lora=4", 1, 16, "none", dtype="fp32", device="cuda", card="h200")
+    assert bool(table["fits_h200"].iloc[0]) and not bool(table["fits_1KiB"].iloc[0])
+    assert table["device_h200_bytes"].iloc[0] == on_h200.device_bytes   # predicted for the card
+    assert table["margin_h200_bytes"].iloc[0] == h200.usable_bytes - on_h200.device_bytes == on_h200.margin_bytes
+    longest = longest_fitting(table).set_index("capacity")
+    assert longest.loc["h200", "longest_seq_len"] == 16 and longest.loc["1KiB", "longest_seq_len"] == 0
+    assert longest.loc["h200", "margin_bytes"] == table["margin_h200_bytes"].iloc[0]
+    assert longest.loc["1KiB", "margin_bytes"] is None or pd.isna(longest.loc["1KiB", "margin_bytes"])

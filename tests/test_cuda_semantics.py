@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlab import apply_checkpointing, get_workload, track_memory
+from ckptlab.checkpoint.wrap import selective_context_fn
 from ckptlab.estimate.cuda_autocast import cuda_autocast
 from ckptlab.estimate.cuda_semantics import cuda_semantics
 from ckptlab.estimate.fake_step import fake_model
@@ -92,7 +93,11 @@ def test_efficient_keeps_a_logsumexp_padded_to_32_and_no_device_seed():
     s = 48  # padded to 64 in the logsumexp (kAlignLSE); seed and offset are host scalars
     report, cuda = _attention_step(dtype=torch.float32, shape=(B, H, s, D))
     assert cuda.attention_backend == "efficient"
-    assert report.saved_activation_bytes == 4 * B * H * s * D * 4 + B * H * 64 * 4 + 4
+    kept = 4 * B * H * s * D * 4 + B * H * 64 * 4 + 4
+    assert report.saved_activation_bytes == kept
+    # backward: the loss's grad, dq, dk, dv, delta fp32 [b, h, s_q] and the dq accumulator's
+    # 64 x 64 fp32 tiles with their 16-byte headers (one tile per (b, h) here)
+    assert report.peak_bytes == kept + 4 + 3 * B * H * s * D * 4 + B * H * s * 4 + B * H * (16 + 64 * 64 * 4)
 
 
 def test_math_on_cuda_materialises_fp32_scores_and_a_bool_dropout_mask():
@@ -157,6 +162,18 @@ def test_an_impossible_override_is_refused_naming_why():
         _backend(**fp32, attention="fast")
     with pytest.raises(ValueError, match="arch='sm70' is invalid"):
         _backend(**fp32, arch="sm70")
+    with cuda_semantics(), pytest.raises(ValueError, match="on fake tensors"):  # real kernels are not modelled
+        F.scaled_dot_product_attention(*(torch.zeros(1, 1, 8, 8) for _ in range(3)))
+
+
+def test_outside_the_mode_attention_and_dropout_are_the_cpus_again():
+    with cuda_semantics():
+        pass
+    with FakeTensorMode():
+        (x,) = _leaves((4, 8), dtype=torch.float32)
+        assert F.dropout(x, 0.1, True).grad_fn.name() == "MulBackward0"
+        q = x.view(1, 1, 4, 8)
+        assert F.scaled_dot_product_attention(q, q, q).grad_fn.name() == "ScaledDotProductFlashAttentionForCpuBackward0"
 
 
 @pytest.mark.parametrize("cuda, mask_bytes_per_element", [(True, 1), (False, 4)])
@@ -213,6 +230,23 @@ def test_cuda_autocast_runs_norms_and_softmax_in_fp32_matmuls_in_bf16_and_caches
     with pytest.raises(ValueError, match="dtype=torch.float32 is invalid"):
         with cuda_autocast(torch.float32):
             pass
+
+
+@pytest.mark.parametrize("context_fn, extra", [(None, 0), (selective_context_fn("attn"), B * H * S * 4 + 24)])
+def test_selective_checkpointing_saves_the_fused_kernel_as_on_a_gpu(context_fn, extra):
+    # full: the region keeps its inputs and returns the output; selective keeps the flash op's
+    # outputs (it names _scaled_dot_product_flash_attention): the logsumexp and rng state besides
+    kwargs = {"context_fn": context_fn} if context_fn else {}
+    with FakeTensorMode():
+        qb, kb, vb = _leaves((B, H, S, D), (B, H, S, D), (B, H, S, D))
+        with cuda_semantics(), track_memory() as tracker:
+            q, k, v = qb.clone(), kb.clone(), vb.clone()
+            out = torch.utils.checkpoint.checkpoint(
+                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True), q, k, v,
+                use_reentrant=False, **kwargs)
+            tracker.phase("backward")
+            out.sum().backward()
+    assert tracker.report().saved_activation_bytes == 4 * B * H * S * D * 2 + extra
 
 
 def test_checkpoint_recompute_runs_under_the_mode_with_the_same_backend():

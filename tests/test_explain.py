@@ -104,9 +104,14 @@ def test_cli_prints_the_report_and_json(capsys, tmp_path):
     assert (tmp_path / "waterfall.png").stat().st_size > 0
     assert cli_main(args + ["--format", "json", "--capacity", "rtx4090"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["breakdown"]) == set(BREAKDOWN)
-    # on a card, the step may reach its usable bytes less context and margin
-    assert data["capacity_bytes"] == card("rtx4090").budget_bytes and data["capacity_card"].startswith("RTX 4090")
+    # on a card every size is predicted for it: its device bytes may reach its usable bytes less its margin
+    rtx = card("rtx4090")
+    assert set(data["breakdown"]) == set(BREAKDOWN) | {"workspaces", "rounding", "fragmentation"}
+    assert data["capacity_bytes"] == rtx.usable_bytes - rtx.required_margin_bytes
+    assert data["capacity_card"].startswith("RTX 4090") and data["device"] == "cuda"
+    assert data["margin_bytes"] == rtx.usable_bytes - data["device_bytes"] and data["steps"][0]["predicted_peak_bytes"] == data["device_bytes"]
+    offload = next(lever for lever in data["levers"] if lever["name"] == "offload")
+    assert offload["basis"] == "predicted" and offload["predicted_peak_bytes"] > 0   # on a card, predicted
     assert data["peak_phase"] in ("forward", "backward", "optimizer")
 
 

@@ -45,6 +45,7 @@ def apply_checkpointing(
     debug: bool = False,
     early_stop: bool = True,
     context_fn: Callable | None = None,
+    offload_hooks: Callable | None = None,
 ) -> CheckpointHandle:
     """Checkpoint the blocks that `policy` selects, in place. Returns a handle that removes it.
 
@@ -52,6 +53,8 @@ def apply_checkpointing(
     Non-reentrant by default: it supports keyword arguments, inputs that do not require grad
     (frozen bases) and early stop. RNG state is preserved so dropout masks match on recompute.
     `determinism_check`, `debug`, `early_stop` and `context_fn` pass through to PyTorch.
+    `offload_hooks()` makes the saved-tensor hooks a `+offload` policy runs each block under
+    (default: `save_on_cpu`); a prediction for CUDA passes its model of them.
     """
     policy = parse_policy(policy)
     if use_reentrant and context_fn is not None:
@@ -86,7 +89,7 @@ def apply_checkpointing(
             region_options = {**options, "context_fn": selective_context_fn(variant)}
         _patch_region(handle, blocks[start:stop], region_options, early_stop)
     if policy.offload:
-        _patch_offload(handle, blocks)
+        _patch_offload(handle, blocks, offload_hooks)
     return handle
 
 
@@ -148,7 +151,7 @@ def selective_context_fn(variant: str = "mm") -> Callable:
 
 # --------------------------------------------------------------------------- offload
 
-def _patch_offload(handle: CheckpointHandle, blocks: list[nn.Module]) -> None:
+def _patch_offload(handle: CheckpointHandle, blocks: list[nn.Module], hooks: Callable | None = None) -> None:
     """Run every block's forward (checkpointed or not) under `save_on_cpu`: tensors autograd
     saves inside a block go to host memory (pinned when the block's parameters are on CUDA) and
     come back in backward. On CPU `save_on_cpu` hands the same tensor back (`tensor.cpu()` of a
@@ -157,9 +160,10 @@ def _patch_offload(handle: CheckpointHandle, blocks: list[nn.Module]) -> None:
         inner = block.forward  # the checkpointing patch or the class's bound forward
         first = next(block.parameters(), None)
         pin = first is not None and first.device.type == "cuda"
+        make_hooks = hooks or functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=pin)
 
-        def offload_forward(*args, _inner=inner, _pin=pin, **kwargs):
-            with torch.autograd.graph.save_on_cpu(pin_memory=_pin):
+        def offload_forward(*args, _inner=inner, _hooks=make_hooks, **kwargs):
+            with _hooks():
                 return _inner(*args, **kwargs)
 
         offload_forward._ckptlab_handle = handle

@@ -41,7 +41,7 @@ KERNEL_IMAGES_BYTES = 666_632_192 - 287_047_680
 CUBLAS_WORKSPACE_BYTES = {8: 4096 * 1024 * 2 + 16 * 1024 * 8, 9: 4096 * 8 * 1024}
 
 # The margin a card keeps: what one card reports as total_memory differs between drivers by up to
-# 153 MiB in the reports cited below (RTX 3090: 25,286,672,384 B in Jumperkables/cuda-benchmarking's
+# 153 MiB in these reports (RTX 3090: 25,286,672,384 B in Jumperkables/cuda-benchmarking's
 # 00_deviceQuery/README.md, 25,447,170,048 B with driver 11.8 in another deviceQuery log; A100-80:
 # "81051 MBytes (84987740160 bytes)" with driver 12.2 against 85,100,068,864 B with 12.5), and a
 # step allocates a little outside the one stream the replay models (NCCL, cuDNN, a second stream's

@@ -103,6 +103,8 @@ class _Block:
 
 
 class _Allocator:
+    """The allocator's state on one stream: its pools of free blocks, the live blocks, the counters."""
+
     def __init__(self, expandable: bool):
         self.expandable = expandable
         self.free = {True: [], False: []}     # per pool (small?): sorted (size, addr) of free blocks
@@ -172,7 +174,8 @@ class _Allocator:
         small = size <= SMALL_REQUEST_BYTES
         block = self._best_fit(small, size) or self._new_segment(small, size)
         rest = block.size - size
-        if rest >= MIN_BLOCK_BYTES if (small or self.expandable) else rest > SMALL_REQUEST_BYTES:
+        should_split = rest >= MIN_BLOCK_BYTES if small or self.expandable else rest > SMALL_REQUEST_BYTES
+        if should_split:
             remaining = _Block(block.addr + size, rest, prev=block, next=block.next)
             if block.next:
                 block.next.prev = remaining

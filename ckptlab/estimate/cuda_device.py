@@ -22,12 +22,18 @@ order (the tracker's trace). Added to them, as CUDA adds them:
 - The allocator replay (`replay_allocations`) turns the sizes into what the caching allocator
   holds: the allocated peak with its rounding (`max_memory_allocated`) and the reserved peak
   (`max_memory_reserved`); reserved minus allocated is fragmentation.
+- Offload (`P+offload`): `save_on_cpu(pin_memory=True)` copies each tensor saved inside a block
+  to pinned host memory, so the device copy is freed when nothing else holds it, and backward
+  copies it back into a new device tensor (torch/autograd/graph.py). `HostOffload` does the same
+  on fake tensors: the host copy is a meta tensor (the tracker, counting the CPU device the fake
+  step stands for, does not see it) and counts as pinned host bytes.
 - `device_bytes` = reserved + the card's context (driver, CUDA runtime and kernels loaded: what
   `nvidia-smi` shows beyond PyTorch's reserve).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +41,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.cards import CUBLAS_WORKSPACE_BYTES, Card
 from .allocator import AllocEvent, replay_allocations
-from .cuda_semantics import ARCHS
 
 DEFAULT_ARCH = "sm80"     # a prediction for CUDA without a card: an A100's architecture
 CUBLASLT_WORKSPACE_BYTES = 1024 * 1024                    # CublasHandlePool.cpp, CUBLASLT_WORKSPACE_SIZE default
@@ -63,8 +68,39 @@ class BlasUse(TorchDispatchMode):
 
     def workspaces(self, arch: str) -> list[int]:
         """The workspaces' sizes, one per (thread, library)."""
-        cublas = CUBLAS_WORKSPACE_BYTES[ARCHS[arch][0]]
+        cublas = CUBLAS_WORKSPACE_BYTES[int(arch[2:-1])]   # by the major of compute capability "smXY"
         return [cublas] * len(self.cublas) + [CUBLASLT_WORKSPACE_BYTES] * len(self.cublaslt)
+
+
+class HostOffload:
+    """`save_on_cpu(pin_memory=True)` as a CUDA step runs it, on fake tensors (module docstring):
+    `hooks()` for `apply_checkpointing(offload_hooks=...)`; `peak_bytes` of pinned host memory."""
+
+    def __init__(self):
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def reset(self) -> None:
+        self.live_bytes = self.peak_bytes = 0
+
+    def _pack(self, tensor: torch.Tensor):
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, device="meta")
+        nbytes = host.numel() * host.element_size()
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(host, self._freed, nbytes)
+        return tensor.device, host
+
+    def _freed(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    @staticmethod
+    def _unpack(packed) -> torch.Tensor:
+        device, host = packed
+        return torch.empty(host.size(), dtype=host.dtype, device=device)
 
 
 @dataclass
@@ -77,6 +113,7 @@ class DeviceMemory:
     rounding_bytes: int         # allocated_bytes - the tensors' peak - workspace_bytes
     device_bytes: int | None    # reserved + the card's context (None without a card)
     context_bytes: int | None
+    host_bytes: int | None = None   # pinned host memory at its peak, with offload
 
 
 def device_memory(trace: list[tuple[str, int, int]], start_bytes: int, tensor_peak_bytes: int,
@@ -101,4 +138,4 @@ def device_memory(trace: list[tuple[str, int, int]], start_bytes: int, tensor_pe
         device_bytes=None if context is None else replay.peak_reserved_bytes + context, context_bytes=context)
 
 
-__all__ = ["DEFAULT_ARCH", "BlasUse", "CUBLASLT_WORKSPACE_BYTES", "DeviceMemory", "device_memory"]
+__all__ = ["DEFAULT_ARCH", "BlasUse", "HostOffload", "CUBLASLT_WORKSPACE_BYTES", "DeviceMemory", "device_memory"]

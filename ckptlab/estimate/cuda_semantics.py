@@ -16,7 +16,10 @@ other tensors than the CPU's allocate and save what the CUDA kernels would:
 
 The two ops get kernels for the AutogradCPU dispatch key (a torch.library registration, removed
 on exit), not a TorchFunctionMode: a mode is off while it handles `loss.backward()`, so it would
-miss the recomputations that checkpointing runs inside backward. Every rule names the PyTorch
+miss the recomputations that checkpointing runs inside backward. The fused kernels' outputs come
+from the aten ops CUDA runs (`_scaled_dot_product_flash_attention`, `..._efficient_attention`),
+whose fake (Meta) kernels are replaced by ones with the CUDA layouts and RNG tensors: selective
+checkpointing, which saves those ops by name, sees them as on a GPU. Every rule names the PyTorch
 source it follows; the rules are torch 2.11's (the GPU check's torch), read from PyTorch's main
 branch where the two agree. The model, and what it leaves out: docs/design.md, note "What a fake
 step cannot know".
@@ -32,16 +35,17 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from ..core.validate import choice
 from .cuda_autocast import cuda_autocast_policies
 
 ATTENTION_BACKENDS = ("flash", "efficient", "math")
 
-# Compute capability of each architecture, and the streaming multiprocessors of the card the name
-# usually means (NVIDIA's data sheets: A100 108, RTX 3090 82, RTX 4090 128, H100 SXM and H200
-# 132): flash attention's forward splits the keys when a batch leaves SMs idle.
-ARCHS = {"sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0)}
+# Architectures by compute capability (sm86: 8.6), and the streaming multiprocessors of the card
+# each name usually means (NVIDIA's data sheets: A100 108, RTX 3090 82, RTX 4090 128, H100 SXM
+# and H200 132): flash attention's forward splits the keys when a batch leaves SMs idle.
+ARCHS = ("sm80", "sm86", "sm89", "sm90")
 SM_COUNTS = {"sm80": 108, "sm86": 82, "sm89": 128, "sm90": 132}
 
 
@@ -68,7 +72,7 @@ def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
     optimizer): attention, dropout and autocast allocate and keep what their CUDA kernels would
     on a GPU of architecture `arch`. `attention` forces a backend (ValueError at the first call
     it cannot serve, naming why); `sm_count` defaults to the SMs of the arch's usual card."""
-    choice("arch", arch, tuple(ARCHS))
+    choice("arch", arch, ARCHS)
     if attention is not None:
         choice("attention", attention, ATTENTION_BACKENDS)
     if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
@@ -79,6 +83,8 @@ def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel", on purpose
         lib.impl("scaled_dot_product_attention", lambda *a, **k: _attention(semantics, *a, **k), "AutogradCPU")
         lib.impl("dropout", dropout, "AutogradCPU")
+        lib.impl("_scaled_dot_product_flash_attention", _flash_outputs, "Meta")
+        lib.impl("_scaled_dot_product_efficient_attention", _efficient_outputs, "Meta")
     try:
         with cuda_autocast_policies():
             yield semantics
@@ -91,6 +97,9 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
     """attention.cpp scaled_dot_product_attention with CUDA's choice (sdp_utils.cpp
     select_sdp_backend: the first of flash, efficient, math whose checks pass). Under autocast
     the inputs arrive cast: SDPA is on CUDA autocast's lower-precision list."""
+    if not is_fake(query):
+        raise ValueError("cuda_semantics models what CUDA kernels keep, on fake tensors: scaled_dot_product_attention "
+                         "got a real tensor; run the step under a FakeTensorMode")
     why_not = {"flash": flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, semantics.arch),
                "efficient": efficient_refusal(query, key, value, enable_gqa),
                "math": None}
@@ -203,18 +212,15 @@ class _Flash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, dropout_p, sm_count):
         b, hq, sq, d = query.shape
-        q_t = query.transpose(1, 2)
-        out = torch.empty_like(q_t).transpose(1, 2)
-        lse = torch.empty(b, hq, sq, dtype=torch.float32)
         # set_params_splitkv: without dropout, a batch that leaves SMs idle splits the keys and
         # accumulates in fp32 buffers for the length of the kernel.
         splits = 1 if dropout_p else _flash_splits(b * hq * math.ceil(sq / 64), sm_count * 2,
                                                     math.ceil(key.size(-2) / (256 if d <= 64 else 128 if d <= 128 else 64)))
-        accumulators = () if splits == 1 else (  # alive until the kernel returns
+        accumulators = () if splits == 1 else (  # alive while the kernel runs
             torch.empty(splits, b, hq, sq, dtype=torch.float32),
             torch.empty(splits, b, hq, sq, _round_up(d, 32 if d <= 128 else 64), dtype=torch.float32))
-        rng_state = torch.empty(2, dtype=torch.uint64)
-        unused = torch.empty((), dtype=torch.uint64)
+        out, lse, _, _, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p)
         del accumulators
         ctx.save_for_backward(query, key, value, out, lse, rng_state, unused)
         return out
@@ -236,6 +242,17 @@ class _Flash(torch.autograd.Function):
             torch.sum(dv_expanded.view(b, sk, hk, hq // hk, d), 3, out=dv)
         del dout, softmax_d, dq_accum
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
+
+
+def _flash_outputs(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    """_scaled_dot_product_flash_attention's outputs as CUDA allocates them: the output in
+    [b, s, h, d] memory, logsumexp fp32 [b, h, s_q], rng_state uint64[2] and the unused uint64."""
+    b, h, sq, d = query.shape
+    device = query.device
+    return (torch.empty(b, sq, h, d, dtype=query.dtype, device=device).transpose(1, 2),
+            torch.empty(b, h, sq, dtype=torch.float32, device=device), None, None, sq, key.size(2),
+            torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device),
+            torch.empty(0, dtype=query.dtype, device=device))
 
 
 def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int = 128) -> int:
@@ -270,29 +287,25 @@ def efficient_attention(query, key, value, attn_mask):
 
 class _Efficient(torch.autograd.Function):
     """attention.cu _efficient_attention_forward and attention_backward.cu
-    _efficient_attention_backward. Causality and dropout change no allocation. The seed and
-    offset are CPU scalars outside CUDA-graph capture (Note [Seed and Offset Device]): no device
-    bytes, none here. The backward's workspace (kernel_backward.h workspace_size: fp32
-    accumulators that depend on the kernel chosen) is not modelled."""
+    _efficient_attention_backward. Causality and dropout change no allocation; the seed and
+    offset are CPU scalars outside CUDA-graph capture (Note [Seed and Offset Device])."""
 
     @staticmethod
     def forward(ctx, query, key, value, bias, keep_lse):
         b, h, sq, _ = query.shape
         dv = value.size(-1)
-        out = torch.empty(b, sq, h, dv, dtype=query.dtype).transpose(1, 2)
-        # kAlignLSE = 32: the logsumexp is padded for the backward's blocks.
-        lse = torch.empty(b, h, _round_up(sq, 32) if keep_lse else 0, dtype=torch.float32)
-        # Kernels for head dims > 128 keep the output in global memory: fp32 accumulator
-        # (kNeedsOutputAccumulatorBuffer) when the output is fp16 / bf16.
-        if query.element_size() == 2 and max(query.size(-1), dv) > 128:
-            accumulator = torch.empty(b, sq, h, dv, dtype=torch.float32)
-            del accumulator
+        # Kernels for head dims > 128 keep the output in global memory: an fp32 accumulator
+        # (kNeedsOutputAccumulatorBuffer) when the output is fp16 / bf16, alive while they run.
+        accumulator = (torch.empty(b, sq, h, dv, dtype=torch.float32)
+                       if query.element_size() == 2 and max(query.size(-1), dv) > 128 else None)
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, keep_lse)
+        del accumulator
         ctx.save_for_backward(query, key, value, bias, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, value, bias, _, _ = ctx.saved_tensors
+        query, key, value, bias, out, _ = ctx.saved_tensors
         b, h, sq, d = query.shape
         sk, dv = key.size(2), value.size(-1)
         packed = (sq == sk and d == dv and query.untyped_storage()._cdata == key.untyped_storage()._cdata
@@ -307,7 +320,32 @@ class _Efficient(torch.autograd.Function):
         dbias = None
         if bias is not None and ctx.needs_input_grad[3]:
             dbias = torch.empty(*bias.shape[:-1], _round_up(bias.size(-1), 16), dtype=bias.dtype)[..., :bias.size(-1)]
+        # delta = rowsum(dout * out): written by the 16-bit kernels, made by torch ops for fp32.
+        if query.element_size() == 2:
+            delta = torch.empty(b, h, sq, dtype=torch.float32)
+        else:
+            delta = (grad.transpose(1, 2).float() * out.transpose(1, 2).float()).sum(-1).transpose(-2, -1).contiguous()
+        # kernel_backward.h workspace_size: every kernel accumulates dq in fp32 tiles
+        # (kNeedsAccumGradQ, split keys on sm70+), each with a 16-byte lock header. The tile is
+        # the kernel's kBlockSizeI x MatmulGradQ's N, taken as 64 x 64 here (an approximation:
+        # the kernel chosen decides). 16-bit kernels with head dims > 64 also stage dk, dv in
+        # small per-(b, h) buffers, not counted.
+        tiles = b * h * math.ceil(sq / 64) * math.ceil(d / 64)
+        workspace = torch.empty(tiles * (16 + 64 * 64 * 4), dtype=torch.uint8)
+        del delta, workspace
         return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None
+
+
+def _efficient_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
+                       scale=None):
+    """_scaled_dot_product_efficient_attention's outputs as CUDA allocates them: the output in
+    [b, s, h, d] memory, logsumexp fp32 [b, h, s_q rounded up to 32] (kAlignLSE) when asked, and
+    seed and offset, host scalars on CUDA, as empty tensors: no device bytes."""
+    b, h, sq, _ = query.shape
+    device = query.device
+    return (torch.empty(b, sq, h, value.size(-1), dtype=query.dtype, device=device).transpose(1, 2),
+            torch.empty(b, h, _round_up(sq, 32) if compute_log_sumexp else 0, dtype=torch.float32, device=device),
+            torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device))
 
 
 # ---------------------------------------------------------------------------- math

@@ -45,7 +45,7 @@ from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
 from .cuda_autocast import cuda_autocast
-from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, device_memory
+from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, device_memory
 from .cuda_semantics import cuda_semantics
 
 
@@ -86,6 +86,7 @@ class Prediction:
     reserved_bytes: Optional[int] = None
     device_bytes: Optional[int] = None
     margin_bytes: Optional[int] = None
+    host_bytes: Optional[int] = None         # offload on CUDA: pinned host memory at its peak
 
     def record(self) -> dict:
         """A flat row, columns named like `measure`'s with a `predicted_` prefix."""
@@ -204,8 +205,10 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
 
 
 @contextlib.contextmanager
-def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention):
-    """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu")."""
+def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention,
+               host: Optional[HostOffload] = None):
+    """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu"); with
+    `host`, offload moves saved tensors to it as on CUDA."""
     card = as_card(card)
     fake_mode = fake_modes()
     workload = with_dtype(workload, dtype)
@@ -217,7 +220,7 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_st
             DEFAULT_ARCH, attention)
     with fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
         model.train()
-        handle = apply_checkpointing(model, policy)
+        handle = apply_checkpointing(model, policy, offload_hooks=host.hooks if host else None)
         gen = torch.Generator().manual_seed(workload.seed + 1)
         batch = workload.new_batch(batch_size, seq_len, gen)
         opt = make_optimizer(optimizer, model, device)
@@ -251,16 +254,20 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring)."""
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse() if cuda else contextlib.nullcontext()
+    host = HostOffload() if cuda and policy.offload else None
     with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
-                    attention) as (model, handle, batch, opt, step, kernels):
+                    attention, host) as (model, handle, batch, opt, step, kernels):
+        if host:
+            host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=batch, device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
             step(tracker)
         report = tracker.report()
         if not cuda:
             return FakeMemory(report, handle)
         workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
-        return FakeMemory(report, handle, kernels.attention_backend,
-                          device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card))
+        on_device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card)
+        on_device.host_bytes = host.peak_bytes if host else None
+        return FakeMemory(report, handle, kernels.attention_backend, on_device)
 
 
 __all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model",

@@ -52,7 +52,8 @@ def predict(
 
     The policy is concrete: `ckptlab.predict` resolves a `budget=` to its plan first.
     Policies that compile cannot be predicted (the compiler's partitioner decides inside the graph):
-    ValueError. Offload is predicted as its base policy, and says so in `note`.
+    ValueError. Offload on "cuda" moves what the blocks save to pinned host memory (`host_bytes`),
+    as on a GPU; on "cpu" it is a no-op, predicted as its base policy, and `note` says so.
     """
     workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps,
                                         device, card, attention)
@@ -61,8 +62,7 @@ def predict(
                          "resolves a budget to its plan first")
     t0 = time.perf_counter()
     on_card = as_card(card)
-    note = f"offload predicted as its base policy (no-op on {'CPU' if device == 'cpu' else 'fake CPU tensors'})" \
-        if policy.offload else ""
+    note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
     fake = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention)
     report, handle = fake.report, fake.handle
     peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
@@ -72,7 +72,7 @@ def predict(
                            fragmentation=dm.reserved_bytes - dm.allocated_bytes)
         peak = dm.allocated_bytes
         cuda = {"reserved_bytes": dm.reserved_bytes, "device_bytes": dm.device_bytes,
-                "attention_backend": fake.attention_backend}
+                "attention_backend": fake.attention_backend, "host_bytes": dm.host_bytes}
         if on_card is not None:
             cuda.update(card=on_card.name, margin_bytes=margin_left(on_card, dm.device_bytes))
     return Prediction(

@@ -398,11 +398,23 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
     levers.append(Lever(f"FSDP2 over {ranks} ranks", fsdp_peak(base, fsdp_units(workload), ranks), None,
                         f"{ranks} processes each hold 1/{ranks} of weights, gradients and optimizer state and "
                         "gather one unit at a time: all-gathers and reduce-scatters every step", "modelled"))
-    levers.append(Lever("offload", None, f"{applied}+offload",
-                        "CUDA only: saved activations go to pinned host memory and come back in backward "
-                        "(host-device copies); not predicted, as the fake step runs on the CPU where it is a no-op",
-                        "not predicted"))
+    if "+offload" not in applied:
+        levers.append(offload_lever(workload, base, applied, on))
     return levers
+
+
+def offload_lever(workload: Workload, base: Prediction, applied: str, on: dict) -> Lever:
+    """Saved activations to pinned host memory: predicted on CUDA (`cuda_device.HostOffload`);
+    on a CPU offload is a no-op, so it is named, not predicted."""
+    policy = f"{applied}+offload"
+    if base.device != "cuda":
+        return Lever("offload", None, policy, "CUDA only: saved activations go to pinned host memory and come back "
+                     "in backward (host-device copies); on a CPU it is a no-op: predict for a card to see it",
+                     "not predicted")
+    pred = predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer, **on)
+    return Lever("offload", held(pred), policy,
+                 f"what the blocks save goes to pinned host memory ({format_bytes(pred.host_bytes)} at its peak) and "
+                 "comes back in backward: host-device copies every step")
 
 
 def _predicted_variant(name: str, variant: Workload, base: Prediction, applied: str, cost: str, on: dict) -> Lever:

@@ -43,11 +43,11 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
               policies: Sequence[str] = ("none", "full"), batch_size: int = 1,
               dtype: str = "bf16-weights") -> pd.DataFrame:
     """Predicted peak of `model`'s LoRA fine-tune per (policy, sequence length), by category (the
-    CPU prediction, exact against `measure` on a CPU), and per capacity `fits_<capacity>`: on a
-    card, whether the step predicted for that card (`predict(device="cuda", card=...)`) fits it
-    (`core.cards.fits`: device bytes plus the card's margin within its usable bytes), with
-    `device_<card>_bytes` and `margin_<card>_bytes` (its usable bytes left); on a size, whether
-    the CPU peak does."""
+    CPU prediction, exact against `measure` on a CPU), and per capacity `fits_<capacity>` and
+    `margin_<capacity>_bytes` (the usable bytes left; negative: short by that much): on a card, of
+    the step predicted for that card (`predict(device="cuda", card=...)`: its device bytes, also
+    in `device_<card>_bytes`) against its usable bytes less its margin (`core.cards.fits`); on a
+    size, of the CPU peak."""
     spec = f"{model}+lora={rank}"
     caps = [parse_capacity(c, "capacities") for c in capacities]
     rows = []
@@ -61,19 +61,23 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
                 held = p.peak_bytes
                 if cap.arch:
                     held = predict(spec, batch_size, seq_len, policy, dtype=dtype, device="cuda", card=cap).device_bytes
-                    row.update({f"device_{cap.name}_bytes": held, f"margin_{cap.name}_bytes": margin_left(cap, held)})
-                row[f"fits_{cap.name}"] = fits(cap, held)
+                    row[f"device_{cap.name}_bytes"] = held
+                row.update({f"fits_{cap.name}": fits(cap, held), f"margin_{cap.name}_bytes": margin_left(cap, held)})
             rows.append(row)
     return pd.DataFrame(rows)
 
 
 def longest_fitting(fits: pd.DataFrame) -> pd.DataFrame:
-    """From `lora_fits`: per policy and capacity, the longest sequence that fits (0: none)."""
+    """From `lora_fits`: per policy and capacity, the longest sequence that fits (0: none) and the
+    margin left there (None where none fits)."""
     rows = []
     for column in [c for c in fits.columns if c.startswith("fits_")]:
+        capacity = column[len("fits_"):]
         for policy, g in fits.groupby("policy", sort=False):
-            rows.append({"policy": policy, "capacity": column[len("fits_"):],
-                         "longest_seq_len": int(g.loc[g[column], "seq_len"].max()) if g[column].any() else 0})
+            best = g[g[column]].sort_values("seq_len").tail(1)
+            rows.append({"policy": policy, "capacity": capacity,
+                         "longest_seq_len": int(best["seq_len"].iloc[0]) if len(best) else 0,
+                         "margin_bytes": int(best[f"margin_{capacity}_bytes"].iloc[0]) if len(best) else None})
     return pd.DataFrame(rows)
 
 

@@ -1,0 +1,137 @@
+"""Predictions for a CUDA card from this CPU-only machine: the optimizer's implementation, the
+allocator's numbers, the card's device bytes and margin, and the command line that prints them."""
+
+import json
+
+import pytest
+
+import ckptlab
+from ckptlab.apps.cli import main as cli_main
+from ckptlab.core.cards import CUBLAS_WORKSPACE_BYTES, card
+from ckptlab.core.policy import parse_policy
+from ckptlab.estimate.cuda_device import CUBLASLT_WORKSPACE_BYTES
+from ckptlab.estimate.fake_step import DEVICE_CATEGORIES, fake_memory
+
+TINY = dict(n_layer=2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ckptlab.get_workload("gpt-tiny", **TINY)
+
+
+def optimizer_step_growth(workload, optimizer: str, device: str = "cuda") -> tuple[int, int]:
+    """(the most the optimizer step holds above a level it went down to before: its temporaries,
+    trainable bytes)."""
+    fake = fake_memory(workload, 1, 8, parse_policy("none"), "fp32", optimizer, device=device)
+    timeline = fake.report.timeline
+    start = next(i for i, (phase, _) in enumerate(timeline) if phase == "optimizer")
+    rise, low = 0, timeline[start - 1][1]
+    for _, total in timeline[start:]:
+        low = min(low, total)
+        rise = max(rise, total - low)
+    return rise, fake.report.param_bytes["trainable_param_bytes"]
+
+
+def test_adamw_on_cuda_is_foreach_whose_temporary_is_one_state_at_the_optimizer_step(tiny):
+    # _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), a list as large as
+    # one state (4 B per trainable fp32 parameter), alive while the update runs.
+    growth, trainable = optimizer_step_growth(tiny, "adamw")
+    assert growth == trainable == optimizer_step_growth(tiny, "adamw-foreach")[0]
+    p = ckptlab.predict(tiny, 1, 8, "full", optimizer="adamw", device="cuda")
+    assert p.peak_phase == "optimizer" and p.peak_by_category["temporaries"] >= trainable
+
+
+def test_adamw_fused_has_no_temporaries_and_the_for_loop_two_of_the_largest_parameter(tiny):
+    assert optimizer_step_growth(tiny, "adamw-fused")[0] == 0
+    largest = max(p.numel() * p.element_size() for p in tiny.build("meta").parameters())
+    # _single_tensor_adam: denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt), one parameter at a
+    # time; the previous parameter's denom lives until the name is rebound
+    forloop, trainable = optimizer_step_growth(tiny, "adamw-forloop")
+    assert 2 * largest <= forloop < 3 * largest < trainable
+    assert optimizer_step_growth(tiny, "adamw", device="cpu")[0] == forloop   # torch's pick on CPU
+
+
+def test_cuda_prediction_adds_up_allocated_reserved_device_and_margin(tiny):
+    rtx = card("rtx4090")
+    p = ckptlab.predict(tiny, 2, 32, "none", dtype="bf16", device="cuda", card="rtx4090")
+    by = p.peak_by_category
+    assert p.device == "cuda" and p.card == "rtx4090" and p.attention_backend == "flash"
+    assert by["fragmentation"] == p.reserved_bytes - p.peak_bytes >= 0
+    assert sum(v for c, v in by.items() if c != "fragmentation") == p.peak_bytes
+    assert p.device_bytes == p.reserved_bytes + rtx.context_bytes
+    assert p.margin_bytes == rtx.usable_bytes - p.device_bytes
+    # Forward multiplies on the caller's thread, backward on autograd's: a cuBLAS workspace each.
+    # gpt-tiny's Linear layers have biases (addmm: cuBLASLt), run in forward, and in backward
+    # only when checkpointing recomputes them there.
+    assert by["workspaces"] == 2 * CUBLAS_WORKSPACE_BYTES[8] + CUBLASLT_WORKSPACE_BYTES
+    full = ckptlab.predict(tiny, 2, 32, "full", dtype="bf16", device="cuda", card="h100-80")
+    assert full.peak_by_category["workspaces"] == 2 * (CUBLAS_WORKSPACE_BYTES[9] + CUBLASLT_WORKSPACE_BYTES)
+    record = p.record()
+    assert record["predicted_reserved_bytes"] == p.reserved_bytes and record["margin_bytes"] == p.margin_bytes
+    assert record["predicted_peak_fragmentation_bytes"] == by["fragmentation"]
+
+
+def test_cpu_prediction_has_no_cuda_numbers(tiny):
+    p = ckptlab.predict(tiny, 2, 32, "none")
+    assert (p.device, p.card, p.reserved_bytes, p.device_bytes, p.margin_bytes, p.attention_backend) == (
+        "cpu", None, None, None, None, None)
+    assert sum(p.peak_by_category.values()) == p.peak_bytes and not set(DEVICE_CATEGORIES) & set(p.peak_by_category)
+    record = p.record()
+    assert record["predicted_device_bytes"] is None and record["predicted_peak_fragmentation_bytes"] is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(device="tpu"), "device='tpu' is invalid: allowed are cpu, cuda"),
+    (dict(device="cuda", card="rtx5090"), "card='rtx5090' is invalid: allowed are rtx3090"),
+    (dict(card="rtx4090"), "card='rtx4090' is invalid with device='cpu'"),
+    (dict(device="cuda", attention="fast"), "attention='fast' is invalid: allowed are flash, efficient, math"),
+    (dict(optimizer="adamw-turbo"), "optimizer='adamw-turbo' is invalid: allowed are adamw, adamw-foreach"),
+])
+def test_bad_device_card_attention_or_optimizer_is_one_line_before_work(tiny, kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        ckptlab.predict(tiny, 1, 8, "none", **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_predict_for_a_card_prints_allocated_reserved_device_backend_and_margin(capsys):
+    args = ["predict", "--model", "gpt-tiny", "--set", "n_layer=2", "--batch", "1", "--seq", "16", "--policy", "full",
+            "--device", "cuda", "--card", "rtx4090", "--attention", "math"]
+    assert cli_main(args) == 0
+    text = capsys.readouterr().out
+    assert "predicted for RTX 4090" in text
+    for column in ("allocated (rtx4090)", "reserved (rtx4090)", "device (rtx4090)", "margin (rtx4090)", "attention"):
+        assert column in text
+    assert cli_main(args + ["--format", "json"]) == 0
+    row, = json.loads(capsys.readouterr().out)
+    assert row["attention_backend"] == "math" and row["card"] == "rtx4090"
+    assert row["margin_bytes"] == card("rtx4090").usable_bytes - row["predicted_device_bytes"]
+    assert cli_main(["predict", "--model", "gpt-tiny", "--card", "rtx5090"]) == 2
+    assert capsys.readouterr().err.startswith("error: card='rtx5090' is invalid")
+
+
+def test_predict_fits_on_a_card_leaves_the_margin_predict_says(tiny):
+    row, = ckptlab.predict_fits(tiny, ["full"], capacities=["rtx4090"], seq_len=16, batch_size=1, dtype="fp32",
+                                max_batch=2, seq_lens=[16])
+    p = ckptlab.predict(tiny, 2, 16, "full", dtype="fp32", device="cuda", card="rtx4090")
+    assert row["max_batch_size"] == 2 and row["batch_margin_bytes"] == p.margin_bytes
+    assert row["basis"] == "predicted for RTX 4090" and row["device"] == "cuda"
+
+
+def test_a_budget_plan_on_cuda_fits_the_cuda_allocated_peak(tiny):
+    none = ckptlab.predict(tiny, 4, 128, "none", device="cuda")
+    full = ckptlab.predict(tiny, 4, 128, "full", device="cuda")
+    budget = (none.peak_bytes + full.peak_bytes) // 2
+    p = ckptlab.predict(tiny, 4, 128, f"budget={budget}B", device="cuda")
+    assert p.peak_bytes <= budget < none.peak_bytes and p.plan
+
+
+def test_offload_on_cuda_moves_what_the_blocks_save_to_pinned_host_memory(tiny):
+    kept = ckptlab.predict(tiny, 2, 32, "none", device="cuda")
+    offloaded = ckptlab.predict(tiny, 2, 32, "none+offload", device="cuda")
+    assert offloaded.host_bytes > 0 and kept.host_bytes is None and not offloaded.note
+    # what leaves the device is what the blocks saved; what stays is saved outside them
+    assert offloaded.saved_activation_bytes < kept.saved_activation_bytes
+    assert offloaded.saved_activation_bytes + offloaded.host_bytes >= kept.saved_activation_bytes
+    on_cpu = ckptlab.predict(tiny, 2, 32, "none+offload")
+    assert on_cpu.host_bytes is None and "no-op on CPU" in on_cpu.note
