@@ -23,9 +23,9 @@ entry per anchor) and the compare figure.
 
 On a quiet 2-core CPU (load about 1), one thread, compiled rows and gradient checks included:
 `small` took 399 s (18 rounds) and `medium` 1267 s (5 rounds, one step of `none` 4.4 s) before
-the compile anchors at four budgets and the compiled plans were added (measured times of those
-runs: docs/measurements.md). A loaded machine (load 7-11) made the same steps up to 7x slower and
-left 5 rounds with intervals of up to ±50%.
+the compile anchors at four budgets and the compiled plans were added. A loaded machine (load
+7-11) made the same steps up to 7x slower and left 5 rounds with intervals of up to ±50%; at load
+7-15, `small-nodrop --compile-points-only` (about 16 models compiled, each twice) ran over an hour.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Budgets become plans here, and only here: `plan_budget` chooses the minimum-recompute plan of
-{keep, selective, full} per block whose predicted peak fits a budget, verifies it by a fake run
-of the real plan (re-solving with a tightened target when the peak model was optimistic), and
-`resolve` turns a `budget=` policy into that plan for measure, predict, compare and explain
-alike, before the probe and the estimator, which see only concrete policies. An infeasible budget raises ValueError stating the
-minimum achievable peak.
+"""An eager budget becomes a plan here, and only here: `plan_budget` chooses the minimum-recompute
+plan of {keep, selective, full} per block whose predicted peak fits a budget, verifies it by a
+fake run of the real plan (re-solving with a tightened target when the peak model was
+optimistic), and `resolve` turns a `budget=` policy into that plan for measure, predict, compare
+and explain alike, before the probe and the estimator, which see only concrete policies. An
+infeasible budget raises ValueError stating the minimum achievable peak. A compiled budget
+(`budget=B+compile`) is chosen from measured costs (`plan.compiled`), which `run.compare` measures.
 """
 
 from __future__ import annotations
@@ -144,17 +145,25 @@ class Resolved:
     plan: Optional[Plan] = None    # the plan a budget became (None for any other policy)
 
 
+def refuse_compiled_budget(policy: Policy) -> None:
+    """A compiled budget's plan is chosen from measured costs, which `run.compare` measures."""
+    if policy.kind == "budget" and policy.compiled:
+        raise ValueError(f"policy={policy} is invalid here: a compiled budget's plan is chosen from measured costs; "
+                         "allowed is ckptlab.compare(..., [policy]), a sweep, or `ckptlab plan --compile`")
+
+
 def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32",
             optimizer: str = "adamw", device: str = "cpu", card=None, attention: str | None = None) -> Resolved:
-    """The one place a `budget=` becomes a plan: the plan `plan_budget` chooses for this shape
-    (predicted for `device`, and a card's), with the budget's +offload or +compile (a compiled
-    budget compiles the eager planner's plan, block by block). Any other policy is already
-    concrete. An infeasible budget raises ValueError stating the minimum achievable peak."""
+    """The one place an eager `budget=` becomes a plan: the plan `plan_budget` chooses for this
+    shape (predicted for `device`, and a card's), with the budget's +offload. Any other policy is
+    already concrete. An infeasible budget raises ValueError stating the minimum achievable peak;
+    a compiled budget, whose plan comes from measured costs (`run.compare`), is refused."""
     if policy.kind != "budget":
         return Resolved(policy)
+    refuse_compiled_budget(policy)
     plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer, device=device,
                        card=card, attention=attention)
-    return Resolved(plan_policy(plan.options, policy.offload, policy.compiled), plan)
+    return Resolved(plan_policy(plan.options, policy.offload), plan)
 
 
 def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
@@ -167,9 +176,7 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     workload, policy = as_workload(workload), as_policy(policy)
     if policy.kind != "budget":
         return measure_policy(workload, batch_size, seq_len, policy, **options)
-    if policy.compiled:  # chosen from measured compiled runs, which ckptlab.run measures
-        raise ValueError(f"policy={policy} is invalid here: a compiled budget's plan is chosen from measured costs; "
-                         "allowed is ckptlab.compare(..., [policy]), a sweep, or `ckptlab plan --compile`")
+    refuse_compiled_budget(policy)
     with_report = options.pop("with_report", False)
     record = measurement_record(workload, batch_size, seq_len, policy, **options)[0]
     try:
@@ -204,4 +211,4 @@ def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     return dataclasses.replace(prediction, policy=str(policy), plan=resolved.plan.letters)
 
 
-__all__ = ["Plan", "Resolved", "measure", "plan_budget", "predict", "resolve", "resolve_budget"]
+__all__ = ["Plan", "Resolved", "measure", "plan_budget", "predict", "refuse_compiled_budget", "resolve", "resolve_budget"]
