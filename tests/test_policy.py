@@ -120,7 +120,7 @@ def test_a_list_of_policies_splits_one_way():
     assert [str(p) for p in parse_policies("none,layers=0,2,full")] == ["none", "layers=0,2", "full"]
     assert [str(p) for p in parse_policies(["full", "FULL", parse_policy("none")])] == ["full", "none"]
     for empty in ("", [], " , "):
-        with pytest.raises(ValueError, match="policies=.* is invalid: allowed is a non-empty list"):
+        with pytest.raises(ValueError, match="policies=.* is invalid: allowed is a comma-separated list of policies"):
             parse_policies(empty)
 
 

@@ -198,7 +198,7 @@ def parse_policies(value, name: str = "policies") -> list[Policy]:
     a comma followed by a bare index continues a layers= list). Empty is refused."""
     items = split_list(value) if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
     if not items:
-        raise ValueError(f"{name}={value!r} is invalid: allowed is a non-empty list of policies, "
+        raise ValueError(f"{name}={value!r} is invalid: allowed is a comma-separated list of policies, "
                          "e.g. none,density=0.5,full")
     return list(dict.fromkeys(as_policy(item) for item in items))
 
