@@ -103,7 +103,7 @@ def test_the_check_installs_and_downloads_nothing():
 
 
 def test_make_gpu_check_needs_no_venv():
-    dry = subprocess.run(["make", "-n", "gpu-check", "VENV=/nonexistent"], capture_output=True, text=True, cwd=ROOT)
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "VENV=/nonexistent"], capture_output=True, text=True, cwd=ROOT)
     assert dry.returncode == 0 and dry.stdout.strip() == "python3 -m ckptlab.apps.gpu_check"
 
 
