@@ -60,7 +60,7 @@ class Lever:
     """One change and the peak it leads to. `change` is what it changes, as the step's settings:
     policy, dtype, optimizer, batch_size with accum_steps, loss_chunks (a chunked GPT loss), or
     fsdp_ranks; empty for advice no setting expresses. `basis`: predicted (the same fake step
-    with this change), modelled (FSDP2: module docstring) or not predicted (`cost` says why)."""
+    with `change` applied), modelled (FSDP2: module docstring) or not predicted (`cost` says why)."""
 
     name: str
     predicted_peak_bytes: Optional[int]
