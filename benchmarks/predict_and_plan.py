@@ -70,8 +70,9 @@ def prediction_table(quick: bool) -> list[dict]:
     batches, seqs = ([2], [32]) if quick else ([1, 2, 4, 8], [32, 64, 128, 256])
     grid, mlp = (QUICK_POLICIES, QUICK_POLICIES[:2]) if quick else (GRID_POLICIES, MLP_POLICIES)
     cases = [(gpt, b, s, p, "fp32") for b in batches for s in seqs for p in grid]
-    cases += [(get_workload("mlp-chain"), 8, 128, p, "fp32") for p in mlp]
-    cases += [(gpt, 8, 128, p, "bf16") for p in grid[:2] if quick] or [
+    b_other, s_other = (2, 32) if quick else (8, 128)
+    cases += [(get_workload("mlp-chain"), b_other, s_other, p, "fp32") for p in mlp]
+    cases += [(gpt, b_other, s_other, p, "bf16") for p in grid[:2] if quick] or [
         (gpt, 8, 128, p, "bf16") for p in ("none", "full", "density=0.5", "selective", "segments=sqrt")]
     for workload, b, s, policy, dtype in cases:
         if policy == "budget=mid":  # halfway between full's and none's peak: always feasible

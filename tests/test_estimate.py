@@ -8,7 +8,7 @@ import pytest
 
 from ckptlab import closed_form, get_workload, measure, predict, predict_fits
 from ckptlab.estimate.closed_form import gpt_block_bytes
-from ckptlab.estimate.predict import llama7b_shape, prediction_error
+from ckptlab.estimate.predict import _largest, llama7b_shape, prediction_error
 
 GPT_POLICIES = ["none", "full", "density=0.5", "every=2", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfsk", "density=0.5+offload"]
@@ -123,6 +123,16 @@ def test_predict_fits_is_consistent_with_predict():
         assert predict(workload, b + 1, 64, pol).peak_bytes > cap
     assert by["full"]["max_batch_size"] > by["none"]["max_batch_size"]
     assert by["full"]["max_seq_len"] >= by["none"]["max_seq_len"] >= 64
+
+
+def test_batch_search_finds_the_largest_from_any_guess_and_a_close_guess_is_cheap():
+    for upper in (1, 2, 7, 64):
+        for answer in range(upper + 1):
+            for guess in range(1, upper + 1):
+                calls = []
+                assert _largest(lambda b: calls.append(b) or b <= answer, upper, guess) == answer
+                if answer and guess in (answer, answer + 1):
+                    assert len(calls) <= 4, (upper, answer, guess, calls)
 
 
 def test_shape_preset_carries_its_own_name():

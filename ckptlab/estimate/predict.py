@@ -161,41 +161,60 @@ def predict_fits(
     for pol in parse_policies(policies):
         cache: dict[tuple, Prediction] = {}
 
-        def predicted(b: int, s: int, cap: Card) -> Prediction:
-            on = cap if cap.arch else None
-            if (b, s, on) not in cache:
-                cuda = on is not None or device == "cuda"
-                cache[(b, s, on)] = predict_policy(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
-                                            device="cuda" if cuda else "cpu", card=on,
+        def held(b: int, s: int, cap: Card) -> int:
+            """What `fits` compares for cap: on a card its device bytes, reserved + its context. Cards
+            that run the same kernels (arch, SMs, workspace) share one prediction."""
+            key = (b, s, (cap.arch, cap.sm_count, cap.cublas_workspace_bytes) if cap.arch else None)
+            if key not in cache:
+                cuda = cap.arch is not None or device == "cuda"
+                cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
+                                            device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
                                             attention=attention if cuda else None)
-            return cache[(b, s, on)]
+            p = cache[key]
+            return p.reserved_bytes + cap.context_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
 
         for cap in caps:
-            def held(b: int, s: int, cap=cap) -> int:
-                p = predicted(b, s, cap)
-                return p.device_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
-
-            best_batch = _largest(lambda b: fits(cap, held(b, seq_len)), max_batch)
-            best_seq = max((s for s in seq_lens if fits(cap, held(batch_size, s))), default=0)
+            best_batch = _largest(lambda b, cap=cap: fits(cap, held(b, seq_len, cap)), max_batch,
+                                  _linear_guess(lambda b, cap=cap: held(b, seq_len, cap), cap, max_batch))
+            best_seq = max((s for s in seq_lens if fits(cap, held(batch_size, s, cap))), default=0)
             on_device = "cuda" if cap.arch else device
             rows.append({"model": workload.label, "policy": str(pol), "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
                          "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
                          "max_seq_len": best_seq,
-                         "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len)) if best_batch else None,
-                         "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq)) if best_seq else None,
+                         "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len, cap)) if best_batch else None,
+                         "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq, cap)) if best_seq else None,
                          "device": on_device, "required_margin_bytes": cap.required_margin_bytes,
                          "basis": cap.basis if cap.arch or device == "cpu" else f"predicted for {device}"})
     return rows
 
 
-def _largest(fits, upper: int) -> int:
-    """Largest x in 1..upper with fits(x), for a monotone predicate (0 if none)."""
+def _linear_guess(held, capacity: Card, upper: int) -> int:
+    """Where the batch search starts: the batch at which the bytes held, extended linearly from
+    batch 1 and 2, reach the capacity. Only a starting point: `_largest` verifies it."""
+    one = held(1)
+    per_batch = held(2) - one if upper > 1 and fits(capacity, one) else 0
+    left = capacity.usable_bytes - capacity.required_margin_bytes - one
+    return 1 if per_batch <= 0 or left < 0 else min(upper, 1 + left // per_batch)
+
+
+def _largest(fits, upper: int, guess: int = 1) -> int:
+    """Largest x in 1..upper with fits(x), for a monotone predicate (0 if none): from `guess`,
+    steps of 1, 2, 4, ... away from it until the answer is bracketed, then bisection. A guess
+    close to the answer costs a few evaluations; a guess of 1 is the plain doubling search."""
     if not fits(1):
         return 0
-    lo = 1
-    while lo * 2 <= upper and fits(lo * 2):
-        lo *= 2
-    hi = min(lo * 2, upper + 1)  # fits(lo), not fits(hi) (or hi beyond the range)
+    guess = min(max(guess, 1), upper)
+    step = 1
+    if fits(guess):
+        lo = guess
+        while lo + step <= upper and fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(lo + step, upper + 1)  # fits(lo), not fits(hi) (or hi beyond the range)
+    else:
+        hi = guess
+        while hi - step > 1 and not fits(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(hi - step, 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
