@@ -43,7 +43,7 @@ from ..core.records import new_record
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import failures_recorded, measurement_record, policy_applier, policy_notes, prepare_step
 from ..probe.memory import cuda_memory_snapshot, saved_bytes_by_node
-from ..probe.step import DTYPES
+from ..probe.step import autocast_dtype
 from ..report.gpu_validation import (
     ALLOCATED_CLAIM,
     FAIL,
@@ -299,7 +299,7 @@ def backend_on_cuda(workload, batch_size: int, seq_len: int, dev: torch.device) 
     try:
         model = workload.build(dev).train()
         batch = workload.batch(batch_size, seq_len, dev)
-        with torch.autocast(dev.type, dtype=DTYPES[MEMORY["dtype"]]):
+        with torch.autocast(dev.type, dtype=autocast_dtype(MEMORY["dtype"])):
             return attention_backend_of(list(saved_bytes_by_node(workload.loss(model, batch))))
     except Exception as exc:  # noqa: BLE001 - the cells' allocated claim fails with the reason
         return f"not known: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -31,7 +31,7 @@ from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import plan_policy
 from ..estimate.fake_step import fake_model, fake_modes, fake_training_step
 from ..probe.memory import track_memory
-from ..probe.step import DTYPES, with_dtype
+from ..probe.step import autocast_dtype, with_dtype
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
@@ -216,7 +216,7 @@ def _cost_profile(workload: Workload, batch_size: int, seq_len: int, dtype: str,
         hooks = [b.register_forward_pre_hook(
             lambda mod, args, kwargs, j=j: captured.__setitem__(j, (args, kwargs)), with_kwargs=True)
             for j, b in enumerate(blocks)]
-        autocast = DTYPES[dtype]
+        autocast = autocast_dtype(dtype)
         amp = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else contextlib.nullcontext
         try:
             with torch.no_grad(), amp():

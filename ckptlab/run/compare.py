@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from ..checkpoint.compiled import Compiled, compile_with_budget, fresh_compiler_cache
 from ..checkpoint.wrap import matmul_and_attention_ops
+from ..core.dtypes import DTYPES
 from ..core.policy import Policy, parse_policies
 from ..core.records import new_record, tokens_per_second
 from ..core.validate import choice
@@ -40,7 +41,7 @@ from ..probe.measure import (
     policy_notes,
     prepare_step,
 )
-from ..probe.step import DTYPES, device_name, resolve_device, with_dtype
+from ..probe.step import autocast_dtype, device_name, resolve_device, with_dtype
 from ..probe.timing import check_timing_options, time_interleaved
 from ..probe.verify import (
     RELATIVE_TOLERANCE,
@@ -463,7 +464,7 @@ def _verify(rows, contenders, setup: Setup, bar: Progress) -> None:
     bar.phase("verify gradients", len(rows), "config")
     workload, dev = with_dtype(setup.workload, setup.dtype), setup.dev
     batch = workload.batch(setup.batch_size, setup.seq_len, dev)
-    autocast = DTYPES[setup.dtype]
+    autocast = autocast_dtype(setup.dtype)
     reference = step_gradients(workload.build(dev).train(), workload, batch, workload.seed, autocast_dtype=autocast)
     by_label = {c.policy: c for c in contenders}
     for r in rows:
