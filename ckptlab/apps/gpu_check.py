@@ -85,7 +85,7 @@ OVERHEAD_TIMING_S = 60.0  # its rounds stop earlier at ±0.3%, enough to show +1
 OVERHEAD_ARGS = ["--model", "gpt2-small", "--batch", "8", "--seq", "1024", "--target-ci", "0.003", "--threads", "1"]
 TRAINER = dict(model="hf-llama-1b", batch_size=2, seq_len=1024, accum_steps=1, max_steps=20, track_steps=1)
 FRONTIER = dict(model="hf-llama-1b", batch_size=4, seq_len=2048, dtype="bf16")
-# (group, ckptlab policies, anchors by their labels in run.compare.anchor_configs); plans at each
+# (group, ckptlab policies, anchors by their labels in run.anchors.anchor_configs); plans at each
 # anchor's peak join its group. In order of what matters most if time runs short. Compiled groups'
 # gradients are not checked (`verify` would compile every model a second time; compiled graphs
 # round differently and are reported, not judged, anyway).
