@@ -45,7 +45,7 @@ from ckptlab.plan.compiled import uniform_policy
 from ckptlab.probe.timing import paired_ratio, time_verdict
 from ckptlab.probe.verify import WRONG
 from ckptlab.report.plots import compare_plot
-from ckptlab.run.compare import COMPILE_ANCHOR_BUDGETS
+from ckptlab.run.anchors import COMPILE_ANCHOR_BUDGETS
 
 # Llama blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention) at two widths; the vocabulary is
 # kept small so that the blocks, not the logits, hold most activation memory.

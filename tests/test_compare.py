@@ -79,10 +79,10 @@ def resident_optimizers_at_each_gradient_check(monkeypatch) -> list[int]:
     check runs a model: each holds its model's state, which on a card must be gone by then (a 1B
     model: 13.8 GiB each), as the check builds fresh models."""
     import ckptlab.probe.measure as measure_module
-    import ckptlab.run.compare as compare_module
+    import ckptlab.run.verify_rows as verify_module
 
     optimizers, alive = [], []
-    make_optimizer, step_gradients = measure_module.make_optimizer, compare_module.step_gradients
+    make_optimizer, step_gradients = measure_module.make_optimizer, verify_module.step_gradients
 
     def tracked(*args, **kwargs):
         optimizer = make_optimizer(*args, **kwargs)
@@ -95,7 +95,7 @@ def resident_optimizers_at_each_gradient_check(monkeypatch) -> list[int]:
         return step_gradients(*args, **kwargs)
 
     monkeypatch.setattr(measure_module, "make_optimizer", tracked)
-    monkeypatch.setattr(compare_module, "step_gradients", counting)
+    monkeypatch.setattr(verify_module, "step_gradients", counting)
     return alive
 
 

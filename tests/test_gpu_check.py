@@ -380,7 +380,7 @@ def test_every_stage_is_skipped_with_its_reason_when_no_time_is_left(tmp_path):
 
 def test_the_configured_cells_and_groups_are_valid_before_a_gpu_sees_them():
     from ckptlab.core.policy import parse_policy
-    from ckptlab.run.compare import chosen_anchors
+    from ckptlab.run.anchors import chosen_anchors
     from ckptlab.workloads.registry import get_workload
 
     memory_policies = tuple(p for p in gpu_check.MEMORY["policies"] if p != gpu_check.PLAN)

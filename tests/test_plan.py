@@ -94,3 +94,17 @@ def test_infeasible_budget_states_the_minimum_achievable_peak():
     with pytest.raises(ValueError, match="infeasible.*minimum achievable peak is .*plan f") as info:
         plan_budget(get_workload("mlp-chain"), 4, 64, "1MiB")
     assert "budget=1.0 MiB" in str(info.value)
+
+
+def test_block_memory_and_roofline_costs_are_predicted_per_block():
+    from ckptlab.estimate.block_profile import block_count, block_memory, roofline_block_costs
+
+    workload = get_workload("gpt-tiny")
+    n = block_count(workload)
+    keep, full = (block_memory(workload, 2, 32, o) for o in ("keep", "full"))
+    assert len(keep.kept) == len(keep.bwd_peak) == n
+    assert all(f < k for f, k in zip(full.kept, keep.kept)) and full.head < keep.head <= keep.peak
+    assert max(keep.head, keep.tail, *keep.bwd_peak) == keep.peak
+    costs = roofline_block_costs(workload, 2, 32)
+    assert len(costs) == n and all(c == costs[0] for c in costs)   # alike blocks do the same work
+    assert costs[0]["keep"] == 0 < costs[0]["selective"] < costs[0]["full"]

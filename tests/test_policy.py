@@ -173,3 +173,24 @@ def test_each_kind_is_one_entry_whose_example_parses_to_it():
     assert parse_policy("plan=05kf+compile").compile_budgets(4) == [0.0, 0.5, 1.0, 1.0]
     with pytest.raises(ValueError, match="plan=05kf is invalid: a compile budget digit needs"):
         parse_policy("plan=05kf")
+
+
+def test_a_record_label_reads_back_as_its_policy_and_an_anchor_label_as_none():
+    from ckptlab.core.policy import Policy, policy_label, policy_of_label
+
+    assert policy_of_label("density=0.5") == Policy("density", 0.5)
+    assert policy_of_label(Policy("full")) == Policy("full")
+    assert policy_of_label("torch.utils.checkpoint per block") is None
+    assert policy_label("torch.utils.checkpoint per block") == "torch.utils.checkpoint per block"
+    assert policy_label("budget=44739243") == "budget=42.7MiB"
+
+
+def test_a_budget_in_any_form_is_the_value_budget_holds():
+    from ckptlab.core.policy import Policy, budget_value
+
+    assert budget_value("budget=0.5") == budget_value("0.5") == budget_value(0.5) == 0.5
+    assert budget_value("6GiB") == budget_value(" budget=6GiB") == budget_value(6 * 2**30) == 6 * 2**30
+    assert budget_value("budget=0.5+compile") == budget_value(Policy("budget", 0.5, compiled=True)) == 0.5
+    for bad, says in (("lots", "budget=lots is invalid"), (Policy("full"), "expected budget="), (0, "budget=0 is invalid")):
+        with pytest.raises(ValueError, match=says):
+            budget_value(bad)

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from ..core.cards import card, cards
+from ..core.dtypes import DTYPE_HELP, DTYPES
 from ..core.meta import __version__
 from ..core.optimizers import OPTIMIZER_HELP, OPTIMIZERS
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
@@ -29,7 +30,6 @@ from ..estimate.cuda_semantics import ATTENTION_BACKENDS
 from ..estimate.predict import check_device
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
-from ..probe.step import DTYPE_HELP, DTYPES
 from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary
 from ..report.explain import explain

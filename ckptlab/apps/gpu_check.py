@@ -43,7 +43,7 @@ from ..core.records import new_record
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import failures_recorded, measurement_record, policy_applier, policy_notes, prepare_step
 from ..probe.memory import cuda_memory_snapshot, saved_bytes_by_node
-from ..probe.step import DTYPES
+from ..probe.step import autocast_dtype
 from ..report.gpu_validation import (
     ALLOCATED_CLAIM,
     FAIL,
@@ -85,7 +85,7 @@ OVERHEAD_TIMING_S = 60.0  # its rounds stop earlier at ±0.3%, enough to show +1
 OVERHEAD_ARGS = ["--model", "gpt2-small", "--batch", "8", "--seq", "1024", "--target-ci", "0.003", "--threads", "1"]
 TRAINER = dict(model="hf-llama-1b", batch_size=2, seq_len=1024, accum_steps=1, max_steps=20, track_steps=1)
 FRONTIER = dict(model="hf-llama-1b", batch_size=4, seq_len=2048, dtype="bf16")
-# (group, ckptlab policies, anchors by their labels in run.compare.anchor_configs); plans at each
+# (group, ckptlab policies, anchors by their labels in run.anchors.anchor_configs); plans at each
 # anchor's peak join its group. In order of what matters most if time runs short. Compiled groups'
 # gradients are not checked (`verify` would compile every model a second time; compiled graphs
 # round differently and are reported, not judged, anyway).
@@ -299,7 +299,7 @@ def backend_on_cuda(workload, batch_size: int, seq_len: int, dev: torch.device) 
     try:
         model = workload.build(dev).train()
         batch = workload.batch(batch_size, seq_len, dev)
-        with torch.autocast(dev.type, dtype=DTYPES[MEMORY["dtype"]]):
+        with torch.autocast(dev.type, dtype=autocast_dtype(MEMORY["dtype"])):
             return attention_backend_of(list(saved_bytes_by_node(workload.loss(model, batch))))
     except Exception as exc:  # noqa: BLE001 - the cells' allocated claim fails with the reason
         return f"not known: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

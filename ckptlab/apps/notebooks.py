@@ -26,13 +26,14 @@ from typing import Optional, Sequence
 
 from ..core import validate
 from ..core.cards import parse_capacity
+from ..core.dtypes import DTYPES
 from ..core.extras import require
 from ..core.parsing import yaml_mapping
 from ..core.policy import parse_policy
 from ..core.units import size_bytes
 from ..core.validate import choice, integer, no_credential, non_empty, number
 from ..probe.measure import check_policy_applies
-from ..probe.step import DTYPES, resolve_device
+from ..probe.step import resolve_device
 from ..run.store import check_replaceable, fresh_run_folder, read_meta
 from ..workloads.registry import get_workload
 from .notebook_exec import ROOT, NotebookRun, execute, relative

@@ -122,12 +122,8 @@ def plan_policy(options, offload: bool = False, compiled: bool = False) -> Polic
 def policy_label(policy: str | Policy) -> str:
     """A policy as tables and figures name it (`Policy.label`: budget=42.7MiB); text that does
     not parse as a policy (an anchor's label) is shown as it is."""
-    if isinstance(policy, Policy):
-        return policy.label
-    try:
-        return parse_policy(policy).label
-    except ValueError:
-        return str(policy)
+    parsed = policy_of_label(policy)
+    return str(policy) if parsed is None else parsed.label
 
 
 def spread_evenly(k: int, n: int) -> list[int]:
@@ -185,6 +181,34 @@ def _parse(text: str, compiled: bool = False) -> Policy:
         raise ValueError(f"plan={arg} is invalid: a compile budget digit needs +compile (plan=...+compile); "
                          "allowed are k (keep), s (selective), f (full), one per block")
     return Policy(kind.name, value)
+
+
+def policy_of_label(label: str | Policy) -> Optional[Policy]:
+    """A record's policy column read back (a run's CSV, a comparison's rows): its Policy, or None
+    for a label that is no ckptlab policy (an anchor's, such as "torch.utils.checkpoint per
+    block"). A Policy is returned as it is."""
+    if isinstance(label, Policy):
+        return label
+    try:
+        return parse_policy(label)
+    except ValueError:
+        return None
+
+
+def budget_value(budget) -> int | float:
+    """What a `budget=` policy holds, from any form a public function takes a budget in: a budget
+    Policy; its text with or without `budget=` ("budget=0.5", "6GiB"); a fraction in (0, 1] of the
+    no-checkpointing peak; or bytes. Raises ValueError naming the value and what is allowed."""
+    if isinstance(budget, Policy):
+        if budget.kind != "budget":
+            raise ValueError(f"policy={budget} is invalid here: expected budget=...")
+        return budget.value
+    if isinstance(budget, str):
+        text = budget.strip()
+        return parse_policy(text if text.lower().startswith("budget") else f"budget={text}").value
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return budget
+    return size_bytes("budget", budget)
 
 
 def as_policy(value: str | Policy) -> Policy:

@@ -18,10 +18,10 @@ from typing import Iterable, Optional, Sequence
 
 from ..core.cards import DEFAULT_CARDS, Card, fits, margin_left, parse_capacity
 from ..core.cards import card as find_card
+from ..core.dtypes import DTYPES
 from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy, parse_policies
 from ..core.validate import choice, integer
-from ..probe.step import DTYPES
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
 from .cuda_semantics import ATTENTION_BACKENDS

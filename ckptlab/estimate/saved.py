@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..checkpoint.wrap import apply_checkpointing
-from ..probe.step import DTYPES, with_dtype
+from ..probe.step import autocast_dtype, with_dtype
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
 from ..workloads.stacks import find_blocks
@@ -62,7 +62,7 @@ def held_by_block(workload: Workload | str, batch_size: int, seq_len: int, polic
         target.register_forward_pre_hook(lambda *_: setattr(recorder, "inside", torch.is_grad_enabled()))
         target.register_forward_hook(lambda *_: setattr(recorder, "inside", False))
         batch = workload.new_batch(batch_size, seq_len, torch.Generator().manual_seed(workload.seed + 1))
-        autocast = DTYPES[dtype]
+        autocast = autocast_dtype(dtype)
         with recorder, torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
             loss = workload.loss(model, batch)
         rows = sorted(recorder.live.values(), key=lambda r: -r["bytes"])

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..core.policy import PLAN_OPTIONS as OPTIONS
-from ..core.policy import Policy, as_policy, parse_policy, plan_policy
-from ..core.units import format_bytes, parse_bytes
+from ..core.policy import Policy, as_policy, budget_value, plan_policy
+from ..core.units import format_bytes
 from ..estimate.fake_step import FakeMemory, Prediction, as_card, fake_memory
 from ..estimate.predict import check_prediction, predict_policy
 from ..probe.measure import measure_policy, measurement_record
@@ -70,18 +70,9 @@ class Plan:
 
 
 def resolve_budget(budget, none_peak: int) -> int:
-    """A budget policy/str/number -> bytes: a fraction in (0, 1] of the no-checkpointing peak, or
-    a size."""
-    if isinstance(budget, Policy):
-        if budget.kind != "budget":
-            raise ValueError(f"policy={budget} is invalid here: expected budget=...")
-        value = budget.value
-    elif isinstance(budget, str):
-        value = parse_policy(budget if budget.startswith("budget") else f"budget={budget}").value
-    elif isinstance(budget, float) and 0 < budget <= 1:
-        value = budget
-    else:
-        value = parse_bytes(budget, "budget")
+    """A budget policy/str/number (`core.policy.budget_value`) -> bytes: a fraction in (0, 1] is
+    of `none_peak`, the no-checkpointing peak."""
+    value = budget_value(budget)
     return int(value * none_peak) if isinstance(value, float) else int(value)
 
 

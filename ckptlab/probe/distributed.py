@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from ..core.children import child_environment, die_with_parent
+from ..core.dtypes import DTYPES
 from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy, as_policy
 from ..core.records import new_record, tokens_per_second
@@ -33,7 +34,6 @@ from ..core.units import parse_bytes
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
-from .step import DTYPES
 from .timing import check_timing_options
 
 

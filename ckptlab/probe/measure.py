@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.compiled import apply_policy, fresh_compiler_cache
+from ..core.dtypes import DTYPES
 from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy
 from ..core.records import CATEGORIES, new_record, tokens_per_second
@@ -28,7 +29,7 @@ from ..workloads.base import Workload, is_transformers_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
 from .memory import allocator_peak, cuda_allocator_stats, parameter_bytes, track_memory
-from .step import DTYPES, device_name, make_optimizer, resolve_device, training_step, with_dtype
+from .step import device_name, make_optimizer, resolve_device, training_step, with_dtype
 from .timing import check_timing_options, time_interleaved
 
 MAX_ROUNDS = 200   # a step timed alone: at most this many rounds, even if the interval stays wide

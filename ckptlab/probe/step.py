@@ -1,4 +1,5 @@
-"""One training step and what it runs on: the step closure, optimizers, dtypes, devices."""
+"""One training step and what it runs on: the step closure, optimizers, devices, and torch's dtypes for a
+dtype name (`core.dtypes`)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,21 @@ import platform
 
 import torch
 
+from ..core.dtypes import DTYPES, WEIGHT_DTYPES
 from ..core.optimizers import implementation_options
 from ..workloads.base import Workload
 
-# name -> autocast dtype (None: no autocast). bf16 is mixed precision: fp32 weights, matmuls in bf16
-# under autocast. bf16-weights / fp16-weights is pure low-precision training, as after loading with
-# `torch_dtype=torch.bfloat16`: the model and the batch are cast (`with_dtype`), no autocast.
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "bf16-weights": None, "fp16-weights": None}
-WEIGHT_DTYPES = {"bf16-weights": torch.bfloat16, "fp16-weights": torch.float16}
-DTYPE_HELP = "one of fp32 | bf16 (autocast) | bf16-weights | fp16-weights (model and batch cast, no autocast)"
+
+def autocast_dtype(dtype: str) -> torch.dtype | None:
+    """The torch dtype a step in `dtype` (`core.dtypes.DTYPES`) runs autocast in; None: no autocast."""
+    name = DTYPES[dtype]
+    return None if name is None else getattr(torch, name)
 
 
 def with_dtype(workload: Workload, dtype: str) -> Workload:
     """The workload whose models and batches are `dtype`'s: cast for bf16-weights / fp16-weights,
     itself otherwise (autocast happens in the step)."""
-    weights = WEIGHT_DTYPES.get(dtype)
+    weights = getattr(torch, WEIGHT_DTYPES[dtype]) if dtype in WEIGHT_DTYPES else None
     if weights is None or workload.weights_dtype == weights:
         return workload
     return dataclasses.replace(workload, weights_dtype=weights)
@@ -37,7 +38,7 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
     (gradients accumulate, loss scaled by 1/accum_steps) before the one optimizer step.
     `autocast(dtype)` makes the context a mixed-precision forward runs in (default:
     `torch.autocast` on the batch's device); a prediction for CUDA passes CUDA's emulation."""
-    autocast_dtype = DTYPES[dtype]
+    in_dtype = autocast_dtype(dtype)
     device_type = batch[0].device.type
     if autocast is None:
         autocast = functools.partial(torch.autocast, device_type)
@@ -46,7 +47,7 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
         for micro in range(accum_steps):
             if tracker is not None and micro:
                 tracker.phase("forward")
-            ctx = autocast(dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+            ctx = autocast(dtype=in_dtype) if in_dtype else contextlib.nullcontext()
             with ctx:
                 loss = workload.loss(model, batch)
             if tracker is not None:
@@ -104,5 +105,5 @@ def device_name(dev: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-__all__ = ["DTYPES", "DTYPE_HELP", "WEIGHT_DTYPES", "device_name", "make_optimizer", "resolve_device",
+__all__ = ["autocast_dtype", "device_name", "make_optimizer", "resolve_device",
            "training_step", "with_dtype"]

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.cards import card_budgets
-from ..core.policy import Policy, parse_policy, policy_label
+from ..core.policy import Policy, policy_label, policy_of_label
 from ..core.units import format_bytes
 from ..estimate.closed_form import closed_form
 from ..estimate.predict import prediction_error
@@ -285,11 +285,11 @@ def add_predictions(df, closed_form_too: bool = True):
     `saved_error` (predicted / measured - 1), and for GPT workloads the closed form's
     `closed_form_peak_bytes` and `closed_form_peak_error`. A budget policy is predicted from the
     plan it resolved to in that run (its `plan` column), so both sides describe the same model.
-    Rows that did not measure ok, and compile policies, get no prediction."""
+    Rows that did not measure ok, compile policies and anchors (no ckptlab policy) get no prediction."""
     rows = []
     for r in df.to_dict("records"):
-        policy = parse_policy(r["policy"])
-        if r.get("status") != "ok" or policy.compiles:
+        policy = policy_of_label(r["policy"])
+        if r.get("status") != "ok" or policy is None or policy.compiles:
             rows.append(r)
             continue
         if isinstance(r.get("plan"), str):  # (a DataFrame turns a missing plan into NaN)

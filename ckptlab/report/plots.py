@@ -24,7 +24,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.transforms import Bbox
 
-from ..core.policy import parse_policy, policy_label
+from ..core.policy import Policy, policy_label, policy_of_label
 from ..core.records import CATEGORIES, PHASES
 from ..run.store import load_run
 from ..run.sweep import config_label
@@ -43,14 +43,13 @@ KIND_STYLES = {
 OTHER_STYLE = ("#7f7f7f", ".")
 
 
-def policy_style(policy: str) -> dict:
+def policy_style(policy: str | Policy) -> dict:
     """How a policy is drawn in every figure: `color` and `marker` from its kind, the colour
     shaded by the policy's value (density=0.25 lighter than density=0.75, every=4 lighter than
     every=2), `linestyle` dashed for +offload, dotted for +compile. A function of the policy text alone, so the same
     policy looks the same in every figure whatever else is drawn beside it."""
-    try:
-        parsed = parse_policy(policy)
-    except ValueError:  # a label this version cannot parse still gets a stable style
+    parsed = policy_of_label(policy)
+    if parsed is None:  # a label this version cannot parse still gets a stable style
         return {"color": OTHER_STYLE[0], "marker": OTHER_STYLE[1], "linestyle": "-"}
     kind = "hf" if parsed.mechanism == "transformers" else parsed.kind
     color, marker = KIND_STYLES.get(kind, OTHER_STYLE)

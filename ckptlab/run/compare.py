@@ -14,19 +14,17 @@ timed briefly, then the chosen plan is built and timed with everything else, its
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import pandas as pd
 import torch
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ..checkpoint.compiled import Compiled, compile_with_budget, fresh_compiler_cache
-from ..checkpoint.wrap import matmul_and_attention_ops
+from ..checkpoint.compiled import fresh_compiler_cache
+from ..core.dtypes import DTYPES
 from ..core.policy import Policy, parse_policies
 from ..core.records import new_record, tokens_per_second
 from ..core.validate import choice
@@ -40,49 +38,23 @@ from ..probe.measure import (
     policy_notes,
     prepare_step,
 )
-from ..probe.step import DTYPES, device_name, resolve_device, with_dtype
+from ..probe.step import device_name, resolve_device
 from ..probe.timing import check_timing_options, time_interleaved
-from ..probe.verify import (
-    RELATIVE_TOLERANCE,
-    WRONG,
-    GradientComparison,
-    gradient_difference,
-    like_eager,
-    step_gradients,
-)
-from ..workloads.base import Workload, is_transformers_model
+from ..probe.verify import WRONG
+from ..workloads.base import Workload
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
+from .anchors import Contender, chosen_anchors
 from .progress import Progress
+from .verify_rows import verify_rows
 
 COLUMNS = ["policy", "source", "effective_density", "peak_bytes", "saved_activation_bytes", "step_ms",
            "step_ms_low", "step_ms_high", "time_ratio", "time_ratio_low", "time_ratio_high", "significant",
            "rounds", "threads", "load_before", "load_after", "busy", "status", "message"]
-COMPILE_ANCHOR_BUDGETS = (0.0, 0.25, 0.5, 0.75)   # torch.compile's activation_memory_budget, one anchor each
 COMPILED_PLAN_OPTIONS = "ksf05"   # what a compiled plan chooses among: keep, selective, full, budgets 0 and 0.5
 COSTING_SHARE = 0.25              # of max_seconds: timing the options' uniform compiled plans
 OPTIMIZER = "adamw"
 CKPTLAB = "ckptlab"
-
-
-@dataclass
-class Contender:
-    """One row of the comparison: a label, where it comes from, and how to apply it to a model
-    (`apply(model, record) -> (model to run, compiled?, handle or None)`, as `prepare_step`
-    takes it; None for a ckptlab policy, resolved when it is measured). `ckptlab_policy` is the
-    ckptlab Policy a row applies (None for an anchor)."""
-
-    policy: str
-    source: str
-    apply: Optional[Callable] = None
-    anchor: bool = False
-    ckptlab_policy: Optional[Policy] = None
-
-    @property
-    def compiled_budget(self) -> bool:
-        """`budget=B+compile`: resolved to a compiled plan from measured costs, after the others."""
-        p = self.ckptlab_policy
-        return self.apply is None and p is not None and p.kind == "budget" and p.compiled
 
 
 @dataclass
@@ -116,7 +88,7 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     """One row per configuration; the first policy is the time baseline.
 
     `anchors` is True for every anchor of this workload, or a list of anchor labels (as
-    `anchor_configs` names them) for those only: configurations timed together share the
+    `run.anchors.anchor_configs` names them) for those only: configurations timed together share the
     device's memory, so a large model's comparison may be split into groups.
     `target_ci`/`max_seconds` control the timing protocol (stop at ±target_ci or after
     max_seconds of timing); `verify=True` adds `gradients`, each row's verdict against the
@@ -213,6 +185,12 @@ def _measure(contenders, setup: Setup, target_ci, max_seconds, after_prepare=Non
     return rows
 
 
+def _verify(rows, contenders, setup: Setup, bar: Progress) -> None:
+    """`verify_rows` for these rows, each applied as its contender applies it."""
+    verify_rows(rows, {c.policy: c.apply for c in contenders}, setup.workload, setup.batch_size, setup.seq_len,
+                setup.dtype, setup.dev, bar)
+
+
 def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
     workload.check_shape(batch_size, seq_len)
     for p in policies:
@@ -221,84 +199,8 @@ def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_second
     check_timing_options(target_ci, max_seconds)
 
 
-# ----------------------------------------------------------------------------- configurations
-
 def _ckptlab_contender(policy: Policy) -> Contender:
     return Contender(str(policy), CKPTLAB, ckptlab_policy=policy)
-
-
-def anchor_configs(workload: Workload) -> list[Contender]:
-    """The knobs a user would use instead of ckptlab, for this workload (docs/design.md, note "Anchors")."""
-    contenders = [
-        Contender("torch.utils.checkpoint per block", "torch.utils.checkpoint", _per_block_checkpoint, anchor=True),
-    ] + [Contender(f"torch.compile activation_memory_budget={budget}", "torch.compile", _compiled(budget), anchor=True)
-         for budget in COMPILE_ANCHOR_BUDGETS]
-    if is_transformers_model(workload.build("meta")):
-        contenders += [
-            Contender("transformers checkpointing (every layer)", "transformers", _transformers_checkpointing(), anchor=True),
-            Contender("transformers every_n_layers=2", "transformers", _transformers_checkpointing(every_n_layers=2),
-                   anchor=True),
-            Contender("transformers every_n_layers=4", "transformers", _transformers_checkpointing(every_n_layers=4),
-                   anchor=True),
-            Contender("transformers + torch SAC (context_fn)", "transformers + torch SAC",
-                   _transformers_checkpointing(selective=True), anchor=True),
-        ]
-    return contenders
-
-
-def chosen_anchors(workload: Workload, anchors: bool | Sequence[str]) -> list[Contender]:
-    """`anchor_configs(workload)` for anchors=True, none for False, or the ones a list names
-    (ValueError naming one that is not an anchor of this workload)."""
-    if isinstance(anchors, bool):
-        return anchor_configs(workload) if anchors else []
-    anchors = [anchors] if isinstance(anchors, str) else list(anchors)
-    available = anchor_configs(workload)
-    labels = [c.policy for c in available]
-    for label in anchors:
-        choice("anchors", label, labels)
-    return [c for c in available if c.policy in anchors]
-
-
-def _per_block_checkpoint(model, record):
-    blocks = find_blocks(model)
-    for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    _checkpointed(record, len(blocks), range(len(blocks)))
-    return model, False, None
-
-
-def _compiled(budget: float):
-    def apply(model, record):
-        record["note"] = "torch.compile: peak from the profiler's allocator events"
-        compiled = Compiled()
-        return compile_with_budget(model, budget, compiled), compiled, None
-    return apply
-
-
-def _transformers_checkpointing(every_n_layers: Optional[int] = None, selective: bool = False):
-    def apply(model, record):
-        from ..checkpoint.hf import checkpointing_methods, hf_capabilities, hf_layers  # noqa: PLC0415 - the hf extra
-
-        enable, _, kwargs_name = checkpointing_methods(model)
-        options = {}
-        if every_n_layers is not None:
-            if not hf_capabilities(model)["every_n_layers"]:
-                raise ValueError("every_n_layers is not supported by the installed transformers")
-            options["every_n_layers"] = every_n_layers
-        checkpoint_kwargs = {"use_reentrant": False}
-        if selective:
-            checkpoint_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, list(matmul_and_attention_ops()))
-        enable(**{kwargs_name: checkpoint_kwargs}, **options)
-        layers = hf_layers(model)
-        _checkpointed(record, len(layers), [i for i, layer in enumerate(layers) if layer.gradient_checkpointing])
-        return model, False, None
-    return apply
-
-
-def _checkpointed(record: dict, n_blocks: int, blocks) -> None:
-    blocks = list(blocks)
-    record.update(n_blocks=n_blocks, effective_density=len(blocks) / n_blocks,
-                  checkpointed_blocks=",".join(map(str, blocks)))
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -452,40 +354,6 @@ def _time_together(rows, steps, setup: Setup, target_ci, max_seconds, bar: Progr
             r["tokens_per_s"] = tokens_per_second(r["tokens"], r["step_ms"])
 
 
-def _verify(rows, contenders, setup: Setup, bar: Progress) -> None:
-    """Per row not yet checked, its gradients against the un-checkpointed eager model's: fresh
-    models from the workload's seed, one forward + backward, compiled ones drawing random numbers
-    as eager does (`ckptlab.probe.verify`). `gradients` is the verdict (exact | within tolerance |
-    wrong), `max_grad_diff` and `max_grad_rel_diff` the differences it judged."""
-    rows = [r for r in rows if "gradients" not in r]
-    if not rows:
-        return
-    bar.phase("verify gradients", len(rows), "config")
-    workload, dev = with_dtype(setup.workload, setup.dtype), setup.dev
-    batch = workload.batch(setup.batch_size, setup.seq_len, dev)
-    autocast = DTYPES[setup.dtype]
-    reference = step_gradients(workload.build(dev).train(), workload, batch, workload.seed, autocast_dtype=autocast)
-    by_label = {c.policy: c for c in contenders}
-    for r in rows:
-        contender = by_label.get(r["policy"])
-        r.update(gradients=None, max_grad_diff=None, max_grad_rel_diff=None)
-        bar.step(r["policy"])
-        if r["status"] != "ok" or contender is None or contender.apply is None:
-            continue
-        model = workload.build(dev).train()
-        try:
-            runner, compiled, _ = contender.apply(model, {})
-            with like_eager(bool(compiled)):
-                loss, grads = step_gradients(model, workload, batch, workload.seed, runner=runner,
-                                             autocast_dtype=autocast)
-        except Exception as exc:  # noqa: BLE001 - the row keeps its measurements and says why
-            r["message"] = f"gradient check failed: {type(exc).__name__}: {exc}"
-            continue
-        check = GradientComparison(r["policy"], reference[0].item(), loss.item(),
-                                   *gradient_difference(*reference, loss, grads), RELATIVE_TOLERANCE[setup.dtype])
-        r.update(gradients=check.verdict, max_grad_diff=check.max_abs_diff, max_grad_rel_diff=check.max_rel_diff)
-
-
 # ----------------------------------------------------------------------------- output
 
 def write(df: pd.DataFrame, out: str | Path) -> Path:
@@ -498,4 +366,4 @@ def write(df: pd.DataFrame, out: str | Path) -> Path:
     return out
 
 
-__all__ = ["anchor_configs", "chosen_anchors", "compare", "measure_together", "write"]
+__all__ = ["compare", "measure_together", "write"]

@@ -18,8 +18,8 @@ from typing import Optional
 
 import pandas as pd
 
-from ..core.policy import Policy, parse_policy
-from ..core.units import format_bytes, parse_bytes
+from ..core.policy import Policy, budget_value
+from ..core.units import format_bytes
 from ..plan.compiled import COMPILED_DESCRIPTION, check_options, describe_blocks
 from ..probe.timing import paired_ratio, time_verdict, versus_fastest_at_no_more_memory
 from ..probe.verify import WRONG
@@ -80,7 +80,7 @@ def plan_compiled(workload: Workload | str, batch_size: int, seq_len: int, budge
     k, s, f and budget digits. Raises ValueError for bad input before any work, and when no plan fits."""
     workload = as_workload(workload)
     check_options(options)
-    policy = Policy("budget", _budget_value(budget), compiled=True)
+    policy = Policy("budget", budget_value(budget), compiled=True)
     label = str(policy)
     df = compare(workload, batch_size, seq_len, [Policy("none"), policy], dtype=dtype,
                  max_seconds=max_seconds, target_ci=target_ci, compiled_options=options, progress=progress)
@@ -104,15 +104,6 @@ def plan_compiled(workload: Workload | str, batch_size: int, seq_len: int, budge
         gradients=plan["gradients"], options=plan["plan_options"], best_uniform=best_uniform,
         vs_best_uniform=None if best is None else versus,
         vs_none=paired_ratio(plan, rows.loc["none"]) if ok else None, comparison=df)
-
-
-def _budget_value(budget) -> float | int:
-    """A budget as `budget=` holds it, checked before any work: a fraction, or bytes from a size."""
-    if isinstance(budget, float) and 0 < budget <= 1:
-        return budget
-    if isinstance(budget, str):
-        return parse_policy(f"budget={budget.removeprefix('budget=')}").value
-    return parse_bytes(budget, "budget")
 
 
 __all__ = ["CompiledPlan", "plan_compiled"]

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..core.dtypes import DTYPES
 from ..core.optimizers import OPTIMIZERS
 from ..core.parsing import yaml_mapping
 from ..core.policy import Policy, parse_policies
 from ..core.units import parse_bytes
 from ..core.validate import choice, integer, integer_list, no_credential, non_empty, number, output_folder
 from ..probe.measure import check_policy_applies
-from ..probe.step import DTYPES, resolve_device
+from ..probe.step import resolve_device
 from ..probe.timing import check_timing_options
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload

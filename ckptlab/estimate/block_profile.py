@@ -1,0 +1,213 @@
+"""What each block keeps and what recomputing it costs, predicted on fake tensors (nothing
+allocated): the planner's memory profile and its roofline costs (`plan.profile` puts them together).
+
+- `block_memory`: one fake training step (`estimate.fake_step`) with every block at one option
+  (keep, selective, full), instrumented at block boundaries: for every block, the bytes its
+  forward leaves alive for backward and the peak of live bytes while its backward runs; the peak
+  before the first block's backward (forward + loss head) and after the last (embedding backward
+  + optimizer).
+- `roofline_block_costs`: for shapes too large to time here, what an option recomputes priced by
+  its ops' FLOPs and bytes on an assumed accelerator (`ROOFLINE_FLOPS`, `ROOFLINE_BYTES_PER_S`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
+from torch.utils.flop_counter import flop_registry
+
+from ..checkpoint.blocks import hidden_state
+from ..checkpoint.wrap import selective_policy_fn
+from ..core.cards import Card
+from ..core.policy import plan_policy
+from ..probe.block_timing import average_alike, block_inputs, cpu_autocast
+from ..probe.memory import track_memory
+from ..probe.step import with_dtype
+from ..workloads.base import Workload
+from ..workloads.stacks import find_blocks
+from .fake_step import fake_model, fake_modes, fake_training_step
+
+# Roofline for shapes too large to time here: a modern accelerator's realistic dense throughput
+# and memory bandwidth (stated assumptions, not measurements).
+ROOFLINE_FLOPS = 400e12         # FLOP/s
+ROOFLINE_BYTES_PER_S = 2.0e12   # bytes/s
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """One uniform run's memory at block boundaries: the training step with every block at one
+    option, predicted on fake tensors. All values are bytes.
+
+    Attributes:
+        kept (list[int]): [block] bytes the block's forward leaves alive for backward.
+        bwd_peak (list[int]): [block] peak live bytes while the block's backward runs.
+        head (int): peak live bytes before the first block's backward (the forward, the loss and
+            the head's backward).
+        tail (int): peak live bytes after the last block's backward (the embeddings' backward and
+            the optimizer step).
+        peak (int): peak live bytes of the step.
+    """
+
+    kept: list[int]
+    bwd_peak: list[int]
+    head: int
+    tail: int
+    peak: int
+
+
+class _Marker(torch.autograd.Function):
+    """Identity whose backward calls `fn`: marks when a block's backward begins/ends."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
+
+
+def block_count(workload: Workload) -> int:
+    """How many blocks the workload's model runs (built on fake tensors)."""
+    return len(find_blocks(fake_model(workload, fake_modes())))
+
+
+def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str, dtype: str = "fp32",
+                 optimizer: str = "adamw", device: str = "cpu", card: Optional[str | Card] = None,
+                 attention: Optional[str] = None) -> BlockMemory:
+    """The fake training step with every block at `option` (keep, selective, full), its memory at
+    block boundaries (module docstring); `device`, `card` and `attention` as `fake_training_step`'s."""
+    n = block_count(workload)
+    policy = plan_policy([option] * n)
+    with fake_training_step(workload, batch_size, seq_len, policy, dtype, optimizer, device=device, card=card,
+                            attention=attention) as (model, handle, batch, opt, step):
+        blocks = handle.blocks
+        marks = {"fwd_pre": [None] * n, "fwd_post": [None] * n, "bwd_start": [None] * n, "bwd_end": [None] * n}
+        state = {}
+
+        def pre_hook(j):
+            def hook(module, args):
+                marks["fwd_pre"][j] = set(state["t"].live_bytes()) if "t" in state else None
+                if j == 0 and torch.is_grad_enabled() and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                    end = lambda: marks["bwd_end"].__setitem__(0, len(state["t"].timeline))
+                    return (_Marker.apply(args[0], end),) + tuple(args[1:])
+            return hook
+
+        def post_hook(j):
+            def hook(module, args, out):
+                if "t" in state:
+                    marks["fwd_post"][j] = set(state["t"].live_bytes())
+                h = hidden_state(out)
+                if torch.is_grad_enabled() and h.requires_grad:
+                    start = lambda: marks["bwd_start"].__setitem__(j, len(state["t"].timeline))
+                    marked = _Marker.apply(h, start)
+                    return marked if isinstance(out, torch.Tensor) else (marked,) + tuple(out[1:])
+            return hook
+
+        hooks = [b.register_forward_pre_hook(pre_hook(j)) for j, b in enumerate(blocks)]
+        hooks += [b.register_forward_hook(post_hook(j)) for j, b in enumerate(blocks)]
+        try:
+            with track_memory(model, opt, inputs=batch, device="cpu") as tracker:
+                state["t"] = tracker
+                snapshot = {}
+
+                class _Phases:
+                    def phase(self, name):
+                        if name == "backward" and not snapshot:
+                            snapshot.update(tracker.live_bytes())
+                        tracker.phase(name)
+
+                step(_Phases())
+            timeline = tracker.timeline
+        finally:
+            for h in hooks:
+                h.remove()
+    if marks["bwd_end"][0] is None:  # the first block's input needs no grad: its backward ends the pass
+        marks["bwd_end"][0] = next((i for i, (ph, _) in enumerate(timeline) if ph == "optimizer"), len(timeline))
+    if any(v is None for v in marks["bwd_start"]):
+        raise RuntimeError("plan profile: block-boundary markers did not fire; the model must call its "
+                           "blocks in order with the hidden state as first argument")
+    totals = [t for _, t in timeline]
+    kept = []
+    for j in range(n):
+        new = marks["fwd_post"][j] - marks["fwd_pre"][j]
+        kept.append(sum(snapshot.get(k, 0) for k in new))
+    starts = marks["bwd_start"]
+    bwd_peak = []
+    for j in range(n):
+        lo = starts[j] - 1
+        hi = starts[j - 1] if j > 0 else marks["bwd_end"][0]
+        bwd_peak.append(max(totals[max(lo, 0):max(hi, lo + 1)]))
+    head = max(totals[:max(starts[n - 1], 1)])
+    tail = max(totals[max(marks["bwd_end"][0] - 1, 0):])
+    return BlockMemory(kept=kept, bwd_peak=bwd_peak, head=head, tail=tail, peak=max(totals))
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records every op a region runs, with its arguments and output."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[object, tuple, dict, object]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+def roofline_ms(func, args, kwargs, out) -> float:
+    """Milliseconds one op takes on the roofline: the slower of its FLOPs at `ROOFLINE_FLOPS` and
+    the bytes of its inputs and outputs at `ROOFLINE_BYTES_PER_S`."""
+    flops = 0
+    formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+    if formula is not None:
+        try:
+            flops = formula(*args, **kwargs, out_val=out)
+        except Exception:  # noqa: BLE001 - an op whose formula does not apply counts bytes only
+            flops = 0
+    nbytes = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                 if isinstance(t, torch.Tensor))
+    return 1e3 * max(flops / ROOFLINE_FLOPS, nbytes / ROOFLINE_BYTES_PER_S)
+
+
+def roofline_block_costs(workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32") -> list[dict[str, float]]:
+    """Per block and option, the milliseconds recomputing adds to one step on the roofline (keep
+    0): full recomputes every op of the block's forward, selective the ops selective
+    checkpointing does not save (`checkpoint.wrap.selective_policy_fn`). Fake tensors, nothing
+    allocated; alike blocks averaged."""
+    mode = fake_modes()
+    workload = with_dtype(workload, dtype)
+    model = fake_model(workload, mode)
+    amp = cpu_autocast(dtype)
+    policy_fn = selective_policy_fn("mm")
+    with mode:
+        model.train()
+        batch = workload.new_batch(batch_size, seq_len, torch.Generator().manual_seed(workload.seed + 1))
+        blocks = find_blocks(model)
+        costs = []
+        for block, (args, kwargs) in zip(blocks, block_inputs(workload, model, batch, amp)):
+            recorder = _OpRecorder()
+            with recorder, amp():
+                block(*args, **kwargs)
+            full = sel = 0.0
+            for func, a, k, out in recorder.ops:
+                ms = roofline_ms(func, a, k, out)
+                full += ms
+                saved = func in SAC_IGNORED_OPS or policy_fn(None, func) in (CheckpointPolicy.MUST_SAVE,
+                                                                            CheckpointPolicy.PREFER_SAVE)
+                sel += 0.0 if saved else ms
+            costs.append({"keep": 0.0, "selective": sel, "full": full})
+        return average_alike(blocks, costs)
+
+
+__all__ = ["BlockMemory", "ROOFLINE_BYTES_PER_S", "ROOFLINE_FLOPS", "block_count", "block_memory",
+           "roofline_block_costs", "roofline_ms"]
