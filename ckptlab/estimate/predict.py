@@ -189,12 +189,23 @@ def predict_fits(
 
 
 def _linear_guess(held, capacity: Card, upper: int) -> int:
-    """Where the batch search starts: the batch at which the bytes held, extended linearly from
-    batch 1 and 2, reach the capacity. Only a starting point: `_largest` verifies it."""
-    one = held(1)
-    per_batch = held(2) - one if upper > 1 and fits(capacity, one) else 0
-    left = capacity.usable_bytes - capacity.required_margin_bytes - one
-    return 1 if per_batch <= 0 or left < 0 else min(upper, 1 + left // per_batch)
+    """Where the batch search starts: the batch at which the bytes held reach the capacity, on the
+    line through batch 1 and 2, then once more on the line through batch 1 and that first guess
+    (the allocator's rounding makes the bytes grow a little faster than the first line says).
+    Only a starting point: `_largest` verifies it."""
+    one, left = held(1), capacity.usable_bytes - capacity.required_margin_bytes - held(1)
+    if upper < 2 or left < 0:
+        return 1
+    guess, at = 1, 2
+    for _ in range(2):
+        per_batch = (held(at) - one) / (at - 1)
+        if per_batch <= 0:
+            return upper
+        guess = max(1, min(upper, 1 + int(left // per_batch)))
+        if guess <= 2 or guess == at:
+            break
+        at = guess
+    return guess
 
 
 def _largest(fits, upper: int, guess: int = 1) -> int:
