@@ -114,11 +114,11 @@ def findings(df) -> list[dict]:
     anchor's peak against the eager plan there; each compiled plan against the fastest uniform
     compiled plan (one option for every block) at or below its peak."""
     n = int(df["n_blocks"].dropna().iloc[0])
-    out = [pair(df, "compile", uniform_policy("k", n), "one graph (head and embeddings compiled too) vs block by "
+    out = [pair(df, "compile", str(uniform_policy("k", n)), "one graph (head and embeddings compiled too) vs block by "
                 "block, budget 1"),
-           pair(df, f"torch.compile activation_memory_budget={0.5}", uniform_policy("5", n),
+           pair(df, f"torch.compile activation_memory_budget={0.5}", str(uniform_policy("5", n)),
                 "one graph vs block by block, budget 0.5"),
-           pair(df, f"torch.compile activation_memory_budget={0.0}", uniform_policy("0", n),
+           pair(df, f"torch.compile activation_memory_budget={0.0}", str(uniform_policy("0", n)),
                 "one graph vs block by block, budget 0")]
     ok = df[(df["status"] == "ok") & (df["gradients"] != WRONG)]
     uniform = ok[ok["policy"].str.fullmatch(r"plan=(.)\1*\+compile")]

@@ -168,6 +168,14 @@ def test_compare_adds_the_compiled_plan_at_an_anchors_peak_with_its_verdict():
     assert budget["plan"] and budget["gradients"] == "within tolerance" and budget["round_ms"]
 
 
+def test_a_compiled_budget_builds_each_options_uniform_plan_itself():
+    # The uniform compiled plans are not among the policies given: compare makes and measures them.
+    df = compare(dropout_mlp(2), 8, 64, ["none", "budget=0.9+compile"], compiled_options="kf", max_seconds=0.2,
+                 progress=False).set_index("policy")
+    assert (df.loc[["plan=kk+compile", "plan=ff+compile", "budget=0.9+compile"], "status"] == "ok").all(), df["message"]
+    assert df.loc["budget=0.9+compile", "plan"] and df.loc["budget=0.9+compile", "gradients"] != "wrong"
+
+
 def test_the_context_fn_notice_stays_off_the_terminal():
     import logging
 

@@ -68,9 +68,9 @@ def check_options(options: str) -> list[str]:
     return list(dict.fromkeys(options))
 
 
-def uniform_policy(option: str, n_blocks: int) -> str:
+def uniform_policy(option: str, n_blocks: int) -> Policy:
     """The uniform compiled plan that measures one option's cost: plan=ffff+compile."""
-    return f"plan={option * n_blocks}+compile"
+    return Policy("plan", option * n_blocks, compiled=True)
 
 
 def choose_compiled(costs: Mapping[str, UniformCost], n_blocks: int, budget_bytes: int,

@@ -276,9 +276,10 @@ def _add_compiled_plans(requests, options: str, setup: Setup, rows, steps, conte
     bar.phase("compiled plans: build and compile each option's uniform plan", len(letters), "option")
     uniform = {}
     for o in letters:
-        label = uniform_policy(o, n)
+        policy = uniform_policy(o, n)
+        label = str(policy)
         if not any(r["policy"] == label for r in rows):
-            contender = Contender(label, PLAN_SOURCE)
+            contender = Contender(label, PLAN_SOURCE, ckptlab_policy=policy)
             contenders.append(contender)
             _prepare(contender, setup, rows, steps)
         uniform[o] = next(r for r in rows if r["policy"] == label)
