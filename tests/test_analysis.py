@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from ckptlab import add_predictions, get_workload, predict
 from ckptlab.core.cards import card
 from ckptlab.core.units import GiB
 from ckptlab.probe.timing import time_verdict
@@ -266,3 +267,15 @@ def test_compare_note_names_real_differences_and_a_busy_machine():
 ])
 def test_the_guides_twenty_percent_is_judged_by_the_interval(low, high, verdict):
     assert guide_verdict(low, high).startswith(verdict)
+
+
+def test_add_predictions_predicts_a_cuda_row_as_cuda_runs_it_and_skips_anchors():
+    workload = get_workload("gpt-tiny", n_layer=2)
+    row = dict(model="gpt-tiny", model_overrides={"n_layer": 2}, batch_size=2, seq_len=16, policy="full", dtype="bf16",
+               status="ok", peak_bytes=10 * 2**20, saved_activation_bytes=2**20)
+    df = add_predictions(pd.DataFrame([{**row, "device": "cpu"}, {**row, "device": "cuda:0"},
+                                       {**row, "policy": "torch.utils.checkpoint per block"}]), closed_form_too=False)
+    on = {d: predict(workload, 2, 16, "full", dtype="bf16", device=d).peak_bytes for d in ("cpu", "cuda")}
+    assert on["cpu"] != on["cuda"]
+    assert df["predicted_peak_bytes"].iloc[:2].tolist() == [on["cpu"], on["cuda"]]
+    assert pd.isna(df["predicted_peak_bytes"].iloc[2])

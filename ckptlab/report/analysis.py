@@ -285,6 +285,8 @@ def add_predictions(df, closed_form_too: bool = True):
     `saved_error` (predicted / measured - 1), and for GPT workloads the closed form's
     `closed_form_peak_bytes` and `closed_form_peak_error`. A budget policy is predicted from the
     plan it resolved to in that run (its `plan` column), so both sides describe the same model.
+    A row measured on CUDA (`device` cuda or cuda:N) is predicted with CUDA's semantics (`predict`'s
+    device="cuda", its default card): its allocated peak against the measured `max_memory_allocated`.
     Rows that did not measure ok, compile policies and anchors (no ckptlab policy) get no prediction."""
     rows = []
     for r in df.to_dict("records"):
@@ -297,7 +299,8 @@ def add_predictions(df, closed_form_too: bool = True):
         overrides = r.get("model_overrides")
         workload = get_workload(r["model"], **(overrides if isinstance(overrides, dict) else {}))
         pred = predict(workload, r["batch_size"], r["seq_len"], policy, dtype=r["dtype"],
-                       optimizer=r.get("optimizer", "adamw"), accum_steps=int(r.get("accum_steps") or 1))
+                       optimizer=r.get("optimizer", "adamw"), accum_steps=int(r.get("accum_steps") or 1),
+                       device="cuda" if str(r.get("device") or "cpu").startswith("cuda") else "cpu")
         r.update(predicted_peak_bytes=pred.peak_bytes, predicted_saved_activation_bytes=pred.saved_activation_bytes,
                  peak_error=prediction_error(pred.peak_bytes, r["peak_bytes"]),
                  saved_error=prediction_error(pred.saved_activation_bytes, r["saved_activation_bytes"]))
