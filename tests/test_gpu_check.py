@@ -259,20 +259,21 @@ def test_frontier_rows_read_intervals_gradients_and_the_frontier():
         compare_row("density=0.5", peak=35, step=140, ratio=(1.4, 1.38, 1.42), diff=0.0),
         compare_row("compile", peak=30, step=90, ratio=(0.9, 0.88, 0.92), diff=1e-3),
         compare_row("transformers every_n_layers=2", source="transformers", status="error", diff=math.nan),
+        compare_row("plan=5f+compile", source="ckptlab plan", peak=25, step=95, ratio=(0.95, 0.93, 0.97), diff=1e-3),
     ]))
     r = rows.set_index("policy")
     assert r.loc["full", "time_verdict"] == "slower" and r.loc["selective", "time_verdict"] == "no difference"
     assert r.loc["compile", "time_verdict"] == "faster"
     assert r.loc["full", "grad_verdict"] == "equal"             # within twice the floor of 1e-6
     assert r.loc["selective", "grad_verdict"] == "differs"      # five times it
-    assert r.loc["compile", "grad_verdict"] == "compiled: reported"
+    assert r.loc["compile", "grad_verdict"] == r.loc["plan=5f+compile", "grad_verdict"] == "compiled: reported"
     assert r.loc["transformers every_n_layers=2", "grad_verdict"] == "not run"
     # density=0.5 holds more than full and is slower beyond the intervals than it: dominated
     assert not r.loc["density=0.5", "pareto_optimal"] and r.loc["full", "pareto_optimal"]
     assert r.loc["compile", "pareto_optimal"] and not r.loc["none", "pareto_optimal"]
 
     claim = gv.frontier_claim(rows)
-    assert claim.summary.startswith("m b=4 s=2048 bf16: 6 rows in 1 comparisons")
+    assert claim.summary.startswith("m b=4 s=2048 bf16: 7 rows in 1 comparisons")
     assert claim.status == gv.FAIL and "1 rows whose gradients differ" in claim.summary
     assert "1.300 [1.280, 1.320]" in claim.details
 
@@ -375,7 +376,9 @@ def test_every_stage_is_skipped_with_its_reason_when_no_time_is_left(tmp_path):
     assert [c.name for c in claims] == [gv.MEMORY_MEASURED_CLAIM, gv.ALLOCATED_CLAIM, gv.RESERVED_CLAIM,
                                         gv.OVERHEAD_CLAIM, gv.TRAINER_CLAIM, gv.FRONTIER_CLAIM]
     assert all(c.status == gv.SKIPPED and "budget left" in c.summary for c in claims)
-    assert gv.exit_status(claims) == 3 and notes == []
+    assert gv.exit_status(claims) == 3 and len(notes) == 1 and notes[0].startswith("cuDNN attention was switched off")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()   # the kernels the prediction models
+    torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def test_the_configured_cells_and_groups_are_valid_before_a_gpu_sees_them():

@@ -449,7 +449,9 @@ def frontier_stage(out: Path, dev: torch.device, budget: TimeBudget) -> Claim:
         try:
             df = compare(workload, FRONTIER["batch_size"], FRONTIER["seq_len"], list(policies),
                          dtype=FRONTIER["dtype"], device=str(dev), max_seconds=COMPARE_TIMING_S,
-                         anchors=list(anchors), verify=n_compiled == 0, out=out / "compare" / name)
+                         anchors=list(anchors), verify=n_compiled == 0, out=out / "compare" / name,
+                         # an eager group stays eager: no compiled plans at its anchors' peaks (minutes of compiling)
+                         **({} if n_compiled else {"compiled_options": ""}))
         except BudgetExceeded:
             not_run += [f"{name} (stopped by the time budget while it ran)"] + [g[0] for g in GROUPS[k + 1:]]
             break
@@ -487,7 +489,11 @@ def run_check(out: Path, dev: torch.device, budget: TimeBudget) -> tuple[list[Cl
     traceback in errors.txt), the others run; when the alarm stops a stage, it and the stages
     after it are skipped."""
     claims: list[Claim] = []
-    notes: list[str] = []
+    # ckptlab predicts flash, memory-efficient and math attention, not cuDNN's, which torch tries
+    # first on some cards (sm90 with a recent cuDNN): the check runs the kernels the prediction models.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    notes = ["cuDNN attention was switched off (`torch.backends.cuda.enable_cudnn_sdp(False)`): ckptlab's "
+             "prediction models flash, memory-efficient and math attention only."]
     stages = [
         ("memory", (MEMORY_MEASURED_CLAIM, ALLOCATED_CLAIM, RESERVED_CLAIM), ESTIMATES["memory_cell"] + 10,
          lambda: memory_stage(out, dev, budget, notes)),

@@ -203,7 +203,8 @@ def memory_predicted_claim(errors: Sequence[dict], quantity: str, not_run: Seque
 # ----------------------------------------------------------------------------- time and frontier
 
 def is_compiled(row: dict) -> bool:
-    return str(row.get("policy", "")).startswith("compile") or row.get("source") == "torch.compile"
+    policy = str(row.get("policy", ""))
+    return policy.startswith("compile") or policy.endswith("+compile") or row.get("source") == "torch.compile"
 
 
 def frontier_rows(df: pd.DataFrame, factor: float = NOISE_FACTOR) -> pd.DataFrame:
