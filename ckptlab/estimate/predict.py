@@ -193,7 +193,8 @@ def _linear_guess(held, capacity: Card, upper: int) -> int:
     line through batch 1 and 2, then once more on the line through batch 1 and that first guess
     (the allocator's rounding makes the bytes grow a little faster than the first line says).
     Only a starting point: `_largest` verifies it."""
-    one, left = held(1), capacity.usable_bytes - capacity.required_margin_bytes - held(1)
+    one = held(1)
+    left = margin_left(capacity, one) - capacity.required_margin_bytes   # bytes to spare before `fits` fails
     if upper < 2 or left < 0:
         return 1
     guess, at = 1, 2
