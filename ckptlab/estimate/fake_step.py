@@ -232,9 +232,44 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_st
         kwargs = {"accum_steps": accum_steps} if accum_steps != 1 else {}
         step = training_step(model, workload, batch, opt, dtype, autocast=cuda_autocast if cuda else None, **kwargs)
         torch.manual_seed(workload.seed)
-        step()
+        warm_up(step, model, opt)
         handle.reset_counts()
         yield model, handle, batch, opt, step, kernels
+
+
+def warm_up(step, model: nn.Module, opt) -> None:
+    """Leave what a first training step leaves, the optimizer's state, at a fraction of its cost:
+    the forward shows which parameters its backward would give gradients (those its graph
+    reaches), zero gradients stand in for them, and the optimizer steps once. A graph with a
+    custom autograd Function (which may run its own backward, as reentrant checkpointing does)
+    gets the whole step."""
+    trained = reached_parameters(step.forward_loss())
+    if trained is None:
+        step()
+        return
+    for param in trained:
+        param.grad = torch.zeros_like(param)
+    if opt is not None:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+
+
+def reached_parameters(loss: torch.Tensor) -> Optional[list[torch.Tensor]]:
+    """The leaf tensors `loss.backward()` would accumulate gradients into; None when the graph
+    holds a custom autograd Function, whose backward may reach more."""
+    leaves, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return None
+        variable = getattr(node, "variable", None)   # AccumulateGrad: a leaf's gradient sink
+        if variable is not None:
+            leaves.append(variable)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
 
 
 def as_card(card: Optional[str | Card]) -> Optional[Card]:

@@ -43,13 +43,15 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
     if autocast is None:
         autocast = functools.partial(torch.autocast, device_type)
 
+    def forward_loss():
+        with autocast(dtype=in_dtype) if in_dtype else contextlib.nullcontext():
+            return workload.loss(model, batch)
+
     def step(tracker=None):
         for micro in range(accum_steps):
             if tracker is not None and micro:
                 tracker.phase("forward")
-            ctx = autocast(dtype=in_dtype) if in_dtype else contextlib.nullcontext()
-            with ctx:
-                loss = workload.loss(model, batch)
+            loss = forward_loss()
             if tracker is not None:
                 tracker.phase("backward")
             (loss / accum_steps if accum_steps > 1 else loss).backward()
@@ -60,6 +62,7 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
+    step.forward_loss = forward_loss   # the forward alone (a prediction's warm-up, `estimate.fake_step`)
     return step
 
 
