@@ -78,3 +78,31 @@ def without_blocks():
 
 def not_a_workload():
     return Net(8, 2)
+
+
+class WithUnusedParameter(Net):
+    """A parameter the loss never reaches: no gradient, so no optimizer state."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__(width, depth)
+        self.unused = nn.Linear(width, 64)
+
+
+class WithReentrantCheckpoint(Net):
+    """A layer behind reentrant checkpointing, whose parameters the forward's graph hides."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__(width, depth)
+        self.before, self.inner = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.utils.checkpoint.checkpoint(self.inner, self.before(x), use_reentrant=True)
+        return super().forward(x)
+
+
+def unused_parameter():
+    return ckptlab.Workload.custom("unused-parameter", lambda: WithUnusedParameter(16, 2), _batch, classification_loss)
+
+
+def reentrant_checkpoint():
+    return ckptlab.Workload.custom("reentrant", lambda: WithReentrantCheckpoint(16, 2), _batch, classification_loss)

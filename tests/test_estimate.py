@@ -140,3 +140,14 @@ def test_shape_preset_carries_its_own_name():
     assert workload.name == "llama7b-shape"
     assert predict(workload, 1, 8, "full").model == "llama7b-shape"
     assert 6.5e9 < get_workload("llama7b-shape").n_params < 6.9e9
+
+
+@pytest.mark.parametrize("factory", ["unused_parameter", "reentrant_checkpoint"])
+def test_the_warm_up_leaves_the_state_a_first_step_leaves(factory):
+    # A prediction warms up with the forward alone: no optimizer state for a parameter the loss never
+    # reaches, and the whole step where a custom autograd Function hides parameters from the graph.
+    # The peak is in backward, where a missing optimizer state would show.
+    predicted, measured = _check(get_workload(f"tests/custom_model.py:{factory}"), 32, 32, "none")
+    assert predicted.peak_phase == measured["peak_phase"] == "backward"
+    assert predicted.peak_bytes == measured["peak_bytes"]
+    assert predicted.peak_by_category["optimizer_state"] == measured["peak_optimizer_state_bytes"]
