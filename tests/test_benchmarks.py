@@ -152,7 +152,7 @@ def test_frontier_findings_pair_rows_of_one_comparison():
 # Each benchmark's smallest setting: a run of every step at toy size, so that a rename in ckptlab
 # cannot break a benchmark silently. overhead.py and frontier.py run end to end above.
 SMALLEST = {
-    "predict_and_plan": ["--quick", "--skip-compile", "--max-seconds", "0.5"],
+    "predict_and_plan": ["--quick", "--skip-compile", "--max-seconds", "0.5", "--batch", "2", "--seq", "32"],
     "sweep_cost": ["--quick"],
     "job_overhead": ["--repeats", "1"],
 }

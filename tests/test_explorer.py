@@ -2,13 +2,14 @@
 
 import pytest
 
+from ckptlab import get_workload
 from ckptlab.apps.explorer import Explorer
 
 SMALL = dict(batch_size=2, seq_len=16, steps=1, warmup=0, max_seconds=0.2)
 
 
 def test_run_measures_the_policy_beside_no_checkpointing():
-    explorer = Explorer(policy="full", **SMALL)
+    explorer = Explorer(get_workload("gpt-tiny", n_layer=2), policy="full", **SMALL)
     df = explorer.run()
     assert list(df.policy) == ["none", "full"]
     assert df.saved_activation_bytes.iloc[1] < df.saved_activation_bytes.iloc[0]
@@ -57,6 +58,6 @@ def test_widget_changes_reach_the_configuration_and_remeasure():
 
 
 def test_static_view_renders_without_widgets(capsys):
-    Explorer(policy="every=2", **SMALL).show(interactive=False)
+    Explorer(policy="every=2", **SMALL, with_explanation=False).show(interactive=False)
     out = capsys.readouterr().out
     assert "every=2: peak" in out
