@@ -2,6 +2,7 @@
 tiny step, its bytes counted by hand from the CUDA kernels' allocations."""
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ckptlab import apply_checkpointing, get_workload, track_memory
 from ckptlab.checkpoint.wrap import selective_context_fn
 from ckptlab.estimate.cuda_autocast import cuda_autocast
-from ckptlab.estimate.cuda_semantics import cuda_semantics
+from ckptlab.estimate.cuda_semantics import _round_up, cuda_semantics
 from ckptlab.estimate.fake_step import fake_model
 
 B, H, S, D = 2, 4, 64, 16
@@ -95,9 +96,55 @@ def test_efficient_keeps_a_logsumexp_padded_to_32_and_no_device_seed():
     assert cuda.attention_backend == "efficient"
     kept = 4 * B * H * s * D * 4 + B * H * 64 * 4 + 4
     assert report.saved_activation_bytes == kept
-    # backward: the loss's grad, dq, dk, dv, delta fp32 [b, h, s_q] and the dq accumulator's
-    # 64 x 64 fp32 tiles with their 16-byte headers (one tile per (b, h) here)
-    assert report.peak_bytes == kept + 4 + 3 * B * H * s * D * 4 + B * H * s * 4 + B * H * (16 + 64 * 64 * 4)
+    # backward: the loss's grad, dq, dk, dv, delta fp32 [b, h, s_q] and the workspace. fp32 with
+    # d <= 32 runs the 64 x 64 k32 kernel (kBlockSizeI = kBlockSizeJ = 64); fp32 stages no dk, dv,
+    # so the workspace is the dq accumulator's tiles: per (b, h), ceil(s_q / I) x ceil(d / J)
+    # tiles of a 16-byte header and I x J fp32s, the (b, h) stride rounded up to 16 bytes.
+    I, J, header = 64, 64, 16
+    tile = header + I * J * 4
+    per_bh = _round_up(math.ceil(s / I) * math.ceil(D / J) * tile, 16)   # 1 tile: 16400 bytes
+    assert report.peak_bytes == kept + 4 + 3 * B * H * s * D * 4 + B * H * s * 4 + B * H * per_bh
+
+
+def _efficient_backward_peak(dtype, shape, **semantics):
+    """(peak bytes - what forward kept - the loss's grad - dq, dk, dv - delta) of a causal
+    efficient attention with dropout 0.1: the workspace, the one backward buffer left."""
+    b, h, s, d = shape
+    report, cuda = _attention_step(dtype=dtype, shape=shape, attention="efficient", **semantics)
+    assert cuda.attention_backend == "efficient" and report.peak_phase == "backward"
+    size = torch.finfo(dtype).bits // 8
+    return report.peak_bytes - report.saved_activation_bytes - size - 3 * b * h * s * d * size - b * h * s * 4
+
+
+def test_efficient_backward_bf16_head_dim_128_uses_128_x_128_dq_tiles():
+    # bf16, dropout, max(d, d_v) = 128 on sm80: the first kernel of dispatch_cutlassB_bf16_sm80
+    # that fits is 128 x 128 k128 with dropout. kMaxK 128 <= kBlockSizeI 128: dk, dv stay in
+    # registers (kOutputInRF), so only dq's tiles: ceil(64 / 128) x ceil(128 / 128) = 1 tile of
+    # 16 + 128 * 128 * 4 = 65552 bytes per (b, h). (The 64 x 64 approximation said 2 x 16400.)
+    b, h, s, d = 2, 4, 64, 128
+    I, J, header = 128, 128, 16
+    per_bh = _round_up(math.ceil(s / I) * math.ceil(d / J) * (header + I * J * 4), 16)
+    assert per_bh == 65552
+    assert _efficient_backward_peak(BF16, (b, h, s, d)) == b * h * per_bh
+
+
+def test_efficient_backward_on_sm86_stages_dk_dv_and_splits_the_keys():
+    # sm86 gives a block 99 KiB of shared memory: the 128 x 128 k128 dropout kernel (159 KiB)
+    # does not fit, so bf16 d = 128 runs 64 x 64 k128. kMaxK 128 > kBlockSizeI 64: dk and dv
+    # are staged in fp32 (kNeedsAccumGradK / V), num_splits_key times over. Keys split in
+    # ceil(256 / J) = 4, capped at 200 // (b * h) = 25: 4. Per (b, h), in fp32s:
+    #   dk: splits * J * round_up(d, I)  = 4 * 64 * 128 = 32768
+    #   dv: splits * J * round_up(dv, I) = 4 * 64 * 128 = 32768
+    #   dq: ceil(256 / 64) * ceil(128 / 64) tiles * (4 + 64 * 64) = 8 * 4100 = 32800
+    # 98336 fp32s = 393344 bytes per (b, h). (The approximation said 8 x 16400 = 131200.)
+    b, h, s, d = 2, 4, 256, 128
+    I, J, header_floats = 64, 64, 4
+    splits = min(math.ceil(s / J), 200 // (b * h))
+    staging = 2 * splits * J * _round_up(d, I)
+    dq_tiles = math.ceil(s / I) * math.ceil(d / J) * (header_floats + I * J)
+    per_bh = _round_up(staging + dq_tiles, 4) * 4
+    assert per_bh == 393344
+    assert _efficient_backward_peak(BF16, (b, h, s, d), arch="sm86") == b * h * per_bh
 
 
 def test_math_on_cuda_materialises_fp32_scores_and_a_bool_dropout_mask():

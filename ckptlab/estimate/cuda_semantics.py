@@ -111,7 +111,7 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
     if backend == "flash":
         return flash_attention(query, key, value, dropout_p, semantics.sm_count)
     if backend == "efficient":
-        return efficient_attention(query, key, value, attn_mask)
+        return efficient_attention(query, key, value, attn_mask, dropout_p, semantics.arch)
     return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -271,9 +271,10 @@ def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int =
 
 # ---------------------------------------------------------------------------- memory-efficient attention
 
-def efficient_attention(query, key, value, attn_mask):
+def efficient_attention(query, key, value, attn_mask, dropout_p=0.0, arch="sm80"):
     """attention.cpp: a bool mask becomes an additive one in the query's dtype, then
-    preprocess_mask expands it to [b, h, s_q, s_k] and pads the last dim to a multiple of 16."""
+    preprocess_mask expands it to [b, h, s_q, s_k] and pads the last dim to a multiple of 16.
+    Dropout and the arch pick the backward's kernel, hence its workspace."""
     if attn_mask is not None:
         attn_mask = _additive_mask(attn_mask, query.dtype)
         attn_mask = attn_mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
@@ -282,16 +283,17 @@ def efficient_attention(query, key, value, attn_mask):
         elif any(s % 16 for s in attn_mask.stride()[:3]):
             attn_mask = attn_mask.contiguous()
     keep_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return _Efficient.apply(query, key, value, attn_mask, keep_lse)
+    return _Efficient.apply(query, key, value, attn_mask, keep_lse, bool(dropout_p), arch)
 
 
 class _Efficient(torch.autograd.Function):
     """attention.cu _efficient_attention_forward and attention_backward.cu
-    _efficient_attention_backward. Causality and dropout change no allocation; the seed and
-    offset are CPU scalars outside CUDA-graph capture (Note [Seed and Offset Device])."""
+    _efficient_attention_backward. Causality changes no allocation, dropout only the backward's
+    kernel; the seed and offset are CPU scalars outside CUDA-graph capture (Note [Seed and
+    Offset Device])."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, keep_lse):
+    def forward(ctx, query, key, value, bias, keep_lse, dropout, arch):
         b, h, sq, _ = query.shape
         dv = value.size(-1)
         # Kernels for head dims > 128 keep the output in global memory: an fp32 accumulator
@@ -301,6 +303,7 @@ class _Efficient(torch.autograd.Function):
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, keep_lse)
         del accumulator
         ctx.save_for_backward(query, key, value, bias, out, lse)
+        ctx.dropout, ctx.arch = dropout, arch
         return out
 
     @staticmethod
@@ -325,15 +328,67 @@ class _Efficient(torch.autograd.Function):
             delta = torch.empty(b, h, sq, dtype=torch.float32)
         else:
             delta = (grad.transpose(1, 2).float() * out.transpose(1, 2).float()).sum(-1).transpose(-2, -1).contiguous()
-        # kernel_backward.h workspace_size: every kernel accumulates dq in fp32 tiles
-        # (kNeedsAccumGradQ, split keys on sm70+), each with a 16-byte lock header. The tile is
-        # the kernel's kBlockSizeI x MatmulGradQ's N, taken as 64 x 64 here (an approximation:
-        # the kernel chosen decides). 16-bit kernels with head dims > 64 also stage dk, dv in
-        # small per-(b, h) buffers, not counted.
-        tiles = b * h * math.ceil(sq / 64) * math.ceil(d / 64)
-        workspace = torch.empty(tiles * (16 + 64 * 64 * 4), dtype=torch.uint8)
+        # The dq accumulators and, for some 16-bit kernels, dk / dv staging: one buffer, alive
+        # while the kernel runs (zeroed in place when the keys are split).
+        workspace = torch.empty(_efficient_backward_workspace(b, h, sq, sk, d, dv, query.element_size() == 2,
+                                                              ctx.dropout, ctx.arch), dtype=torch.uint8)
         del delta, workspace
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None, None, None
+
+
+# kernels/cutlassB.h dispatch_cutlassB_{bf16,f16,f32}_sm80 (sm80 to sm90 share them): the
+# backward kernels in dispatch order as (kBlockSizeI, kBlockSizeJ, kMaxK, sizeof(SharedStorage)
+# in KiB rounded up; fp16's, never below bf16's), the seqaligned twins left out (same shapes).
+# fp32 has the same kernels with dropout; fp16 / bf16 dispatch their k96 kernel on sm86 / sm89
+# only. The sizes are sizeof(Kernel::SharedStorage) as a host build of kernel_backward.h (with
+# CUTLASS 4.2) prints them.
+_EFFICIENT_BW_KERNELS = {
+    (2, False): ((64, 64, 32, 40), (64, 64, 64, 44), (128, 64, 96, 90), (128, 128, 128, 151), (64, 64, 128, 34),
+                 (128, 64, 65536, 60), (64, 64, 65536, 34)),
+    (2, True): ((64, 64, 32, 40), (64, 64, 64, 52), (128, 128, 128, 159), (64, 64, 128, 34), (128, 64, 65536, 60),
+                (64, 64, 65536, 34)),
+    (4, False): ((64, 64, 32, 53), (64, 64, 64, 53), (128, 64, 128, 119), (64, 64, 128, 67), (128, 64, 65536, 119),
+                 (64, 64, 65536, 67)),
+}
+# sharedMemPerBlockOptin (CUDA programming guide, per compute capability): 8.0 163 KiB, 8.6 and 8.9
+# 99 KiB, 9.0 227 KiB. Only sm86 / sm89 turn kernels down: the 128 x 128 ones and fp32's 128 x 64.
+SMEM_OPTIN_KIB = {"sm80": 163, "sm86": 99, "sm89": 99, "sm90": 227}
+
+
+def _efficient_backward_kernel(half: bool, dropout: bool, max_k: int, arch: str) -> tuple[int, int, int]:
+    """attention_backward.cu launchKernel: the first kernel whose kMaxK covers max(d, d_v), with
+    dropout when it is needed and shared memory the card can give. (kBlockSizeI, kBlockSizeJ, kMaxK)."""
+    for i, j, k_max, smem_kib in _EFFICIENT_BW_KERNELS[(2, dropout) if half else (4, False)]:
+        if k_max == 96 and arch not in ("sm86", "sm89"):
+            continue
+        if k_max >= max_k and smem_kib <= SMEM_OPTIN_KIB[arch]:
+            return i, j, k_max
+    raise AssertionError("cutlassB: no kernel found to launch")  # unreachable: k65536 always fits
+
+
+def _efficient_backward_workspace(b, h, sq, sk, d, dv, half: bool, dropout: bool, arch: str) -> int:
+    """The bytes of _efficient_attention_backward's workspace: kernel_backward.h workspace_size(),
+    b * h * workspace_strideBH() floats, for the kernel chosen and attention_backward.cu's
+    num_splits_key (the SDPA path passes none, so the heuristic decides; no SM count in it)."""
+    i, j, k_max = _efficient_backward_kernel(half, dropout, max(d, dv), arch)
+    # kOutputInRF = 16-bit and kMaxK <= kBlockSizeI: dk, dv live in registers. Otherwise a 16-bit
+    # kernel stages them in fp32 (kNeedsAccumGradK / V: output_t is not float); fp32 writes them.
+    stage_dk_dv = half and k_max > i
+    splits = math.ceil(sk / j)
+    if b * h >= 256 and sk <= 2 * j:  # enough parallelism, too few keys to gain from splitting
+        splits = 1
+    if stage_dk_dv:  # splitting multiplies the staging: capped at 200 blocks in all
+        splits = min(splits, 200 // (b * h))
+    splits = max(splits, 1)
+    gk = splits * j * _round_up(d, i) if stage_dk_dv else 0
+    gv = splits * j * _round_up(dv, i) if stage_dk_dv else 0
+    # kNeedsAccumGradQ (split keys, sm70+): one GradQTempStorage per (kBlockSizeI rows of q,
+    # MatmulGradQ's N = kBlockSizeJ columns of d): a 16-byte lock / counter header and
+    # AccumTileGmem::kElementsStored = kNumThreads * FragmentC::kElements floats. Its 32 x 32
+    # warp tiles give each of the kNumThreads = 32 * (I * J / 1024) threads 32 * 32 / 32 = 32
+    # accumulators, so I * J floats: (16 + 4 * I * J) / 4 = 4 + I * J floats a tile.
+    gq = math.ceil(sq / i) * math.ceil(d / j) * (4 + i * j)
+    return b * h * _round_up(gk + gv + gq, 4) * 4  # workspace_strideBH aligns each (b, h) to 128 bits
 
 
 def _efficient_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
