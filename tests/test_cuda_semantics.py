@@ -96,24 +96,25 @@ def test_efficient_keeps_a_logsumexp_padded_to_32_and_no_device_seed():
     assert cuda.attention_backend == "efficient"
     kept = 4 * B * H * s * D * 4 + B * H * 64 * 4 + 4
     assert report.saved_activation_bytes == kept
-    # backward: the loss's grad, dq, dk, dv, delta fp32 [b, h, s_q] and the workspace. fp32 with
+    # backward: the loss's grad, dout made contiguous (the grad of a sum is an expanded scalar),
+    # dq, dk, dv, delta fp32 [b, h, s_q] and the workspace. fp32 with
     # d <= 32 runs the 64 x 64 k32 kernel (kBlockSizeI = kBlockSizeJ = 64); fp32 stages no dk, dv,
     # so the workspace is the dq accumulator's tiles: per (b, h), ceil(s_q / I) x ceil(d / J)
     # tiles of a 16-byte header and I x J fp32s, the (b, h) stride rounded up to 16 bytes.
     I, J, header = 64, 64, 16
     tile = header + I * J * 4
     per_bh = _round_up(math.ceil(s / I) * math.ceil(D / J) * tile, 16)   # 1 tile: 16400 bytes
-    assert report.peak_bytes == kept + 4 + 3 * B * H * s * D * 4 + B * H * s * 4 + B * H * per_bh
+    assert report.peak_bytes == kept + 4 + 4 * B * H * s * D * 4 + B * H * s * 4 + B * H * per_bh
 
 
 def _efficient_backward_peak(dtype, shape, **semantics):
-    """(peak bytes - what forward kept - the loss's grad - dq, dk, dv - delta) of a causal
+    """(peak bytes - what forward kept - the loss's grad - dout, dq, dk, dv - delta) of a causal
     efficient attention with dropout 0.1: the workspace, the one backward buffer left."""
     b, h, s, d = shape
     report, cuda = _attention_step(dtype=dtype, shape=shape, attention="efficient", **semantics)
     assert cuda.attention_backend == "efficient" and report.peak_phase == "backward"
     size = torch.finfo(dtype).bits // 8
-    return report.peak_bytes - report.saved_activation_bytes - size - 3 * b * h * s * d * size - b * h * s * 4
+    return report.peak_bytes - report.saved_activation_bytes - size - 4 * b * h * s * d * size - b * h * s * 4
 
 
 def test_efficient_backward_bf16_head_dim_128_uses_128_x_128_dq_tiles():

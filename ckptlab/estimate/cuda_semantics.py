@@ -311,6 +311,9 @@ class _Efficient(torch.autograd.Function):
         query, key, value, bias, out, _ = ctx.saved_tensors
         b, h, sq, d = query.shape
         sk, dv = key.size(2), value.size(-1)
+        # _efficient_attention_backward: grad_out made contiguous as [b, s, h, d_v] (a copy unless
+        # it is one already, as out is), alive to the end.
+        dout = grad.transpose(1, 2).contiguous()
         packed = (sq == sk and d == dv and query.untyped_storage()._cdata == key.untyped_storage()._cdata
                   == value.untyped_storage()._cdata)
         if packed:  # q, k, v cut from one projection: one [b, s, 3, h, d] chunk for the three grads
@@ -327,12 +330,12 @@ class _Efficient(torch.autograd.Function):
         if query.element_size() == 2:
             delta = torch.empty(b, h, sq, dtype=torch.float32)
         else:
-            delta = (grad.transpose(1, 2).float() * out.transpose(1, 2).float()).sum(-1).transpose(-2, -1).contiguous()
+            delta = (dout.float() * out.transpose(1, 2).float()).sum(-1).transpose(-2, -1).contiguous()
         # The dq accumulators and, for some 16-bit kernels, dk / dv staging: one buffer, alive
         # while the kernel runs (zeroed in place when the keys are split).
         workspace = torch.empty(_efficient_backward_workspace(b, h, sq, sk, d, dv, query.element_size() == 2,
                                                               ctx.dropout, ctx.arch), dtype=torch.uint8)
-        del delta, workspace
+        del dout, delta, workspace
         return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None, None, None
 
 
