@@ -314,15 +314,11 @@ class _Efficient(torch.autograd.Function):
         # _efficient_attention_backward: grad_out made contiguous as [b, s, h, d_v] (a copy unless
         # it is one already, as out is), alive to the end.
         dout = grad.transpose(1, 2).contiguous()
-        packed = (sq == sk and d == dv and query.untyped_storage()._cdata == key.untyped_storage()._cdata
-                  == value.untyped_storage()._cdata)
-        if packed:  # q, k, v cut from one projection: one [b, s, 3, h, d] chunk for the three grads
-            chunk = torch.empty(b, sq, 3, h, d, dtype=query.dtype)
-            dq, dk, dv_ = chunk.select(2, 0), chunk.select(2, 1), chunk.select(2, 2)
-        else:
-            dq = torch.empty(b, sq, h, d, dtype=query.dtype)
-            dk = torch.empty(b, sk, h, d, dtype=key.dtype)
-            dv_ = torch.empty(b, sk, h, dv, dtype=value.dtype)
+        # dq, dk, dv apart: the SDPA path leaves shared_storage_dqdkdv off (its one [b, s, 3, h, d]
+        # chunk is only for callers of _efficient_attention_backward that ask).
+        dq = torch.empty(b, sq, h, d, dtype=query.dtype)
+        dk = torch.empty(b, sk, h, d, dtype=key.dtype)
+        dv_ = torch.empty(b, sk, h, dv, dtype=value.dtype)
         dbias = None
         if bias is not None and ctx.needs_input_grad[3]:
             dbias = torch.empty(*bias.shape[:-1], _round_up(bias.size(-1), 16), dtype=bias.dtype)[..., :bias.size(-1)]
