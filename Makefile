@@ -24,8 +24,9 @@ run: $(STAMP)
 
 # Two test workers on two cores, one PyTorch thread each: more threads than cores makes every
 # torch op several times slower (OpenMP threads wait on each other), and tests assert properties, not speed.
+# The 20 slowest are listed at the end: where the suite's time goes.
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadscope --durations=20 tests notebooks --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 # The layers of docs/design.md (import-linter contracts in pyproject.toml) and ruff's small rule set.
 lint: $(STAMP)
