@@ -15,10 +15,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ckptlab import apply_checkpointing, get_workload, track_memory
 from ckptlab.checkpoint.wrap import selective_context_fn
 from ckptlab.estimate.cuda_autocast import cuda_autocast
-from ckptlab.estimate.cuda_semantics import _round_up, cuda_semantics
+from ckptlab.estimate.cuda_semantics import cuda_semantics
 from ckptlab.estimate.fake_step import fake_model
 
 B, H, S, D = 2, 4, 64, 16
+
+
+def round_up(n, multiple):
+    return -(-n // multiple) * multiple
 BF16 = torch.bfloat16
 
 
@@ -103,7 +107,7 @@ def test_efficient_keeps_a_logsumexp_padded_to_32_and_no_device_seed():
     # tiles of a 16-byte header and I x J fp32s, the (b, h) stride rounded up to 16 bytes.
     I, J, header = 64, 64, 16
     tile = header + I * J * 4
-    per_bh = _round_up(math.ceil(s / I) * math.ceil(D / J) * tile, 16)   # 1 tile: 16400 bytes
+    per_bh = round_up(math.ceil(s / I) * math.ceil(D / J) * tile, 16)   # 1 tile: 16400 bytes
     assert report.peak_bytes == kept + 4 + 4 * B * H * s * D * 4 + B * H * s * 4 + B * H * per_bh
 
 
@@ -124,7 +128,7 @@ def test_efficient_backward_bf16_head_dim_128_uses_128_x_128_dq_tiles():
     # 16 + 128 * 128 * 4 = 65552 bytes per (b, h). (The 64 x 64 approximation said 2 x 16400.)
     b, h, s, d = 2, 4, 64, 128
     I, J, header = 128, 128, 16
-    per_bh = _round_up(math.ceil(s / I) * math.ceil(d / J) * (header + I * J * 4), 16)
+    per_bh = round_up(math.ceil(s / I) * math.ceil(d / J) * (header + I * J * 4), 16)
     assert per_bh == 65552
     assert _efficient_backward_peak(BF16, (b, h, s, d)) == b * h * per_bh
 
@@ -141,9 +145,9 @@ def test_efficient_backward_on_sm86_stages_dk_dv_and_splits_the_keys():
     b, h, s, d = 2, 4, 256, 128
     I, J, header_floats = 64, 64, 4
     splits = min(math.ceil(s / J), 200 // (b * h))
-    staging = 2 * splits * J * _round_up(d, I)
+    staging = 2 * splits * J * round_up(d, I)
     dq_tiles = math.ceil(s / I) * math.ceil(d / J) * (header_floats + I * J)
-    per_bh = _round_up(staging + dq_tiles, 4) * 4
+    per_bh = round_up(staging + dq_tiles, 4) * 4
     assert per_bh == 393344
     assert _efficient_backward_peak(BF16, (b, h, s, d), arch="sm86") == b * h * per_bh
 
