@@ -21,9 +21,11 @@ from ckptlab.estimate.fake_step import fake_model
 B, H, S, D = 2, 4, 64, 16
 
 
+BF16 = torch.bfloat16
+
+
 def round_up(n, multiple):
     return -(-n // multiple) * multiple
-BF16 = torch.bfloat16
 
 
 def _leaves(*shapes, dtype=BF16):
