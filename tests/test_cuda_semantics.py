@@ -19,8 +19,6 @@ from ckptlab.estimate.cuda_semantics import cuda_semantics
 from ckptlab.estimate.fake_step import fake_model
 
 B, H, S, D = 2, 4, 64, 16
-
-
 BF16 = torch.bfloat16
 
 
