@@ -16,10 +16,12 @@ Each shape comes as its authors configure Llama, attention dropout 0.0 (`small-n
 below 1 redraws dropout masks in backward and its gradients are wrong. `tiny` is the smallest
 setting, eager only (three policies, two anchors, no compilation): seconds, for the tests.
 With --out, each shape writes DIR/<shape>/ compare.csv, compare.json, report.md, report.json (one
-entry per anchor) and the compare figure.
+entry per anchor) and the compare figure. `--confirm` then times each anchor against the row its
+report chose, in new rounds that choose nothing (confirm.json, confirm.md).
 
     python benchmarks/frontier.py --shapes small-nodrop --max-seconds 300 --out results/frontier
     python benchmarks/frontier.py --shapes medium-nodrop --max-seconds 240 --out results/frontier
+    python benchmarks/frontier.py --shapes small-nodrop --confirm --max-seconds 300 --out results/frontier
 
 On a quiet 2-core CPU (load about 1), one thread, compiled rows and gradient checks included:
 `small` took 399 s (18 rounds) and `medium` 1267 s (5 rounds, one step of `none` 4.4 s) before
@@ -243,6 +245,54 @@ def report_again(name: str, out) -> dict:
     return write_report(name, df, run, folder)
 
 
+def confirm_shape(name: str, max_seconds: float, out) -> dict:
+    """Each anchor against the ckptlab row its report chose, timed again in rounds of their own.
+    The report chose the fastest of several point estimates from the rounds it then judges with,
+    a selection its interval does not account for; these rounds choose nothing. Reads
+    DIR/<shape>/report.json, writes confirm.json and confirm.md beside it."""
+    folder = Path(out) / name
+    report = json.loads((folder / "report.json").read_text())
+    chosen = [a for a in report["anchors"] if a["ckptlab"]]
+    workload = get_workload("hf-llama-tiny", **SHAPES[name]["overrides"])
+    policies = list(dict.fromkeys(["none"] + [a["ckptlab"] for a in chosen]))
+    df = compare(workload, report["batch_size"], report["seq_len"], policies, anchors=[a["anchor"] for a in chosen],
+                 compiled_options="", max_seconds=max_seconds)
+    rows = df[df["status"] == "ok"].set_index("policy", drop=False)
+    entries = []
+    for a in chosen:
+        entry = {"anchor": a["anchor"], "ckptlab": a["ckptlab"], "first_run": [a["vs_anchor"], a["vs_anchor_low"],
+                                                                             a["vs_anchor_high"], a["verdict"]]}
+        if a["anchor"] in rows.index and a["ckptlab"] in rows.index:
+            mine, theirs = rows.loc[a["ckptlab"]], rows.loc[a["anchor"]]
+            ratio, low, high = paired_ratio(mine, theirs)
+            entry.update(ckptlab_peak_bytes=int(mine["peak_bytes"]), anchor_peak_bytes=int(theirs["peak_bytes"]),
+                         vs_anchor=ratio, vs_anchor_low=low, vs_anchor_high=high, verdict=time_verdict(low, high))
+        entries.append(entry)
+    first = df[df["status"] == "ok"].iloc[0]
+    confirm = {"shape": name, "rounds": int(first["rounds"]), "load_before": first["load_before"],
+               "load_after": first["load_after"], "busy": bool(first["busy"]), "max_seconds": max_seconds,
+               "anchors": entries, **({"goal": goal(entries)} if SHAPES[name].get("compiled", True) else {})}
+    lines = [f"## {name}, confirmed: each anchor against the row the report chose, timed again",
+             f"{confirm['rounds']} interleaved rounds, load {first['load_before']:.1f} -> {first['load_after']:.1f}"
+             f"{' (busy)' if confirm['busy'] else ''}", "",
+             "| anchor | ckptlab row | first run [95% CI] | second run [95% CI] |", "|---|---|---|---|"]
+    for e in entries:
+        ratio, low, high, verdict = e["first_run"]
+        again = (f"{e['vs_anchor']:.3f} [{e['vs_anchor_low']:.3f}, {e['vs_anchor_high']:.3f}] ({e['verdict']})"
+                 if "verdict" in e else "did not run")
+        lines.append(f"| {e['anchor']} | {e['ckptlab']} | {ratio:.3f} [{low:.3f}, {high:.3f}] ({verdict}) | {again} |")
+    if "goal" in confirm:
+        lines += ["", "Second run, at torch.compile's budget points: " + "; ".join(
+            f"{a.split('=')[-1]}: {v}" for a, v in confirm["goal"]["compile_points"].items())
+            + f". Goal: {'reached' if confirm['goal']['reached'] else 'NOT reached'}."]
+    text = "\n".join(lines)
+    print(text)
+    (folder / "confirm.json").write_text(json.dumps(confirm, indent=1, default=_plain) + "\n")
+    (folder / "confirm.md").write_text(text + f"\n\n(`python benchmarks/frontier.py --shapes {name} --confirm "
+                                       f"--max-seconds {max_seconds} --out DIR`, torch {torch.__version__})\n")
+    return confirm
+
+
 def _plain(value):
     """numpy scalars (pandas hands them out) as Python numbers for json."""
     return value.item() if hasattr(value, "item") else str(value)
@@ -257,6 +307,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="folder: one subfolder per shape (compare table, report.json)")
     parser.add_argument("--report-only", action="store_true",
                         help="measure nothing: rewrite each shape's report from its compare.json in --out")
+    parser.add_argument("--confirm", action="store_true",
+                        help="time each anchor again against the row its report in --out chose, in rounds of their "
+                             "own (the choice is then not in the judging rounds): confirm.json, confirm.md")
     parser.add_argument("--compile-points-only", action="store_true",
                         help="only the torch.compile anchors, with policies none, selective, full and their compiled "
                              "forms: less than half the configurations")
@@ -266,11 +319,14 @@ def main(argv=None) -> int:
         if name not in SHAPES:
             parser.error(f"--shapes: {name!r} is invalid: allowed are {', '.join(SHAPES)}")
     torch.set_num_threads(args.threads)
-    if args.report_only and not args.out:
-        parser.error("--report-only needs --out, the folder the shapes were measured into")
+    for flag in ("report_only", "confirm"):
+        if getattr(args, flag) and not args.out:
+            parser.error(f"--{flag.replace('_', '-')} needs --out, the folder the shapes were measured into")
     for name in names:
         if args.report_only:
             report_again(name, args.out)
+        elif args.confirm:
+            confirm_shape(name, args.max_seconds, args.out)
         else:
             run_shape(name, args.max_seconds, args.seq, args.out, args.compile_points_only)
     return 0

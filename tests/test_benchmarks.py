@@ -109,6 +109,16 @@ def test_frontier_smallest_setting_writes_one_report_entry_per_anchor(tmp_path, 
     assert "| anchor | its peak |" in capsys.readouterr().out   # printed too
     again = frontier.report_again("tiny", tmp_path)   # the same report, read back from compare.json
     assert json.loads(json.dumps(again["anchors"], default=frontier._plain)) == written["anchors"]
+    # The choice made on the report's rounds, timed again in rounds of its own.
+    frontier.main(["--shapes", "tiny", "--confirm", "--max-seconds", "0.3", "--out", str(tmp_path)])
+    confirmed = json.loads((tmp_path / "tiny" / "confirm.json").read_text())
+    assert [(e["anchor"], e["ckptlab"]) for e in confirmed["anchors"]] == [
+        (e["anchor"], e["ckptlab"]) for e in written["anchors"]]
+    for entry, first in zip(confirmed["anchors"], written["anchors"]):
+        assert entry["ckptlab_peak_bytes"] == first["ckptlab_peak_bytes"] <= entry["anchor_peak_bytes"]
+        assert entry["first_run"] == [first["vs_anchor"], first["vs_anchor_low"], first["vs_anchor_high"], first["verdict"]]
+        assert entry["verdict"] == frontier.time_verdict(entry["vs_anchor_low"], entry["vs_anchor_high"])
+    assert "| anchor | ckptlab row | first run" in (tmp_path / "tiny" / "confirm.md").read_text()
 
 
 def test_frontier_goal_needs_every_compile_point_no_slower_and_one_faster():
