@@ -271,7 +271,7 @@ def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int =
 
 # ---------------------------------------------------------------------------- memory-efficient attention
 
-def efficient_attention(query, key, value, attn_mask, dropout_p=0.0, arch="sm80"):
+def efficient_attention(query, key, value, attn_mask, dropout_p, arch):
     """attention.cpp: a bool mask becomes an additive one in the query's dtype, then
     preprocess_mask expands it to [b, h, s_q, s_k] and pads the last dim to a multiple of 16.
     Dropout and the arch pick the backward's kernel, hence its workspace."""
