@@ -176,6 +176,11 @@ if __name__ == "__main__":
     print(f"its estimator on ckptlab's CUDA step {ref.peak_bytes:>15,} B  ({ref.peak_bytes / PYTORCH_PEAK_BYTES - 1:+.4%}), at {ref.module}:")
     for name in ("param_bytes", "grad_bytes", "act_grad_bytes", "act_bytes"):
         print(f"  {name:<16} {getattr(ref, name):>15,}")
-    print(f"ckptlab.predict peak_bytes {pred.peak_bytes:>15,} B  ({pred.peak_bytes / PYTORCH_PEAK_BYTES - 1:+.4%}), {pred.peak_phase}, attention {pred.attention_backend}:")
-    for name, value in pred.peak_by_category.items():
-        print(f"  {name:<19} {value:>15,}")
+    held = ckptlab.predict(sac_ilp_transformer(), BATCH, SEQ, "none", optimizer="adamw-foreach", device="cuda",
+                           holds_output=True)
+    for title, p in (("ckptlab.predict peak_bytes", pred), ("  the loop holding the output", held)):
+        print(f"{title} {p.peak_bytes:>15,} B  ({p.peak_bytes / PYTORCH_PEAK_BYTES - 1:+.4%}), {p.peak_phase}, "
+              f"attention {p.attention_backend}:")
+        for name, value in p.peak_by_category.items():
+            if value:
+                print(f"  {name:<19} {value:>15,}")

@@ -150,7 +150,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
         for seq in seqs:
             rows += measure_together(workload, batch, seq, policies, device=args.device, dtype=args.dtype,
                                      accum_steps=args.accum, optimizer=args.optimizer, memory_limit_bytes=limit,
-                                     steps=args.steps, warmup=args.warmup, max_seconds=args.max_seconds)
+                                     steps=args.steps, warmup=args.warmup, max_seconds=args.max_seconds,
+                                     holds_output=args.holds_output)
     for r in rows:
         r["step_text"] = "-" if r["step_ms"] is None else f"{r['step_ms']:.1f} [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]"
         r["overhead_text"] = "-" if r["time_ratio"] is None else (
@@ -159,7 +160,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
     timed = next((r for r in rows if r["rounds"]), rows[0])
     accum = f", accum {args.accum}" if args.accum != 1 else ""
     print_rows(rows, MEASURE_COLUMNS, args.format,
-               f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}{accum}, {args.optimizer}): "
+               f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}{accum}, {args.optimizer}"
+               f"{HOLDS_OUTPUT_NOTE if args.holds_output else ''}): "
                f"policies of one shape timed together, {timed['rounds']} interleaved rounds, {timed['threads']} threads; "
                f"medians with 95% intervals; overhead vs {policies[0]} (* = the interval excludes 0)")
     if timed["busy"] and args.format == "table":
@@ -441,7 +443,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     for batch in int_list("--batch", args.batch):
         for seq in int_list("--seq", args.seq):
             for policy in policy_list(args.policy):
-                row = predict(workload, batch, seq, policy, dtype=args.dtype, optimizer=args.optimizer, **on).record()
+                row = predict(workload, batch, seq, policy, dtype=args.dtype, optimizer=args.optimizer,
+                              holds_output=args.holds_output, **on).record()
                 if on["device"] == "cpu":
                     try:
                         row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
@@ -451,8 +454,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 rows.append(row)
     columns = PREDICT_COLUMNS if on["device"] == "cpu" else cuda_predict_columns(on["card"])
     print_rows(rows, columns, args.format,
-               f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, {args.optimizer}: "
-               f"{predicted_for(on)}, nothing allocated")
+               f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, {args.optimizer}"
+               f"{HOLDS_OUTPUT_NOTE if args.holds_output else ''}: {predicted_for(on)}, nothing allocated")
     return 0
 
 
@@ -460,9 +463,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Choose keep/selective/full per block for a memory budget; print the plan."""
     workload = get_workload(args.model, **_model_overrides(args.set))
     if args.compile:
+        if args.holds_output:
+            raise ValueError("--holds-output is invalid with --compile: a compiled plan is measured on a step that "
+                             "drops the output; allowed is one of the two")
         return _compiled_plan(args, workload)
     on = device_options(args)
-    plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost, **on)
+    plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost,
+                       holds_output=args.holds_output, **on)
     if args.format != "table":
         row = {"model": args.model, "batch_size": args.batch, "seq_len": args.seq, "dtype": args.dtype,
                "budget": args.budget, "policy": f"plan={plan.letters}", **plan.record(),
@@ -552,6 +559,15 @@ def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, pol
     p.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
 
 
+HOLDS_OUTPUT_NOTE = ", the loop holds the model's output"
+
+
+def add_holds_output_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--holds-output", action="store_true",
+                   help="the training loop keeps the model's output alive into the next step's forward, as "
+                        "`logits, loss = model(x, y)` at loop scope does (default: the step drops it)")
+
+
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
     """--device, --card, --attention: what a prediction is for (predict, plan, explain)."""
     p.add_argument("--device", default="cpu", help="cpu (exact to the byte) | cuda: predict the step as a CUDA card "
@@ -585,6 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds")
     p.add_argument("--max-seconds", type=float, default=10, help="timing budget per (batch, seq); stops earlier at ±2%%")
     p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
+    add_holds_output_argument(p)
     p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("sweep", help="measure a grid into a run folder (OOM-safe, resumable); print a summary",
@@ -615,6 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
     p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
     add_device_arguments(p)
+    add_holds_output_argument(p)
     add_format_argument(p)
     p.set_defaults(func=cmd_predict)
 
@@ -623,6 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of the no-checkpointing peak (0.5)")
     p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
     add_device_arguments(p)
+    add_holds_output_argument(p)
     p.add_argument("--compile", action="store_true",
                    help="a plan for the compiled model: per block keep/selective/full or a compile budget, chosen "
                         "from measured uniform compiled plans, then measured (peak, time, gradients); minutes")

@@ -21,6 +21,7 @@ FIELDS: dict[str, object] = {
     "batch_size": None,
     "seq_len": None,
     "accum_steps": 1,
+    "holds_output": False,            # the loop keeps the model's output into the next step's forward
     "world_size": 1,                  # ranks the batch is split over (FSDP2 runs)
     "effective_batch_size": None,     # batch_size * accum_steps * world_size
     "tokens": None,                   # per optimizer step

@@ -47,6 +47,12 @@ def number(name: str, value, low: float = -math.inf, high: float = math.inf, low
     return x + 0.0
 
 
+def boolean(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid: allowed are True, False")
+    return value
+
+
 def choice(name: str, value, allowed: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{name}={value!r} is invalid: allowed are {', '.join(allowed)}")
@@ -157,5 +163,5 @@ def _fmt(x: float) -> str:
     return ("-inf" if x < 0 else "inf") if math.isinf(x) else f"{x:g}"
 
 
-__all__ = ["choice", "integer", "integer_list", "no_credential", "non_empty", "number", "output_folder",
+__all__ = ["boolean", "choice", "integer", "integer_list", "no_credential", "non_empty", "number", "output_folder",
            "run_name"]

@@ -87,6 +87,7 @@ class Prediction:
     device_bytes: Optional[int] = None
     margin_bytes: Optional[int] = None
     host_bytes: Optional[int] = None         # offload on CUDA: pinned host memory at its peak
+    holds_output: bool = False               # a loop that keeps the model's output into the next step
 
     @property
     def held_bytes(self) -> int:
@@ -199,19 +200,20 @@ def sequences_unpacked():
 @contextlib.contextmanager
 def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
                        dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1,
-                       device: str = "cpu", card: Optional[str | Card] = None, attention: Optional[str] = None):
+                       device: str = "cpu", card: Optional[str | Card] = None, attention: Optional[str] = None,
+                       holds_output: bool = False):
     """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
     optimizer, step) after one untracked warm-up step — the state `measure` tracks from. With
     device="cuda" the step runs as on `card`'s architecture (default sm80), `attention` forcing
-    the SDPA backend."""
+    the SDPA backend; `holds_output` as `probe.step.training_step`'s."""
     with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
-                    attention) as (model, handle, batch, opt, step, _):
+                    attention, holds_output) as (model, handle, batch, opt, step, _):
         yield model, handle, batch, opt, step
 
 
 @contextlib.contextmanager
 def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention,
-               host: Optional[HostOffload] = None):
+               holds_output, host: Optional[HostOffload] = None):
     """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu"); with
     `host`, offload moves saved tensors to it as on CUDA."""
     card = as_card(card)
@@ -229,8 +231,8 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_st
         gen = torch.Generator().manual_seed(workload.seed + 1)
         batch = workload.new_batch(batch_size, seq_len, gen)
         opt = make_optimizer(optimizer, model, device)
-        kwargs = {"accum_steps": accum_steps} if accum_steps != 1 else {}
-        step = training_step(model, workload, batch, opt, dtype, autocast=cuda_autocast if cuda else None, **kwargs)
+        step = training_step(model, workload, batch, opt, dtype, accum_steps, cuda_autocast if cuda else None,
+                             holds_output)
         torch.manual_seed(workload.seed)
         warm_up(step, model, opt)
         handle.reset_counts()
@@ -290,16 +292,17 @@ class FakeMemory:
 
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                 optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-                card: Optional[str | Card] = None, attention: Optional[str] = None) -> FakeMemory:
+                card: Optional[str | Card] = None, attention: Optional[str] = None,
+                holds_output: bool = False) -> FakeMemory:
     """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring)."""
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse() if cuda else contextlib.nullcontext()
     host = HostOffload() if cuda and policy.offload else None
     with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
-                    attention, host) as (model, handle, batch, opt, step, kernels):
+                    attention, holds_output, host) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
-        with track_memory(model, opt, inputs=batch, device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
+        with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
             step(tracker)
         report = tracker.report()
         if not cuda:

@@ -21,7 +21,7 @@ from ..core.cards import card as find_card
 from ..core.dtypes import DTYPES
 from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy, parse_policies
-from ..core.validate import choice, integer
+from ..core.validate import boolean, choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
 from .cuda_semantics import ATTENTION_BACKENDS
@@ -39,6 +39,7 @@ def predict_policy(
     device: str = "cpu",
     card: Optional[str | Card] = None,
     attention: Optional[str] = None,
+    holds_output: bool = False,
 ) -> Prediction:
     """Predict `measure(workload, batch_size, seq_len, policy, dtype=dtype)`'s memory columns
     without allocating: peak bytes (total, by category, phase) and saved-activation bytes.
@@ -48,7 +49,9 @@ def predict_policy(
     reserved_bytes its reserved peak, and with `card` (a name of `ckptlab.cards()`, default:
     none, an sm80 card without a context) device_bytes and margin_bytes. `attention` forces
     scaled-dot-product attention's CUDA backend (flash, efficient or math; default: PyTorch's
-    choice, named in `attention_backend`).
+    choice, named in `attention_backend`). `holds_output=True` predicts a training loop that keeps
+    the model's output alive into the next step's forward (`out = model(x)` or
+    `logits, loss = model(x, y)` at loop scope), as `measure(..., holds_output=True)` runs it.
 
     The policy is concrete: `ckptlab.predict` resolves a `budget=` to its plan first.
     Policies that compile cannot be predicted (the compiler's partitioner decides inside the graph):
@@ -56,14 +59,15 @@ def predict_policy(
     as on a GPU; on "cpu" it is a no-op, predicted as its base policy, and `note` says so.
     """
     workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps,
-                                        device, card, attention)
+                                        device, card, attention, holds_output)
     if policy.kind == "budget":
         raise ValueError(f"policy={policy} is invalid here: this predicts a concrete policy; ckptlab.predict "
                          "resolves a budget to its plan first")
     t0 = time.perf_counter()
     on_card = as_card(card)
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
-    fake = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention)
+    fake = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention,
+                       holds_output)
     report, handle = fake.report, fake.handle
     peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
     if fake.device is not None:
@@ -83,17 +87,19 @@ def predict_policy(
         predict_s=time.perf_counter() - t0, note=note,
         peak_in_blocks_by_category=dict(report.peak_in_blocks_by_category), peak_block=report.peak_block,
         recompute_count=handle.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
-        device=device, attention=attention, **{**report.param_bytes, **cuda},
+        device=device, attention=attention, holds_output=holds_output, **{**report.param_bytes, **cuda},
     )
 
 
 def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                      optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-                     card: Optional[str | Card] = None, attention: Optional[str] = None) -> tuple[Workload, Policy]:
+                     card: Optional[str | Card] = None, attention: Optional[str] = None,
+                     holds_output: bool = False) -> tuple[Workload, Policy]:
     """Check every input of `predict_policy` (ValueError naming the first bad one): (workload, policy)."""
     workload = as_workload(workload)
     workload.check_shape(batch_size, seq_len)
     integer("accum_steps", accum_steps, 1)
+    boolean("holds_output", holds_output)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
     check_device(device, card, attention)

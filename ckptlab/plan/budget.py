@@ -40,6 +40,7 @@ class Plan:
     cost_basis: str
     iterations: int = 1
     loss_fn: str = ""                  # the training step's loss the plan was made for (its memory counts)
+    holds_output: bool = False         # made for a loop that keeps the model's output into the next step
 
     @property
     def policy(self) -> Policy:
@@ -64,7 +65,8 @@ class Plan:
             f"(none {format_bytes(self.none_peak_bytes)}, full {format_bytes(self.full_peak_bytes)})",
             f"  recompute {self.recompute_ms:.2f} ms/step ({self.cost_basis}) vs "
             f"{self.full_recompute_ms:.2f} ms for full checkpointing",
-            f"  made for the training step with loss {self.loss_fn}: another loss keeps other tensors",
+            f"  made for the training step with loss {self.loss_fn}"
+            f"{', its output held into the next step' if self.holds_output else ''}: another loss keeps other tensors",
         ]
         return "\n".join(lines)
 
@@ -78,14 +80,15 @@ def resolve_budget(budget, none_peak: int) -> int:
 
 def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
                 optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4, device: str = "cpu",
-                card=None, attention: str | None = None) -> Plan:
+                card=None, attention: str | None = None, holds_output: bool = False) -> Plan:
     """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
     `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
     achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, as
-    `predict`) the plan is made and verified on the CUDA prediction's allocated peak."""
+    `predict`) the plan is made and verified on the CUDA prediction's allocated peak; with
+    `holds_output` for a loop that keeps the model's output into the next step (`predict`'s)."""
     workload = as_workload(workload)
     card = as_card(card)
-    on_device = {"device": device, "card": card, "attention": attention}
+    on_device = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
     profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost, **on_device)
     budget_bytes = resolve_budget(budget, profile.peak["keep"])
     target = budget_bytes
@@ -119,7 +122,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
         model_peak_bytes=model_peak(profile, options), recompute_ms=plan_cost(profile, options),
         full_recompute_ms=plan_cost(profile, ["full"] * n), none_peak_bytes=profile.peak["keep"],
         full_peak_bytes=profile.peak["full"], cost_basis=profile.cost_basis, iterations=iteration,
-        loss_fn=workload.loss_name,
+        loss_fn=workload.loss_name, holds_output=holds_output,
     )
 
 
@@ -144,7 +147,8 @@ def refuse_compiled_budget(policy: Policy) -> None:
 
 
 def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32",
-            optimizer: str = "adamw", device: str = "cpu", card=None, attention: str | None = None) -> Resolved:
+            optimizer: str = "adamw", device: str = "cpu", card=None, attention: str | None = None,
+            holds_output: bool = False) -> Resolved:
     """The one place an eager `budget=` becomes a plan: the plan `plan_budget` chooses for this
     shape (predicted for `device`, and a card's), with the budget's +offload. Any other policy is
     already concrete. An infeasible budget raises ValueError stating the minimum achievable peak;
@@ -153,7 +157,7 @@ def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, d
         return Resolved(policy)
     refuse_compiled_budget(policy)
     plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer, device=device,
-                       card=card, attention=attention)
+                       card=card, attention=attention, holds_output=holds_output)
     return Resolved(plan_policy(plan.options, policy.offload), plan)
 
 
@@ -172,7 +176,8 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     record = measurement_record(workload, batch_size, seq_len, policy, **options)[0]
     try:
         device = "cuda" if record["device"].startswith("cuda") else "cpu"  # the plan predicted as it will run
-        resolved = resolve(policy, workload, batch_size, seq_len, record["dtype"], record["optimizer"], device)
+        resolved = resolve(policy, workload, batch_size, seq_len, record["dtype"], record["optimizer"], device,
+                           holds_output=record["holds_output"])
     except ValueError as exc:
         record.update(status="error", message=f"ValueError: {exc}")
         return (record, None) if with_report else record
@@ -187,11 +192,11 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
             dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-            card=None, attention: str | None = None) -> Prediction:
+            card=None, attention: str | None = None, holds_output: bool = False) -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
-    the plan `plan_budget` chooses (on the same device); the prediction names the budget as its
-    policy and the plan in `plan`."""
-    on_device = {"device": device, "card": card, "attention": attention}
+    the plan `plan_budget` chooses (on the same device, for the same loop); the prediction names
+    the budget as its policy and the plan in `plan`."""
+    on_device = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
     workload, policy = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer,
                                         accum_steps, **on_device)
     resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **on_device)

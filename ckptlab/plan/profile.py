@@ -43,7 +43,7 @@ class Profile:
             step by recomputing (0 for keep).
         peak (dict[str, int]): [option] peak live bytes of the uniform run.
         cost_basis (str): how cost_ms was had: measured, roofline or given.
-        meta (dict): what it was profiled for (model, loss_fn, batch_size, seq_len, dtype,
+        meta (dict): what it was profiled for (model, loss_fn, batch_size, seq_len, dtype, holds_output,
             optimizer) and profile_s, the seconds profiling took.
     """
 
@@ -67,21 +67,24 @@ _PROFILE_CACHE: dict = {}
 
 def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtype: str = "fp32",
                    optimizer: str = "adamw", cost: str = "auto", device: str = "cpu", card=None,
-                   attention: str | None = None) -> Profile:
+                   attention: str | None = None, holds_output: bool = False) -> Profile:
     """The planner's per-block profile (module docstring). `cost`: measured (each block's
     forward + backward per option, timed on the CPU), roofline (FLOPs and bytes of a fake forward,
     for shapes that do not fit here) or auto (measured if the uniform keep peak is under
     `MEASURED_BELOW_BYTES`, 4 GiB). Cached per shape.
-    The memory is the fake step's on `device` ("cuda": on `card`, with `attention`: `predict`'s)."""
+    The memory is the fake step's on `device` ("cuda": on `card`, with `attention`: `predict`'s), of
+    a loop that `holds_output` or not."""
     workload = as_workload(workload)
     if cost not in ("auto", "measured", "roofline"):
         raise ValueError(f"cost={cost!r} is invalid: allowed are auto, measured, roofline")
     on_device = {"device": device, "card": card, "attention": attention}
-    key = (workload.identity, batch_size, seq_len, dtype, optimizer, cost, device, getattr(card, "name", card), attention)
+    key = (workload.identity, batch_size, seq_len, dtype, optimizer, cost, device, getattr(card, "name", card), attention,
+           holds_output)
     if key in _PROFILE_CACHE:
         return _PROFILE_CACHE[key]
     t0 = time.perf_counter()
-    runs = {o: block_memory(workload, batch_size, seq_len, o, dtype, optimizer, **on_device) for o in OPTIONS}
+    runs = {o: block_memory(workload, batch_size, seq_len, o, dtype, optimizer, **on_device, holds_output=holds_output)
+            for o in OPTIONS}
     if cost == "auto":
         cost = "measured" if runs["keep"].peak < MEASURED_BELOW_BYTES else "roofline"
     if cost == "measured":
@@ -99,7 +102,7 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
         peak={o: runs[o].peak for o in OPTIONS},
         cost_basis=cost,
         meta={"model": workload.label, "loss_fn": workload.loss_name, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
-              "optimizer": optimizer, "profile_s": time.perf_counter() - t0},
+              "optimizer": optimizer, "holds_output": holds_output, "profile_s": time.perf_counter() - t0},
     )
     _PROFILE_CACHE[key] = profile
     return profile

@@ -24,7 +24,7 @@ from ..core.optimizers import OPTIMIZERS
 from ..core.policy import Policy
 from ..core.records import CATEGORIES, new_record, tokens_per_second
 from ..core.units import parse_bytes
-from ..core.validate import choice, integer
+from ..core.validate import boolean, choice, integer
 from ..workloads.base import Workload, is_transformers_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
@@ -50,6 +50,7 @@ def measure_policy(
     with_report: bool = False,
     target_ci: float = 0.02,
     max_seconds: float = 1.0,
+    holds_output: bool = False,
 ) -> dict:
     """Measure one training step of `workload` at (batch_size, seq_len) under a concrete `policy`
     (`ckptlab.measure` resolves a budget first).
@@ -61,11 +62,13 @@ def measure_policy(
     reported as status "oom". On CUDA it caps the process (real OOMs), defaulting to the device's
     capacity. `accum_steps` > 1 runs that many forward+backward micro-batches of `batch_size`
     before one optimizer step (gradient accumulation): effective batch = batch_size * accum_steps.
+    `holds_output=True` runs a loop that keeps the model's output alive into the next step's
+    forward, as `out = model(x)` at loop scope does (`probe.step.HeldOutput`).
     """
     record, workload, policy, dev, limit = measurement_record(
         workload, batch_size, seq_len, policy, device=device, dtype=dtype, steps=steps, warmup=warmup,
         memory_limit=memory_limit, optimizer=optimizer, accum_steps=accum_steps, target_ci=target_ci,
-        max_seconds=max_seconds)
+        max_seconds=max_seconds, holds_output=holds_output)
     if policy.kind == "budget":
         raise ValueError(f"policy={policy} is invalid here: this measures a concrete policy; ckptlab.measure "
                          "resolves a budget to its plan first")
@@ -79,7 +82,7 @@ def measure_policy(
 def measurement_record(workload: Workload | str, batch_size: int, seq_len: int, policy: Policy, *, device: str = "cpu",
                        dtype: str = "fp32", steps: int = 5, warmup: int = 2, memory_limit=None,
                        optimizer: str = "adamw", accum_steps: int = 1, target_ci: float = 0.02,
-                       max_seconds: float = 1.0):
+                       max_seconds: float = 1.0, holds_output: bool = False):
     """Check every input of `measure_policy` (ValueError naming the first bad one) and start its record.
     Returns (record, workload, policy, device, memory limit in bytes or None)."""
     workload = as_workload(workload)
@@ -87,6 +90,7 @@ def measurement_record(workload: Workload | str, batch_size: int, seq_len: int, 
     integer("steps", steps, 1)
     integer("warmup", warmup, 0)
     integer("accum_steps", accum_steps, 1)
+    boolean("holds_output", holds_output)
     check_timing_options(target_ci, max_seconds)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
@@ -97,7 +101,8 @@ def measurement_record(workload: Workload | str, batch_size: int, seq_len: int, 
         limit = torch.cuda.get_device_properties(dev).total_memory
     record = new_record(workload.label, batch_size, seq_len, accum_steps, policy=str(policy), device=str(dev),
                         device_name=device_name(dev), dtype=dtype, optimizer=optimizer, steps=steps, warmup=warmup,
-                        memory_limit_bytes=limit, model_hash=workload.spec_hash, loss_fn=workload.loss_name)
+                        memory_limit_bytes=limit, model_hash=workload.spec_hash, loss_fn=workload.loss_name,
+                        holds_output=holds_output)
     return record, workload, policy, dev, limit
 
 
@@ -167,7 +172,8 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
     runner, compiled, handle = apply(model, record)
     batch = workload.batch(record["batch_size"], record["seq_len"], dev)
     optimizer = make_optimizer(optimizer_name, model, dev.type)
-    step = training_step(runner, workload, batch, optimizer, dtype, record["accum_steps"])
+    step = training_step(runner, workload, batch, optimizer, dtype, record["accum_steps"],
+                         holds_output=record["holds_output"])
 
     torch.manual_seed(workload.seed)
     step()
@@ -179,11 +185,11 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
     if compiled:  # a dispatch-mode tracker cannot see inside compiled graphs
         if not compiled.graphs:
             raise RuntimeError("torch.compile compiled no graph for this model: it ran eager")
-        report, loss = allocator_step_memory(step, model, optimizer, batch, dev)
+        report, loss = allocator_step_memory(step, model, optimizer, step.inputs(), dev)
         record.update(allocator_peak_bytes=report.peak_bytes, compiled_graphs=compiled.graphs)
     else:
         blocks = handle.blocks if handle is not None else ()
-        with track_memory(model, optimizer, inputs=batch, device=dev, blocks=blocks) as tracker:
+        with track_memory(model, optimizer, inputs=step.inputs(), device=dev, blocks=blocks) as tracker:
             loss = step(tracker)
         report = tracker.report()
         record["peak_activations_in_blocks_bytes"] = report.peak_in_blocks_by_category.get("activations")
@@ -222,18 +228,19 @@ def policy_notes(record, policy, dev):
     record["note"] = "; ".join(notes)
 
 
-def allocator_step_memory(step, model, optimizer, batch, dev):
+def allocator_step_memory(step, model, optimizer, inputs, dev):
     """One step's memory from the allocator rather than from tensors: CUDA's peak counters, or on
     CPU the profiler's `[memory]` events (each allocation and free, with its size and time) —
     which see allocations inside compiled graphs that a dispatch-mode tracker cannot. Returns a
     MemoryReport (peak = bytes held when the step began + the allocator's high-water mark above
     it; saved activations = bytes the forward left allocated) and the loss."""
     start = {}
-    for t in list(model.parameters()) + list(batch) + [
+    for t in list(model.parameters()) + list(inputs) + [
             t for st in (optimizer.state.values() if optimizer else []) for t in st.values()
             if isinstance(t, torch.Tensor)]:
         if t.device == dev:
             start[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    inputs = t = None   # a held output (`probe.step.HeldOutput`) is the step's to release
     return allocator_peak(step, dev, sum(start.values()))
 
 

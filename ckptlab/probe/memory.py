@@ -301,6 +301,9 @@ def track_memory(
                 tracker.track(t, "optimizer_state")
     for t in inputs:
         tracker.track(t, "activations")
+    # Inputs that the step itself releases (a held output, `probe.step.HeldOutput`) must not be
+    # kept alive by this frame.
+    inputs = t = None
     tracker.start_bytes = tracker.total
     hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.track(p.grad, "gradients"))
              for p in params if p.requires_grad]

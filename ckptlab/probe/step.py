@@ -31,17 +31,20 @@ def with_dtype(workload: Workload, dtype: str) -> Workload:
 
 
 def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", accum_steps: int = 1,
-                  autocast=None):
+                  autocast=None, holds_output: bool = False):
     """A closure running one forward + backward [+ optimizer step]; pass it a tracker to mark
     phases. Gradients are set to None at the end, as a training loop does between steps.
     With accum_steps > 1 the forward + backward runs that many times on the micro-batch
     (gradients accumulate, loss scaled by 1/accum_steps) before the one optimizer step.
     `autocast(dtype)` makes the context a mixed-precision forward runs in (default:
-    `torch.autocast` on the batch's device); a prediction for CUDA passes CUDA's emulation."""
+    `torch.autocast` on the batch's device); a prediction for CUDA passes CUDA's emulation.
+    With `holds_output` the step keeps the model's output until the next forward has made its
+    own (`HeldOutput`; `step.inputs()` includes it), as a loop that assigns it at loop scope does."""
     in_dtype = autocast_dtype(dtype)
     device_type = batch[0].device.type
     if autocast is None:
         autocast = functools.partial(torch.autocast, device_type)
+    held = HeldOutput(model, workload.label) if holds_output else None
 
     def forward_loss():
         with autocast(dtype=in_dtype) if in_dtype else contextlib.nullcontext():
@@ -51,7 +54,7 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
         for micro in range(accum_steps):
             if tracker is not None and micro:
                 tracker.phase("forward")
-            loss = forward_loss()
+            loss = forward_loss() if held is None else held.forward(forward_loss)
             if tracker is not None:
                 tracker.phase("backward")
             (loss / accum_steps if accum_steps > 1 else loss).backward()
@@ -62,8 +65,50 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
-    step.forward_loss = forward_loss   # the forward alone (a prediction's warm-up, `estimate.fake_step`)
+    # The forward alone (a prediction's warm-up, `estimate.fake_step`), holding the output as the step does.
+    step.forward_loss = forward_loss if held is None else functools.partial(held.forward, forward_loss)
+    # What the step starts from beside the model and the optimizer: the batch, and a held output.
+    step.inputs = lambda: (*batch, *(held.tensors if held is not None else ()))
     return step
+
+
+class HeldOutput:
+    """The model's output, kept from one step into the next as a training loop that writes
+    `logits, loss = model(x, y)` (or `out = model(x)`) at loop scope keeps it: alive through this
+    step's backward and optimizer step and the next step's forward, released when that forward
+    returns its own. Its tensors are held detached (the same storage, without the graph, which
+    backward frees in the loop too). `tensors` is what is held now."""
+
+    def __init__(self, model: torch.nn.Module, label: str):
+        self.label = label
+        self.tensors: list[torch.Tensor] = []
+        self.called = False
+        model.register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output) -> None:
+        self.tensors = [t.detach() for t in tensors_in(output)]   # the previous output is released here
+        self.called = True
+
+    def forward(self, forward_loss):
+        """`forward_loss()`, checking that it called the model, whose output is what is held."""
+        self.called = False
+        loss = forward_loss()
+        if not self.called:
+            raise ValueError(f"holds_output=True is invalid for model={self.label!r}: its loss never calls the "
+                             "model itself, so there is no model output to hold; allowed is holds_output=False")
+        return loss
+
+
+def tensors_in(output) -> list[torch.Tensor]:
+    """The tensors of a forward's output: a tensor, or tensors in tuples, lists and dicts (a
+    transformers ModelOutput is a dict), nested."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in tensors_in(item)]
+    return []
 
 
 def make_optimizer(name: str, model: torch.nn.Module, device_type: str = "cpu"):
@@ -108,5 +153,5 @@ def device_name(dev: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-__all__ = ["autocast_dtype", "device_name", "make_optimizer", "resolve_device",
+__all__ = ["HeldOutput", "autocast_dtype", "device_name", "make_optimizer", "resolve_device",
            "training_step", "with_dtype"]

@@ -28,7 +28,7 @@ from ..core.dtypes import DTYPES
 from ..core.policy import Policy, parse_policies
 from ..core.records import new_record, tokens_per_second
 from ..core.validate import choice
-from ..plan.budget import resolve
+from ..plan.budget import Resolved, resolve
 from ..plan.compiled import KEEP, UniformCost, check_options, choose_compiled, uniform_policy
 from ..probe.measure import (
     MAX_ROUNDS,
@@ -72,6 +72,12 @@ class Setup:
     optimizer: str = OPTIMIZER
     min_rounds: int = 5
     warmup: int = 1
+    holds_output: bool = False     # the loop keeps the model's output into the next step (`probe.step`)
+
+    def resolve(self, policy: Policy) -> Resolved:
+        """`policy` made concrete for this shape: a budget's plan predicted for this device and loop."""
+        return resolve(policy, self.workload, self.batch_size, self.seq_len, self.dtype, self.optimizer,
+                       self.dev.type, holds_output=self.holds_output)
 
     @property
     def limit(self) -> Optional[int]:
@@ -136,14 +142,16 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
 def measure_together(workload: Workload, batch_size: int, seq_len: int, policies: Sequence[str | Policy], *,
                      device: str = "cpu", dtype: str = "fp32", accum_steps: int = 1,
                      memory_limit_bytes: Optional[int] = None, optimizer: str = OPTIMIZER, steps: int = 5,
-                     warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 30) -> list[dict]:
+                     warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 30,
+                     holds_output: bool = False) -> list[dict]:
     """ckptlab policies at one (batch, seq, dtype, accum), each measured like `measure` (same
     record), then timed together: the records carry paired time ratios to the first policy that
     ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`SweepConfig`).
     A `budget=B+compile` becomes the compiled plan chosen from measured costs; the uniform
-    compiled plans measured to cost it are timed too but not returned: one record per policy."""
+    compiled plans measured to cost it are timed too but not returned: one record per policy.
+    `holds_output` as `measure`'s."""
     setup = Setup(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
-                  optimizer, steps, warmup)
+                  optimizer, steps, warmup, holds_output)
     contenders = [_ckptlab_contender(p) for p in parse_policies(policies)]
 
     def add_plans(rows, steps):
@@ -210,7 +218,7 @@ def _new_record(setup: Setup, policy: str, source: str) -> dict:
                       device=str(setup.dev), device_name=device_name(setup.dev), dtype=setup.dtype,
                       optimizer=setup.optimizer, steps=setup.min_rounds, warmup=setup.warmup,
                       memory_limit_bytes=setup.limit, source=source, model_hash=setup.workload.spec_hash,
-                      loss_fn=setup.workload.loss_name)
+                      loss_fn=setup.workload.loss_name, holds_output=setup.holds_output)
 
 
 def _prepare(contender: Contender, setup: Setup, rows, steps) -> None:
@@ -219,8 +227,7 @@ def _prepare(contender: Contender, setup: Setup, rows, steps) -> None:
     dev = setup.dev
     with failures_recorded(record, dev):
         if contender.apply is None:
-            resolved = resolve(contender.ckptlab_policy, setup.workload, setup.batch_size, setup.seq_len, setup.dtype,
-                               setup.optimizer)
+            resolved = setup.resolve(contender.ckptlab_policy)
             if resolved.plan is not None:
                 record["plan"] = resolved.plan.letters
             policy_notes(record, resolved.policy, dev)
@@ -244,8 +251,7 @@ def _add_plan_for(anchor_row: dict, setup: Setup, rows, steps, contenders) -> No
     record = _new_record(setup, f"budget={peak}B", PLAN_SOURCE)
     record.update(plan_at_peak_of=anchor_row["policy"], plan_budget_bytes=peak)
     try:
-        resolved = resolve(Policy("budget", peak), setup.workload, setup.batch_size, setup.seq_len, setup.dtype,
-                           setup.optimizer)
+        resolved = setup.resolve(Policy("budget", peak))
     except ValueError as exc:
         rows.append({**record, "status": "error", "message": str(exc)})
         return

@@ -1,0 +1,122 @@
+"""A training loop that keeps the model's output into the next step (`out = model(x)` at loop
+scope): measured and predicted alike, exact to the byte on the CPU, and the held bytes derived
+by hand from the output's shapes."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ckptlab
+from ckptlab.apps.cli import main
+from ckptlab.core.policy import as_policy
+from ckptlab.probe.measure import measure_policy
+
+VOCAB, WIDTH, BATCH, SEQ = 96, 16, 2, 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class TinyLM(nn.Module):
+    """Returns a dict, as a transformers model does: the logits and the last hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return {"logits": self.head(h), "hidden": h}
+
+
+def next_token_loss(model, batch):
+    tokens, targets = batch
+    return F.cross_entropy(model(tokens)["logits"].flatten(0, 1), targets.flatten())
+
+
+def head_only_loss(model, batch):   # never calls the model itself: nothing to hold
+    tokens, targets = batch
+    return F.cross_entropy(model.head(model.embed(tokens)).flatten(0, 1), targets.flatten())
+
+
+def tiny_lm(loss=next_token_loss):
+    return ckptlab.Workload.custom(
+        "tiny-lm", TinyLM,
+        lambda b, s, gen: (torch.randint(0, VOCAB, (b, s), generator=gen), torch.randint(0, VOCAB, (b, s), generator=gen)),
+        loss, blocks="blocks")
+
+
+OUTPUT_BYTES = BATCH * SEQ * (VOCAB + WIDTH) * 4   # the logits and the hidden state, fp32
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+def test_held_output_is_measured_and_predicted_to_the_byte(policy):
+    rows = {}
+    for holds in (False, True):
+        record, report = measure_policy(tiny_lm(), BATCH, SEQ, as_policy(policy), steps=1, warmup=0,
+                                        max_seconds=0.1, holds_output=holds, with_report=True)
+        assert record["status"] == "ok", record["message"]
+        assert record["holds_output"] is holds
+        predicted = ckptlab.predict(tiny_lm(), BATCH, SEQ, policy, holds_output=holds)
+        assert (predicted.peak_bytes, predicted.saved_activation_bytes) == (
+            record["peak_bytes"], record["saved_activation_bytes"])
+        assert predicted.holds_output is holds and predicted.record()["holds_output"] is holds
+        rows[holds] = record, report
+    (dropped, dropped_report), (held, held_report) = rows[False], rows[True]
+    # The previous step's output is alive when the step starts, and until its forward has made
+    # its own: so from the start on, by exactly its bytes.
+    assert held_report.start_bytes - dropped_report.start_bytes == OUTPUT_BYTES
+    # The peak is AdamW's step, where the dropping loop holds neither (the loss has freed the
+    # logits, backward the hidden state) and the holding loop holds this step's output.
+    assert dropped["peak_phase"] == held["peak_phase"] == "optimizer"
+    assert held["peak_bytes"] - dropped["peak_bytes"] == OUTPUT_BYTES
+
+
+def test_held_output_on_cuda_adds_the_output_to_the_step_it_starts():
+    dropped = ckptlab.predict(tiny_lm(), BATCH, SEQ, "none", device="cuda")
+    held = ckptlab.predict(tiny_lm(), BATCH, SEQ, "none", device="cuda", holds_output=True)
+    # As on the CPU, at the optimizer step; each tensor rounded up to the allocator's 512 B.
+    rounded = sum(-(-BATCH * SEQ * n * 4 // 512) * 512 for n in (VOCAB, WIDTH))
+    assert dropped.peak_phase == held.peak_phase == "optimizer"
+    assert held.peak_bytes - dropped.peak_bytes == rounded
+
+
+def test_a_budget_is_planned_for_the_loop_that_holds_the_output():
+    batch, seq = 4, 64   # activations enough for the blocks' options to matter
+    plan = ckptlab.plan_budget(tiny_lm(), batch, seq, 0.95, holds_output=True)
+    assert plan.holds_output and "its output held into the next step" in str(plan)
+    assert plan.none_peak_bytes == ckptlab.predict(tiny_lm(), batch, seq, "none", holds_output=True).peak_bytes
+    peak = ckptlab.predict(tiny_lm(), batch, seq, f"plan={plan.letters}", holds_output=True).peak_bytes
+    assert plan.predicted_peak_bytes == peak <= plan.budget_bytes
+    record = ckptlab.measure(tiny_lm(), batch, seq, "budget=0.95", holds_output=True, steps=1, warmup=0,
+                             max_seconds=0.1)
+    assert (record["plan"], record["peak_bytes"], record["holds_output"]) == (plan.letters, peak, True)
+
+
+def test_a_loss_that_never_calls_the_model_has_no_output_to_hold():
+    with pytest.raises(ValueError, match="holds_output=True is invalid for model='tiny-lm'"):
+        ckptlab.predict(tiny_lm(head_only_loss), BATCH, SEQ, "none", holds_output=True)
+    record = ckptlab.measure(tiny_lm(head_only_loss), BATCH, SEQ, "none", holds_output=True, steps=1, warmup=0)
+    assert record["status"] == "error" and "holds_output=True is invalid" in record["message"]
+    with pytest.raises(ValueError, match=r"holds_output=1 is invalid: allowed are True, False"):
+        ckptlab.predict(tiny_lm(), BATCH, SEQ, "none", holds_output=1)
+
+
+def test_cli_predicts_and_measures_a_loop_that_holds_the_output(capsys):
+    assert main(["predict", "--model", "gpt-tiny", "--set", "n_layer=2", "--batch", "2", "--seq", "16",
+                 "--policy", "none", "--holds-output", "--format", "json"]) == 0
+    assert '"holds_output": true' in capsys.readouterr().out
+    assert main(["measure", "--model", "gpt-tiny", "--set", "n_layer=2", "--batch", "2", "--seq", "16",
+                 "--policy", "none", "--holds-output", "--max-seconds", "0.1", "--steps", "1"]) == 0
+    assert "the loop holds the model's output" in capsys.readouterr().out
