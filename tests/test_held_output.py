@@ -120,3 +120,15 @@ def test_cli_predicts_and_measures_a_loop_that_holds_the_output(capsys):
     assert main(["measure", "--model", "gpt-tiny", "--set", "n_layer=2", "--batch", "2", "--seq", "16",
                  "--policy", "none", "--holds-output", "--max-seconds", "0.1", "--steps", "1"]) == 0
     assert "the loop holds the model's output" in capsys.readouterr().out
+
+
+def test_explain_offers_releasing_a_held_output():
+    batch, seq = 4, 64
+    explanation = ckptlab.explain(tiny_lm(), batch, seq, "none", holds_output=True)
+    held = ckptlab.predict(tiny_lm(), batch, seq, "none", holds_output=True)
+    dropped = ckptlab.predict(tiny_lm(), batch, seq, "none")
+    assert explanation.peak_bytes == held.peak_bytes and explanation.holds_output
+    lever = next(lv for lv in explanation.levers if lv.name == "release the output")
+    assert lever.predicted_peak_bytes == dropped.peak_bytes < held.peak_bytes
+    assert "the loop holds the model's output" in str(explanation)
+    assert not any(lv.name == "release the output" for lv in ckptlab.explain(tiny_lm(), batch, seq, "none").levers)

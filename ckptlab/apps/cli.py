@@ -531,7 +531,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     workload = get_workload(args.model, **_model_overrides(args.set))
     explanation = explain(workload, args.batch, args.seq, args.policy, dtype=args.dtype, optimizer=args.optimizer,
-                          capacity=args.capacity, measure=args.measure, ranks=args.ranks, **device_options(args))
+                          capacity=args.capacity, measure=args.measure, ranks=args.ranks,
+                          holds_output=args.holds_output, **device_options(args))
     if args.figure:
         explanation.figure(args.figure)
     if args.format == "json":
@@ -661,6 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "size (24GiB): adds the plan that fits it; the waterfall stops there")
     p.add_argument("--ranks", type=int, default=8, help="world size of the FSDP2 lever (default 8)")
     add_device_arguments(p)
+    add_holds_output_argument(p)
     p.add_argument("--measure", action="store_true", help="also measure the step here, beside the prediction")
     p.add_argument("--figure", default=None, help="save the waterfall figure as FIGURE.png and FIGURE.svg")
     p.add_argument("--format", choices=("table", "json"), default="table",

@@ -58,8 +58,8 @@ PLAN_COST = "roofline"   # the planner's recompute cost from FLOPs and bytes: no
 @dataclass
 class Lever:
     """One change and the peak it leads to. `change` is what it changes, as the step's settings:
-    policy, dtype, optimizer, batch_size with accum_steps, loss_chunks (a chunked GPT loss), or
-    fsdp_ranks; empty for advice no setting expresses. `basis`: predicted (the same fake step
+    policy, dtype, optimizer, batch_size with accum_steps, loss_chunks (a chunked GPT loss),
+    holds_output (the loop's), or fsdp_ranks; empty for advice no setting expresses. `basis`: predicted (the same fake step
     with `change` applied), modelled (FSDP2: module docstring) or not predicted (`cost` says why)."""
 
     name: str
@@ -103,6 +103,7 @@ class Explanation:
     device_bytes: Optional[int] = None    # on a card: reserved + context, what the levers' sizes are
     margin_bytes: Optional[int] = None    # on a card: its usable bytes less the step's device bytes
     ranks: int = 8                        # the FSDP2 lever's world size
+    holds_output: bool = False            # the loop keeps the model's output into the next forward
     recompute_count: int = 0              # block forwards the policy ran again in backward
     measured_peak_bytes: Optional[int] = None
     measured_note: str = ""
@@ -123,8 +124,9 @@ class Explanation:
     def __str__(self) -> str:
         b = self.breakdown
         where = _where(self.peak_phase, self.peak_block, b["activations_in_blocks"] > 0)
-        lines = [f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, {self.optimizer}): "
-                 f"peak {format_bytes(self.peak_bytes)} {where}"]
+        held = ", the loop holds the model's output" if self.holds_output else ""
+        lines = [f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, {self.optimizer}"
+                 f"{held}): peak {format_bytes(self.peak_bytes)} {where}"]
         if self.card is not None:
             lines[0] += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
                          f"predicted for {self.capacity_card} (the floor and levers below in its device bytes)")
@@ -157,7 +159,7 @@ class Explanation:
 
 def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none", *, dtype: str = "fp32",
             optimizer: str = "adamw", capacity=None, measure: bool = False, ranks: int = 8, device: str = "cpu",
-            card=None, attention: Optional[str] = None) -> Explanation:
+            card=None, attention: Optional[str] = None, holds_output: bool = False) -> Explanation:
     """Why the peak of one training step is what it is, and what each lever would make it.
 
     Everything comes from predictions (fake tensors), so any shape works on a laptop;
@@ -166,23 +168,23 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     it and stops the waterfall there; `ranks` is the world size of the FSDP2 lever. `device`,
     `card` and `attention` are `predict`'s: on a card (or a card as capacity) every number is
     predicted for that card, its device bytes, and the capacity is its usable bytes less its
-    margin. Bad input raises ValueError before any work."""
+    margin. `holds_output` is the loop's (`predict`'s): every prediction is for that loop, and a
+    lever releases the output. Bad input raises ValueError before any work."""
     t0 = time.perf_counter()
     limit = parse_capacity(capacity) if capacity is not None else None
     on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
     device = "cuda" if on_card is not None else device
     workload, parsed = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer, 1, device, on_card,
-                                        attention)
+                                        attention, holds_output)
     if limit is None or limit.arch:   # on a card: what its device bytes may reach
         limit = on_card
     capacity_bytes = limit.usable_bytes - limit.required_margin_bytes if limit is not None else None
-    on = {"device": device, "card": on_card, "attention": attention}
+    on = {"device": device, "card": on_card, "attention": attention, "holds_output": holds_output}
     integer("ranks", ranks, 2)
     if measure and device != "cpu":
         raise ValueError(f"measure=True is invalid with device={device!r}: the step is measured here, on the CPU; "
                          "allowed is measure=False for a prediction for CUDA")
-    base = predict(workload, batch_size, seq_len, parsed, dtype, optimizer, device=device, card=on_card,
-                   attention=attention)
+    base = predict(workload, batch_size, seq_len, parsed, dtype, optimizer, **on)
     applied = f"plan={base.plan}" if base.plan else str(parsed)
     breakdown = peak_breakdown(base)
 
@@ -211,12 +213,12 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
         checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
         capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count, device=device,
         card=base.card, capacity_card=on_card.describe() if on_card else "", device_bytes=base.device_bytes,
-        margin_bytes=base.margin_bytes,
+        margin_bytes=base.margin_bytes, holds_output=holds_output,
     )
     explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on)
     if measure:
         record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, optimizer=optimizer, steps=1,
-                              warmup=0, max_seconds=0.5)
+                              warmup=0, max_seconds=0.5, holds_output=holds_output)
         if record["status"] == "ok":
             explanation.measured_peak_bytes = record["peak_bytes"]
             error = prediction_error(base.peak_bytes, record["peak_bytes"])
@@ -353,7 +355,8 @@ def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int, on:
 
 def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, breakdown: dict,
                  capacity: Optional[int], ranks: int, on: dict) -> list[Lever]:
-    """The levers beyond checkpointing: bf16, micro-batches, a chunked loss, the optimizer, FSDP2, offload."""
+    """The levers beyond checkpointing: bf16, micro-batches, a chunked loss, the optimizer, FSDP2, offload,
+    and in a loop that holds the model's output, releasing it."""
     dtype, opt = base.dtype, base.optimizer
     levers = []
     if dtype == "fp32":
@@ -390,6 +393,10 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
                         "gather one unit at a time: all-gathers and reduce-scatters every step", "modelled"))
     if "+offload" not in applied:
         levers.append(offload_lever(workload, base, applied, on))
+    if base.holds_output:
+        levers.append(predicted_lever("release the output", workload, base, applied, {"holds_output": False},
+                                      "`del` the model's output (or keep it inside a function) before the next "
+                                      "forward: the same training", on))
     return levers
 
 
@@ -410,7 +417,7 @@ def offload_lever(workload: Workload, base: Prediction, applied: str, on: dict) 
 def setting_of(base: Prediction, applied: str) -> dict:
     """The step `base` predicted, as the settings a lever's `change` updates."""
     return {"policy": applied, "dtype": base.dtype, "optimizer": base.optimizer, "batch_size": base.batch_size,
-            "accum_steps": 1, "loss_chunks": None}
+            "accum_steps": 1, "loss_chunks": None, "holds_output": base.holds_output}
 
 
 def predict_setting(workload: Workload, seq_len: int, setting: dict, on: dict) -> Prediction:
@@ -419,7 +426,7 @@ def predict_setting(workload: Workload, seq_len: int, setting: dict, on: dict) -
     if setting["loss_chunks"]:
         workload = with_chunked_loss(workload, setting["loss_chunks"])
     return predict(workload, setting["batch_size"], seq_len, setting["policy"], setting["dtype"], setting["optimizer"],
-                   setting["accum_steps"], **on)
+                   setting["accum_steps"], **{**on, "holds_output": setting["holds_output"]})
 
 
 def predicted_lever(name: str, workload: Workload, base: Prediction, applied: str, change: dict, cost: str,
@@ -453,7 +460,8 @@ def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capaci
 def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[Lever], capacity: Optional[int],
               ranks: int, on: dict) -> list[Lever]:
     """Today's peak, then one lever after another, each step a prediction of every change so far:
-    the best checkpoint lever, bf16, the micro-batch, the chunked loss, bf16 weights, SGD -- those
+    the best checkpoint lever, bf16, the micro-batch, the chunked loss, bf16 weights, SGD, releasing
+    a held output -- those
     that lower the peak on their own, the most effective first, each kept only if it lowers the
     peak further -- then FSDP2 (modelled on the last step). Stops once the peak fits `capacity`."""
     steps = [Lever("today", base.held_bytes, {}, "")]
