@@ -134,12 +134,14 @@ def test_checkpointing_twice_is_refused():
 
 
 def test_cli_predicts_a_lora_model_and_a_cast_model():
-    for spec in (LORA, NET):
-        out = subprocess.run([sys.executable, "-m", "ckptlab.apps.cli", "predict", "--model", spec, "--batch", "2",
-                              "--seq", "16", "--policy", "none,selective", "--dtype", "bf16-weights"],
-                             capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        assert "Traceback" not in out.stderr
+    # Both commands start at once: most of each is Python importing torch, which overlaps.
+    procs = [subprocess.Popen([sys.executable, "-m", "ckptlab.apps.cli", "predict", "--model", spec, "--batch", "2",
+                               "--seq", "16", "--policy", "none,selective", "--dtype", "bf16-weights"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for spec in (LORA, NET)]
+    for proc in procs:
+        _, err = proc.communicate()
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------- bad specs

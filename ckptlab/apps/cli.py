@@ -33,7 +33,6 @@ from ..probe.measure import check_policy_applies
 from ..probe.timing import check_timing_options
 from ..report.analysis import format_summary
 from ..report.explain import explain
-from ..report.plots import compare_plot, redraw_all
 from ..report.tables import format_table
 from ..run.compare import compare, measure_together
 from ..run.compiled_plan import plan_compiled
@@ -180,6 +179,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     if not args.no_plots:
+        from ..report.plots import redraw_all  # noqa: PLC0415 - matplotlib is heavy; only figures need it
         redraw_all(config.out)
     print(format_summary(df))
     print(f"run folder: {config.out}")
@@ -308,6 +308,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         print_rows(df.to_dict("records"), [], args.format)
     if args.out:
+        from ..report.plots import compare_plot  # noqa: PLC0415 - matplotlib is heavy; only figures need it
         compare_plot(df, Path(args.out) / "figures" / "compare")
         # json and csv keep stdout to the rows, for scripts
         print(f"table and figure: {args.out}", file=sys.stdout if args.format == "table" else sys.stderr)
@@ -315,6 +316,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    from ..report.plots import redraw_all  # noqa: PLC0415 - matplotlib is heavy; only figures need it
     for path in redraw_all(args.run_dir):
         print(path)
     return 0

@@ -188,7 +188,8 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     applied = f"plan={base.plan}" if base.plan else str(parsed)
     breakdown = peak_breakdown(base)
 
-    levers = policy_levers(workload, base, applied, on)
+    memo: dict = {}   # each setting predicted once: the waterfall's steps repeat levers' settings
+    levers = policy_levers(workload, base, applied, on, memo)
     floor_lever = floor_plan_lever(workload, base, levers, on) if base.n_blocks else None
     if floor_lever is not None:
         levers.append(floor_lever)
@@ -203,7 +204,7 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
                               key=lambda x: (x[0], x[1] != applied))
 
     kind, cause = diagnose(base, breakdown, floor, floor_policy, parsed)
-    levers += other_levers(workload, base, applied, kind, breakdown, capacity_bytes, ranks, on)
+    levers += other_levers(workload, base, applied, kind, breakdown, capacity_bytes, ranks, on, memo)
     levers.sort(key=lambda lv: (lv.predicted_peak_bytes is None, lv.predicted_peak_bytes or 0, lv.name))
 
     explanation = Explanation(
@@ -215,7 +216,7 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
         card=base.card, capacity_card=on_card.describe() if on_card else "", device_bytes=base.device_bytes,
         margin_bytes=base.margin_bytes, holds_output=holds_output,
     )
-    explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on)
+    explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on, memo)
     if measure:
         record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, optimizer=optimizer, steps=1,
                               warmup=0, max_seconds=0.5, holds_output=holds_output)
@@ -307,11 +308,11 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
 
 # --------------------------------------------------------------------------- levers
 
-def policy_levers(workload: Workload, base: Prediction, applied: str, on: dict) -> list[Lever]:
+def policy_levers(workload: Workload, base: Prediction, applied: str, on: dict, memo: dict) -> list[Lever]:
     """Each checkpoint policy of POLICY_LEVERS other than the step's own, predicted."""
     if not base.n_blocks:
         return []
-    return [predicted_lever(f"policy {policy}", workload, base, applied, {"policy": policy}, cost, on)
+    return [predicted_lever(f"policy {policy}", workload, base, applied, {"policy": policy}, cost, on, memo)
             for policy, cost in POLICY_LEVERS.items() if policy != applied]
 
 
@@ -354,7 +355,7 @@ def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int, on:
 
 
 def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, breakdown: dict,
-                 capacity: Optional[int], ranks: int, on: dict) -> list[Lever]:
+                 capacity: Optional[int], ranks: int, on: dict, memo: dict) -> list[Lever]:
     """The levers beyond checkpointing: bf16, micro-batches, a chunked loss, the optimizer, FSDP2, offload,
     and in a loop that holds the model's output, releasing it."""
     dtype, opt = base.dtype, base.optimizer
@@ -362,18 +363,18 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
     if dtype == "fp32":
         levers.append(predicted_lever("bf16 autocast", workload, base, applied, {"dtype": "bf16"},
                                       "matmuls in bf16: activations halve, weights stay fp32 (autocast keeps bf16 "
-                                      "copies of them in the step)", on))
+                                      "copies of them in the step)", on, memo))
     if dtype in ("fp32", "bf16"):
         levers.append(predicted_lever("bf16 weights", workload, base, applied, {"dtype": "bf16-weights"},
                                       "weights, gradients and optimizer state in bf16: no fp32 master copy, so "
-                                      "small updates round away without a compensated optimizer", on))
+                                      "small updates round away without a compensated optimizer", on, memo))
     if base.batch_size > 1:
-        levers.append(micro_batch_lever(workload, base, applied, capacity, on))
+        levers.append(micro_batch_lever(workload, base, applied, capacity, on, memo))
     if kind == "logits":
         if isinstance(workload.config, GPTConfig):
             levers.append(predicted_lever(f"chunked loss ({LOSS_CHUNKS} chunks)", workload, base, applied,
                                           {"loss_chunks": LOSS_CHUNKS}, "the head and loss run per chunk of tokens "
-                                          "under checkpoint: the head's matmul runs twice", on))
+                                          "under checkpoint: the head's matmul runs twice", on, memo))
         else:
             levers.append(Lever("chunked loss", None, {}, "not predicted: ckptlab chunks the loss of its GPT "
                                 "workloads; compute this model's head and loss per chunk of tokens under "
@@ -381,12 +382,12 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
     if opt.startswith("adamw") and (base.peak_phase == "optimizer" or
                                     breakdown["optimizer_state"] == max(breakdown.values())):
         levers.append(predicted_lever("SGD", workload, base, applied, {"optimizer": "sgd"},
-                                      "no optimizer state (plain SGD): another training algorithm", on))
+                                      "no optimizer state (plain SGD): another training algorithm", on, memo))
         if implementation(opt, base.device) != "fused":
             levers.append(predicted_lever("AdamW fused", workload, base, applied, {"optimizer": "adamw-fused"},
                                           f"AdamW(fused=True): one kernel per step, without the "
                                           f"{implementation(opt, base.device)} implementation's temporaries "
-                                          "(the same update)", on))
+                                          "(the same update)", on, memo))
     levers.append(Lever(f"FSDP2 over {ranks} ranks", fsdp_peak(base, fsdp_units(with_dtype(workload, dtype)), ranks),
                         {"fsdp_ranks": ranks},
                         f"{ranks} processes each hold 1/{ranks} of weights, gradients and optimizer state and "
@@ -396,7 +397,7 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
     if base.holds_output:
         levers.append(predicted_lever("release the output", workload, base, applied, {"holds_output": False},
                                       "`del` the model's output (or keep it inside a function) before the next "
-                                      "forward: the same training", on))
+                                      "forward: the same training", on, memo))
     return levers
 
 
@@ -420,33 +421,38 @@ def setting_of(base: Prediction, applied: str) -> dict:
             "accum_steps": 1, "loss_chunks": None, "holds_output": base.holds_output}
 
 
-def predict_setting(workload: Workload, seq_len: int, setting: dict, on: dict) -> Prediction:
+def predict_setting(workload: Workload, seq_len: int, setting: dict, on: dict, memo: dict) -> Prediction:
     """The fake step of `workload` at `seq_len` with these settings (`setting_of`, changed), on the
-    device `on` names."""
-    if setting["loss_chunks"]:
-        workload = with_chunked_loss(workload, setting["loss_chunks"])
-    return predict(workload, setting["batch_size"], seq_len, setting["policy"], setting["dtype"], setting["optimizer"],
-                   setting["accum_steps"], **{**on, "holds_output": setting["holds_output"]})
+    device `on` names; `memo` holds the settings predicted before (for this workload, sequence and
+    device: a prediction is deterministic)."""
+    key = tuple(sorted(setting.items()))
+    if key not in memo:
+        chunked = with_chunked_loss(workload, setting["loss_chunks"]) if setting["loss_chunks"] else workload
+        memo[key] = predict(chunked, setting["batch_size"], seq_len, setting["policy"], setting["dtype"],
+                            setting["optimizer"], setting["accum_steps"], **{**on, "holds_output": setting["holds_output"]})
+    return memo[key]
 
 
 def predicted_lever(name: str, workload: Workload, base: Prediction, applied: str, change: dict, cost: str,
-                    on: dict) -> Lever:
+                    on: dict, memo: dict) -> Lever:
     """The lever making `change` to the step, its peak predicted; "not predicted" with the reason
     when the model cannot take it (segments out of order, code that assumes fp32 tensors)."""
     try:
-        pred = predict_setting(workload, base.seq_len, {**setting_of(base, applied), **change}, on)
+        pred = predict_setting(workload, base.seq_len, {**setting_of(base, applied), **change}, on, memo)
     except (ValueError, RuntimeError) as exc:
         return Lever(name, None, change, f"not predicted: {type(exc).__name__}: {exc}", "not predicted")
     return Lever(name, pred.held_bytes, change, cost)
 
 
-def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capacity: Optional[int], on: dict) -> Lever:
+def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capacity: Optional[int], on: dict,
+                      memo: dict) -> Lever:
     """The largest micro-batch below `batch_size` that divides it (keeping the effective batch by
     accumulation) and fits `capacity`; without a capacity, the largest one."""
     b = base.batch_size
     pred = None
     for micro in [d for d in range(b - 1, 0, -1) if b % d == 0]:
-        pred = predict(workload, micro, base.seq_len, applied, base.dtype, base.optimizer, b // micro, **on)
+        pred = predict_setting(workload, base.seq_len, {**setting_of(base, applied), "batch_size": micro,
+                                                         "accum_steps": b // micro}, on, memo)
         if capacity is None or pred.held_bytes <= capacity:
             break
     steps = b // pred.batch_size
@@ -458,7 +464,7 @@ def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capaci
 # --------------------------------------------------------------------------- waterfall
 
 def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[Lever], capacity: Optional[int],
-              ranks: int, on: dict) -> list[Lever]:
+              ranks: int, on: dict, memo: dict) -> list[Lever]:
     """Today's peak, then one lever after another, each step a prediction of every change so far:
     the best checkpoint lever, bf16, the micro-batch, the chunked loss, bf16 weights, SGD, releasing
     a held output -- those
@@ -480,7 +486,7 @@ def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[L
         if capacity is not None and last.held_bytes <= capacity:
             break
         tried = {**setting, **lever.change}
-        pred = predict_setting(workload, base.seq_len, tried, on)
+        pred = predict_setting(workload, base.seq_len, tried, on, memo)
         if pred.held_bytes >= last.held_bytes:   # no lower together with the changes before it
             continue
         setting, last = tried, pred
