@@ -132,3 +132,13 @@ def test_explain_offers_releasing_a_held_output():
     assert lever.predicted_peak_bytes == dropped.peak_bytes < held.peak_bytes
     assert "the loop holds the model's output" in str(explanation)
     assert not any(lv.name == "release the output" for lv in ckptlab.explain(tiny_lm(), batch, seq, "none").levers)
+
+
+def test_what_fits_is_answered_for_the_loop_that_holds_the_output():
+    # A size between the two loops' peaks at batch 4: it fits batch 4 only when the output is dropped.
+    dropped, held = (ckptlab.predict(tiny_lm(), 4, SEQ, "none", holds_output=h).peak_bytes for h in (False, True))
+    assert held > dropped
+    rows = {h: ckptlab.predict_fits(tiny_lm(), ["none"], [dropped], seq_len=SEQ, max_batch=4, seq_lens=[SEQ],
+                                    holds_output=h)[0] for h in (False, True)}
+    assert rows[False]["max_batch_size"] == 4 and rows[True]["max_batch_size"] < 4
+    assert rows[True]["holds_output"] and not rows[False]["holds_output"]

@@ -144,6 +144,7 @@ def predict_fits(
     seq_lens: Optional[Sequence[int]] = None,
     device: str = "cpu",
     attention: Optional[str] = None,
+    holds_output: bool = False,
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
@@ -157,8 +158,9 @@ def predict_fits(
     card's margin are at most its usable bytes. A size is compared with the peak on `device`
     "cpu", with the reserved bytes on "cuda". `batch_margin_bytes` / `seq_margin_bytes` are the
     bytes left at the largest batch / sequence (None where nothing fits); `basis` says what the
-    row is predicted for."""
+    row is predicted for. `holds_output` is the loop's, as `predict`'s."""
     workload = as_workload(workload)
+    boolean("holds_output", holds_output)
     caps = [parse_capacity(c, "capacities") for c in capacities]
     choice("device", device, DEVICES)
     limit = workload.max_seq_len or 1 << 20
@@ -175,7 +177,7 @@ def predict_fits(
                 cuda = cap.arch is not None or device == "cuda"
                 cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
                                             device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
-                                            attention=attention if cuda else None)
+                                            attention=attention if cuda else None, holds_output=holds_output)
             p = cache[key]
             return p.reserved_bytes + cap.context_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
 
@@ -190,6 +192,7 @@ def predict_fits(
                          "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len, cap)) if best_batch else None,
                          "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq, cap)) if best_seq else None,
                          "device": on_device, "required_margin_bytes": cap.required_margin_bytes,
+                         "holds_output": holds_output,
                          "basis": cap.basis if cap.arch or device == "cpu" else f"predicted for {device}"})
     return rows
 
