@@ -88,20 +88,20 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     `holds_output` for a loop that keeps the model's output into the next step (`predict`'s)."""
     workload = as_workload(workload)
     card = as_card(card)
-    on_device = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
-    profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost, **on_device)
+    predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
+    profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost, **predicted_for)
     budget_bytes = resolve_budget(budget, profile.peak["keep"])
     target = budget_bytes
     if device == "cuda":  # the profile counts tensors; the workspaces and the allocator's rounding come on top
         keep = fake_memory(workload, batch_size, seq_len, plan_policy(["keep"] * profile.n_blocks), dtype, optimizer,
-                           **on_device)
+                           **predicted_for)
         target -= _peak(keep) - keep.report.peak_bytes
     for iteration in range(1, max_iterations + 1):
         options = solve(profile, target)
         if options is None:
             lowest, lowest_plan = min_peak(profile)
             verified = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
-                                         optimizer, **on_device))
+                                         optimizer, **predicted_for))
             raise ValueError(
                 f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
                 f"{workload.label} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
@@ -109,7 +109,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
                 f"{plan_policy(lowest_plan).value}); allowed is a budget >= that"
             )
         predicted = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype,
-                                      optimizer, **on_device))
+                                      optimizer, **predicted_for))
         if predicted <= budget_bytes:
             break
         target -= predicted - budget_bytes  # the model was optimistic: tighten and re-solve
@@ -196,12 +196,12 @@ def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
     the plan `plan_budget` chooses (on the same device, for the same loop); the prediction names
     the budget as its policy and the plan in `plan`."""
-    on_device = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
+    predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
     workload, policy = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer,
-                                        accum_steps, **on_device)
-    resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **on_device)
+                                        accum_steps, **predicted_for)
+    resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **predicted_for)
     prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, optimizer, accum_steps,
-                                **on_device)
+                                **predicted_for)
     if resolved.plan is None:
         return prediction
     return dataclasses.replace(prediction, policy=str(policy), plan=resolved.plan.letters)

@@ -467,9 +467,9 @@ def waterfall(workload: Workload, base: Prediction, applied: str, levers: list[L
               ranks: int, on: dict, memo: dict) -> list[Lever]:
     """Today's peak, then one lever after another, each step a prediction of every change so far:
     the best checkpoint lever, bf16, the micro-batch, the chunked loss, bf16 weights, SGD, releasing
-    a held output -- those
-    that lower the peak on their own, the most effective first, each kept only if it lowers the
-    peak further -- then FSDP2 (modelled on the last step). Stops once the peak fits `capacity`."""
+    a held output -- those that lower the peak on their own, the most effective first, each kept
+    only if it lowers the peak further -- then FSDP2 (modelled on the last step). Stops once the
+    peak fits `capacity`."""
     steps = [Lever("today", base.held_bytes, {}, "")]
     setting = setting_of(base, applied)
     # One lever per setting it changes, the lowest peak's (levers are sorted by peak) or, for
