@@ -60,7 +60,7 @@ def test_cuda_prediction_adds_up_allocated_reserved_device_and_margin(tiny):
     assert by["fragmentation"] == p.reserved_bytes - p.peak_bytes >= 0
     assert sum(v for c, v in by.items() if c != "fragmentation") == p.peak_bytes
     assert p.device_bytes == p.reserved_bytes + rtx.context_bytes
-    assert p.margin_bytes == rtx.usable_bytes - p.device_bytes
+    assert p.margin_bytes == rtx.usable_bytes - rtx.required_margin_bytes - p.device_bytes
     # Forward multiplies on the caller's thread, backward on autograd's: a cuBLAS workspace each.
     # gpt-tiny's Linear layers have biases (addmm: cuBLASLt), run in forward, and in backward
     # only when checkpointing recomputes them there.
@@ -105,7 +105,7 @@ def test_cli_predict_for_a_card_prints_allocated_reserved_device_backend_and_mar
     assert cli_main(args + ["--format", "json"]) == 0
     row, = json.loads(capsys.readouterr().out)
     assert row["attention_backend"] == "math" and row["card"] == "rtx4090"
-    assert row["margin_bytes"] == card("rtx4090").usable_bytes - row["predicted_device_bytes"]
+    assert row["margin_bytes"] == card("rtx4090").usable_bytes - card("rtx4090").required_margin_bytes - row["predicted_device_bytes"]
     assert cli_main(["predict", "--model", "gpt-tiny", "--card", "rtx5090"]) == 2
     assert capsys.readouterr().err.startswith("error: card='rtx5090' is invalid")
 

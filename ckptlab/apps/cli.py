@@ -26,6 +26,7 @@ from ..core.policy import COMPOSITIONS, KINDS, Policy, parse_policies, policy_la
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
+from ..estimate.cuda_device import ALLOC_CONFS
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
 from ..estimate.predict import check_device
 from ..plan.budget import plan_budget, predict
@@ -416,9 +417,15 @@ def cuda_predict_columns(card_name: str | None) -> list:
                       ("reserved" + on, "predicted_reserved_bytes", format_bytes)]
     if card_name:
         columns[at + 2:at + 2] = [("device" + on, "predicted_device_bytes", format_bytes),
-                                  ("margin" + on, "margin_bytes", format_bytes)]
+                                  ("margin" + on, "margin_bytes", format_bytes),
+                                  ("fits", "fit", str), ("flushes/step", "cache_flushes", _count),
+                                  ("worse step", "worse_step", _count)]
     columns.insert(at, ("attention", "attention_backend", str))
     return columns
+
+
+def _count(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def device_options(args: argparse.Namespace) -> dict:
@@ -440,13 +447,14 @@ def predicted_for(options: dict) -> str:
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside."""
     on = device_options(args)
+    check_device(on["device"], alloc_conf=args.alloc_conf)
     workload = get_workload(args.model, **_model_overrides(args.set))
     rows = []
     for batch in int_list("--batch", args.batch):
         for seq in int_list("--seq", args.seq):
             for policy in policy_list(args.policy):
                 row = predict(workload, batch, seq, policy, dtype=args.dtype, optimizer=args.optimizer,
-                              holds_output=args.holds_output, **on).record()
+                              holds_output=args.holds_output, alloc_conf=args.alloc_conf, **on).record()
                 if on["device"] == "cpu":
                     try:
                         row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
@@ -635,6 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
     p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
     add_device_arguments(p)
+    p.add_argument("--alloc-conf", default=None, metavar="OPTION",
+                   help="PYTORCH_CUDA_ALLOC_CONF the caching allocator is replayed with: "
+                        + " or ".join(ALLOC_CONFS) + " (default: none; CUDA only)")
     add_holds_output_argument(p)
     add_format_argument(p)
     p.set_defaults(func=cmd_predict)

@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import (
     FakeCopyMode,
     FakeTensorMode,
 )
+from torch.utils._pytree import tree_flatten
 
 from ..checkpoint.blocks import CheckpointHandle
 from ..checkpoint.wrap import apply_checkpointing
@@ -45,7 +46,7 @@ from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
 from .cuda_autocast import cuda_autocast
-from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, device_memory
+from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, LoopOrder, device_memory, parse_alloc_conf
 from .cuda_semantics import cuda_semantics
 
 
@@ -78,7 +79,11 @@ class Prediction:
     # fields are None. On "cuda", peak_bytes is max_memory_allocated's peak (the allocator's
     # rounding and the cuBLAS workspaces included), peak_by_category adds workspaces, rounding
     # and fragmentation (reserved - allocated), and with a card: device_bytes = reserved + the
-    # card's context, margin_bytes = the card's usable bytes - device_bytes.
+    # card's context, margin_bytes = core.cards.margin_left (usable - required margin - device
+    # bytes). The CUDA peaks are each the worse of a loop's first two steps (`worse_step`: 1 or 2),
+    # and `fit` is core.cards.fit_answer ("yes", "with cache flushes", "no"), with the flushes
+    # per step when the reserved peak passes the card (`cache_flushes`). `alloc_conf` is the
+    # PYTORCH_CUDA_ALLOC_CONF the allocator is replayed with (`cuda_device.parse_alloc_conf`).
     device: str = "cpu"
     card: Optional[str] = None
     attention: Optional[str] = None          # the SDPA backend asked for (None: PyTorch's choice)
@@ -88,6 +93,10 @@ class Prediction:
     margin_bytes: Optional[int] = None
     host_bytes: Optional[int] = None         # offload on CUDA: pinned host memory at its peak
     holds_output: bool = False               # a loop that keeps the model's output into the next step
+    fit: Optional[str] = None                # on a card: "yes", "with cache flushes" or "no"
+    cache_flushes: Optional[int] = None      # on a card that the reserved peak passes: per step
+    worse_step: Optional[int] = None         # on "cuda": the loop's step whose reserved peak is reported
+    alloc_conf: Optional[str] = None         # on "cuda": PYTORCH_CUDA_ALLOC_CONF as replayed (None: default)
 
     @property
     def held_bytes(self) -> int:
@@ -113,8 +122,8 @@ class Prediction:
         if self.device == "cuda":
             text += f"; reserved {format_bytes(self.reserved_bytes)}, attention {self.attention_backend}"
         if self.card is not None:
-            text += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
-                     f"predicted for {self.card}")
+            text += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}, "
+                     f"fits: {self.fit}: predicted for {self.card}")
         return text + f" [{self.predict_s:.1f} s]"
 
 
@@ -293,8 +302,9 @@ class FakeMemory:
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                 optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
                 card: Optional[str | Card] = None, attention: Optional[str] = None,
-                holds_output: bool = False) -> FakeMemory:
-    """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring)."""
+                holds_output: bool = False, *, alloc_conf: Optional[str] = None) -> FakeMemory:
+    """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring, the
+    allocator replayed with `alloc_conf`, through a loop's first two steps)."""
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse() if cuda else contextlib.nullcontext()
     host = HostOffload() if cuda and policy.offload else None
@@ -308,9 +318,31 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
         if not cuda:
             return FakeMemory(report, handle)
         workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
-        on_device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card)
+        # --- the loop's first two steps (cuda_device.first_two_steps) ---
+        order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
+        on_device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card,
+                                  parse_alloc_conf(alloc_conf), loop_order=order)
         on_device.host_bytes = host.peak_bytes if host else None
         return FakeMemory(report, handle, kernels.attention_backend, on_device)
+
+
+def optimizer_state_keys(trace: list[tuple[str, int, int]], model: nn.Module, opt) -> frozenset:
+    """The trace keys of the optimizer state a tracked step starts with. `probe.memory.track_memory`
+    numbers the start's storages in order, each once: the parameters', their gradients' (none:
+    steps end with `zero_grad(set_to_none=True)`), then the optimizer state's, then the inputs'."""
+    def storages(tensors):
+        return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
+    params = storages(model.parameters())
+    state = storages(t for s in (opt.state.values() if opt is not None else ()) for t in tree_flatten(s)[0]) - params
+    return frozenset(key for _, key, _ in trace[len(params):len(params) + len(state)])
+
+
+def optimizer_event(report: MemoryReport) -> Optional[int]:
+    """The trace index of the step's first event in its optimizer phase (None: none). The
+    tracker's timeline has one entry as the step begins, then one per event of the step."""
+    step_events = [phase for phase, _ in report.timeline[1:]]
+    first = len(report.trace) - len(step_events)
+    return next((first + i for i, phase in enumerate(step_events) if phase == "optimizer"), None)
 
 
 __all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model",

@@ -24,6 +24,7 @@ from ..core.policy import Policy, parse_policies
 from ..core.validate import boolean, choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
+from .cuda_device import parse_alloc_conf
 from .cuda_semantics import ATTENTION_BACKENDS
 from .fake_step import DEVICES, Prediction, as_card, fake_memory
 
@@ -40,6 +41,8 @@ def predict_policy(
     card: Optional[str | Card] = None,
     attention: Optional[str] = None,
     holds_output: bool = False,
+    *,
+    alloc_conf: Optional[str] = None,
 ) -> Prediction:
     """Predict `measure(workload, batch_size, seq_len, policy, dtype=dtype)`'s memory columns
     without allocating: peak bytes (total, by category, phase) and saved-activation bytes.
@@ -52,6 +55,13 @@ def predict_policy(
     choice, named in `attention_backend`). `holds_output=True` predicts a training loop that keeps
     the model's output alive into the next step's forward (`out = model(x)` or
     `logits, loss = model(x, y)` at loop scope), as `measure(..., holds_output=True)` runs it.
+    On "cuda" the allocator replays a loop's first two steps (the first creates the optimizer
+    state) and each peak is the worse of them (`worse_step`); `alloc_conf` is the
+    PYTORCH_CUDA_ALLOC_CONF it runs with (`"expandable_segments:True"`; default: none). On a card,
+    `fit` is "yes" (device bytes + the card's margin within its usable bytes), "with cache
+    flushes" (not so, but the allocator, releasing its cached segments and retrying at the card's
+    limit, runs both steps: `cache_flushes` per step) or "no"; `margin_bytes` = usable - margin -
+    device bytes.
 
     The policy is concrete: `ckptlab.predict` resolves a `budget=` to its plan first.
     Policies that compile cannot be predicted (the compiler's partitioner decides inside the graph):
@@ -59,7 +69,7 @@ def predict_policy(
     as on a GPU; on "cpu" it is a no-op, predicted as its base policy, and `note` says so.
     """
     workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps,
-                                        device, card, attention, holds_output)
+                                        device, card, attention, holds_output, alloc_conf=alloc_conf)
     if policy.kind == "budget":
         raise ValueError(f"policy={policy} is invalid here: this predicts a concrete policy; ckptlab.predict "
                          "resolves a budget to its plan first")
@@ -67,7 +77,7 @@ def predict_policy(
     on_card = as_card(card)
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
     fake = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention,
-                       holds_output)
+                       holds_output, alloc_conf=alloc_conf)
     report, handle = fake.report, fake.handle
     peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
     if fake.device is not None:
@@ -76,9 +86,11 @@ def predict_policy(
                            fragmentation=dm.reserved_bytes - dm.allocated_bytes)
         peak = dm.allocated_bytes
         cuda = {"reserved_bytes": dm.reserved_bytes, "device_bytes": dm.device_bytes,
-                "attention_backend": fake.attention_backend, "host_bytes": dm.host_bytes}
+                "attention_backend": fake.attention_backend, "host_bytes": dm.host_bytes,
+                "worse_step": dm.worse_step, "alloc_conf": alloc_conf}
         if on_card is not None:
-            cuda.update(card=on_card.name, margin_bytes=margin_left(on_card, dm.device_bytes))
+            cuda.update(card=on_card.name, margin_bytes=margin_left(on_card, dm.device_bytes), fit=dm.fit,
+                        cache_flushes=dm.cache_flushes)
     return Prediction(
         model=workload.label, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
         optimizer=optimizer, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
@@ -94,7 +106,7 @@ def predict_policy(
 def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                      optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
                      card: Optional[str | Card] = None, attention: Optional[str] = None,
-                     holds_output: bool = False) -> tuple[Workload, Policy]:
+                     holds_output: bool = False, *, alloc_conf: Optional[str] = None) -> tuple[Workload, Policy]:
     """Check every input of `predict_policy` (ValueError naming the first bad one): (workload, policy)."""
     workload = as_workload(workload)
     workload.check_shape(batch_size, seq_len)
@@ -102,17 +114,23 @@ def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, po
     boolean("holds_output", holds_output)
     choice("dtype", dtype, list(DTYPES))
     choice("optimizer", optimizer, OPTIMIZERS)
-    check_device(device, card, attention)
+    check_device(device, card, attention, alloc_conf=alloc_conf)
     if not policy.predictable:
         raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
                          "what to save inside the compiled graph; measure it instead")
     return workload, policy
 
 
-def check_device(device: str, card: Optional[str | Card] = None, attention: Optional[str] = None) -> None:
+def check_device(device: str, card: Optional[str | Card] = None, attention: Optional[str] = None, *,
+                 alloc_conf: Optional[str] = None) -> None:
     """Check what a prediction is for (ValueError naming the first bad one): a device of DEVICES,
-    a card of `ckptlab.cards()` and an attention backend, the last two only for "cuda"."""
+    a card of `ckptlab.cards()`, an attention backend and an allocator option (`ALLOC_CONFS`),
+    the last three only for "cuda"."""
     choice("device", device, DEVICES)
+    parse_alloc_conf(alloc_conf)
+    if device != "cuda" and alloc_conf is not None:
+        raise ValueError(f"alloc_conf={alloc_conf!r} is invalid with device={device!r}: it is CUDA's caching "
+                         "allocator's option; allowed is device='cuda'")
     if device != "cuda" and (card is not None or attention is not None):
         given = "card" if card is not None else "attention"
         raise ValueError(f"{given}={card if card is not None else attention!r} is invalid with device={device!r}: "
@@ -145,6 +163,8 @@ def predict_fits(
     device: str = "cpu",
     attention: Optional[str] = None,
     holds_output: bool = False,
+    *,
+    alloc_conf: Optional[str] = None,
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
@@ -158,9 +178,13 @@ def predict_fits(
     card's margin are at most its usable bytes. A size is compared with the peak on `device`
     "cpu", with the reserved bytes on "cuda". `batch_margin_bytes` / `seq_margin_bytes` are the
     bytes left at the largest batch / sequence (None where nothing fits); `basis` says what the
-    row is predicted for. `holds_output` is the loop's, as `predict`'s."""
+    row is predicted for. `holds_output` and `alloc_conf` are as `predict`'s. On a card,
+    `max_batch_size_with_flushes` / `max_seq_len_with_flushes` are the largest that run at all
+    (`fit` "yes" or "with cache flushes": the allocator releasing its cache and retrying each step).
+    """
     workload = as_workload(workload)
     boolean("holds_output", holds_output)
+    parse_alloc_conf(alloc_conf)
     caps = [parse_capacity(c, "capacities") for c in capacities]
     choice("device", device, DEVICES)
     limit = workload.max_seq_len or 1 << 20
@@ -169,30 +193,55 @@ def predict_fits(
     for pol in parse_policies(policies):
         cache: dict[tuple, Prediction] = {}
 
-        def held(b: int, s: int, cap: Card) -> int:
-            """What `fits` compares for cap: on a card its device bytes, reserved + its context. Cards
-            that run the same kernels (arch, SMs, workspace) share one prediction."""
+        def predicted(b: int, s: int, cap: Card) -> Prediction:
+            """The prediction for cap. Cards that run the same kernels (arch, SMs, workspace) share
+            one, except for the answer "with cache flushes", which is the card's own limit's."""
             key = (b, s, (cap.arch, cap.sm_count, cap.cublas_workspace_bytes) if cap.arch else None)
             if key not in cache:
                 cuda = cap.arch is not None or device == "cuda"
                 cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
                                             device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
-                                            attention=attention if cuda else None, holds_output=holds_output)
-            p = cache[key]
+                                            attention=attention if cuda else None, holds_output=holds_output,
+                                            alloc_conf=alloc_conf if cuda else None)
+            return cache[key]
+
+        def held(b: int, s: int, cap: Card) -> int:
+            """What `fits` compares for cap: on a card its device bytes, reserved + its context."""
+            p = predicted(b, s, cap)
             return p.reserved_bytes + cap.context_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
+
+        def runs(b: int, s: int, cap: Card) -> bool:
+            """On a card: the answer is not "no" (it fits, or runs with cache flushes)."""
+            if fits(cap, held(b, s, cap)):
+                return True
+            p = predicted(b, s, cap)
+            if p.card != cap.name or p.card is None:
+                key = (b, s, cap.name)
+                if key not in cache:
+                    cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, optimizer=optimizer, device="cuda",
+                                                card=cap, attention=attention, holds_output=holds_output,
+                                                alloc_conf=alloc_conf)
+                p = cache[key]
+            return p.fit != "no"
 
         for cap in caps:
             best_batch = _largest(lambda b, cap=cap: fits(cap, held(b, seq_len, cap)), max_batch,
                                   _linear_guess(lambda b, cap=cap: held(b, seq_len, cap), cap, max_batch))
             best_seq = max((s for s in seq_lens if fits(cap, held(batch_size, s, cap))), default=0)
             on_device = "cuda" if cap.arch else device
+            flushed = {}
+            if cap.arch:
+                flushed = {"max_batch_size_with_flushes": _largest(lambda b, cap=cap: runs(b, seq_len, cap), max_batch,
+                                                                   max(best_batch, 1)),
+                           "max_seq_len_with_flushes": max((s for s in seq_lens if runs(batch_size, s, cap)), default=0)}
             rows.append({"model": workload.label, "policy": str(pol), "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
                          "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
                          "max_seq_len": best_seq,
                          "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len, cap)) if best_batch else None,
                          "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq, cap)) if best_seq else None,
+                         "max_batch_size_with_flushes": None, "max_seq_len_with_flushes": None, **flushed,
                          "device": on_device, "required_margin_bytes": cap.required_margin_bytes,
-                         "holds_output": holds_output,
+                         "holds_output": holds_output, "alloc_conf": alloc_conf if on_device == "cuda" else None,
                          "basis": cap.basis if cap.arch or device == "cpu" else f"predicted for {device}"})
     return rows
 
@@ -203,7 +252,7 @@ def _linear_guess(held, capacity: Card, upper: int) -> int:
     (the allocator's rounding makes the bytes grow a little faster than the first line says).
     Only a starting point: `_largest` verifies it."""
     one = held(1)
-    left = margin_left(capacity, one) - capacity.required_margin_bytes   # bytes to spare before `fits` fails
+    left = margin_left(capacity, one)   # bytes to spare before `fits` fails
     if upper < 2 or left < 0:
         return 1
     guess, at = 1, 2

@@ -192,16 +192,17 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
             dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-            card=None, attention: str | None = None, holds_output: bool = False) -> Prediction:
+            card=None, attention: str | None = None, holds_output: bool = False, *,
+            alloc_conf: str | None = None) -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
-    the plan `plan_budget` chooses (on the same device, for the same loop); the prediction names
-    the budget as its policy and the plan in `plan`."""
+    the plan `plan_budget` chooses (on the same device, for the same loop, with the default
+    allocator); the prediction names the budget as its policy and the plan in `plan`."""
     predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
     workload, policy = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer,
-                                        accum_steps, **predicted_for)
+                                        accum_steps, **predicted_for, alloc_conf=alloc_conf)
     resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **predicted_for)
     prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, optimizer, accum_steps,
-                                **predicted_for)
+                                **predicted_for, alloc_conf=alloc_conf)
     if resolved.plan is None:
         return prediction
     return dataclasses.replace(prediction, policy=str(policy), plan=resolved.plan.letters)
