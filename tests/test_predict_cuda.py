@@ -7,7 +7,7 @@ import pytest
 
 import ckptlab
 from ckptlab.apps.cli import main as cli_main
-from ckptlab.core.cards import CUBLAS_WORKSPACE_BYTES, card
+from ckptlab.core.cards import CUBLAS_WORKSPACE_BYTES, card, parse_capacity
 from ckptlab.core.policy import parse_policy
 from ckptlab.estimate.cuda_device import CUBLASLT_WORKSPACE_BYTES
 from ckptlab.estimate.fake_step import DEVICE_CATEGORIES, fake_memory
@@ -135,3 +135,84 @@ def test_offload_on_cuda_moves_what_the_blocks_save_to_pinned_host_memory(tiny):
     assert offloaded.saved_activation_bytes + offloaded.host_bytes >= kept.saved_activation_bytes
     on_cpu = ckptlab.predict(tiny, 2, 32, "none+offload")
     assert on_cpu.host_bytes is None and "no-op on CPU" in on_cpu.note
+
+
+def test_a_reserved_peak_past_the_card_is_answered_by_the_allocators_flush_and_retry(tiny):
+    # A card whose usable bytes are the device bytes + the margin - 1: the reserved peak passes what
+    # the allocator may reserve by one byte (margin_left = usable - margin - device = -1), so the
+    # answer is not "yes"; the replay under that limit releases the wholly free segments and
+    # retries (CUDACachingAllocator.cpp, malloc -> release_cached_blocks -> alloc_block).
+    p = ckptlab.predict(tiny, 8, 256, "none", device="cuda", card="rtx4090")
+    assert p.fit == "yes" and p.cache_flushes is None and p.margin_bytes >= 0
+    margin = card("rtx4090").required_margin_bytes
+    tight = parse_capacity("rtx4090", usable_bytes=p.device_bytes + margin - 1)
+    q = ckptlab.predict(tiny, 8, 256, "none", device="cuda", card=tight)
+    assert (q.reserved_bytes, q.peak_bytes, q.margin_bytes) == (p.reserved_bytes, p.peak_bytes, -1)
+    assert q.fit == "with cache flushes" and q.cache_flushes >= 1
+    assert "fits with cache flushes" in q.fit_reason and "passes the card less its margin by 1 B" in q.fit_reason
+    # A limit under the allocated peak: no release of cached blocks makes room (allocated <= reserved
+    # at every moment), so "no".
+    context = p.device_bytes - p.reserved_bytes
+    short = parse_capacity("rtx4090", usable_bytes=p.peak_bytes + context + margin - 1)
+    assert ckptlab.predict(tiny, 8, 256, "none", device="cuda", card=short).fit == "no"
+
+
+def test_expandable_segments_are_an_allocator_option_of_the_prediction(tiny, capsys):
+    default = ckptlab.predict(tiny, 8, 256, "none", device="cuda", card="rtx4090")
+    expandable = ckptlab.predict(tiny, 8, 256, "none", device="cuda", card="rtx4090",
+                                 alloc_conf="expandable_segments:True")
+    assert expandable.alloc_conf == "expandable_segments:True" and default.alloc_conf is None
+    # Pages of 2 MiB (small pool) and 20 MiB (large pool) are mapped as needed: reserved is whole
+    # pages. should_split keeps any rest of 512 B or more with expandable segments, where the
+    # default large pool hands out a whole block whose rest is 1 MiB or less: less is allocated.
+    assert expandable.reserved_bytes % (2 * 2**20) == 0 and expandable.peak_bytes < default.peak_bytes
+    assert ckptlab.predict(tiny, 8, 256, "none", device="cuda",
+                           alloc_conf="expandable_segments:False").peak_bytes == default.peak_bytes
+    with pytest.raises(ValueError, match=r"alloc_conf='max_split_size_mb:128' is invalid: allowed are expandable"):
+        ckptlab.predict(tiny, 2, 32, "none", device="cuda", alloc_conf="max_split_size_mb:128")
+    assert cli_main(["predict", "--model", "gpt-tiny", "--card", "rtx4090", "--alloc-conf", "expandable:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: alloc_conf='expandable:1' is invalid") and err.count("\n") == 1
+
+
+def test_the_first_step_creates_the_optimizer_state_where_its_optimizer_phase_begins(tiny):
+    # AdamW (foreach on CUDA) creates per trainable parameter `step` (a 0-dim fp32 tensor: 4 B),
+    # `exp_avg` and `exp_avg_sq` (each the parameter's bytes) at the first step() (adamw.py
+    # _init_group). So the state the tracked step starts with is 2 x trainable bytes + 4 B each.
+    from ckptlab.estimate import fake_step
+    seen = {}
+    replay = fake_step.device_memory
+
+    def spy(trace, *args, loop_order=None, **kwargs):
+        seen.update(trace=trace, order=loop_order)
+        return replay(trace, *args, loop_order=loop_order, **kwargs)
+
+    fake_step.device_memory = spy
+    try:
+        fake = fake_memory(tiny, 2, 32, parse_policy("none"), "fp32", device="cuda")
+    finally:
+        fake_step.device_memory = replay
+    trace, order = seen["trace"], seen["order"]
+    trainable = [p for p in tiny.build("meta").parameters() if p.requires_grad]
+    state_sizes = sorted(size for _, key, size in trace if key in order.state_keys)
+    assert sum(state_sizes) == 2 * fake.report.param_bytes["trainable_param_bytes"] + 4 * len(trainable)
+    assert state_sizes.count(4) == len(trainable)
+    # the optimizer phase begins after the backward: every gradient is allocated before it
+    assert trace[order.optimizer_at][0] in ("alloc", "free") and order.optimizer_at > len(trace) // 2
+    assert fake.device.worse_step in (1, 2)
+
+
+def test_pinned_host_memory_is_held_in_powers_of_two_per_size():
+    # CachingHostAllocator.h, allocate: roundSize = PowerOf2Ceil(size); a freed block serves only a
+    # later request of the same rounded size. 3000 B -> 4096 B, 5000 B -> 8192 B; the first is
+    # dropped and 3000 B more packed: its 4096 B block is reused. Held: 4096 + 8192 = 12,288 B
+    # (the raw bytes peak at 8,000 B).
+    import torch
+
+    from ckptlab.estimate.cuda_device import HostOffload
+    host = HostOffload()
+    first = host._pack(torch.empty(750, dtype=torch.float32, device="meta"))     # 3000 B
+    second = host._pack(torch.empty(1250, dtype=torch.float32, device="meta"))   # 5000 B
+    del first
+    third = host._pack(torch.empty(750, dtype=torch.float32, device="meta"))
+    assert host.peak_bytes == 4096 + 8192 and second and third

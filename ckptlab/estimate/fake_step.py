@@ -122,9 +122,29 @@ class Prediction:
         if self.device == "cuda":
             text += f"; reserved {format_bytes(self.reserved_bytes)}, attention {self.attention_backend}"
         if self.card is not None:
-            text += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}, "
-                     f"fits: {self.fit}: predicted for {self.card}")
+            text += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
+                     f"predicted for {self.card}; {self.fit_reason}")
         return text + f" [{self.predict_s:.1f} s]"
+
+    @property
+    def fit_reason(self) -> str:
+        """On a card, the answer `fit` with the numbers that give it ("" elsewhere)."""
+        if self.card is None:
+            return ""
+        context = self.device_bytes - self.reserved_bytes
+        step = "first" if self.worse_step == 1 else "second"
+        reserved = (f"reserved {format_bytes(self.reserved_bytes)} (the loop's {step} step) + context "
+                    f"{format_bytes(context)} = device {format_bytes(self.device_bytes)}")
+        if self.fit == "yes":
+            return f"fits: {reserved}, {format_bytes(self.margin_bytes)} left beyond the card's margin"
+        over = format_bytes(-self.margin_bytes)
+        if self.fit == "with cache flushes":
+            return (f"fits with cache flushes: {reserved} passes the card less its margin by {over}, but allocated "
+                    f"{format_bytes(self.peak_bytes)} does not; releasing its cached segments and retrying, the "
+                    f"allocator runs the step ({self.cache_flushes} cache flush(es) per step, each a synchronizing "
+                    "cudaFree)")
+        return (f"does not fit: {reserved} passes the card less its margin by {over}, and with its cached segments "
+                f"released the allocator still runs out of memory (allocated {format_bytes(self.peak_bytes)})")
 
 
 # What a CUDA prediction's peak_by_category adds to the tensors' categories: the sum of all but

@@ -41,6 +41,7 @@ class Plan:
     iterations: int = 1
     loss_fn: str = ""                  # the training step's loss the plan was made for (its memory counts)
     holds_output: bool = False         # made for a loop that keeps the model's output into the next step
+    fit: Optional[str] = None          # on a card: does the plan fit it ("yes", "with cache flushes", "no")
 
     @property
     def policy(self) -> Policy:
@@ -54,7 +55,7 @@ class Plan:
         return {"plan": self.letters, "plan_budget_bytes": self.budget_bytes,
                 "plan_predicted_peak_bytes": self.predicted_peak_bytes,
                 "plan_model_peak_bytes": self.model_peak_bytes, "plan_recompute_ms": self.recompute_ms,
-                "plan_cost_basis": self.cost_basis, "plan_loss_fn": self.loss_fn}
+                "plan_cost_basis": self.cost_basis, "plan_loss_fn": self.loss_fn, "plan_fit": self.fit}
 
     def __str__(self) -> str:
         counts = {o: self.options.count(o) for o in OPTIONS}
@@ -68,6 +69,8 @@ class Plan:
             f"  made for the training step with loss {self.loss_fn}"
             f"{', its output held into the next step' if self.holds_output else ''}: another loss keeps other tensors",
         ]
+        if self.fit is not None:
+            lines.append(f"  on the card: fits {self.fit} (predict --card says why)")
         return "\n".join(lines)
 
 
@@ -108,8 +111,8 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
                 f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
                 f"{plan_policy(lowest_plan).value}); allowed is a budget >= that"
             )
-        predicted = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype,
-                                      optimizer, **predicted_for))
+        chosen = fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype, optimizer, **predicted_for)
+        predicted = _peak(chosen)
         if predicted <= budget_bytes:
             break
         target -= predicted - budget_bytes  # the model was optimistic: tighten and re-solve
@@ -123,6 +126,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
         full_recompute_ms=plan_cost(profile, ["full"] * n), none_peak_bytes=profile.peak["keep"],
         full_peak_bytes=profile.peak["full"], cost_basis=profile.cost_basis, iterations=iteration,
         loss_fn=workload.loss_name, holds_output=holds_output,
+        fit=chosen.device.fit if chosen.device is not None else None,
     )
 
 

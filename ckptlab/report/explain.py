@@ -101,7 +101,9 @@ class Explanation:
     device: str = "cpu"
     card: Optional[str] = None            # its name
     device_bytes: Optional[int] = None    # on a card: reserved + context, what the levers' sizes are
-    margin_bytes: Optional[int] = None    # on a card: its usable bytes less the step's device bytes
+    margin_bytes: Optional[int] = None    # on a card: usable - its margin - the step's device bytes
+    fit: Optional[str] = None             # on a card: "yes", "with cache flushes" or "no" (predict's)
+    fit_reason: str = ""                  # on a card: the answer with its numbers (Prediction.fit_reason)
     ranks: int = 8                        # the FSDP2 lever's world size
     holds_output: bool = False            # the loop keeps the model's output into the next forward
     recompute_count: int = 0              # block forwards the policy ran again in backward
@@ -130,6 +132,7 @@ class Explanation:
         if self.card is not None:
             lines[0] += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
                          f"predicted for {self.capacity_card} (the floor and levers below in its device bytes)")
+            lines.append(f"  {self.fit_reason}")
         elif self.device == "cuda":
             lines[0] += " (allocated, predicted for CUDA)"
         if self.measured_peak_bytes is not None or self.measured_note:
@@ -214,7 +217,7 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
         checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
         capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count, device=device,
         card=base.card, capacity_card=on_card.describe() if on_card else "", device_bytes=base.device_bytes,
-        margin_bytes=base.margin_bytes, holds_output=holds_output,
+        margin_bytes=base.margin_bytes, fit=base.fit, fit_reason=base.fit_reason, holds_output=holds_output,
     )
     explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on, memo)
     if measure:
