@@ -262,3 +262,17 @@ def test_the_first_step_puts_the_optimizer_state_into_the_activations_cache():
     tidy = replay_allocations(events(tracked[2:]), initial_events=events(tracked[:2]))
     assert tidy.peak_reserved_bytes == 80 * MiB
     assert (one.peak_reserved_bytes, two.peak_reserved_bytes) == (64 * MiB, 104 * MiB)
+
+
+def test_the_first_step_has_no_previous_output_and_the_second_frees_the_firsts():
+    # A loop that holds the model's output: the tracked step starts with P (key 1) and the previous
+    # output H (key 2, 8 MiB), allocates X (key 3) and its own output O (key 4, 8 MiB), frees H once
+    # O exists. The first step has no H: it starts from P alone and frees nothing of the kind; the
+    # second step (keys shifted by the largest key + 1 = 5) frees the first step's O in H's place.
+    from ckptlab.estimate.cuda_device import LoopOrder, first_two_steps
+    tracked = [("alloc", 1, 4 * MiB), ("alloc", 2, 8 * MiB),
+               ("alloc", 3, 2 * MiB), ("alloc", 4, 8 * MiB), ("free", 2, 8 * MiB), ("free", 3, 2 * MiB)]
+    initial, first, second = first_two_steps(tracked, 2, LoopOrder(frozenset(), optimizer_at=None))
+    assert initial == [("alloc", 1, 4 * MiB)]
+    assert first == [("alloc", 3, 2 * MiB), ("alloc", 4, 8 * MiB), ("free", 3, 2 * MiB)]
+    assert second == [("alloc", 8, 2 * MiB), ("alloc", 9, 8 * MiB), ("free", 4, 8 * MiB), ("free", 8, 2 * MiB)]

@@ -216,3 +216,14 @@ def test_pinned_host_memory_is_held_in_powers_of_two_per_size():
     del first
     third = host._pack(torch.empty(750, dtype=torch.float32, device="meta"))
     assert host.peak_bytes == 4096 + 8192 and second and third
+
+
+def test_predict_fits_says_how_far_cache_flushes_reach(tiny):
+    # The card of the flush test above: batch 8 passes it by one byte of device bytes, so the
+    # largest batch that fits is below 8, and 8 itself runs with cache flushes.
+    p = ckptlab.predict(tiny, 8, 256, "none", device="cuda", card="rtx4090")
+    tight = parse_capacity("rtx4090", usable_bytes=p.device_bytes + card("rtx4090").required_margin_bytes - 1)
+    row, = ckptlab.predict_fits(tiny, ["none"], capacities=[tight], seq_len=256, batch_size=8, dtype="fp32",
+                                max_batch=8, seq_lens=[256])
+    assert row["max_batch_size"] < 8 == row["max_batch_size_with_flushes"]
+    assert row["max_seq_len"] == 0 and row["max_seq_len_with_flushes"] == 256

@@ -429,32 +429,34 @@ def _count(value) -> str:
 
 
 def device_options(args: argparse.Namespace) -> dict:
-    """`predict`'s device, card and attention from --device, --card and --attention (a card means
-    CUDA). Checked as `predict` checks them, before any work."""
+    """`predict`'s device, card, attention and allocator option from --device, --card, --attention
+    and --alloc-conf (a card means CUDA). Checked as `predict` checks them, before any work."""
     device = "cuda" if args.card else args.device
-    options = {"device": device, "card": args.card, "attention": args.attention}
+    options = {"device": device, "card": args.card, "attention": args.attention, "alloc_conf": args.alloc_conf}
     check_device(**options)
     return options
 
 
 def predicted_for(options: dict) -> str:
     """What a command's sizes are predicted for, in words."""
+    allocator = f", PYTORCH_CUDA_ALLOC_CONF={options['alloc_conf']}" if options.get("alloc_conf") else ""
     if options["card"]:
-        return f"predicted for {card(options['card']).describe()}"
-    return "predicted for CUDA (allocator only, no card)" if options["device"] == "cuda" else "predicted for a CPU"
+        return f"predicted for {card(options['card']).describe()}{allocator}"
+    if options["device"] == "cuda":
+        return f"predicted for CUDA (allocator only, no card){allocator}"
+    return "predicted for a CPU"
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside."""
     on = device_options(args)
-    check_device(on["device"], alloc_conf=args.alloc_conf)
     workload = get_workload(args.model, **_model_overrides(args.set))
     rows = []
     for batch in int_list("--batch", args.batch):
         for seq in int_list("--seq", args.seq):
             for policy in policy_list(args.policy):
                 row = predict(workload, batch, seq, policy, dtype=args.dtype, optimizer=args.optimizer,
-                              holds_output=args.holds_output, alloc_conf=args.alloc_conf, **on).record()
+                              holds_output=args.holds_output, **on).record()
                 if on["device"] == "cpu":
                     try:
                         row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
@@ -580,7 +582,7 @@ def add_holds_output_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """--device, --card, --attention: what a prediction is for (predict, plan, explain)."""
+    """--device, --card, --attention, --alloc-conf: what a prediction is for (predict, plan, explain)."""
     p.add_argument("--device", default="cpu", help="cpu (exact to the byte) | cuda: predict the step as a CUDA card "
                                                    "runs it (its kernels, autocast, optimizer, cuBLAS workspaces and "
                                                    "caching allocator)")
@@ -588,6 +590,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                                                 "its device bytes and the margin left")
     p.add_argument("--attention", default=None, choices=ATTENTION_BACKENDS,
                    help="force scaled-dot-product attention's CUDA backend (default: PyTorch's choice)")
+    p.add_argument("--alloc-conf", default=None, metavar="OPTION",
+                   help="PYTORCH_CUDA_ALLOC_CONF the caching allocator is replayed with: "
+                        + " or ".join(ALLOC_CONFS) + " (default: none; CUDA only)")
 
 
 def add_format_argument(p: argparse.ArgumentParser) -> None:
@@ -643,9 +648,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
     p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
     add_device_arguments(p)
-    p.add_argument("--alloc-conf", default=None, metavar="OPTION",
-                   help="PYTORCH_CUDA_ALLOC_CONF the caching allocator is replayed with: "
-                        + " or ".join(ALLOC_CONFS) + " (default: none; CUDA only)")
     add_holds_output_argument(p)
     add_format_argument(p)
     p.set_defaults(func=cmd_predict)

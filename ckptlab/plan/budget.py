@@ -83,12 +83,14 @@ def resolve_budget(budget, none_peak: int) -> int:
 
 def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
                 optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4, device: str = "cpu",
-                card=None, attention: str | None = None, holds_output: bool = False) -> Plan:
+                card=None, attention: str | None = None, holds_output: bool = False, *,
+                alloc_conf: str | None = None) -> Plan:
     """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
     `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
-    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, as
-    `predict`) the plan is made and verified on the CUDA prediction's allocated peak; with
-    `holds_output` for a loop that keeps the model's output into the next step (`predict`'s)."""
+    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention` and the
+    allocator's `alloc_conf`, as `predict`) the plan is made and verified on the CUDA prediction's
+    allocated peak, and on a card `fit` says whether it fits there; with `holds_output` for a loop
+    that keeps the model's output into the next step (`predict`'s)."""
     workload = as_workload(workload)
     card = as_card(card)
     predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
@@ -97,21 +99,22 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     target = budget_bytes
     if device == "cuda":  # the profile counts tensors; the workspaces and the allocator's rounding come on top
         keep = fake_memory(workload, batch_size, seq_len, plan_policy(["keep"] * profile.n_blocks), dtype, optimizer,
-                           **predicted_for)
+                           **predicted_for, alloc_conf=alloc_conf)
         target -= _peak(keep) - keep.report.peak_bytes
     for iteration in range(1, max_iterations + 1):
         options = solve(profile, target)
         if options is None:
             lowest, lowest_plan = min_peak(profile)
             verified = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
-                                         optimizer, **predicted_for))
+                                         optimizer, **predicted_for, alloc_conf=alloc_conf))
             raise ValueError(
                 f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
                 f"{workload.label} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
                 f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
                 f"{plan_policy(lowest_plan).value}); allowed is a budget >= that"
             )
-        chosen = fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype, optimizer, **predicted_for)
+        chosen = fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype, optimizer, **predicted_for,
+                             alloc_conf=alloc_conf)
         predicted = _peak(chosen)
         if predicted <= budget_bytes:
             break
@@ -152,7 +155,7 @@ def refuse_compiled_budget(policy: Policy) -> None:
 
 def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32",
             optimizer: str = "adamw", device: str = "cpu", card=None, attention: str | None = None,
-            holds_output: bool = False) -> Resolved:
+            holds_output: bool = False, *, alloc_conf: str | None = None) -> Resolved:
     """The one place an eager `budget=` becomes a plan: the plan `plan_budget` chooses for this
     shape (predicted for `device`, and a card's), with the budget's +offload. Any other policy is
     already concrete. An infeasible budget raises ValueError stating the minimum achievable peak;
@@ -161,7 +164,7 @@ def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, d
         return Resolved(policy)
     refuse_compiled_budget(policy)
     plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer, device=device,
-                       card=card, attention=attention, holds_output=holds_output)
+                       card=card, attention=attention, holds_output=holds_output, alloc_conf=alloc_conf)
     return Resolved(plan_policy(plan.options, policy.offload), plan)
 
 
@@ -199,12 +202,11 @@ def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str
             card=None, attention: str | None = None, holds_output: bool = False, *,
             alloc_conf: str | None = None) -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
-    the plan `plan_budget` chooses (on the same device, for the same loop, with the default
-    allocator); the prediction names the budget as its policy and the plan in `plan`."""
+    the plan `plan_budget` chooses (on the same device, for the same loop and allocator); the prediction names the budget as its policy and the plan in `plan`."""
     predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
     workload, policy = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer,
                                         accum_steps, **predicted_for, alloc_conf=alloc_conf)
-    resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **predicted_for)
+    resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **predicted_for, alloc_conf=alloc_conf)
     prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, optimizer, accum_steps,
                                 **predicted_for, alloc_conf=alloc_conf)
     if resolved.plan is None:

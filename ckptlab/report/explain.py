@@ -162,7 +162,8 @@ class Explanation:
 
 def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none", *, dtype: str = "fp32",
             optimizer: str = "adamw", capacity=None, measure: bool = False, ranks: int = 8, device: str = "cpu",
-            card=None, attention: Optional[str] = None, holds_output: bool = False) -> Explanation:
+            card=None, attention: Optional[str] = None, holds_output: bool = False,
+            alloc_conf: Optional[str] = None) -> Explanation:
     """Why the peak of one training step is what it is, and what each lever would make it.
 
     Everything comes from predictions (fake tensors), so any shape works on a laptop;
@@ -171,18 +172,19 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     it and stops the waterfall there; `ranks` is the world size of the FSDP2 lever. `device`,
     `card` and `attention` are `predict`'s: on a card (or a card as capacity) every number is
     predicted for that card, its device bytes, and the capacity is its usable bytes less its
-    margin. `holds_output` is the loop's (`predict`'s): every prediction is for that loop, and a
-    lever releases the output. Bad input raises ValueError before any work."""
+    margin; `alloc_conf` is the allocator's option (`predict`'s). `holds_output` is the loop's
+    (`predict`'s): every prediction is for that loop, and a lever releases the output. Bad input raises ValueError before any work."""
     t0 = time.perf_counter()
     limit = parse_capacity(capacity) if capacity is not None else None
     on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
     device = "cuda" if on_card is not None else device
     workload, parsed = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer, 1, device, on_card,
-                                        attention, holds_output)
+                                        attention, holds_output, alloc_conf=alloc_conf)
     if limit is None or limit.arch:   # on a card: what its device bytes may reach
         limit = on_card
     capacity_bytes = limit.usable_bytes - limit.required_margin_bytes if limit is not None else None
-    on = {"device": device, "card": on_card, "attention": attention, "holds_output": holds_output}
+    on = {"device": device, "card": on_card, "attention": attention, "holds_output": holds_output,
+          "alloc_conf": alloc_conf}
     integer("ranks", ranks, 2)
     if measure and device != "cpu":
         raise ValueError(f"measure=True is invalid with device={device!r}: the step is measured here, on the CPU; "
@@ -323,8 +325,9 @@ def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever], 
     """The plan of keep/selective/full per block with the lowest peak (the planner's `min_peak`),
     its peak predicted by a fake run of that plan (or taken from `full`'s lever when it is full
     everywhere: the same model)."""
+    tensors_on = {k: v for k, v in on.items() if k != "alloc_conf"}   # the profile counts tensors, not blocks
     profile = profile_blocks(workload, base.batch_size, base.seq_len, base.dtype, base.optimizer, PLAN_COST,
-                             **on)
+                             **tensors_on)
     _, options = min_peak(profile)
     policy = str(plan_policy(options))
     full = next((lv.predicted_peak_bytes for lv in levers if lv.policy == "full"), None)
