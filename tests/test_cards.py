@@ -135,3 +135,6 @@ def test_lora_fits_takes_card_names_and_says_the_margin_at_the_longest_sequence(
     assert longest.loc["h200", "longest_seq_len"] == 16 and longest.loc["1KiB", "longest_seq_len"] == 0
     assert longest.loc["h200", "margin_bytes"] == table["margin_h200_bytes"].iloc[0]
     assert longest.loc["1KiB", "margin_bytes"] is None or pd.isna(longest.loc["1KiB", "margin_bytes"])
+    assert table["fit_h200"].iloc[0] == on_h200.fit == "yes" and "fit_1KiB" not in table
+    assert longest.loc["h200", "longest_seq_len_with_flushes"] == 16
+    assert pd.isna(longest.loc["1KiB", "longest_seq_len_with_flushes"])

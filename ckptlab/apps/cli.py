@@ -419,7 +419,7 @@ def cuda_predict_columns(card_name: str | None) -> list:
         columns[at + 2:at + 2] = [("device" + on, "predicted_device_bytes", format_bytes),
                                   ("margin" + on, "margin_bytes", format_bytes),
                                   ("fits", "fit", str), ("flushes/step", "cache_flushes", _count),
-                                  ("worse step", "worse_step", _count)]
+                                  ("reserved in step", "worse_step", _count)]
     columns.insert(at, ("attention", "attention_backend", str))
     return columns
 

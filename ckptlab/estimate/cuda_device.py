@@ -138,7 +138,7 @@ def parse_alloc_conf(value) -> bool:
 @dataclass
 class DeviceMemory:
     """A predicted step on a CUDA card, in the caching allocator's terms: of a loop's first two
-    steps, each peak the larger of the two (`worse_step` says whose reserved peak it is)."""
+    steps, each peak the larger of the two (`worse_step`: the step that reached the reserved peak)."""
 
     allocated_bytes: int        # peak, as max_memory_allocated: rounded blocks, workspaces included
     reserved_bytes: int         # peak, as max_memory_reserved
@@ -147,7 +147,7 @@ class DeviceMemory:
     device_bytes: int | None    # reserved + the card's context (None without a card)
     context_bytes: int | None
     host_bytes: int | None = None   # pinned host memory held by the host caching allocator, with offload
-    worse_step: int = 2             # 1: the first step (it creates the optimizer state), 2: the next
+    worse_step: int = 2             # the step that reached the reserved peak: 1 (it creates the optimizer state) or 2
     fit: str | None = None          # on a card: core.cards.fit_answer
     cache_flushes: int | None = None    # on a card whose limit the reserved peak passes: flushes per step
     limited_reserved_bytes: int | None = None  # ... and the reserved peak the replay under the limit reached
@@ -220,9 +220,11 @@ def device_memory(trace: list[tuple[str, int, int]], start_bytes: int, tensor_pe
     initial += [AllocEvent("alloc", first_key + i, size) for i, size in enumerate(workspaces)]
     steps = [[AllocEvent(a, k, n) for a, k, n in step if n] for step in steps]
     replays = replay_steps(initial, steps, expandable_segments=expandable_segments)
-    worse = max(range(len(replays)), key=lambda i: (replays[i].peak_reserved_bytes, i))
+    # Reserved only grows without a limit, so the second step's peak is never below the first's:
+    # the step named is the one that reached it (the first when the second adds nothing).
+    reserved = max(r.peak_reserved_bytes for r in replays)
+    worse = next(i for i, r in enumerate(replays) if r.peak_reserved_bytes == reserved)
     allocated = max(r.peak_allocated_bytes for r in replays)
-    reserved = replays[worse].peak_reserved_bytes
     memory = DeviceMemory(
         allocated_bytes=allocated, reserved_bytes=reserved, workspace_bytes=sum(workspaces),
         rounding_bytes=allocated - tensor_peak_bytes - sum(workspaces),

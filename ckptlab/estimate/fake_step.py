@@ -80,7 +80,8 @@ class Prediction:
     # rounding and the cuBLAS workspaces included), peak_by_category adds workspaces, rounding
     # and fragmentation (reserved - allocated), and with a card: device_bytes = reserved + the
     # card's context, margin_bytes = core.cards.margin_left (usable - required margin - device
-    # bytes). The CUDA peaks are each the worse of a loop's first two steps (`worse_step`: 1 or 2),
+    # bytes). The CUDA peaks are each the worse of a loop's first two steps (`worse_step`: the one
+    # that reached the reserved peak, 1 or 2),
     # and `fit` is core.cards.fit_answer ("yes", "with cache flushes", "no"), with the flushes
     # per step when the reserved peak passes the card (`cache_flushes`). `alloc_conf` is the
     # PYTORCH_CUDA_ALLOC_CONF the allocator is replayed with (`cuda_device.parse_alloc_conf`).
@@ -95,7 +96,7 @@ class Prediction:
     holds_output: bool = False               # a loop that keeps the model's output into the next step
     fit: Optional[str] = None                # on a card: "yes", "with cache flushes" or "no"
     cache_flushes: Optional[int] = None      # on a card that the reserved peak passes: per step
-    worse_step: Optional[int] = None         # on "cuda": the loop's step whose reserved peak is reported
+    worse_step: Optional[int] = None         # on "cuda": the loop's step (1, 2) that reached the reserved peak
     alloc_conf: Optional[str] = None         # on "cuda": PYTORCH_CUDA_ALLOC_CONF as replayed (None: default)
 
     @property
@@ -133,7 +134,7 @@ class Prediction:
             return ""
         context = self.device_bytes - self.reserved_bytes
         step = "first" if self.worse_step == 1 else "second"
-        reserved = (f"reserved {format_bytes(self.reserved_bytes)} (the loop's {step} step) + context "
+        reserved = (f"reserved {format_bytes(self.reserved_bytes)} (reached in the loop's {step} step) + context "
                     f"{format_bytes(context)} = device {format_bytes(self.device_bytes)}")
         if self.fit == "yes":
             return f"fits: {reserved}, {format_bytes(self.margin_bytes)} left beyond the card's margin"
