@@ -417,7 +417,8 @@ def offload_lever(workload: Workload, base: Prediction, applied: str, on: dict) 
                      "not predicted")
     pred = predict(workload, base.batch_size, base.seq_len, change["policy"], base.dtype, base.optimizer, **on)
     return Lever("offload", pred.held_bytes, change,
-                 f"what the blocks save goes to pinned host memory ({format_bytes(pred.host_bytes)} at its peak) and "
+                 f"what the blocks save goes to pinned host memory ({format_bytes(pred.host_bytes)} held by the host "
+                 "caching allocator, in powers of two) and "
                  "comes back in backward: host-device copies every step")
 
 
