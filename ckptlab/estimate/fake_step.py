@@ -354,8 +354,13 @@ def optimizer_state_keys(trace: list[tuple[str, int, int]], model: nn.Module, op
     def storages(tensors):
         return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
     params = storages(model.parameters())
-    state = storages(t for s in (opt.state.values() if opt is not None else ()) for t in tree_flatten(s)[0]) - params
-    return frozenset(key for _, key, _ in trace[len(params):len(params) + len(state)])
+    tensors = [t for s in (opt.state.values() if opt is not None else ()) for t in tree_flatten(s)[0]]
+    state = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors
+             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in params}
+    entries = trace[len(params):len(params) + len(state)]
+    if sum(size for _, _, size in entries) != sum(state.values()):
+        raise RuntimeError("the tracked step's start does not list the optimizer state after the parameters")
+    return frozenset(key for _, key, _ in entries)
 
 
 def optimizer_event(report: MemoryReport) -> Optional[int]:
@@ -363,6 +368,9 @@ def optimizer_event(report: MemoryReport) -> Optional[int]:
     tracker's timeline has one entry as the step begins, then one per event of the step."""
     step_events = [phase for phase, _ in report.timeline[1:]]
     first = len(report.trace) - len(step_events)
+    start = report.trace[:first]
+    if any(action != "alloc" for action, _, _ in start) or sum(size for _, _, size in start) != report.start_bytes:
+        raise RuntimeError("the tracker's timeline does not follow its trace event by event")
     return next((first + i for i, phase in enumerate(step_events) if phase == "optimizer"), None)
 
 
