@@ -122,7 +122,7 @@ API_CASES = [
     (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, "plan=kk"), "plan=kk is invalid for a model with 4 blocks"),
     (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, "hf"), "policy='hf' is invalid for model='gpt-tiny'"),
     (lambda tmp: ckptlab.measure("gpt-tiny", 2.0, 16), "batch_size=2.0 is invalid: allowed is an integer >= 1"),
-    (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, dtype="fp16"), "dtype='fp16' is invalid: allowed are fp32, bf16"),
+    (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, dtype="fp8"), "dtype='fp8' is invalid: allowed are fp32, bf16"),
     (lambda tmp: ckptlab.sweep(model="mlp-chain", out=tmp / "afile"), "out="),
     (lambda tmp: ckptlab.sweep(model="mlp-chain", out=""), "out='' is invalid"),
     (lambda tmp: ckptlab.sweep(model="mlp-chain", policies=["hf"], out=tmp / "o"), "policy='hf' is invalid"),

@@ -38,7 +38,7 @@ def test_adamw_on_cuda_is_foreach_whose_temporary_is_one_state_at_the_optimizer_
     # one state (4 B per trainable fp32 parameter), alive while the update runs.
     growth, trainable = optimizer_step_growth(tiny, "adamw")
     assert growth == trainable == optimizer_step_growth(tiny, "adamw-foreach")[0]
-    p = ckptlab.predict(tiny, 1, 8, "full", optimizer="adamw", device="cuda")
+    p = ckptlab.predict(tiny, 1, 8, "full", loop="adamw", device="cuda")
     assert p.peak_phase == "optimizer" and p.peak_by_category["temporaries"] >= trainable
 
 
@@ -86,7 +86,7 @@ def test_cpu_prediction_has_no_cuda_numbers(tiny):
     (dict(device="cuda", card="rtx5090"), "card='rtx5090' is invalid: allowed are rtx3090"),
     (dict(card="rtx4090"), "card='rtx4090' is invalid with device='cpu'"),
     (dict(device="cuda", attention="fast"), "attention='fast' is invalid: allowed are flash, efficient, math"),
-    (dict(optimizer="adamw-turbo"), "optimizer='adamw-turbo' is invalid: allowed are adamw, adamw-foreach"),
+    (dict(loop="adamw-turbo"), "optimizer='adamw-turbo' is invalid: allowed are adamw, adamw-foreach"),
 ])
 def test_bad_device_card_attention_or_optimizer_is_one_line_before_work(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message) as info:

@@ -80,7 +80,7 @@ SMALL_LLAMA = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1408,
                    num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048)
 PLAN = "plan"
 MEMORY = dict(models=(("small Llama", "hf-llama-tiny", SMALL_LLAMA, 8, 1024), ("hf-llama-1b", "hf-llama-1b", {}, 2, 2048)),
-              dtype="bf16", optimizer="adamw", policies=("none", "full", "selective", PLAN), dropouts=(0.0, 0.1))
+              dtype="bf16", loop="adamw", policies=("none", "full", "selective", PLAN), dropouts=(0.0, 0.1))
 OVERHEAD_TIMING_S = 60.0  # its rounds stop earlier at ±0.3%, enough to show +1% on a steady GPU
 OVERHEAD_ARGS = ["--model", "gpt2-small", "--batch", "8", "--seq", "1024", "--target-ci", "0.003", "--threads", "1"]
 TRAINER = dict(model="hf-llama-1b", batch_size=2, seq_len=1024, accum_steps=1, max_steps=20, track_steps=1)
@@ -229,12 +229,12 @@ def memory_workload(spec: str, overrides: dict, dropout: float):
 # CUDA state is inherited), each handed everything it needs (a worker does not see MEMORY).
 
 def predicted(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, policy: str, dtype: str,
-              optimizer: str, card: Card | None) -> dict:
+              loop: str, card: Card | None) -> dict:
     """One cell's `predict(device="cuda", card=card)` as record columns; a prediction that fails is
     the cell's `prediction_message`, which fails its claims with the reason."""
     try:
         p = predict(memory_workload(spec, overrides, dropout), batch_size, seq_len, policy, dtype=dtype,
-                    optimizer=optimizer, device="cuda", card=card)
+                    loop=loop, device="cuda", card=card)
     except Exception as exc:  # noqa: BLE001 - the cell's claims fail with the reason; the others go on
         return {"prediction_message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     return dict(predicted_peak_bytes=p.peak_bytes, predicted_reserved_bytes=p.reserved_bytes,
@@ -243,14 +243,14 @@ def predicted(spec: str, overrides: dict, dropout: float, batch_size: int, seq_l
 
 
 def midpoint_plan(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, dtype: str,
-                  optimizer: str, card: Card | None) -> str:
+                  loop: str, card: Card | None) -> str:
     """The planner's plan for CUDA at the budget halfway between the peaks predicted for none and
     full. Its recompute costs are the roofline's: which plan it is matters here, not what it
     costs, and timing blocks on a CPU takes long."""
     workload = memory_workload(spec, overrides, dropout)
-    none, full = (predict(workload, batch_size, seq_len, p, dtype=dtype, optimizer=optimizer, device="cuda",
+    none, full = (predict(workload, batch_size, seq_len, p, dtype=dtype, loop=loop, device="cuda",
                           card=card).peak_bytes for p in ("none", "full"))
-    plan = plan_budget(workload, batch_size, seq_len, (none + full) // 2, dtype=dtype, optimizer=optimizer,
+    plan = plan_budget(workload, batch_size, seq_len, (none + full) // 2, dtype=dtype, loop=loop,
                        cost="roofline", device="cuda", card=card)
     return str(plan.policy)
 
@@ -279,14 +279,14 @@ def memory_cell(workload, batch_size: int, seq_len: int, policy: str, dropout: f
     """One cell measured on CUDA: one step as `measure` takes it, without its timing, its allocator
     peaks counted from what the device held before it."""
     fresh_allocator(dev)
-    dtype, optimizer = MEMORY["dtype"], MEMORY["optimizer"]
+    dtype, loop = MEMORY["dtype"], MEMORY["loop"]
     record, workload, parsed, dev, limit = measurement_record(workload, batch_size, seq_len, parse_policy(policy), device=str(dev),
-                                                              dtype=dtype, optimizer=optimizer)
+                                                              dtype=dtype, loop=loop)
     record["dropout"] = dropout
     reserved_before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
     with failures_recorded(record, dev):
         policy_notes(record, parsed, dev)
-        prepare_step(record, workload, policy_applier(parsed), dev, dtype, limit, optimizer)
+        prepare_step(record, workload, policy_applier(parsed), dev, dtype, limit, loop)
         if dev.type == "cuda":  # as prepare_step takes out what the device allocated before
             record["cuda_max_reserved_bytes"] -= reserved_before
     return record
@@ -313,7 +313,7 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
     workspace, rng = library_workspace_bytes(dev), rng_state_bytes(dev)
     notes.append(f"Library workspaces measured on this device: {workspace} B; one saved RNG state: {rng} B of "
                  "device memory.")
-    dtype, optimizer, card = MEMORY["dtype"], MEMORY["optimizer"], card_of(dev)
+    dtype, loop, card = MEMORY["dtype"], MEMORY["loop"], card_of(dev)
     notes.append(f"Predicted for the card {card.label if card else 'of no entry of the table (the default card)'}.")
     # The plans' cells last: their plans are made (in a worker) while the GPU measures the others.
     todo = sorted([(model, dropout, policy) for model in MEMORY["models"] for dropout in MEMORY["dropouts"]
@@ -324,11 +324,11 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
             pool.apply_async(os.getpid).get(WORKER_START_S)
         except multiprocessing.TimeoutError:
             raise RuntimeError(f"the prediction workers did not start within {WORKER_START_S:.0f} s") from None
-        plans = {label: pool.apply_async(midpoint_plan, (spec, overrides, MEMORY["dropouts"][0], b, s, dtype, optimizer,
+        plans = {label: pool.apply_async(midpoint_plan, (spec, overrides, MEMORY["dropouts"][0], b, s, dtype, loop,
                                                          card))
                  for label, spec, overrides, b, s in MEMORY["models"] if PLAN in MEMORY["policies"]}
         predictions = {(label, dropout, policy): pool.apply_async(predicted, (spec, overrides, dropout, b, s, policy,
-                                                                              dtype, optimizer, card))
+                                                                              dtype, loop, card))
                        for (label, spec, overrides, b, s), dropout, policy in todo if policy != PLAN}
         for k, ((label, spec, overrides, batch_size, seq_len), dropout, policy) in enumerate(todo):
             if k and label != todo[k - 1][0][0]:   # another model: what a cell of the last one took is no estimate
@@ -352,7 +352,7 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
                         policy = exc
                     if isinstance(policy, str):
                         predictions[key] = pool.apply_async(predicted, (spec, overrides, dropout, batch_size, seq_len,
-                                                                        policy, dtype, optimizer, card))
+                                                                        policy, dtype, loop, card))
                 if (label, dropout) not in backends:
                     backends[label, dropout] = backend_on_cuda(workload, batch_size, seq_len, dev)
                 cell = (memory_cell(workload, batch_size, seq_len, policy, dropout, dev) if isinstance(policy, str) else
@@ -471,13 +471,13 @@ def snapshot_stage(out: Path, dev: torch.device) -> str:
     where the allocator's bytes went, for reading a rest that the report could not explain. Returns
     what the cell was."""
     label, spec, overrides, batch_size, seq_len = MEMORY["models"][0]
-    dropout, dtype, optimizer = MEMORY["dropouts"][-1], MEMORY["dtype"], MEMORY["optimizer"]
+    dropout, dtype, loop = MEMORY["dropouts"][-1], MEMORY["dtype"], MEMORY["loop"]
     fresh_allocator(dev)
     record, workload, policy, dev, limit = measurement_record(memory_workload(spec, overrides, dropout), batch_size,
                                                               seq_len, Policy("full"), device=str(dev), dtype=dtype,
-                                                              optimizer=optimizer)
+                                                              loop=loop)
     with cuda_memory_snapshot(str(out / "memory" / "snapshot.pickle")):
-        prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, optimizer)
+        prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, loop)
     return f"{label} b={batch_size} s={seq_len} full {dtype} dropout={dropout:g}"
 
 
