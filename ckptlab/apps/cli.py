@@ -610,7 +610,9 @@ def loop_from_arguments(args: argparse.Namespace, base: Loop | str | None = None
     except ValueError as exc:  # name the flag the user typed, not the field behind it
         message = str(exc)
         for name, flag in given.items():
-            if message.startswith(f"{name}="):
+            if message.startswith(f"{name}=True "):   # a flag that takes no value
+                message = flag + message[len(name) + 5:]
+            elif message.startswith(f"{name}="):
                 message = flag + " " + message[len(name) + 1:]
         raise ValueError(message) from None
     return loop
