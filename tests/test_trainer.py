@@ -12,8 +12,8 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 from ckptlab import analysis, apply_checkpointing, get_workload, load_run  # noqa: E402
-from ckptlab.hf import CkptlabCallback, compare_trainer_runs  # noqa: E402
 from ckptlab.core.loop import LOOP_COLUMNS  # noqa: E402
+from ckptlab.hf import CkptlabCallback, compare_trainer_runs  # noqa: E402
 from ckptlab.probe.memory import CATEGORIES  # noqa: E402
 
 from .conftest import requires_cuda  # noqa: E402

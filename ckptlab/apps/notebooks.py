@@ -28,8 +28,8 @@ from ..core import validate
 from ..core.cards import parse_capacity
 from ..core.dtypes import DTYPES
 from ..core.extras import require
-from ..core.parsing import yaml_mapping
 from ..core.loop import parse_loop
+from ..core.parsing import yaml_mapping
 from ..core.policy import parse_policy
 from ..core.units import size_bytes
 from ..core.validate import choice, integer, no_credential, non_empty, number
