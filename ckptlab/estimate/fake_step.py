@@ -2,12 +2,13 @@
 no data, so a step's memory can be tracked for shapes far beyond this machine.
 
 Where a library decides from tensor data what to allocate, a fake step cannot read the data and
-the library takes its cautious branch, which the real step does not. The one such decision
-known here: transformers reads `position_ids` to detect several sequences packed into one row;
-unable to read fake ones it assumes packing and builds a (batch, 1, seq, seq) attention mask
-that the real step never builds (it lets SDPA apply causality). A prediction therefore takes
-the answer the real check gives for ckptlab's batches: one sequence per row
-(`sequences_unpacked`).
+the library takes its cautious branch, which the real step does not. Two such decisions are
+known here. A grad scaler reads whether the gradients hold an inf before it steps the optimizer:
+a prediction is of a healthy step, which steps (`assume_finite_gradients`). And transformers
+reads `position_ids` to detect several sequences packed into one row; unable to read fake ones
+it assumes packing and builds a (batch, 1, seq, seq) attention mask that the real step never
+builds (it lets SDPA apply causality). A prediction therefore takes the answer the real check
+gives for ckptlab's batches: one sequence per row (`sequences_unpacked`).
 
 For `device="cuda"` the step runs under CUDA's semantics (`cuda_semantics`: the kernels CUDA
 would pick and what they save and allocate; `cuda_autocast`: CUDA autocast's op lists; the
@@ -271,8 +272,8 @@ def warm_up(step, model: nn.Module, opt) -> None:
 
 def assume_finite_gradients(scaler) -> None:
     """A grad scaler steps the optimizer only when the unscaled gradients hold no inf or NaN,
-    which it reads from a tensor (`GradScaler._maybe_opt_step`, torch/amp/grad_scaler.py: `.item()`
-    on found_inf); a fake step cannot read it. The step is predicted as a healthy step runs: the
+    which it reads from a tensor (torch/amp/grad_scaler.py at v2.13.0, `GradScaler._maybe_opt_step`:
+    `.item()` on found_inf); a fake step cannot read it. The step is predicted as a healthy step runs: the
     optimizer steps."""
     def step_optimizer(optimizer, optimizer_state, *args, **kwargs):
         return optimizer.step(*args, **kwargs)

@@ -56,6 +56,8 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
         autocast = functools.partial(torch.autocast, device_type)
     held = HeldOutput(model, workload.label) if loop.holds_output else None
     scaler = torch.amp.GradScaler(device_type) if loop.grad_scaler else None
+    # torch picks foreach norms for plain tensors on a device that has them (CPU and CUDA); fake
+    # tensors fail its type check, so the choice is passed (clip_grad.py _get_total_norm, v2.13.0).
     clip_foreach = _device_has_foreach_support(batch[0].device)
     set_to_none = loop.zero_grad == "set_to_none"
     accum_steps = loop.accum_steps
