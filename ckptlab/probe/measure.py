@@ -227,7 +227,8 @@ def allocator_step_memory(step, model, optimizer, inputs, dev):
     MemoryReport (peak = bytes held when the step began + the allocator's high-water mark above
     it; saved activations = bytes the forward left allocated) and the loss."""
     start = {}
-    for t in list(model.parameters()) + list(inputs) + [
+    grads = [p.grad for p in model.parameters() if p.grad is not None]   # a loop that keeps them zero-filled
+    for t in list(model.parameters()) + grads + list(inputs) + [
             t for st in (optimizer.state.values() if optimizer else []) for t in st.values()
             if isinstance(t, torch.Tensor)]:
         if t.device == dev:
