@@ -356,7 +356,7 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
                 if (label, dropout) not in backends:
                     backends[label, dropout] = backend_on_cuda(workload, batch_size, seq_len, dev)
                 cell = (memory_cell(workload, batch_size, seq_len, policy, dropout, dev) if isinstance(policy, str) else
-                        new_record(workload.label, batch_size, seq_len, policy=PLAN, dtype=dtype, dropout=dropout,
+                        new_record(workload.label, batch_size, seq_len, loop, policy=PLAN, dtype=dtype, dropout=dropout,
                                    status="error", message=f"no plan: {type(policy).__name__}: {policy}"))
             except BudgetExceeded:
                 not_run.append(f"{len(todo) - k} cells from {label} {policy} dropout={dropout:g} on (stopped by the "
