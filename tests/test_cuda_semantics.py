@@ -54,10 +54,12 @@ def test_flash_keeps_q_k_v_out_logsumexp_and_its_rng_state_by_hand():
     loss = 2                                 # the bf16 loss, alive when forward ends
     assert report.saved_activation_bytes == qkv_out + lse + rng + loss
     # Backward's peak: what forward kept, the loss's grad (a 0-d bf16 expanded), dout made
-    # contiguous, dq, dk, dv, softmax_d fp32 [b, h, s_q rounded to 128] and the fp32 dq
+    # contiguous as [b, s, h, d], the output made so too (a copy: it has the [b, h, s, d] layout of
+    # the cloned q), dq, dk, dv, softmax_d fp32 [b, h, s_q rounded to 128] and the fp32 dq
     # accumulator [b, s_q rounded to 128, h, d rounded to 32].
     s128, d32 = 128, 32
-    backward = 2 + B * S * H * D * 2 + 3 * B * H * S * D * 2 + B * H * s128 * 4 + B * s128 * H * d32 * 4
+    backward = (2 + 2 * B * S * H * D * 2 + 3 * B * H * S * D * 2 + B * H * s128 * 4
+                + B * s128 * H * d32 * 4)
     assert report.peak_phase == "backward"
     assert report.peak_bytes == report.saved_activation_bytes + backward
 
@@ -69,8 +71,9 @@ def test_flash_backward_with_grouped_query_attention_expands_dk_dv_before_the_su
     q_bytes, kv_bytes = B * H * S * D * 2, B * hk * S * D * 2
     kept = 2 * q_bytes + 2 * kv_bytes + B * H * S * 4 + 24 + 2     # q, out, k, v, lse, rng, loss
     assert report.saved_activation_bytes == kept
-    # dout, dq, dk, dv, softmax_d, the dq accumulator, and dk, dv per query head
-    backward = 2 + 2 * q_bytes + 2 * kv_bytes + B * H * 128 * 4 + B * 128 * H * 32 * 4 + 2 * q_bytes
+    # dout, the output made contiguous as [b, s, h, d] (a copy), dq, dk, dv, softmax_d, the dq
+    # accumulator, and dk, dv per query head
+    backward = 2 + 3 * q_bytes + 2 * kv_bytes + B * H * 128 * 4 + B * 128 * H * 32 * 4 + 2 * q_bytes
     assert report.peak_bytes == kept + backward
 
 

@@ -28,6 +28,7 @@ from ..core.validate import integer, integer_list, number, output_folder, run_na
 from ..estimate.closed_form import closed_form
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
 from ..estimate.predict import check_device
+from ..estimate.torch_versions import TORCH_VERSIONS, default_torch_version
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
 from ..probe.timing import check_timing_options
@@ -418,14 +419,15 @@ def cuda_predict_columns(card_name: str | None) -> list:
         columns[at + 2:at + 2] = [("device" + on, "predicted_device_bytes", format_bytes),
                                   ("margin" + on, "margin_bytes", format_bytes)]
     columns.insert(at, ("attention", "attention_backend", str))
+    columns.insert(at + 1, ("torch", "torch_version", str))
     return columns
 
 
 def device_options(args: argparse.Namespace) -> dict:
-    """`predict`'s device, card and attention from --device, --card and --attention (a card means
-    CUDA). Checked as `predict` checks them, before any work."""
+    """`predict`'s device, card, attention and torch version from --device, --card, --attention
+    and --torch-version (a card means CUDA). Checked as `predict` checks them, before any work."""
     device = "cuda" if args.card else args.device
-    options = {"device": device, "card": args.card, "attention": args.attention}
+    options = {"device": device, "card": args.card, "attention": args.attention, "torch_version": args.torch_version}
     check_device(**options)
     return options
 
@@ -572,7 +574,7 @@ def add_holds_output_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """--device, --card, --attention: what a prediction is for (predict, plan, explain)."""
+    """--device, --card, --attention, --torch-version: what a prediction is for (predict, plan, explain)."""
     p.add_argument("--device", default="cpu", help="cpu (exact to the byte) | cuda: predict the step as a CUDA card "
                                                    "runs it (its kernels, autocast, optimizer, cuBLAS workspaces and "
                                                    "caching allocator)")
@@ -580,6 +582,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                                                 "its device bytes and the margin left")
     p.add_argument("--attention", default=None, choices=ATTENTION_BACKENDS,
                    help="force scaled-dot-product attention's CUDA backend (default: PyTorch's choice)")
+    p.add_argument("--torch-version", default=None, metavar="X.Y",
+                   help=f"the torch release whose CUDA rules the prediction follows ({', '.join(TORCH_VERSIONS)}; "
+                        f"default: the installed torch's, {default_torch_version()})")
 
 
 def add_format_argument(p: argparse.ArgumentParser) -> None:

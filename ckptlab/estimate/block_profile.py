@@ -81,14 +81,16 @@ def block_count(workload: Workload) -> int:
 
 def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str, dtype: str = "fp32",
                  optimizer: str = "adamw", device: str = "cpu", card: Optional[str | Card] = None,
-                 attention: Optional[str] = None, holds_output: bool = False) -> BlockMemory:
+                 attention: Optional[str] = None, holds_output: bool = False, *,
+                 torch_version: Optional[str] = None) -> BlockMemory:
     """The fake training step with every block at `option` (keep, selective, full), its memory at
-    block boundaries (module docstring); `device`, `card`, `attention` and `holds_output` as
-    `fake_training_step`'s."""
+    block boundaries (module docstring); `device`, `card`, `attention`, `holds_output` and
+    `torch_version` as `fake_training_step`'s."""
     n = block_count(workload)
     policy = plan_policy([option] * n)
     with fake_training_step(workload, batch_size, seq_len, policy, dtype, optimizer, device=device, card=card,
-                            attention=attention, holds_output=holds_output) as (model, handle, batch, opt, step):
+                            attention=attention, holds_output=holds_output,
+                            torch_version=torch_version) as (model, handle, batch, opt, step):
         blocks = handle.blocks
         marks = {"fwd_pre": [None] * n, "fwd_post": [None] * n, "bwd_start": [None] * n, "bwd_end": [None] * n}
         state = {}

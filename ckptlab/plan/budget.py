@@ -80,15 +80,18 @@ def resolve_budget(budget, none_peak: int) -> int:
 
 def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
                 optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4, device: str = "cpu",
-                card=None, attention: str | None = None, holds_output: bool = False) -> Plan:
+                card=None, attention: str | None = None, holds_output: bool = False, *,
+                torch_version: str | None = None) -> Plan:
     """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
     `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
-    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, as
-    `predict`) the plan is made and verified on the CUDA prediction's allocated peak; with
-    `holds_output` for a loop that keeps the model's output into the next step (`predict`'s)."""
+    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, under
+    `torch_version`'s rules, as `predict`) the plan is made and verified on the CUDA prediction's
+    allocated peak; with `holds_output` for a loop that keeps the model's output into the next
+    step (`predict`'s)."""
     workload = as_workload(workload)
     card = as_card(card)
-    predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
+    predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output,
+                     "torch_version": torch_version}
     profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost, **predicted_for)
     budget_bytes = resolve_budget(budget, profile.peak["keep"])
     target = budget_bytes
@@ -148,7 +151,7 @@ def refuse_compiled_budget(policy: Policy) -> None:
 
 def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32",
             optimizer: str = "adamw", device: str = "cpu", card=None, attention: str | None = None,
-            holds_output: bool = False) -> Resolved:
+            holds_output: bool = False, *, torch_version: str | None = None) -> Resolved:
     """The one place an eager `budget=` becomes a plan: the plan `plan_budget` chooses for this
     shape (predicted for `device`, and a card's), with the budget's +offload. Any other policy is
     already concrete. An infeasible budget raises ValueError stating the minimum achievable peak;
@@ -157,7 +160,7 @@ def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, d
         return Resolved(policy)
     refuse_compiled_budget(policy)
     plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer, device=device,
-                       card=card, attention=attention, holds_output=holds_output)
+                       card=card, attention=attention, holds_output=holds_output, torch_version=torch_version)
     return Resolved(plan_policy(plan.options, policy.offload), plan)
 
 
@@ -192,11 +195,13 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
             dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-            card=None, attention: str | None = None, holds_output: bool = False) -> Prediction:
+            card=None, attention: str | None = None, holds_output: bool = False, *,
+            torch_version: str | None = None) -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
-    the plan `plan_budget` chooses (on the same device, for the same loop); the prediction names
-    the budget as its policy and the plan in `plan`."""
-    predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
+    the plan `plan_budget` chooses (on the same device, for the same loop, under the same torch
+    version's rules); the prediction names the budget as its policy and the plan in `plan`."""
+    predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output,
+                     "torch_version": torch_version}
     workload, policy = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer,
                                         accum_steps, **predicted_for)
     resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **predicted_for)

@@ -159,7 +159,8 @@ class Explanation:
 
 def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none", *, dtype: str = "fp32",
             optimizer: str = "adamw", capacity=None, measure: bool = False, ranks: int = 8, device: str = "cpu",
-            card=None, attention: Optional[str] = None, holds_output: bool = False) -> Explanation:
+            card=None, attention: Optional[str] = None, holds_output: bool = False,
+            torch_version: Optional[str] = None) -> Explanation:
     """Why the peak of one training step is what it is, and what each lever would make it.
 
     Everything comes from predictions (fake tensors), so any shape works on a laptop;
@@ -169,17 +170,19 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     `card` and `attention` are `predict`'s: on a card (or a card as capacity) every number is
     predicted for that card, its device bytes, and the capacity is its usable bytes less its
     margin. `holds_output` is the loop's (`predict`'s): every prediction is for that loop, and a
-    lever releases the output. Bad input raises ValueError before any work."""
+    lever releases the output; `torch_version` is `predict`'s too. Bad input raises ValueError
+    before any work."""
     t0 = time.perf_counter()
     limit = parse_capacity(capacity) if capacity is not None else None
     on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
     device = "cuda" if on_card is not None else device
     workload, parsed = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer, 1, device, on_card,
-                                        attention, holds_output)
+                                        attention, holds_output, torch_version=torch_version)
     if limit is None or limit.arch:   # on a card: what its device bytes may reach
         limit = on_card
     capacity_bytes = limit.usable_bytes - limit.required_margin_bytes if limit is not None else None
-    on = {"device": device, "card": on_card, "attention": attention, "holds_output": holds_output}
+    on = {"device": device, "card": on_card, "attention": attention, "holds_output": holds_output,
+          "torch_version": torch_version}
     integer("ranks", ranks, 2)
     if measure and device != "cpu":
         raise ValueError(f"measure=True is invalid with device={device!r}: the step is measured here, on the CPU; "
