@@ -150,9 +150,10 @@ def test_cli_predict_for_a_card_prints_allocated_reserved_device_backend_and_mar
 
 def test_predict_fits_on_a_card_leaves_the_margin_predict_says(tiny):
     row, = ckptlab.predict_fits(tiny, ["full"], capacities=["rtx4090"], seq_len=16, batch_size=1, dtype="fp32",
-                                max_batch=2, seq_lens=[16])
-    p = ckptlab.predict(tiny, 2, 16, "full", dtype="fp32", device="cuda", card="rtx4090")
+                                max_batch=2, seq_lens=[16], torch_version="2.10")
+    p = ckptlab.predict(tiny, 2, 16, "full", dtype="fp32", device="cuda", card="rtx4090", torch_version="2.10")
     assert row["max_batch_size"] == 2 and row["batch_margin_bytes"] == p.margin_bytes
+    assert row["torch_version"] == "2.10"
     assert row["basis"] == "predicted for RTX 4090" and row["device"] == "cuda"
 
 

@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 import yaml
 
-from ..core.cards import card, cards
+from ..core.cards import card, cards, parse_capacity
 from ..core.dtypes import DTYPE_HELP, DTYPES
 from ..core.meta import __version__
 from ..core.optimizers import OPTIMIZER_HELP, OPTIMIZERS
@@ -425,8 +425,10 @@ def cuda_predict_columns(card_name: str | None) -> list:
 
 def device_options(args: argparse.Namespace) -> dict:
     """`predict`'s device, card, attention and torch version from --device, --card, --attention
-    and --torch-version (a card means CUDA). Checked as `predict` checks them, before any work."""
-    device = "cuda" if args.card else args.device
+    and --torch-version (a card, or explain's --capacity naming one, means CUDA). Checked as
+    `predict` checks them, before any work."""
+    capacity = getattr(args, "capacity", None)
+    device = "cuda" if args.card or (capacity is not None and parse_capacity(capacity).arch) else args.device
     options = {"device": device, "card": args.card, "attention": args.attention, "torch_version": args.torch_version}
     check_device(**options)
     return options
