@@ -85,7 +85,7 @@ def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
     rules = torch_rules(torch_version)
     if attention is not None:
         choice("attention", attention, ATTENTION_BACKENDS)
-        check_backend_available(attention, arch, rules)
+        check_backend_available(attention, rules)
     if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
         raise ValueError(f"sm_count={sm_count!r} is invalid: allowed is an integer >= 1")
     semantics = CudaSemantics(arch, attention, sm_count or SM_COUNTS[arch], rules)
@@ -104,18 +104,14 @@ def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
         lib._destroy()
 
 
-def check_backend_available(attention: str, arch: str, rules: TorchRules) -> None:
+def check_backend_available(attention: str, rules: TorchRules) -> None:
     """ValueError when the forced backend does not exist for this torch and card, whatever the
-    inputs: cuDNN attention before torch 2.5 (opt-in there) and below sm80. The other backends
-    exist on every card of ARCHS."""
-    if attention != "cudnn":
-        return
-    if not rules.cudnn_attention:
+    inputs: cuDNN attention before torch 2.5 (opt-in there). Every backend exists on every card of
+    ARCHS (check_cudnn_hardware_support: [sm80, sm121])."""
+    if attention == "cudnn" and not rules.cudnn_attention:
         raise ValueError(f"attention='cudnn' is invalid with torch_version={rules.version!r}: torch {rules.version} "
                          "runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1, which ckptlab does not model; "
                          "allowed are flash, efficient, math, or torch_version 2.5 and later")
-    if int(arch[2:-1]) < 8:  # check_cudnn_hardware_support: [sm80, sm121]
-        raise ValueError(f"attention='cudnn' is invalid on {arch}: cuDNN attention needs sm80 or newer")
 
 
 def priority(rules: TorchRules, arch: str) -> tuple[str, ...]:
@@ -140,7 +136,7 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
         # repeat_kv does for torch < 2.5 (expand, then reshape: a copy of each).
         key, value = (_repeat_heads(t, query.size(-3) // t.size(-3)) for t in (key, value))
         enable_gqa = False
-    why_not = {"cudnn": cudnn_refusal(query, key, value, dropout_p, enable_gqa, arch, rules),
+    why_not = {"cudnn": cudnn_refusal(query, key, value, dropout_p, arch, rules),
                "flash": flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, arch),
                "efficient": efficient_refusal(query, key, value, enable_gqa),
                "math": None}
@@ -191,12 +187,12 @@ def _heads_refusal(query, key, value, enable_gqa: bool, supports_gqa: bool) -> O
     return None
 
 
-def cudnn_refusal(query, key, value, dropout_p, enable_gqa, arch, rules: TorchRules) -> Optional[str]:
+def cudnn_refusal(query, key, value, dropout_p, arch, rules: TorchRules) -> Optional[str]:
     """can_use_cudnn_attention, check by check, for the torch of `rules` and the cuDNN its wheel
     ships (`rules.wheel_cudnn`): fp16 / bf16; masks of any broadcastable shape are taken
     (check_attn_mask_shape); dense inputs need a contiguous last dim, head counts that group
-    (check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads=false>: unequal
-    heads pass, grouped when enable_gqa), and check_cudnn_tensor_shapes' head dims (multiples of 8,
+    (check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads=false>: grouped
+    heads, with or without enable_gqa), and check_cudnn_tensor_shapes' head dims (multiples of 8,
     at most 128, or 256 on sm90 with a cuDNN of 9.10 or later: `cudnn_version >= 91000 && major
     == 9 && !minor`, the wheels of 2.8 on), s_k > 1, no dropout with s_q = 1; from 2.12 a dropout
     in sixteenths (check_cudnn_dropout)."""

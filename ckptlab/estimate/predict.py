@@ -24,7 +24,6 @@ from ..core.policy import Policy, parse_policies
 from ..core.validate import boolean, choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
-from .cuda_device import DEFAULT_ARCH
 from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available
 from .fake_step import DEVICES, Prediction, as_card, fake_memory
 from .torch_versions import check_torch_version, torch_rules
@@ -120,8 +119,8 @@ def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, po
 def check_device(device: str, card: Optional[str | Card] = None, attention: Optional[str] = None, *,
                  torch_version: Optional[str] = None) -> None:
     """Check what a prediction is for (ValueError naming the first bad one): a device of DEVICES,
-    a card of `ckptlab.cards()`, an attention backend that the card and torch version have, and a
-    torch version modelled, the last three only for "cuda"."""
+    a card of `ckptlab.cards()`, an attention backend that the torch version has, and a torch
+    version modelled, the last three only for "cuda"."""
     choice("device", device, DEVICES)
     check_torch_version(torch_version)
     given = {"card": card, "attention": attention, "torch_version": torch_version}
@@ -130,12 +129,12 @@ def check_device(device: str, card: Optional[str | Card] = None, attention: Opti
         raise ValueError(f"{name}={value!r} is invalid with device={device!r}: a card, an attention backend and a torch "
                          "version are CUDA's model (a CPU prediction runs the installed torch); allowed is device='cuda'")
     if isinstance(card, str):
-        card = find_card(card)
+        find_card(card)
     if isinstance(card, Card) and card.arch is None:
         raise ValueError(f"card={card.name!r} is invalid: a size is not a card; allowed is a card of ckptlab.cards()")
     if attention is not None:
         choice("attention", attention, ATTENTION_BACKENDS)
-        check_backend_available(attention, card.arch if card is not None else DEFAULT_ARCH, torch_rules(torch_version))
+        check_backend_available(attention, torch_rules(torch_version))
 
 
 def llama7b_shape(**overrides) -> Workload:
