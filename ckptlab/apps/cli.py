@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 import yaml
 
-from ..core.cards import card, cards
+from ..core.cards import card, cards, parse_capacity
 from ..core.dtypes import DTYPE_HELP, DTYPES
 from ..core.loop import DEFAULT_LOOP, ZERO_GRADS, Loop, as_loop
 from ..core.meta import __version__
@@ -29,6 +29,7 @@ from ..core.validate import integer, integer_list, number, output_folder, run_na
 from ..estimate.closed_form import closed_form
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
 from ..estimate.predict import check_device
+from ..estimate.torch_versions import TORCH_VERSIONS, default_torch_version
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
 from ..probe.timing import check_timing_options
@@ -418,14 +419,17 @@ def cuda_predict_columns(card_name: str | None) -> list:
         columns[at + 2:at + 2] = [("device" + on, "predicted_device_bytes", format_bytes),
                                   ("margin" + on, "margin_bytes", format_bytes)]
     columns.insert(at, ("attention", "attention_backend", str))
+    columns.insert(at + 1, ("torch", "torch_version", str))
     return columns
 
 
 def device_options(args: argparse.Namespace) -> dict:
-    """`predict`'s device, card and attention from --device, --card and --attention (a card means
-    CUDA). Checked as `predict` checks them, before any work."""
-    device = "cuda" if args.card else args.device
-    options = {"device": device, "card": args.card, "attention": args.attention}
+    """`predict`'s device, card, attention and torch version from --device, --card, --attention
+    and --torch-version (a card, or explain's --capacity naming one, means CUDA). Checked as
+    `predict` checks them, before any work."""
+    capacity = getattr(args, "capacity", None)
+    device = "cuda" if args.card or (capacity is not None and parse_capacity(capacity).arch) else args.device
+    options = {"device": device, "card": args.card, "attention": args.attention, "torch_version": args.torch_version}
     check_device(**options)
     return options
 
@@ -619,7 +623,7 @@ def loop_from_arguments(args: argparse.Namespace, base: Loop | str | None = None
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """--device, --card, --attention: what a prediction is for (predict, plan, explain)."""
+    """--device, --card, --attention, --torch-version: what a prediction is for (predict, plan, explain)."""
     p.add_argument("--device", default="cpu", help="cpu (exact to the byte) | cuda: predict the step as a CUDA card "
                                                    "runs it (its kernels, autocast, optimizer, cuBLAS workspaces and "
                                                    "caching allocator)")
@@ -627,6 +631,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                                                 "its device bytes and the margin left")
     p.add_argument("--attention", default=None, choices=ATTENTION_BACKENDS,
                    help="force scaled-dot-product attention's CUDA backend (default: PyTorch's choice)")
+    p.add_argument("--torch-version", default=None, metavar="X.Y",
+                   help=f"the torch release whose CUDA rules the prediction follows ({', '.join(TORCH_VERSIONS)}; "
+                        f"default: the installed torch's, {default_torch_version()})")
 
 
 def add_format_argument(p: argparse.ArgumentParser) -> None:

@@ -34,12 +34,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import get_device_states
 
 from ..core.cards import Card, cards
 from ..core.children import child_environment, die_with_parent
 from ..core.policy import Policy, parse_policy
 from ..core.records import new_record
+from ..estimate.cuda_device import DEFAULT_ARCH
+from ..estimate.cuda_semantics import cuda_semantics
+from ..estimate.torch_versions import torch_rules
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import failures_recorded, measurement_record, policy_applier, policy_notes, prepare_step
 from ..probe.memory import cuda_memory_snapshot, saved_bytes_by_node
@@ -73,7 +77,8 @@ BUDGET_S = 450.0          # from main() on: with the interpreter's start and the
 REPORT_RESERVE_S = 15.0   # kept back for writing the report when the alarm stops a stage
 
 # The memory cells: (label, workload spec, config overrides, batch, seq), each policy, each
-# attention dropout, in bf16 (flash attention on CUDA). PLAN stands for the planner's plan (for
+# attention dropout, in bf16, with the attention kernel the card picks (flash on sm80 / sm89; on
+# sm90 cuDNN where the torch prefers it, except with dropout 0.1, which cuDNN refuses from 2.12). PLAN stands for the planner's plan (for
 # CUDA) at the budget halfway between the peaks predicted for the model's none and full without
 # dropout. Small model first, the plans' cells last: if time runs short, both models have cells.
 SMALL_LLAMA = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
@@ -267,6 +272,36 @@ def card_of(dev: torch.device) -> Card | None:
     props = torch.cuda.get_device_properties(dev)
     same = [c for c in cards() if c.compute_capability == (props.major, props.minor)]
     return min(same, key=lambda c: abs(c.usable_bytes - props.total_memory), default=None)
+
+
+# The attention call whose kernel the report names: a Llama-like head (bf16, causal, head dim 64,
+# no mask, no dropout), with grad.
+KERNEL_PROBE = dict(shape=(1, 8, 1024, 64), dtype=torch.bfloat16)
+
+
+def default_attention_kernel(dev: torch.device) -> str:
+    """The kernel scaled_dot_product_attention runs on `dev` for KERNEL_PROBE by default, read from
+    its autograd nodes."""
+    q = torch.randn(*KERNEL_PROBE["shape"], dtype=KERNEL_PROBE["dtype"], device=dev, requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    return attention_backend_of(list(saved_bytes_by_node(out.float().sum()))) or "not known"
+
+
+def predicted_attention_kernel(card: Card | None, torch_version: str | None = None) -> str:
+    """The kernel ckptlab's CUDA model picks for KERNEL_PROBE on `card` (None: the default card's
+    architecture), under the rules of `torch_version` (default: this torch's)."""
+    with FakeTensorMode(), cuda_semantics(card.arch if card else DEFAULT_ARCH, torch_version=torch_version) as cuda:
+        q = torch.randn(*KERNEL_PROBE["shape"], dtype=KERNEL_PROBE["dtype"], requires_grad=True)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    return cuda.attention_backend
+
+
+def attention_kernel_note(dev: torch.device, card: Card | None) -> str:
+    """report.md's line naming the attention kernel this card runs by default and the one predicted."""
+    measured = default_attention_kernel(dev) if dev.type == "cuda" else "not measured (no CUDA device)"
+    return (f"Attention kernel this card picks by default (bf16, causal, head dim 64, torch {torch.__version__}): "
+            f"{measured}; ckptlab predicts {predicted_attention_kernel(card)} for it (torch "
+            f"{torch_rules().version}'s rules). Each memory cell's kernel is compared in the allocated claim.")
 
 
 def prediction_workers() -> int:
@@ -489,11 +524,9 @@ def run_check(out: Path, dev: torch.device, budget: TimeBudget) -> tuple[list[Cl
     traceback in errors.txt), the others run; when the alarm stops a stage, it and the stages
     after it are skipped."""
     claims: list[Claim] = []
-    # ckptlab predicts flash, memory-efficient and math attention, not cuDNN's, which torch tries
-    # first on some cards (sm90 with a recent cuDNN): the check runs the kernels the prediction models.
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    notes = ["cuDNN attention was switched off (`torch.backends.cuda.enable_cudnn_sdp(False)`): ckptlab's "
-             "prediction models flash, memory-efficient and math attention only."]
+    # The kernels run as torch picks them on this card (cuDNN attention first on sm90 where this
+    # torch prefers it): the check measures what users of the card run, and names it.
+    notes = [attention_kernel_note(dev, card_of(dev))]
     stages = [
         ("memory", (MEMORY_MEASURED_CLAIM, ALLOCATED_CLAIM, RESERVED_CLAIM), ESTIMATES["memory_cell"] + 10,
          lambda: memory_stage(out, dev, budget, notes)),

@@ -82,10 +82,10 @@ def block_count(workload: Workload) -> int:
 
 def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str, dtype: str = "fp32",
                  loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
-                 attention: Optional[str] = None) -> BlockMemory:
+                 attention: Optional[str] = None, *, torch_version: Optional[str] = None) -> BlockMemory:
     """The fake training step with every block at `option` (keep, selective, full), its memory at
-    block boundaries (module docstring); `loop`, `device`, `card` and `attention` as
-    `fake_training_step`'s. The loop runs one micro-batch (accum_steps=1): the markers are a
+    block boundaries (module docstring); `loop`, `device`, `card`, `attention` and `torch_version`
+    as `fake_training_step`'s. The loop runs one micro-batch (accum_steps=1): the markers are a
     pass's."""
     loop = as_loop(loop)
     if loop.accum_steps != 1:
@@ -94,7 +94,7 @@ def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str,
     n = block_count(workload)
     policy = plan_policy([option] * n)
     with fake_training_step(workload, batch_size, seq_len, policy, dtype, loop, device=device, card=card,
-                            attention=attention) as (model, handle, batch, opt, step):
+                            attention=attention, torch_version=torch_version) as (model, handle, batch, opt, step):
         blocks = handle.blocks
         marks = {"fwd_pre": [None] * n, "fwd_post": [None] * n, "bwd_start": [None] * n, "bwd_end": [None] * n}
         state = {}

@@ -49,6 +49,7 @@ from ..workloads.specs import one_line
 from .cuda_autocast import cuda_autocast
 from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, device_memory
 from .cuda_semantics import cuda_semantics
+from .torch_versions import torch_rules
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Prediction:
     device_bytes: Optional[int] = None
     margin_bytes: Optional[int] = None
     host_bytes: Optional[int] = None         # offload on CUDA: pinned host memory at its peak
+    torch_version: Optional[str] = None      # on "cuda": the torch release whose rules it follows
 
     @property
     def held_bytes(self) -> int:
@@ -114,7 +116,8 @@ class Prediction:
                 f"peak {format_bytes(self.peak_bytes)} in {self.peak_phase}, saved activations "
                 f"{format_bytes(self.saved_activation_bytes)}")
         if self.device == "cuda":
-            text += f"; reserved {format_bytes(self.reserved_bytes)}, attention {self.attention_backend}"
+            text += (f"; reserved {format_bytes(self.reserved_bytes)}, attention {self.attention_backend}"
+                     f" (torch {self.torch_version})")
         if self.card is not None:
             text += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
                      f"predicted for {self.card}")
@@ -203,19 +206,21 @@ def sequences_unpacked():
 @contextlib.contextmanager
 def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
                        dtype: str = "fp32", loop: Loop | str | None = None, device: str = "cpu",
-                       card: Optional[str | Card] = None, attention: Optional[str] = None):
+                       card: Optional[str | Card] = None, attention: Optional[str] = None, *,
+                       torch_version: Optional[str] = None):
     """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
     optimizer, step) after one untracked warm-up step — the state `measure` tracks from. With
-    device="cuda" the step runs as on `card`'s architecture (default sm80), `attention` forcing
-    the SDPA backend; `loop` as `probe.step.training_step`'s."""
+    device="cuda" the step runs as on `card`'s architecture (default sm80) under the rules of
+    `torch_version` (default: the installed torch's), `attention` forcing the SDPA backend;
+    `loop` as `probe.step.training_step`'s."""
     with _fake_step(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
-                    attention) as (model, handle, batch, opt, step, _):
+                    attention, torch_version=torch_version) as (model, handle, batch, opt, step, _):
         yield model, handle, batch, opt, step
 
 
 @contextlib.contextmanager
 def _fake_step(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
-               host: Optional[HostOffload] = None):
+               host: Optional[HostOffload] = None, *, torch_version: Optional[str] = None):
     """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu"); with
     `host`, offload moves saved tensors to it as on CUDA."""
     card = as_card(card)
@@ -225,8 +230,8 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, loop, device, card,
     cuda = device == "cuda"
     semantics = None
     if cuda:
-        semantics = cuda_semantics(card.arch, attention, card.sm_count or None) if card else cuda_semantics(
-            DEFAULT_ARCH, attention)
+        semantics = cuda_semantics(card.arch if card else DEFAULT_ARCH, attention, (card.sm_count or None) if card else None,
+                                   torch_version=torch_version)
     with fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
         model.train()
         handle = apply_checkpointing(model, policy, offload_hooks=host.hooks if host else None)
@@ -316,13 +321,14 @@ class FakeMemory:
 
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                 loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
-                attention: Optional[str] = None) -> FakeMemory:
-    """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring)."""
+                attention: Optional[str] = None, *, torch_version: Optional[str] = None) -> FakeMemory:
+    """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring, under
+    the rules of `torch_version`, default the installed torch's)."""
     cuda, card = device == "cuda", as_card(card)
-    blas = BlasUse() if cuda else contextlib.nullcontext()
+    blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
     host = HostOffload() if cuda and policy.offload else None
     with _fake_step(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
-                    attention, host) as (model, handle, batch, opt, step, kernels):
+                    attention, host, torch_version=torch_version) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:

@@ -81,16 +81,16 @@ def resolve_budget(budget, none_peak: int) -> int:
 
 def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
                 loop: Loop | str | None = None, cost: str = "auto", max_iterations: int = 4, device: str = "cpu",
-                card=None, attention: str | None = None) -> Plan:
+                card=None, attention: str | None = None, *, torch_version: str | None = None) -> Plan:
     """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
     `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
-    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, as
-    `predict`) the plan is made and verified on the CUDA prediction's allocated peak, for the
-    training `loop` (`core.loop`, `predict`'s): profiled as `plan.profile.profiled_loop`, verified
-    in the loop itself."""
+    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, under
+    `torch_version`'s rules, as `predict`) the plan is made and verified on the CUDA prediction's
+    allocated peak, for the training `loop` (`core.loop`, `predict`'s): profiled as
+    `plan.profile.profiled_loop`, verified in the loop itself."""
     workload, loop = as_workload(workload), as_loop(loop)
     card = as_card(card)
-    predicted_for = {"device": device, "card": card, "attention": attention}
+    predicted_for = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
     profile = profile_blocks(workload, batch_size, seq_len, dtype, loop, cost, **predicted_for)
     budget_bytes = resolve_budget(budget, profile.peak["keep"])
     target = budget_bytes
@@ -149,7 +149,8 @@ def refuse_compiled_budget(policy: Policy) -> None:
 
 
 def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32",
-            loop: Loop | str | None = None, device: str = "cpu", card=None, attention: str | None = None) -> Resolved:
+            loop: Loop | str | None = None, device: str = "cpu", card=None, attention: str | None = None, *,
+            torch_version: str | None = None) -> Resolved:
     """The one place an eager `budget=` becomes a plan: the plan `plan_budget` chooses for this
     shape (predicted for `device`, and a card's), with the budget's +offload. Any other policy is
     already concrete. An infeasible budget raises ValueError stating the minimum achievable peak;
@@ -158,7 +159,7 @@ def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, d
         return Resolved(policy)
     refuse_compiled_budget(policy)
     plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, loop=loop, device=device,
-                       card=card, attention=attention)
+                       card=card, attention=attention, torch_version=torch_version)
     return Resolved(plan_policy(plan.options, policy.offload), plan)
 
 
@@ -192,11 +193,11 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
             dtype: str = "fp32", loop: Loop | str | None = None, device: str = "cpu", card=None,
-            attention: str | None = None) -> Prediction:
+            attention: str | None = None, *, torch_version: str | None = None) -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
-    the plan `plan_budget` chooses (on the same device, for the same loop); the prediction names
-    the budget as its policy and the plan in `plan`."""
-    predicted_for = {"device": device, "card": card, "attention": attention}
+    the plan `plan_budget` chooses (on the same device, for the same loop, under the same torch
+    version's rules); the prediction names the budget as its policy and the plan in `plan`."""
+    predicted_for = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
     workload, policy, loop = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, loop,
                                               **predicted_for)
     resolved = resolve(policy, workload, batch_size, seq_len, dtype, loop, **predicted_for)

@@ -69,18 +69,19 @@ _PROFILE_CACHE: dict = {}
 
 def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtype: str = "fp32",
                    loop: Loop | str | None = None, cost: str = "auto", device: str = "cpu", card=None,
-                   attention: str | None = None) -> Profile:
+                   attention: str | None = None, *, torch_version: str | None = None) -> Profile:
     """The planner's per-block profile (module docstring). `cost`: measured (each block's
     forward + backward per option, timed on the CPU), roofline (FLOPs and bytes of a fake forward,
     for shapes that do not fit here) or auto (measured if the uniform keep peak is under
     `MEASURED_BELOW_BYTES`, 4 GiB). Cached per shape.
-    The memory is the fake step's on `device` ("cuda": on `card`, with `attention`: `predict`'s), in
-    `loop` (`core.loop`) as `profiled_loop` runs it."""
+    The memory is the fake step's on `device` ("cuda": on `card`, with `attention`, under
+    `torch_version`'s rules: `predict`'s), in `loop` (`core.loop`) as `profiled_loop` runs it."""
     workload, loop = as_workload(workload), profiled_loop(as_loop(loop))
     if cost not in ("auto", "measured", "roofline"):
         raise ValueError(f"cost={cost!r} is invalid: allowed are auto, measured, roofline")
-    on_device = {"device": device, "card": card, "attention": attention}
-    key = (workload.identity, batch_size, seq_len, dtype, loop, cost, device, getattr(card, "name", card), attention)
+    on_device = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
+    key = (workload.identity, batch_size, seq_len, dtype, loop, cost, device, getattr(card, "name", card), attention,
+           torch_version)
     if key in _PROFILE_CACHE:
         return _PROFILE_CACHE[key]
     t0 = time.perf_counter()

@@ -160,7 +160,7 @@ class Explanation:
 
 def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none", *, dtype: str = "fp32",
             loop: Loop | str | None = None, capacity=None, measure: bool = False, ranks: int = 8, device: str = "cpu",
-            card=None, attention: Optional[str] = None) -> Explanation:
+            card=None, attention: Optional[str] = None, torch_version: Optional[str] = None) -> Explanation:
     """Why the peak of one training step is what it is, and what each lever would make it.
 
     Everything comes from predictions (fake tensors), so any shape works on a laptop;
@@ -170,17 +170,18 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     `card` and `attention` are `predict`'s: on a card (or a card as capacity) every number is
     predicted for that card, its device bytes, and the capacity is its usable bytes less its
     margin. `loop` is the training loop (`core.loop`, `predict`'s): every prediction is for that
-    loop, and levers change its fields (another optimizer, accumulation, releasing a held output). Bad input raises ValueError before any work."""
+    loop, and levers change its fields (another optimizer, accumulation, releasing a held output);
+    `torch_version` is `predict`'s too. Bad input raises ValueError before any work."""
     t0 = time.perf_counter()
     limit = parse_capacity(capacity) if capacity is not None else None
     on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
     device = "cuda" if on_card is not None else device
     workload, parsed, loop = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, loop, device,
-                                              on_card, attention)
+                                              on_card, attention, torch_version=torch_version)
     if limit is None or limit.arch:   # on a card: what its device bytes may reach
         limit = on_card
     capacity_bytes = limit.usable_bytes - limit.required_margin_bytes if limit is not None else None
-    on = {"device": device, "card": on_card, "attention": attention}
+    on = {"device": device, "card": on_card, "attention": attention, "torch_version": torch_version}
     integer("ranks", ranks, 2)
     if measure and device != "cpu":
         raise ValueError(f"measure=True is invalid with device={device!r}: the step is measured here, on the CPU; "
