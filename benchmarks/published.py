@@ -39,6 +39,7 @@ from ckptlab.estimate.fake_step import fake_training_step  # noqa: E402
 
 ESTIMATORS = ("pytorch-memtracker", "16-bytes-per-parameter", "accelerate-estimate-memory")
 BAND = 0.05   # the figure's band, and "within" on the page
+MIB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -129,6 +130,14 @@ def accelerate_estimate(row: Row, workload: ckptlab.Workload) -> int:
 
 # ---------------------------------------------------------------------------------------------- rows
 
+def predicted_loop(row: Row) -> dict:
+    """The row's loop as it is predicted: an accumulation of k >= 2 micro-batches as 2. From the
+    second micro-step on, each starts with the gradients the earlier ones left and ends the same,
+    so the peak is the same for every k >= 2; the fake step runs each micro-step, and 128 of them
+    (litgpt's LoRA recipe at micro-batch 1) would cost minutes for nothing."""
+    return {**row.loop, "accum_steps": min(row.loop["accum_steps"], 2)}
+
+
 def predicted_quantity(row: Row, prediction) -> int:
     """ckptlab's number for the row's quantity."""
     if row.quantity == "nvidia-smi":
@@ -144,27 +153,39 @@ def run_row(row: Row, model_factory=None) -> dict:
               "quantity_means": QUANTITIES[row.quantity], "published_bytes": row.published_bytes,
               "published_text": row.published_text, "model": row.model, "batch_size": row.batch_size,
               "seq_len": row.seq_len, "policy": row.policy, "dtype": row.dtype, "loop": dict(row.loop),
+              "predicted_loop": predicted_loop(row),
               "conditions": list(row.conditions), "unknowns": [list(u) for u in row.unknowns],
               "not_modelled": list(row.not_modelled), "predicted_for": getattr(card_for(row), "label", row.predict_card),
               "predicted_bytes": None, "ratio": None, "estimators": dict.fromkeys(ESTIMATORS),
-              "estimator_ratios": dict.fromkeys(ESTIMATORS), "status": "ok", "reason": ""}
+              "estimator_ratios": dict.fromkeys(ESTIMATORS), "estimator_notes": {}, "status": "ok", "reason": ""}
     reason = None if model_factory is not None else package_missing(row)
     if reason:
         return {**record, "status": "not run", "reason": reason}
     workload = (model_factory or MODELS[row.model])()
     start = time.perf_counter()
     prediction = ckptlab.predict(workload, row.batch_size, row.seq_len, row.policy, dtype=row.dtype, device="cuda",
-                                 card=card_for(row), **row.loop)
+                                 card=card_for(row), **predicted_loop(row))
     record.update(predict_s=round(time.perf_counter() - start, 1), peak_phase=prediction.peak_phase,
                   attention_backend=prediction.attention_backend, peak_by_category=dict(prediction.peak_by_category),
                   allocated_bytes=prediction.peak_bytes, reserved_bytes=prediction.reserved_bytes,
                   device_bytes=prediction.device_bytes)
     record["predicted_bytes"] = predicted_quantity(row, prediction)
-    estimates = {"16-bytes-per-parameter": sixteen_bytes_rule(row, workload),
-                 "accelerate-estimate-memory": accelerate_estimate(row, workload),
-                 "pytorch-memtracker": (memtracker_peak(row, workload)
-                                        if row.quantity in ("allocated", "pytorch-estimate") else None)}
-    record["estimators"] = estimates
+    record["residual"] = row.residual
+    if row.source_context_bytes is not None and row.quantity == "nvidia-smi":
+        # the account of the residual, not the prediction: the context the source measured in place of ckptlab's
+        record["source_context_bytes"] = row.source_context_bytes
+        record["ratio_with_source_context"] = (prediction.reserved_bytes + row.source_context_bytes) / row.published_bytes
+    estimates, notes = {}, {}
+    for name, estimate in (("pytorch-memtracker", memtracker_peak), ("16-bytes-per-parameter", sixteen_bytes_rule),
+                           ("accelerate-estimate-memory", accelerate_estimate)):
+        if name == "pytorch-memtracker" and row.quantity not in ("allocated", "pytorch-estimate"):
+            estimates[name], notes[name] = None, f"no answer for a {row.quantity} figure (it counts tensors)"
+            continue
+        try:
+            estimates[name] = estimate(row, workload)
+        except Exception as exc:  # noqa: BLE001 - an estimator that fails on a row has no answer there, said why
+            estimates[name], notes[name] = None, f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+    record["estimators"], record["estimator_notes"] = estimates, notes
     record["ratio"] = record["predicted_bytes"] / row.published_bytes
     record["estimator_ratios"] = {k: (v / row.published_bytes if v is not None else None) for k, v in estimates.items()}
     return record
@@ -306,7 +327,8 @@ def render_page(report: dict) -> str:
                   f"{r['quantity']}, {r['quantity_means']}. Published: {r['published_text']} "
                   f"= {r['published_bytes']:,} B.",
                   f"- Shape and policy: batch {r['batch_size']}, seq {r['seq_len']}, policy `{r['policy']}`, dtype "
-                  f"`{r['dtype']}`; loop options `{json.dumps(r['loop'])}`.",
+                  f"`{r['dtype']}`; loop options `{json.dumps(r['loop'])}`, predicted as `{json.dumps(r['predicted_loop'])}` "
+                  "(every micro-step after the first holds the same).",
                   "- Conditions of the loop, as the source sets them:"]
         lines += [f"    - {c}" for c in r["conditions"]]
         if r["unknowns"]:
@@ -323,8 +345,18 @@ def render_page(report: dict) -> str:
                   f"{gb(r['device_bytes'])} GB; peak in {r['peak_phase']}, attention "
                   f"{r['attention_backend'] or 'none (no SDPA)'}; by category (GB): {cats}. "
                   f"Predicted in {r['predict_s']} s.",
+                  *[f"- {name} has no answer here: {note}" for name, note in r["estimator_notes"].items()],
                   "- What ckptlab does not model here, the residual's candidates:"]
         lines += [f"    - {n}" for n in r["not_modelled"]]
+        if r.get("ratio_with_source_context") is not None:
+            lines.append(f"- With the CUDA context the source measured on its card ({r['source_context_bytes'] / MIB:.0f} "
+                         f"MiB) in place of ckptlab's ({(r['device_bytes'] - r['reserved_bytes']) / MIB:.0f} MiB), the "
+                         f"ratio would be {ratio_text(r['ratio_with_source_context'])} (an account, not the prediction).")
+        if r["estimators"]["pytorch-memtracker"] is not None:
+            lines.append(f"- pytorch-memtracker over ckptlab's allocated peak, on the same fake step: "
+                         f"{ratio_text(r['estimators']['pytorch-memtracker'] / r['allocated_bytes'])}.")
+        if r["residual"]:
+            lines.append(f"- The residual: {r['residual']}")
         if r["closest"] != "ckptlab":
             lines.append(f"- Closest on this row: {r['closest']}, not ckptlab. A model-states-only estimate "
                          "leaves out activations and temporaries; when it lands nearer, it is because its "

@@ -106,11 +106,39 @@ def test_the_committed_page_is_the_committed_report_rendered():
     (["--rows", "no-such-row"], "--rows"),
     (["--rows", ""], "--rows"),
     (["--docs", "page.txt"], "--docs"),
+    (["--out", str(ROOT / "README.md")], "--out"),   # a file, not a folder
 ])
-def test_bad_arguments_get_one_line_and_exit_2(tmp_path, args, named):
+def test_bad_arguments_get_one_line_and_exit_2(tmp_path, capsys, args, named):
+    with pytest.raises(SystemExit) as exit_:
+        published.parse_args(["--out", str(tmp_path / "out"), *args])   # the last --out given wins
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {named}=")
+
+
+def test_the_command_line_refuses_before_any_work(tmp_path):
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published.py"), "--out", str(out), *args],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert done.returncode == 2
-    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(f"error: {named}=")
-    assert not out.exists()
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published.py"), "--out", str(out),
+                           "--rows", "no-such-row"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not out.exists() and not (tmp_path / "docs").exists()
+
+
+def test_an_accumulation_peaks_the_same_from_two_micro_steps_on():
+    # why the benchmark predicts an accumulation of k >= 2 micro-batches as 2 (`predicted_loop`)
+    workload = tiny_reference_model()
+    two, three = (ckptlab.predict(workload, 2, 32, "none", optimizer="adamw-foreach", accum_steps=k, device="cuda",
+                                  holds_output=True) for k in (2, 3))
+    assert (two.peak_bytes, two.reserved_bytes) == (three.peak_bytes, three.reserved_bytes)
+    row = dataclasses.replace(stand_in("allocated"), loop={"optimizer": "sgd", "accum_steps": 32, "holds_output": False})
+    assert published.predicted_loop(row) == {**row.loop, "accum_steps": 2}
+
+
+def test_the_readme_quotes_this_benchmark_for_accuracy_on_gpus():
+    report = json.loads((ROOT / "results" / "published" / "report.json").read_text())
+    s = report["summary"]
+    quote = (f"ckptlab's predictions are off by a median of {published.pct(s['ckptlab']['median_abs_error'])} "
+             f"and at worst {published.pct(s['ckptlab']['worst_abs_error'])}")
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert quote in readme and f"the {s['ckptlab']['rows']} training-memory figures" in readme
+    assert f"by a median of {published.pct(s['16-bytes-per-parameter']['median_abs_error'])}" in readme
