@@ -6,7 +6,8 @@ quantity beside the estimators a user would try, on the same rows (benchmarks/pu
 For each row: ckptlab.predict on fake tensors for the row's card and loop, and
   - pytorch-memtracker: torch.distributed._tools.mem_tracker.MemTracker around the same fake step
     (CUDA's 512-byte rounding applied): its peak, for an allocated quantity (null for reserved and
-    nvidia-smi, which it does not model); on the PyTorch row, that row's own figure is its estimate;
+    nvidia-smi, which it does not model, and where it fails: it hooks every parameter's gradient,
+    which a frozen parameter refuses); on the PyTorch row, that row's own figure is its estimate;
   - 16-bytes-per-parameter: 16 B per trainable parameter (weights, gradients, two AdamW moments in
     fp32) plus the frozen parameters' weights: the model states only;
   - accelerate-estimate-memory: `accelerate estimate-memory`'s "Training using Adam" for the
@@ -40,7 +41,6 @@ from ckptlab.estimate.fake_step import fake_training_step  # noqa: E402
 ESTIMATORS = ("pytorch-memtracker", "16-bytes-per-parameter", "accelerate-estimate-memory")
 BAND = 0.05   # the figure's band, and "within" on the page
 MIB = 2**20
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Parser(argparse.ArgumentParser):
@@ -387,7 +387,8 @@ not tokens, so it is unknown)."""
 ESTIMATOR_NOTES = """- **pytorch-memtracker**: `torch.distributed._tools.mem_tracker.MemTracker` around the same
   fake step ckptlab tracks (same model, batch, loop and CUDA rules), with the model and optimizer
   registered. It refuses a second forward in one iteration, so an accumulating loop is tracked as
-  its last micro-step, the gradients the earlier ones left already there. It counts tensor bytes, rounded to 512 B as CUDA's allocator does, so it answers
+  its last micro-step, the gradients the earlier ones left already there. It registers a gradient
+  hook on every parameter, which a frozen one refuses: on LoRA rows it has no answer. It counts tensor bytes, rounded to 512 B as CUDA's allocator does, so it answers
   allocated quantities; for reserved and nvidia-smi figures it has no answer (null).
 - **16-bytes-per-parameter**: 16 B per trainable parameter (fp32 weights, gradients and two AdamW
   moments) plus the frozen parameters' weights in the row's weight dtype: model states only.

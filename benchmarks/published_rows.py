@@ -148,7 +148,7 @@ def litgpt_lora(name: str) -> ckptlab.Workload:
 def hf_bert_large_classifier() -> ckptlab.Workload:
     """transformers' BertForSequenceClassification with bert-large-uncased's config (its
     config.json: 24 layers, width 1024, 16 heads, 4096 intermediate, vocabulary 30522, 512
-    positions; 2 labels), eager attention as transformers 4.16 ran BERT, and the model's own loss
+    positions; 2 labels), eager attention as transformers ran BERT in 2022, and the model's own loss
     (`labels=`), as Trainer computes it."""
     from transformers import BertConfig, BertForSequenceClassification  # noqa: PLC0415 - the `hf` extra
 
@@ -209,7 +209,8 @@ HF_ONE_GPU = Source(
     "transformers", "huggingface/transformers", "docs/source/en/perf_train_gpu_one.mdx",
     "0016acf7ef421c7fe8eff7945de52c71896c3b01", "GPU memory occupied: {} MB.  (pynvml: info.used//1024**2)")
 PYTORCH_SAC_ILP = Source(
-    "pytorch", "pytorch/pytorch", "test/distributed/_tools/test_sac_ilp.py::test_sac_ilp_case1", "v2.11.0",
+    "pytorch", "pytorch/pytorch", "test/distributed/_tools/test_sac_ilp.py::test_sac_ilp_case1",
+    "7b88d734eac10b68d75a126d70ae4c925ed8d05e",
     "self.assertAlmostEqual(peak_mem / 2583888896, 1, delta=0.05)")
 
 _LITGPT_THUNDER_CONDITIONS = (
@@ -226,17 +227,19 @@ _LORA_CONDITIONS = (
     "--precision bf16-true; torch.optim.AdamW over the LoRA weights (foreach on CUDA), weight decay 0.01",
     "global batch 128 in micro-batches (128 / micro-batch accumulation steps); no gradient clipping",
     "logits = model(input_ids, lm_head_chunk_size=128) assigned at loop scope: held into the next forward",
-    "optimizer.zero_grad() (set_to_none=False on torch 2.1: gradients stay allocated between steps)",
+    "optimizer.zero_grad() after each optimizer step (set_to_none=True, torch's default since 2.0)",
     "Alpaca, padded to the longest sequence of each batch; torch 2.1.0+cu121, one A100-SXM4-40GB",
+    "Max GPU RAM is torch.cuda.max_memory_allocated() / 1e9 at the end of the run",
 )
 _LORA_UNKNOWNS = (
-    ("the longest batch the run drew (the peak is there)",
-     "the training set's longest example, which the page gives per tokenizer (an upper bound)"),
+    ("which step peaks: iteration 0 is given the longest example (get_batch's longest_seq_ix) with no logits "
+     "held yet; later steps hold the previous logits but are shorter",
+     "the longest example's length, with the previous logits of that length held: an upper bound by one output"),
     ("the model code of lit-gpt 8641822", "litgpt 0.4.0's lora.GPT (the same layers; kept caches may differ)"),
     ("the validation's generation (KV cache) during the run", "below the training step's peak"),
 )
 _HF_CONDITIONS = (
-    "Trainer (transformers 4.16-4.17, January 2022), BertForSequenceClassification, bert-large-uncased, fp32",
+    "Trainer, BertForSequenceClassification, bert-large-uncased, fp32 (the page's nvidia-smi is of January 2022)",
     "dummy data: 512 sequences of 512 random token ids, no attention mask; labels from randint(0, 1)",
     "optim adamw_hf (transformers.AdamW: one parameter at a time), max_grad_norm 1.0",
     "model.zero_grad() between steps (set_to_none=False on torch 1.10: gradients stay allocated)",
@@ -245,8 +248,11 @@ _HF_CONDITIONS = (
 )
 _HF_UNKNOWNS = (
     ("torch version", "1.10 (January 2022): no lazy kernel loading, cuBLAS workspace outside the allocator"),
+    ("transformers version", "4.15-4.17 (January-March 2022): eager BERT attention, optim adamw_hf by default"),
 )
 _HF_NOT_MODELLED = (
+    "zero_grad(set_to_none=False): ckptlab has no option for it yet; it keeps the gradients through the next "
+    "forward as an accumulation of two or more micro-batches does, so the loop options say accum_steps >= 2",
     "the CUDA context: the page measures 1343 MiB (torch.ones on the V100, all kernels loaded); ckptlab's "
     "card rule gives 3 MiB per SM + lazily loaded kernel images",
     "V100 (sm70) itself: predicted as an sm80 card with 80 SMs",
@@ -264,7 +270,8 @@ def _lora_row(id_, name, size, seq, micro, published, text):
                "The Llama 2 rows land close to their figures. The phi-1.5 rows fall short by an amount that grows "
                "with the micro-batch, so it is per-sequence activation memory that lit-gpt 8641822's code on torch "
                "2.1 kept and litgpt 0.4.0 on ckptlab's torch 2.11 rules does not (the two versions' lora.py differ). "
-               "The assumed length is the longest example, an upper bound, so a shorter longest batch would widen it.")
+               "Holding a previous output of the longest length is an upper bound, so the shortfall is not from the "
+               "assumed loop.")
 
 
 def _hf_row(id_, batch, accum, policy, published_mib, what):
@@ -276,10 +283,10 @@ def _hf_row(id_, batch, accum, policy, published_mib, what):
                _HF_CONDITIONS + (what,), _HF_UNKNOWNS, _HF_NOT_MODELLED, "v100-16-as-sm80", "transformers",
                "Part explained: the page's own measurement of the context (1343 MiB) against ckptlab's rule for a "
                "V100 with lazy kernel loading (the ratio with it is above). What remains "
-               "grows with the batch (batch 4 against 1), so it is per-sample memory that transformers 4.16 on "
+               "grows with the batch (batch 4 against 1), so it is per-sample memory that transformers of 2022 on "
                "torch 1.10 held beyond ckptlab's model of transformers 5 on torch 2.11 (the page names neither "
-               "torch version nor allocator statistics), plus cuBLAS's own kernel images loaded at its first "
-               "matmul, which CUDA 11.2 loads whole.", 1343 * MiB)
+               "torch version nor allocator statistics), and possibly cuBLAS's own kernel images, loaded at its "
+               "first matmul (after the page's context measurement) and whole on CUDA 11.2.", 1343 * MiB)
 
 
 ROWS: tuple[Row, ...] = (
