@@ -357,7 +357,12 @@ def render_page(report: dict) -> str:
                          f"{ratio_text(r['estimators']['pytorch-memtracker'] / r['allocated_bytes'])}.")
         if r["residual"]:
             lines.append(f"- The residual: {r['residual']}")
-        if r["closest"] != "ckptlab":
+        if r["closest"] == "pytorch-memtracker":
+            lines.append("- Closest on this row: pytorch-memtracker, not ckptlab. It tracks the same fake step and "
+                         "differs from ckptlab by what each counts (it leaves out what exists before it starts, "
+                         "such as the batch, and the cuBLAS workspaces); where the figure is PyTorch's own "
+                         "estimate, PyTorch's tracker is the nearer by construction.")
+        elif r["closest"] != "ckptlab":
             lines.append(f"- Closest on this row: {r['closest']}, not ckptlab. A model-states-only estimate "
                          "leaves out activations and temporaries; when it lands nearer, it is because its "
                          "omissions and its over-counts (fp32 copies a bf16 run does not hold, the whole model as "
