@@ -230,7 +230,7 @@ def package_versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415 - only the report needs it
 
     versions = {}
-    for name in ("litgpt", "transformers", "accelerate"):
+    for name in ("litgpt", "llms-from-scratch", "transformers", "accelerate"):
         try:
             versions[name] = version(name)
         except PackageNotFoundError:

@@ -167,6 +167,25 @@ def hf_bert_large_classifier() -> ckptlab.Workload:
                                   batch, loss, blocks="bert.encoder.layer", max_seq_len=512)
 
 
+def llms_from_scratch_gpt_124m() -> ckptlab.Workload:
+    """The book's GPTModel (llms_from_scratch.ch04, the package of rasbt/LLMs-from-scratch: the
+    classes 00_orig.py copies) with 00_orig.py's GPT_CONFIG_124M: vocabulary 50257, 1024 positions,
+    width 768, 12 heads, 12 layers, dropout 0.1, no qkv bias; its attention by hand (a stored
+    causal mask, fp32 scores, softmax, dropout); loss `calc_loss_batch`'s cross entropy over the
+    flattened logits (local to the function)."""
+    from llms_from_scratch.ch04 import GPTModel  # noqa: PLC0415 - the `published` extra
+
+    config = {"vocab_size": 50257, "context_length": 1024, "emb_dim": 768, "n_heads": 12, "n_layers": 12,
+              "drop_rate": 0.1, "qkv_bias": False}
+
+    def loss(model, batch):
+        input_ids, targets = batch
+        return torch.nn.functional.cross_entropy(model(input_ids).flatten(0, 1), targets.flatten())
+
+    return ckptlab.Workload.custom("llms-from-scratch:gpt-124m", lambda: GPTModel(config),
+                                  _token_batch(config["vocab_size"]), loss, blocks="trf_blocks", max_seq_len=1024)
+
+
 def pytorch_sac_ilp_transformer() -> ckptlab.Workload:
     """The Transformer of PyTorch's test_sac_ilp.py, rebuilt layer for layer in tests/reference_models.py."""
     spec = importlib.util.spec_from_file_location("ckptlab_reference_models", ROOT / "tests" / "reference_models.py")
@@ -191,10 +210,11 @@ MODELS: dict[str, Callable[[], ckptlab.Workload]] = {
     "litgpt-lora:Llama-2-7b-hf": lambda: litgpt_lora("Llama-2-7b-hf"),
     "hf:bert-large-uncased-classifier": hf_bert_large_classifier,
     "pytorch:sac-ilp-transformer": pytorch_sac_ilp_transformer,
+    "llms-from-scratch:gpt-124m": llms_from_scratch_gpt_124m,
 }
 MODEL_PACKAGES = {"litgpt:tiny-llama-1.1b": "litgpt", "litgpt-lora:phi-1_5": "litgpt",
                   "litgpt-lora:Llama-2-7b-hf": "litgpt", "hf:bert-large-uncased-classifier": "transformers",
-                  "pytorch:sac-ilp-transformer": "torch"}
+                  "pytorch:sac-ilp-transformer": "torch", "llms-from-scratch:gpt-124m": "llms_from_scratch"}
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -212,6 +232,9 @@ PYTORCH_SAC_ILP = Source(
     "pytorch", "pytorch/pytorch", "test/distributed/_tools/test_sac_ilp.py::test_sac_ilp_case1",
     "7b88d734eac10b68d75a126d70ae4c925ed8d05e",
     "self.assertAlmostEqual(peak_mem / 2583888896, 1, delta=0.05)")
+LLMS_FROM_SCRATCH = Source(
+    "LLMs-from-scratch", "rasbt/LLMs-from-scratch", "ch05/10_llm-training-speed/README.md (00_orig.py)",
+    "06361583d01a650412400ce01cf2be9efaec3b99", "Reserved memory: 26.2617 GB")
 
 _LITGPT_THUNDER_CONDITIONS = (
     "pretrain.py --compiler null --devices 1 --train.global_batch_size 32: micro-batch 4, so 8 accumulation steps",
@@ -310,6 +333,21 @@ ROWS: tuple[Row, ...] = (
     _hf_row("hf-bert-large-accum-checkpointing", 1, 4, "full", 6775,
             "per_device_train_batch_size=1, gradient_accumulation_steps=4, gradient_checkpointing=True "
             "(transformers' own, every layer; predicted as ckptlab's full: each layer's input kept)"),
+    Row("llms-from-scratch-gpt124m-baseline", LLMS_FROM_SCRATCH, "A100", "reserved", round(26.2617 * 2**30),
+        "26.2617 GB (GiB: / 1024**3)", "llms-from-scratch:gpt-124m", 8, 1024, "none", "fp32",
+        {"optimizer": "adamw-foreach", "accum_steps": 1, "holds_output": False},
+        ("00_orig.py on PyTorch 2.6.0+cu124: GPT_CONFIG_124M with context 1024, batch 8 (drop_last), fp32",
+         "torch.optim.AdamW(lr=5e-4, weight_decay=0.1): foreach on CUDA; no gradient clipping",
+         "optimizer.zero_grad() before each forward (set_to_none=True); loss from calc_loss_batch (logits local)",
+         "torch.cuda.memory_reserved() / 1024**3 printed after the epoch: the allocator keeps every segment, so "
+         "it is the reserved peak of the epoch",
+         "evaluation every 15 steps under no_grad (batch 8, one batch each of train and validation)"),
+        (("A100 40 GB or 80 GB", "either: the same sm80 and 108 SMs, and a reserved figure holds no context"),
+         ("whether the no_grad evaluation's forwards need segments the training step did not",
+          "they do not: a forward without graph holds less than the training step")),
+        ("the evaluation and the sample generation between steps (no_grad)",), "a100-80", "llms_from_scratch",
+        "The figure is read after an epoch, so it also covers the no_grad evaluations between steps, which hold "
+        "less than a training step; ckptlab replays one training step from the warm state through the allocator."),
     Row("pytorch-sac-ilp-case1", PYTORCH_SAC_ILP, "none (fake CUDA tensors)", "pytorch-estimate", 2_583_888_896,
         "2583888896 B", "pytorch:sac-ilp-transformer", 8, 1024, "none", "fp32",
         {"optimizer": "adamw-foreach", "accum_steps": 1, "holds_output": True},

@@ -27,7 +27,7 @@ def test_every_row_names_its_source_card_quantity_and_loop():
     ids = [r.id for r in rows.ROWS] + [n.id for n in rows.NOT_RUN]
     assert len(ids) == len(set(ids))
     assert len(rows.ROWS) >= 10
-    assert len({r.source.project for r in rows.ROWS}) >= 3
+    assert len({r.source.project for r in rows.ROWS}) >= 4
     table_cards = {c.name for c in ckptlab.cards()}
     for row in rows.ROWS:
         assert all(dataclasses.astuple(row.source)), row.id
