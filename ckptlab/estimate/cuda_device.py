@@ -7,11 +7,14 @@ order (the tracker's trace). Added to them, as CUDA adds them:
 - cuBLAS workspaces. Each thread that runs a cuBLAS matmul gets its own handle, and each
   (handle, stream) its own workspace, allocated through the caching allocator (so counted in
   `max_memory_allocated`) and kept for the life of the process: 4096 KiB x 2 + 16 KiB x 8 by
-  default, 32 MiB on Hopper (sm90) (`core.cards.CUBLAS_WORKSPACE_BYTES`). A matmul that goes through cuBLASLt (addmm with a bias
-  vector: a Linear with bias) adds a cuBLASLt workspace of 1 MiB on that thread. Sizes and
-  rules: aten/src/ATen/cuda/CublasHandlePool.cpp (`parseChosenWorkspaceSize`,
-  `parseCUDABlasLtWorkspaceSize`, `getCurrentCUDABlasHandle`), without CUBLAS_WORKSPACE_CONFIG
-  or CUBLASLT_WORKSPACE_SIZE set. The forward runs on the caller's thread; autograd runs a CUDA
+  default, 32 MiB on Hopper (sm90) (`core.cards.CUBLAS_WORKSPACE_BYTES`). A matmul that goes
+  through cuBLASLt (addmm with a bias vector: a Linear with bias) takes a cuBLASLt workspace as
+  the torch version modelled gives it (`TorchRules.cublaslt_workspace`): 1 MiB allocated and
+  freed around each call (2.4 - 2.8, CUDABlas.cpp gemm_and_bias), 1 MiB kept per thread (2.9,
+  2.10, CublasHandlePool.cpp getCUDABlasLtWorkspace), or the thread's cuBLAS workspace itself
+  (2.11 on, unified_cublas_and_lt_workspaces). Sizes and rules: aten/src/ATen/cuda/
+  CublasHandlePool.cpp (`parseChosenWorkspaceSize`, `parseCUDABlasLtWorkspaceSize`,
+  `getCurrentCUDABlasHandle`), without CUBLAS_WORKSPACE_CONFIG or CUBLASLT_WORKSPACE_SIZE set. The forward runs on the caller's thread; autograd runs a CUDA
   backward on its own device thread, so a step that multiplies matrices in both holds two of
   each. They exist from the warm-up step on, so they are allocated before the step, after the
   state it starts with.
@@ -41,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.cards import CUBLAS_WORKSPACE_BYTES, Card
 from .allocator import AllocEvent, replay_allocations
+from .torch_versions import TorchRules, torch_rules
 
 DEFAULT_ARCH = "sm80"     # a prediction for CUDA without a card: an A100's architecture
 CUBLASLT_WORKSPACE_BYTES = 1024 * 1024                    # CublasHandlePool.cpp, CUBLASLT_WORKSPACE_SIZE default
@@ -51,10 +55,13 @@ MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
 
 class BlasUse(TorchDispatchMode):
     """Which threads of a CUDA step would run cuBLAS and cuBLASLt: the caller's (forward,
-    optimizer) or autograd's (backward, recomputation included)."""
+    optimizer) or autograd's (backward, recomputation included). Where the torch of `rules`
+    allocates cuBLASLt's workspace per call, the call allocates it here too, around the matmul
+    (a tracker outside this mode records it)."""
 
-    def __init__(self):
+    def __init__(self, rules: TorchRules | None = None):
         super().__init__()
+        self.rules = rules or torch_rules()
         self.cublas: set[str] = set()
         self.cublaslt: set[str] = set()
 
@@ -64,12 +71,20 @@ class BlasUse(TorchDispatchMode):
             self.cublas.add(thread)
             if func is torch.ops.aten.addmm.default and args[0].dim() == 1:
                 self.cublaslt.add(thread)
+                if self.rules.cublaslt_workspace == "per-call":
+                    workspace = torch.empty(CUBLASLT_WORKSPACE_BYTES, dtype=torch.uint8)
+                    out = func(*args, **(kwargs or {}))
+                    del workspace
+                    return out
         return func(*args, **(kwargs or {}))
 
     def workspaces(self, arch: str) -> list[int]:
-        """The workspaces' sizes, one per (thread, library)."""
+        """The workspaces kept for the life of the process, one per (thread, library)."""
         cublas = CUBLAS_WORKSPACE_BYTES[int(arch[2:-1])]   # by the major of compute capability "smXY"
-        return [cublas] * len(self.cublas) + [CUBLASLT_WORKSPACE_BYTES] * len(self.cublaslt)
+        kept_lt = len(self.cublaslt) if self.rules.cublaslt_workspace == "persistent" else 0
+        if self.rules.cublaslt_workspace == "unified":   # Lt allocates the thread's cuBLAS workspace if it has none
+            return [cublas] * len(self.cublas | self.cublaslt)
+        return [cublas] * len(self.cublas) + [CUBLASLT_WORKSPACE_BYTES] * kept_lt
 
 
 class HostOffload:

@@ -2,12 +2,13 @@
 no data, so a step's memory can be tracked for shapes far beyond this machine.
 
 Where a library decides from tensor data what to allocate, a fake step cannot read the data and
-the library takes its cautious branch, which the real step does not. The one such decision
-known here: transformers reads `position_ids` to detect several sequences packed into one row;
-unable to read fake ones it assumes packing and builds a (batch, 1, seq, seq) attention mask
-that the real step never builds (it lets SDPA apply causality). A prediction therefore takes
-the answer the real check gives for ckptlab's batches: one sequence per row
-(`sequences_unpacked`).
+the library takes its cautious branch, which the real step does not. Two such decisions are
+known here. A grad scaler reads whether the gradients hold an inf before it steps the optimizer:
+a prediction is of a healthy step, which steps (`assume_finite_gradients`). And transformers
+reads `position_ids` to detect several sequences packed into one row; unable to read fake ones
+it assumes packing and builds a (batch, 1, seq, seq) attention mask that the real step never
+builds (it lets SDPA apply causality). A prediction therefore takes the answer the real check
+gives for ckptlab's batches: one sequence per row (`sequences_unpacked`).
 
 For `device="cuda"` the step runs under CUDA's semantics (`cuda_semantics`: the kernels CUDA
 would pick and what they save and allocate; `cuda_autocast`: CUDA autocast's op lists; the
@@ -37,6 +38,7 @@ from ..checkpoint.blocks import CheckpointHandle
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.cards import Card
 from ..core.cards import card as find_card
+from ..core.loop import Loop, as_loop
 from ..core.policy import Policy
 from ..core.records import CATEGORIES
 from ..core.units import format_bytes
@@ -47,6 +49,7 @@ from ..workloads.specs import one_line
 from .cuda_autocast import cuda_autocast
 from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, device_memory
 from .cuda_semantics import cuda_semantics
+from .torch_versions import torch_rules
 
 
 @dataclass
@@ -58,7 +61,7 @@ class Prediction:
     seq_len: int
     policy: str
     dtype: str
-    optimizer: str
+    loop: Loop                           # the training loop (`core.loop`)
     n_blocks: int
     effective_density: float
     peak_bytes: int
@@ -87,7 +90,7 @@ class Prediction:
     device_bytes: Optional[int] = None
     margin_bytes: Optional[int] = None
     host_bytes: Optional[int] = None         # offload on CUDA: pinned host memory at its peak
-    holds_output: bool = False               # a loop that keeps the model's output into the next step
+    torch_version: Optional[str] = None      # on "cuda": the torch release whose rules it follows
 
     @property
     def held_bytes(self) -> int:
@@ -96,7 +99,9 @@ class Prediction:
 
     def record(self) -> dict:
         """A flat row, columns named like `measure`'s with a `predicted_` prefix."""
-        row = {k: v for k, v in asdict(self).items() if k not in ("peak_by_category", "peak_in_blocks_by_category")}
+        row = {k: v for k, v in asdict(self).items()
+               if k not in ("loop", "peak_by_category", "peak_in_blocks_by_category")}
+        row.update(self.loop.record())
         for key in ("peak_bytes", "saved_activation_bytes", "reserved_bytes", "device_bytes"):
             row[f"predicted_{key}"] = row.pop(key)
         for c in CATEGORIES:
@@ -107,11 +112,12 @@ class Prediction:
         return row
 
     def __str__(self) -> str:
-        text = (f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}): "
+        text = (f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, loop {self.loop}): "
                 f"peak {format_bytes(self.peak_bytes)} in {self.peak_phase}, saved activations "
                 f"{format_bytes(self.saved_activation_bytes)}")
         if self.device == "cuda":
-            text += f"; reserved {format_bytes(self.reserved_bytes)}, attention {self.attention_backend}"
+            text += (f"; reserved {format_bytes(self.reserved_bytes)}, attention {self.attention_backend}"
+                     f" (torch {self.torch_version})")
         if self.card is not None:
             text += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
                      f"predicted for {self.card}")
@@ -199,21 +205,22 @@ def sequences_unpacked():
 
 @contextlib.contextmanager
 def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
-                       dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1,
-                       device: str = "cpu", card: Optional[str | Card] = None, attention: Optional[str] = None,
-                       holds_output: bool = False):
+                       dtype: str = "fp32", loop: Loop | str | None = None, device: str = "cpu",
+                       card: Optional[str | Card] = None, attention: Optional[str] = None, *,
+                       torch_version: Optional[str] = None):
     """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
     optimizer, step) after one untracked warm-up step — the state `measure` tracks from. With
-    device="cuda" the step runs as on `card`'s architecture (default sm80), `attention` forcing
-    the SDPA backend; `holds_output` as `probe.step.training_step`'s."""
-    with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
-                    attention, holds_output) as (model, handle, batch, opt, step, _):
+    device="cuda" the step runs as on `card`'s architecture (default sm80) under the rules of
+    `torch_version` (default: the installed torch's), `attention` forcing the SDPA backend;
+    `loop` as `probe.step.training_step`'s."""
+    with _fake_step(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
+                    attention, torch_version=torch_version) as (model, handle, batch, opt, step, _):
         yield model, handle, batch, opt, step
 
 
 @contextlib.contextmanager
-def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention,
-               holds_output, host: Optional[HostOffload] = None):
+def _fake_step(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
+               host: Optional[HostOffload] = None, *, torch_version: Optional[str] = None):
     """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu"); with
     `host`, offload moves saved tensors to it as on CUDA."""
     card = as_card(card)
@@ -223,16 +230,17 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_st
     cuda = device == "cuda"
     semantics = None
     if cuda:
-        semantics = cuda_semantics(card.arch, attention, card.sm_count or None) if card else cuda_semantics(
-            DEFAULT_ARCH, attention)
+        semantics = cuda_semantics(card.arch if card else DEFAULT_ARCH, attention, (card.sm_count or None) if card else None,
+                                   torch_version=torch_version)
     with fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
         model.train()
         handle = apply_checkpointing(model, policy, offload_hooks=host.hooks if host else None)
         gen = torch.Generator().manual_seed(workload.seed + 1)
         batch = workload.new_batch(batch_size, seq_len, gen)
-        opt = make_optimizer(optimizer, model, device)
-        step = training_step(model, workload, batch, opt, dtype, accum_steps, cuda_autocast if cuda else None,
-                             holds_output)
+        opt = make_optimizer(loop, model, device)
+        step = training_step(model, workload, batch, opt, dtype, loop, cuda_autocast if cuda else None)
+        if step.scaler is not None:
+            assume_finite_gradients(step.scaler)
         torch.manual_seed(workload.seed)
         warm_up(step, model, opt)
         handle.reset_counts()
@@ -240,20 +248,41 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_st
 
 
 def warm_up(step, model: nn.Module, opt) -> None:
-    """Leave what a first training step leaves, the optimizer's state, at a fraction of its cost:
-    the forward shows which parameters its backward would give gradients (those its graph
-    reaches), zero gradients stand in for them, and the optimizer steps once. A graph with a
-    custom autograd Function (which may run its own backward, as reentrant checkpointing does)
-    gets the whole step."""
-    trained = reached_parameters(step.forward_loss())
+    """Leave what a first training step of the step's loop leaves, at a fraction of its cost: the
+    optimizer's state, a grad scaler's scale and growth tracker, and with zero_grad="zeros" the
+    zero-filled gradients. The forward shows which parameters its backward would give gradients
+    (those its graph reaches), zero gradients stand in for them, the loss is scaled (which makes
+    the scaler's state), and the optimizer steps once, as the step steps it (clipping leaves
+    nothing behind). A graph with a custom autograd Function (which may run its own backward, as reentrant
+    checkpointing does) gets the whole step."""
+    loss = step.forward_loss()
+    trained = reached_parameters(loss)
     if trained is None:
+        loss = None
         step()
         return
+    scaler, loop = step.scaler, step.loop
+    if scaler is not None:
+        scaler.scale(loss)
+    loss = None
     for param in trained:
         param.grad = torch.zeros_like(param)
-    if opt is not None:
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    elif opt is not None:
         opt.step()
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=loop.zero_grad == "set_to_none")
+
+
+def assume_finite_gradients(scaler) -> None:
+    """A grad scaler steps the optimizer only when the unscaled gradients hold no inf or NaN,
+    which it reads from a tensor (torch/amp/grad_scaler.py at v2.13.0, `GradScaler._maybe_opt_step`:
+    `.item()` on found_inf); a fake step cannot read it. The step is predicted as a healthy step runs: the
+    optimizer steps."""
+    def step_optimizer(optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+    scaler._maybe_opt_step = step_optimizer
 
 
 def reached_parameters(loss: torch.Tensor) -> Optional[list[torch.Tensor]]:
@@ -291,15 +320,15 @@ class FakeMemory:
 
 
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
-                optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-                card: Optional[str | Card] = None, attention: Optional[str] = None,
-                holds_output: bool = False) -> FakeMemory:
-    """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring)."""
+                loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
+                attention: Optional[str] = None, *, torch_version: Optional[str] = None) -> FakeMemory:
+    """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring, under
+    the rules of `torch_version`, default the installed torch's)."""
     cuda, card = device == "cuda", as_card(card)
-    blas = BlasUse() if cuda else contextlib.nullcontext()
+    blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
     host = HostOffload() if cuda and policy.offload else None
-    with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
-                    attention, holds_output, host) as (model, handle, batch, opt, step, kernels):
+    with _fake_step(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
+                    attention, host, torch_version=torch_version) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
