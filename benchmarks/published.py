@@ -35,6 +35,7 @@ import published_rows as rows_module  # noqa: E402 - beside this file
 from published_rows import MODELS, NOT_RUN, QUANTITIES, ROWS, Row, card_for, package_missing, source_table  # noqa: E402
 
 import ckptlab  # noqa: E402
+from ckptlab.core.loop import Loop  # noqa: E402
 from ckptlab.core.policy import parse_policy  # noqa: E402
 from ckptlab.estimate.fake_step import fake_training_step  # noqa: E402
 
@@ -85,13 +86,15 @@ def memtracker_peak(row: Row, workload: ckptlab.Workload) -> int:
     info = mem_tracker._WeakRefInfo
     unrounded = info._calculate_mem_consumed
     info._calculate_mem_consumed = lambda self: math.ceil(self.size * self.element_size / 512) * 512
-    loop = {**row.loop, "accum_steps": 1}
+    loop = dataclasses.replace(predicted_loop(row), accum_steps=1)
+    kept = row.loop["accum_steps"] > 1 or row.loop["zero_grad"] == "zeros"   # gradients alive when it starts
     try:
-        with fake_training_step(workload, row.batch_size, row.seq_len, parse_policy(row.policy), row.dtype,
-                                device="cuda", card=card_for(row), **loop) as (model, _, _, opt, step):
-            if row.loop["accum_steps"] > 1:
+        with fake_training_step(workload, row.batch_size, row.seq_len, parse_policy(row.policy), row.dtype, loop,
+                                device="cuda", card=card_for(row), torch_version=row.torch_version) as (
+                                    model, _, _, opt, step):
+            if kept:
                 for param in model.parameters():
-                    if param.requires_grad:
+                    if param.requires_grad and param.grad is None:
                         param.grad = torch.zeros_like(param)
             tracker = mem_tracker.MemTracker()
             tracker.track_external(model, *([opt] if opt is not None else []))
@@ -130,12 +133,12 @@ def accelerate_estimate(row: Row, workload: ckptlab.Workload) -> int:
 
 # ---------------------------------------------------------------------------------------------- rows
 
-def predicted_loop(row: Row) -> dict:
+def predicted_loop(row: Row) -> Loop:
     """The row's loop as it is predicted: an accumulation of k >= 2 micro-batches as 2. From the
     second micro-step on, each starts with the gradients the earlier ones left and ends the same,
     so the peak is the same for every k >= 2; the fake step runs each micro-step, and 128 of them
     (litgpt's LoRA recipe at micro-batch 1) would cost minutes for nothing."""
-    return {**row.loop, "accum_steps": min(row.loop["accum_steps"], 2)}
+    return Loop(**{**row.loop, "accum_steps": min(row.loop["accum_steps"], 2)})
 
 
 def predicted_quantity(row: Row, prediction) -> int:
@@ -152,8 +155,8 @@ def run_row(row: Row, model_factory=None) -> dict:
     record = {"id": row.id, "source": dataclasses.asdict(row.source), "card": row.card, "quantity": row.quantity,
               "quantity_means": QUANTITIES[row.quantity], "published_bytes": row.published_bytes,
               "published_text": row.published_text, "model": row.model, "batch_size": row.batch_size,
-              "seq_len": row.seq_len, "policy": row.policy, "dtype": row.dtype, "loop": dict(row.loop),
-              "predicted_loop": predicted_loop(row),
+              "seq_len": row.seq_len, "policy": row.policy, "dtype": row.dtype, "loop": str(Loop(**row.loop)),
+              "predicted_loop": str(predicted_loop(row)), "torch_version": row.torch_version,
               "conditions": list(row.conditions), "unknowns": [list(u) for u in row.unknowns],
               "not_modelled": list(row.not_modelled), "predicted_for": getattr(card_for(row), "label", row.predict_card),
               "predicted_bytes": None, "ratio": None, "estimators": dict.fromkeys(ESTIMATORS),
@@ -163,9 +166,10 @@ def run_row(row: Row, model_factory=None) -> dict:
         return {**record, "status": "not run", "reason": reason}
     workload = (model_factory or MODELS[row.model])()
     start = time.perf_counter()
-    prediction = ckptlab.predict(workload, row.batch_size, row.seq_len, row.policy, dtype=row.dtype, device="cuda",
-                                 card=card_for(row), **predicted_loop(row))
+    prediction = ckptlab.predict(workload, row.batch_size, row.seq_len, row.policy, row.dtype, predicted_loop(row),
+                                 device="cuda", card=card_for(row), torch_version=row.torch_version)
     record.update(predict_s=round(time.perf_counter() - start, 1), peak_phase=prediction.peak_phase,
+                  torch_version=prediction.torch_version,
                   attention_backend=prediction.attention_backend, peak_by_category=dict(prediction.peak_by_category),
                   allocated_bytes=prediction.peak_bytes, reserved_bytes=prediction.reserved_bytes,
                   device_bytes=prediction.device_bytes)
@@ -327,8 +331,8 @@ def render_page(report: dict) -> str:
                   f"{r['quantity']}, {r['quantity_means']}. Published: {r['published_text']} "
                   f"= {r['published_bytes']:,} B.",
                   f"- Shape and policy: batch {r['batch_size']}, seq {r['seq_len']}, policy `{r['policy']}`, dtype "
-                  f"`{r['dtype']}`; loop options `{json.dumps(r['loop'])}`, predicted as `{json.dumps(r['predicted_loop'])}` "
-                  "(every micro-step after the first holds the same).",
+                  f"`{r['dtype']}`; loop `{r['loop']}`, predicted as `{r['predicted_loop']}` (every micro-step after the "
+                  f"first holds the same), under torch {r['torch_version'] or 'installed'}'s CUDA rules.",
                   "- Conditions of the loop, as the source sets them:"]
         lines += [f"    - {c}" for c in r["conditions"]]
         if r["unknowns"]:

@@ -3,8 +3,9 @@ row's source (repository, file, commit), card, the quantity published, every con
 training loop (those the source leaves unknown with the assumption made), and the model built
 from the framework's own code on fake tensors (no weights are downloaded).
 
-A row's loop options are one dict (`loop`), passed to `ckptlab.predict` as they are. Conditions
-ckptlab has no option for are listed in `not_modelled`: the page names them beside the residual.
+A row's loop is one dict (`loop`) of `ckptlab.core.loop.Loop`'s fields, the torch release whose
+CUDA rules apply is `torch_version`. Conditions ckptlab has no option for are listed in
+`not_modelled`: the page names them beside the residual.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Row:
     seq_len: int
     policy: str
     dtype: str
-    loop: dict                    # ckptlab.predict's loop options for this row, in one place
+    loop: dict                    # the row's training loop, in one place: ckptlab.Loop's fields
     conditions: tuple[str, ...]   # every condition of the loop, as the source sets it
     unknowns: tuple[tuple[str, str], ...] = ()    # (what the source leaves unknown, the assumption made)
     not_modelled: tuple[str, ...] = ()            # conditions ckptlab has no option for
@@ -68,6 +69,7 @@ class Row:
     needs: str = ""                               # the benchmark-only package the model comes from
     residual: str = ""                            # what the residual comes from, as far as the sources tell
     source_context_bytes: Optional[int] = None    # the CUDA context the source itself measured on its card
+    torch_version: Optional[str] = None           # the torch release whose CUDA rules apply (None: installed)
 
 
 @dataclass(frozen=True)
@@ -259,10 +261,11 @@ _LORA_UNKNOWNS = (
      "held yet; later steps hold the previous logits but are shorter",
      "the longest example's length, with the previous logits of that length held: an upper bound by one output"),
     ("the model code of lit-gpt 8641822", "litgpt 0.4.0's lora.GPT (the same layers; kept caches may differ)"),
+    ("torch 2.1's CUDA rules", "torch 2.4's, the earliest ckptlab models"),
     ("the validation's generation (KV cache) during the run", "below the training step's peak"),
 )
 _HF_CONDITIONS = (
-    "Trainer, BertForSequenceClassification, bert-large-uncased, fp32 (the page's nvidia-smi is of January 2022)",
+    "Trainer, BertForSequenceClassification, bert-large-uncased (the page's nvidia-smi is of January 2022)",
     "dummy data: 512 sequences of 512 random token ids, no attention mask; labels from randint(0, 1)",
     "optim adamw_hf (transformers.AdamW: one parameter at a time), max_grad_norm 1.0",
     "model.zero_grad() between steps (set_to_none=False on torch 1.10: gradients stay allocated)",
@@ -270,23 +273,27 @@ _HF_CONDITIONS = (
     "one Tesla V100-SXM2-16GB, driver 460.91.03, CUDA 11.2; nvidia-smi read after training",
 )
 _HF_UNKNOWNS = (
-    ("torch version", "1.10 (January 2022): no lazy kernel loading, cuBLAS workspace outside the allocator"),
+    ("torch version", "1.10 (January 2022): no lazy kernel loading, cuBLAS workspace outside the allocator; "
+                      "predicted with torch 2.4's CUDA rules, the earliest ckptlab models"),
     ("transformers version", "4.15-4.17 (January-March 2022): eager BERT attention, optim adamw_hf by default"),
 )
 _HF_NOT_MODELLED = (
-    "zero_grad(set_to_none=False): ckptlab has no option for it yet; it keeps the gradients through the next "
-    "forward as an accumulation of two or more micro-batches does, so the loop options say accum_steps >= 2",
     "the CUDA context: the page measures 1343 MiB (torch.ones on the V100, all kernels loaded); ckptlab's "
     "card rule gives 3 MiB per SM + lazily loaded kernel images",
     "V100 (sm70) itself: predicted as an sm80 card with 80 SMs",
-    "clip_grad_norm_'s per-parameter norms (a few KiB)",
 )
+
+
+def loop_of(optimizer: str, **fields) -> dict:
+    """A row's loop: ckptlab.Loop's fields, every one said."""
+    return {"optimizer": optimizer, "accum_steps": 1, "holds_output": False, "zero_grad": "set_to_none",
+            "clip_grad_norm": None, "grad_scaler": False, **fields}
 
 
 def _lora_row(id_, name, size, seq, micro, published, text):
     return Row(id_, LITGPT_RESOURCES, "A100-SXM4-40GB", "allocated", published, text, f"litgpt-lora:{name}", micro,
                seq, "none", "bf16-weights",
-               {"optimizer": "adamw-foreach", "accum_steps": 128 // micro, "holds_output": True},
+               loop_of("adamw-foreach", accum_steps=128 // micro, holds_output=True),
                _LORA_CONDITIONS + (f"{size}, micro-batch {micro}; longest Alpaca example {seq} tokens",),
                _LORA_UNKNOWNS, ("the validation's generation", "lit-gpt 8641822's model code (litgpt 0.4.0 used)"),
                "a100-40", "litgpt",
@@ -294,35 +301,35 @@ def _lora_row(id_, name, size, seq, micro, published, text):
                "with the micro-batch, so it is per-sequence activation memory that lit-gpt 8641822's code on torch "
                "2.1 kept and litgpt 0.4.0 on ckptlab's torch 2.11 rules does not (the two versions' lora.py differ). "
                "Holding a previous output of the longest length is an upper bound, so the shortfall is not from the "
-               "assumed loop.")
+               "assumed loop.", torch_version="2.4")
 
 
-def _hf_row(id_, batch, accum, policy, published_mib, what):
+def _hf_row(id_, batch, accum, policy, published_mib, what, dtype="fp32"):
     return Row(id_, HF_ONE_GPU, "Tesla V100-SXM2-16GB", "nvidia-smi", published_mib * MiB,
-               f"{published_mib} MB (MiB: //1024**2)", "hf:bert-large-uncased-classifier", batch, 512, policy, "fp32",
-               # zero_grad(set_to_none=False) keeps the gradients through the next forward, as a
-               # second accumulation step does: so even per_device 4 without accumulation is 2 here.
-               {"optimizer": "adamw-forloop", "accum_steps": max(accum, 2), "holds_output": False},
+               f"{published_mib} MB (MiB: //1024**2)", "hf:bert-large-uncased-classifier", batch, 512, policy, dtype,
+               loop_of("adamw-forloop", accum_steps=accum, zero_grad="zeros", clip_grad_norm=1.0,
+                     grad_scaler=dtype == "fp16"),
                _HF_CONDITIONS + (what,), _HF_UNKNOWNS, _HF_NOT_MODELLED, "v100-16-as-sm80", "transformers",
                "Part explained: the page's own measurement of the context (1343 MiB) against ckptlab's rule for a "
                "V100 with lazy kernel loading (the ratio with it is above). What remains "
                "grows with the batch (batch 4 against 1), so it is per-sample memory that transformers of 2022 on "
                "torch 1.10 held beyond ckptlab's model of transformers 5 on torch 2.11 (the page names neither "
                "torch version nor allocator statistics), and possibly cuBLAS's own kernel images, loaded at its "
-               "first matmul (after the page's context measurement) and whole on CUDA 11.2.", 1343 * MiB)
+               "first matmul (after the page's context measurement) and whole on CUDA 11.2.", 1343 * MiB, "2.4")
 
 
 ROWS: tuple[Row, ...] = (
     Row("litgpt-thunder-tinyllama-eager", LITGPT_THUNDER, "A100-SXM4-40GB", "allocated", 29_840_000_000, "29.84 GB",
         "litgpt:tiny-llama-1.1b", 4, 2048, "none", "bf16-weights",
-        {"optimizer": "adamw-fused", "accum_steps": 8, "holds_output": False}, _LITGPT_THUNDER_CONDITIONS,
-        (("the exact torch nightly's kernels", "torch 2.11's CUDA rules, as ckptlab models them"),),
+        loop_of("adamw-fused", accum_steps=8), _LITGPT_THUNDER_CONDITIONS,
+        (("the nightly's kernels (torch 2.4.0.dev20240427)", "torch 2.4's CUDA rules, as ckptlab models them"),),
         ("the validation pass (no_grad, 2 sanity batches and every 1000 steps): below the training peak",),
         "a100-40", "litgpt",
         "Not explained. PyTorch's MemTracker run on the same fake step agrees with ckptlab's allocated peak (their "
         "ratio is above), so the shortfall is in what both fake steps leave out of the real run "
         "(torch 2.4.0.dev20240427's kernels and allocator, Fabric's bf16-true wrapper), not in ckptlab's "
-        "accounting of the tensors they see; the source publishes no per-phase or reserved figure to split it."),
+        "accounting of the tensors they see; the source publishes no per-phase or reserved figure to split it.",
+        torch_version="2.4"),
     _lora_row("litgpt-lora-phi1.5-mb1", "phi-1_5", "phi-1.5 (1.3 B)", 1044, 1, 4_820_000_000, "4.82 GB"),
     _lora_row("litgpt-lora-phi1.5-mb2", "phi-1_5", "phi-1.5 (1.3 B)", 1044, 2, 6_760_000_000, "6.76 GB"),
     _lora_row("litgpt-lora-phi1.5-mb4", "phi-1_5", "phi-1.5 (1.3 B)", 1044, 4, 10_680_000_000, "10.68 GB"),
@@ -333,9 +340,13 @@ ROWS: tuple[Row, ...] = (
     _hf_row("hf-bert-large-accum-checkpointing", 1, 4, "full", 6775,
             "per_device_train_batch_size=1, gradient_accumulation_steps=4, gradient_checkpointing=True "
             "(transformers' own, every layer; predicted as ckptlab's full: each layer's input kept)"),
+    _hf_row("hf-bert-large-fp16", 4, 1, "none", 13939, "per_device_train_batch_size=4, fp16=True (autocast, "
+            "GradScaler)", "fp16"),
+    _hf_row("hf-bert-large-accum-checkpointing-fp16", 1, 4, "full", 7275, "per_device_train_batch_size=1, "
+            "gradient_accumulation_steps=4, gradient_checkpointing=True, fp16=True (autocast, GradScaler)", "fp16"),
     Row("llms-from-scratch-gpt124m-baseline", LLMS_FROM_SCRATCH, "A100", "reserved", round(26.2617 * 2**30),
         "26.2617 GB (GiB: / 1024**3)", "llms-from-scratch:gpt-124m", 8, 1024, "none", "fp32",
-        {"optimizer": "adamw-foreach", "accum_steps": 1, "holds_output": False},
+        loop_of("adamw-foreach"),
         ("00_orig.py on PyTorch 2.6.0+cu124: GPT_CONFIG_124M with context 1024, batch 8 (drop_last), fp32",
          "torch.optim.AdamW(lr=5e-4, weight_decay=0.1): foreach on CUDA; no gradient clipping",
          "optimizer.zero_grad() before each forward (set_to_none=True); loss from calc_loss_batch (logits local)",
@@ -347,10 +358,11 @@ ROWS: tuple[Row, ...] = (
           "they do not: a forward without graph holds less than the training step")),
         ("the evaluation and the sample generation between steps (no_grad)",), "a100-80", "llms_from_scratch",
         "The figure is read after an epoch, so it also covers the no_grad evaluations between steps, which hold "
-        "less than a training step; ckptlab replays one training step from the warm state through the allocator."),
+        "less than a training step; ckptlab replays one training step from the warm state through the allocator.",
+        torch_version="2.6"),
     Row("pytorch-sac-ilp-case1", PYTORCH_SAC_ILP, "none (fake CUDA tensors)", "pytorch-estimate", 2_583_888_896,
         "2583888896 B", "pytorch:sac-ilp-transformer", 8, 1024, "none", "fp32",
-        {"optimizer": "adamw-foreach", "accum_steps": 1, "holds_output": True},
+        loop_of("adamw-foreach", holds_output=True),
         ("4-layer Transformer of common_dtensor: width 768, 12 heads, vocabulary 8192, dropout 0.1, tied head",
          "batch 8, seq 1024, fp32, Adam(lr=1e-2, foreach=True), loss model(inp).sum()",
          "`output = model(inp)` at loop scope: held into the next forward; two iterations, the second's stats"),
@@ -363,13 +375,10 @@ ROWS: tuple[Row, ...] = (
 NOT_RUN: tuple[NotRun, ...] = tuple(
     NotRun(id_, HF_ONE_GPU, "Tesla V100-SXM2-16GB", "nvidia-smi", mib * MiB, f"{mib} MB (MiB)", reason)
     for id_, mib, reason in (
-        ("hf-bert-large-fp16", 13939, "fp16=True is fp16 autocast with a GradScaler: ckptlab's dtypes are fp32, bf16 "
-                                      "autocast and pure bf16/fp16 weights"),
-        ("hf-bert-large-accum-checkpointing-fp16", 7275, "fp16 autocast with a GradScaler (as above)"),
         ("hf-bert-large-adafactor", 12295, "optim=adafactor: ckptlab's optimizers are AdamW's and SGD"),
-        ("hf-bert-large-accum-checkpointing-fp16-adafactor", 4847, "fp16 autocast and Adafactor (as above)"),
+        ("hf-bert-large-accum-checkpointing-fp16-adafactor", 4847, "Adafactor (as above)"),
         ("hf-bert-large-adam8bit", 13085, "bitsandbytes' Adam8bit is not one of ckptlab's optimizers"),
-        ("hf-bert-large-accum-checkpointing-fp16-adam8bit", 5363, "fp16 autocast and Adam8bit (as above)"),
+        ("hf-bert-large-accum-checkpointing-fp16-adam8bit", 5363, "Adam8bit (as above)"),
     ))
 
 
@@ -390,4 +399,4 @@ def source_table() -> list[dict]:
 
 
 __all__ = ["EXTRA_CARDS", "GB", "MODELS", "MODEL_PACKAGES", "NOT_RUN", "QUANTITIES", "ROWS", "NotRun", "Row", "Source",
-           "card_for", "package_missing", "source_table"]
+           "card_for", "loop_of", "package_missing", "source_table"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import ckptlab
+from ckptlab.core.loop import Loop
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -20,7 +21,7 @@ spec = importlib.util.spec_from_file_location("benchmark_published", ROOT / "ben
 published = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(published)
 rows = published.rows_module
-LOOP_OPTIONS = {"optimizer", "accum_steps", "holds_output"}
+LOOP_OPTIONS = {f.name for f in dataclasses.fields(Loop)}
 
 
 def test_every_row_names_its_source_card_quantity_and_loop():
@@ -33,7 +34,8 @@ def test_every_row_names_its_source_card_quantity_and_loop():
         assert all(dataclasses.astuple(row.source)), row.id
         assert row.quantity in rows.QUANTITIES and row.published_bytes > 0 and row.published_text
         assert row.model in rows.MODELS and row.model in rows.MODEL_PACKAGES
-        assert set(row.loop) == LOOP_OPTIONS, row.id   # every loop option said, in one place
+        assert set(row.loop) == LOOP_OPTIONS, row.id   # every field of the loop said, in one place
+        Loop(**row.loop).check_dtype(row.dtype)
         assert row.conditions and all(len(u) == 2 for u in row.unknowns)
         assert row.predict_card is None or row.predict_card in table_cards | set(rows.EXTRA_CARDS)
         ckptlab.parse_policy(row.policy)
@@ -49,7 +51,7 @@ def tiny_reference_model():
 def stand_in(quantity):
     return rows.Row(f"stand-in-{quantity}", rows.PYTORCH_SAC_ILP, "A100-SXM4-40GB", quantity, 10**7, "0.01 GB",
                     "pytorch:sac-ilp-transformer", 2, 32, "full", "fp32",
-                    {"optimizer": "adamw-foreach", "accum_steps": 1, "holds_output": True},
+                    rows.loop_of("adamw-foreach", holds_output=True),
                     ("a tiny stand-in",), (("nothing", "nothing"),), ("nothing",), "a100-40", "torch")
 
 
@@ -127,11 +129,12 @@ def test_the_command_line_refuses_before_any_work(tmp_path):
 def test_an_accumulation_peaks_the_same_from_two_micro_steps_on():
     # why the benchmark predicts an accumulation of k >= 2 micro-batches as 2 (`predicted_loop`)
     workload = tiny_reference_model()
-    two, three = (ckptlab.predict(workload, 2, 32, "none", optimizer="adamw-foreach", accum_steps=k, device="cuda",
-                                  holds_output=True) for k in (2, 3))
+    two, three = (ckptlab.predict(workload, 2, 32, "none", loop=Loop(accum_steps=k, holds_output=True, clip_grad_norm=1.0,
+                                                                      optimizer="adamw-foreach"), device="cuda")
+                  for k in (2, 3))
     assert (two.peak_bytes, two.reserved_bytes) == (three.peak_bytes, three.reserved_bytes)
-    row = dataclasses.replace(stand_in("allocated"), loop={"optimizer": "sgd", "accum_steps": 32, "holds_output": False})
-    assert published.predicted_loop(row) == {**row.loop, "accum_steps": 2}
+    row = dataclasses.replace(stand_in("allocated"), loop=rows.loop_of("sgd", accum_steps=32))
+    assert published.predicted_loop(row) == Loop(optimizer="sgd", accum_steps=2)
 
 
 def test_the_readme_quotes_this_benchmark_for_accuracy_on_gpus():
