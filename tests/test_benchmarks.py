@@ -160,7 +160,8 @@ def test_frontier_findings_pair_rows_of_one_comparison():
 
 
 # Each benchmark's smallest setting: a run of every step at toy size, so that a rename in ckptlab
-# cannot break a benchmark silently. overhead.py and frontier.py run end to end above.
+# cannot break a benchmark silently. overhead.py and frontier.py run end to end above; published.py
+# (and its table of rows) in tests/test_published.py, on a stand-in row without its extra's packages.
 SMALLEST = {
     "predict_and_plan": ["--quick", "--skip-compile", "--max-seconds", "0.5", "--batch", "2", "--seq", "32"],
     "sweep_cost": ["--quick"],
@@ -168,7 +169,7 @@ SMALLEST = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in ("overhead", "frontier")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in ("overhead", "frontier", "published", "published_rows")))
 def test_every_benchmark_runs_its_smallest_setting(name, capsys):
     assert name in SMALLEST, f"benchmarks/{name}.py: add its smallest setting to SMALLEST"
     load(name).main(SMALLEST[name])
