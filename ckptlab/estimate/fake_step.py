@@ -88,6 +88,7 @@ class Prediction:
     margin_bytes: Optional[int] = None
     host_bytes: Optional[int] = None         # offload on CUDA: pinned host memory at its peak
     holds_output: bool = False               # a loop that keeps the model's output into the next step
+    trace: str = "full"                      # which trace answered: "composed", or "full" (why, if fast was asked)
 
     @property
     def held_bytes(self) -> int:
@@ -206,16 +207,18 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
     optimizer, step) after one untracked warm-up step — the state `measure` tracks from. With
     device="cuda" the step runs as on `card`'s architecture (default sm80), `attention` forcing
     the SDPA backend; `holds_output` as `probe.step.training_step`'s."""
-    with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
+    with fake_step_state(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
                     attention, holds_output) as (model, handle, batch, opt, step, _):
         yield model, handle, batch, opt, step
 
 
 @contextlib.contextmanager
-def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention,
-               holds_output, host: Optional[HostOffload] = None):
+def fake_step_state(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention,
+                    holds_output, host: Optional[HostOffload] = None, *, shorten=None):
     """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu"); with
-    `host`, offload moves saved tensors to it as on CUDA."""
+    `host`, offload moves saved tensors to it as on CUDA. `shorten(model, handle)`, once the
+    policy is applied, may change which blocks run (`compose`); it returns what the warm-up's
+    trained parameters become."""
     card = as_card(card)
     fake_mode = fake_modes()
     workload = with_dtype(workload, dtype)
@@ -228,29 +231,37 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_st
     with fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
         model.train()
         handle = apply_checkpointing(model, policy, offload_hooks=host.hooks if host else None)
+        trained = shorten(model, handle) if shorten else None
         gen = torch.Generator().manual_seed(workload.seed + 1)
         batch = workload.new_batch(batch_size, seq_len, gen)
         opt = make_optimizer(optimizer, model, device)
         step = training_step(model, workload, batch, opt, dtype, accum_steps, cuda_autocast if cuda else None,
                              holds_output)
         torch.manual_seed(workload.seed)
-        warm_up(step, model, opt)
+        warm_up(step, model, opt, trained)
         handle.reset_counts()
         yield model, handle, batch, opt, step, kernels
 
 
-def warm_up(step, model: nn.Module, opt) -> None:
+def warm_up(step, model: nn.Module, opt, trained=None) -> None:
     """Leave what a first training step leaves, the optimizer's state, at a fraction of its cost:
     the forward shows which parameters its backward would give gradients (those its graph
     reaches), zero gradients stand in for them, and the optimizer steps once. A graph with a
     custom autograd Function (which may run its own backward, as reentrant checkpointing does)
-    gets the whole step."""
-    trained = reached_parameters(step.forward_loss())
-    if trained is None:
+    gets the whole step. `trained(reached)`, if given, says which parameters train from those
+    the step reaches (a step whose blocks are cut, `compose`): a graph with a custom Function then
+    runs its backward to show them."""
+    loss = step.forward_loss()
+    reached = reached_parameters(loss)
+    if reached is None and trained is None:
         step()
         return
-    for param in trained:
-        param.grad = torch.zeros_like(param)
+    if reached is None:
+        loss.backward()
+        reached = [p for p in model.parameters() if p.grad is not None]
+    for param in trained(reached) if trained else reached:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
     if opt is not None:
         opt.step()
     model.zero_grad(set_to_none=True)
@@ -288,6 +299,8 @@ class FakeMemory:
     handle: CheckpointHandle
     attention_backend: Optional[str] = None
     device: Optional[DeviceMemory] = None
+    recompute_count: int = 0            # block forwards the policy's checkpoints ran again in backward
+    trace: str = "full"                 # which trace answered: "full", or "composed" (`compose`)
 
 
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
@@ -298,7 +311,7 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse() if cuda else contextlib.nullcontext()
     host = HostOffload() if cuda and policy.offload else None
-    with _fake_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
+    with fake_step_state(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
                     attention, holds_output, host) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
@@ -306,12 +319,12 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
             step(tracker)
         report = tracker.report()
         if not cuda:
-            return FakeMemory(report, handle)
+            return FakeMemory(report, handle, recompute_count=handle.recompute_count)
         workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
         on_device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card)
         on_device.host_bytes = host.peak_bytes if host else None
-        return FakeMemory(report, handle, kernels.attention_backend, on_device)
+        return FakeMemory(report, handle, kernels.attention_backend, on_device, handle.recompute_count)
 
 
 __all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model",
-           "fake_modes", "fake_training_step", "sequences_unpacked"]
+           "fake_modes", "fake_step_state", "fake_training_step", "sequences_unpacked"]

@@ -25,7 +25,10 @@ from ..core.validate import boolean, choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
 from .cuda_semantics import ATTENTION_BACKENDS
+from .compose import fast_memory
 from .fake_step import DEVICES, Prediction, as_card, fake_memory
+
+TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
 
 
 def predict_policy(
@@ -40,6 +43,8 @@ def predict_policy(
     card: Optional[str | Card] = None,
     attention: Optional[str] = None,
     holds_output: bool = False,
+    *,
+    trace: str = "fast",
 ) -> Prediction:
     """Predict `measure(workload, batch_size, seq_len, policy, dtype=dtype)`'s memory columns
     without allocating: peak bytes (total, by category, phase) and saved-activation bytes.
@@ -57,7 +62,12 @@ def predict_policy(
     Policies that compile cannot be predicted (the compiler's partitioner decides inside the graph):
     ValueError. Offload on "cuda" moves what the blocks save to pinned host memory (`host_bytes`),
     as on a GPU; on "cpu" it is a no-op, predicted as its base policy, and `note` says so.
+
+    `trace="fast"` (default) traces a few of each stack's repeated blocks and composes the step
+    from them (`estimate.compose`), where the step allows it, else the whole step; `"full"`
+    traces every block. Both give the same prediction; `Prediction.trace` says which answered.
     """
+    choice("trace", trace, TRACES)
     workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps,
                                         device, card, attention, holds_output)
     if policy.kind == "budget":
@@ -66,8 +76,9 @@ def predict_policy(
     t0 = time.perf_counter()
     on_card = as_card(card)
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
-    fake = fake_memory(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention,
-                       holds_output)
+    trace_step = fast_memory if trace == "fast" else fake_memory
+    fake = trace_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention,
+                      holds_output)
     report, handle = fake.report, fake.handle
     peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
     if fake.device is not None:
@@ -86,8 +97,9 @@ def predict_policy(
         peak_phase=report.peak_phase, saved_activation_bytes=report.saved_activation_bytes or 0,
         predict_s=time.perf_counter() - t0, note=note,
         peak_in_blocks_by_category=dict(report.peak_in_blocks_by_category), peak_block=report.peak_block,
-        recompute_count=handle.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
-        device=device, attention=attention, holds_output=holds_output, **{**report.param_bytes, **cuda},
+        recompute_count=fake.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
+        device=device, attention=attention, holds_output=holds_output, trace=fake.trace,
+        **{**report.param_bytes, **cuda},
     )
 
 
@@ -145,6 +157,8 @@ def predict_fits(
     device: str = "cpu",
     attention: Optional[str] = None,
     holds_output: bool = False,
+    *,
+    trace: str = "fast",
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
@@ -158,8 +172,9 @@ def predict_fits(
     card's margin are at most its usable bytes. A size is compared with the peak on `device`
     "cpu", with the reserved bytes on "cuda". `batch_margin_bytes` / `seq_margin_bytes` are the
     bytes left at the largest batch / sequence (None where nothing fits); `basis` says what the
-    row is predicted for. `holds_output` is the loop's, as `predict`'s."""
+    row is predicted for. `holds_output` is the loop's, and `trace` the way to trace, as `predict`'s."""
     workload = as_workload(workload)
+    choice("trace", trace, TRACES)
     boolean("holds_output", holds_output)
     caps = [parse_capacity(c, "capacities") for c in capacities]
     choice("device", device, DEVICES)
@@ -177,7 +192,8 @@ def predict_fits(
                 cuda = cap.arch is not None or device == "cuda"
                 cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
                                             device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
-                                            attention=attention if cuda else None, holds_output=holds_output)
+                                            attention=attention if cuda else None, holds_output=holds_output,
+                                            trace=trace)
             p = cache[key]
             return p.reserved_bytes + cap.context_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
 
@@ -247,4 +263,4 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-__all__ = ["check_device", "check_prediction", "llama7b_shape", "predict_fits", "predict_policy", "prediction_error"]
+__all__ = ["TRACES", "check_device", "check_prediction", "llama7b_shape", "predict_fits", "predict_policy", "prediction_error"]
