@@ -324,12 +324,12 @@ def compose(events: list[tuple], cut: _Cut) -> list[tuple]:
         if event[0] == "stand_ins":
             dropping = True
         if not dropping:
-            out.append(units.rename(event, units.unit_of[i], None, stand_ins))
+            out.append(units.rename(i, units.unit_of[i], None, stand_ins))
         if event[0] == "stand_ins_end":
             dropping = False
         for j in units.forward_inserts.get(i, ()):
             out += units.copy(("fwd", cut.stack_of[j].template(j)), j, stand_ins)
-    return _numbered(out)
+    return _numbered(out, units)
 
 
 class _Units:
@@ -360,12 +360,14 @@ class _Units:
             if kind == "phase":
                 phase, unit = event[1], None
             elif phase == "forward" and kind == "enter":
-                if depth == 0 and unit is not None and unit != ("fwd", event[1]):
+                if depth == 0 and unit is None and self._is_first(event[1]):
+                    unit = ("fwd", event[1])
+                if depth == 0 and unit != ("fwd", event[1]):
                     raise NotComposable(f"block {event[1]} ran out of its stack's order")
                 depth += 1
                 entered[event[1]] += 1
             elif phase == "backward" and kind == "backward_block":
-                unit = None if event[1] is None or self._is_first(event[1]) else ("bwd", event[1])
+                unit = None if event[1] is None else ("bwd", event[1])
                 backward_marks[event[1]].append(i)
             self.unit_of[i] = unit
             if unit is not None:
@@ -392,6 +394,24 @@ class _Units:
                 self.backward_inserts[backward_marks[s.head_last][0]] = list(reversed(s.cut))
             elif any(("bwd", j) in self.members for j in self.kept[s.first] if j != s.first):
                 raise NotComposable("the blocks' backward units differ from their templates'")
+        self._find_fixed_references()
+
+    def _find_fixed_references(self) -> None:
+        """The references a block's unit makes to the very storage that the same place of the unit
+        one period before refers to: a storage all blocks read (a table made once), named as is
+        in every copy. The others refer to a storage relative to the block (its input)."""
+        self.fixed: set[int] = set()
+        for (role, block), members in list(self.members.items()):
+            stack = self.cut.stack_of[block]
+            kept = self.kept[stack.first]
+            k = self.order[block] - stack.period
+            before = self.members.get((role, kept[k])) if k >= 0 else None
+            if before is None or len(before) != len(members):
+                continue
+            for i, i_before in zip(members, before):
+                event = self.events[i]
+                if event[0] in ("free", "relabel", "grad") and event[1] == self.events[i_before][1]:
+                    self.fixed.add(i)
 
     def _is_first(self, block: int) -> bool:
         return self.cut.stack_of[block].first == block
@@ -402,17 +422,17 @@ class _Units:
             return block
         here = unit[1]
         stack = self.cut.stack_of[here]
-        if self.cut.stack_of.get(block) is not stack or block == stack.first:
+        if self.cut.stack_of.get(block) is not stack:
             return block
         target = (here if as_block is None else as_block) + self.order[block] - self.order[here]
-        if not stack.first < target < stack.first + stack.length:
+        if not stack.first <= target < stack.first + stack.length:
             raise NotComposable(f"block {here} refers to a block beyond its stack")
         return target
 
-    def _storage_as(self, key, unit: Optional[tuple], as_block: Optional[int]):
+    def _storage_as(self, key, unit: Optional[tuple], as_block: Optional[int], fixed: bool = False):
         """The storage that `key`, seen from `unit` running as `as_block`, stands for."""
         owner = self.owner.get(key)
-        if owner is None or unit is None:
+        if owner is None or unit is None or fixed:
             return key
         (role, block), place = owner
         target = self._block_as(block, unit, as_block)
@@ -451,14 +471,16 @@ class _Units:
             names[key] = self._storage_at((role, self._block_as(at, (role, template), block)), place)
         return names
 
-    def rename(self, event: tuple, unit: Optional[tuple], as_block: Optional[int], stand_ins: dict) -> tuple:
+    def rename(self, i: int, unit: Optional[tuple], as_block: Optional[int], stand_ins: dict) -> tuple:
+        """Event `i`, of `unit`, as block `as_block`'s (None: as its own)."""
+        event = self.events[i]
         kind = event[0]
         if kind == "alloc":
             if as_block is None:
                 return event
             return ("alloc", ("copy", (unit[0], as_block), self.owner[event[1]][1]), *event[2:])
         if kind in ("free", "relabel", "grad"):
-            key = stand_ins.get(event[1]) or self._storage_as(event[1], unit, as_block)
+            key = stand_ins.get(event[1]) or self._storage_as(event[1], unit, as_block, i in self.fixed)
             return (kind, key, *event[2:])
         if kind in ("enter", "exit", "backward_block"):
             return (kind, self._block_as(event[1], unit, as_block))
@@ -466,23 +488,38 @@ class _Units:
 
     def copy(self, unit: tuple, as_block: int, stand_ins: dict) -> list[tuple]:
         """The events of `unit` (a template's) as block `as_block`'s."""
-        return [self.rename(self.events[i], unit, as_block, stand_ins) for i in self.members.get(unit, ())]
+        return [self.rename(i, unit, as_block, stand_ins) for i in self.members.get(unit, ())]
 
 
-def _numbered(events: list[tuple]) -> list[tuple]:
-    """`events` with their storages numbered 1, 2, ... in the order allocated."""
+def _numbered(events: list[tuple], units: _Units) -> list[tuple]:
+    """`events` with their storages numbered 1, 2, ... in the order allocated. A copy's storage
+    lives to the end exactly when its template's does, or something outside the blocks refers
+    to the cut blocks' storages (all blocks' outputs kept, say): NotComposable."""
     number: dict = {}
+    live: set = set()
     out = []
     for e in events:
         if e[0] == "alloc":
+            if e[1] in live:
+                raise NotComposable("a composed unit allocates a storage twice")
             number[e[1]] = len(number) + 1
+            live.add(e[1])
             out.append(("alloc", number[e[1]], *e[2:]))
         elif e[0] in ("free", "relabel", "grad"):
-            if e[1] not in number:
-                raise NotComposable("a composed unit refers to a storage that was never allocated")
+            if e[1] not in live:
+                raise NotComposable("a composed unit refers to a storage that is not alive")
+            if e[0] == "free":
+                live.remove(e[1])
             out.append((e[0], number[e[1]], *e[2:]))
         else:
             out.append(e)
+    for key in live:
+        if isinstance(key, tuple):
+            (role, block), place = key[1], key[2]
+            template = units.cut.stack_of[block].template(block)
+            if units.allocs[(role, template)][place] not in live:
+                raise NotComposable(f"a storage of block {block}'s {role} unit outlives the step: something "
+                                    "outside the blocks refers to every block's tensors")
     return out
 
 

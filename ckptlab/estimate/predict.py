@@ -24,8 +24,8 @@ from ..core.policy import Policy, parse_policies
 from ..core.validate import boolean, choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
-from .cuda_semantics import ATTENTION_BACKENDS
 from .compose import fast_memory
+from .cuda_semantics import ATTENTION_BACKENDS
 from .fake_step import DEVICES, Prediction, as_card, fake_memory
 
 TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
