@@ -11,9 +11,11 @@ step. What the cut blocks would have done is put back into the events:
 
 - A stack of L blocks is split into its first block, its middle (L - 2 blocks, whose kinds repeat
   with a period P: a kind is the block's type, parameters and checkpoint mode) and its last
-  block. Kept are the first block and two periods (`head`), and the end of the stack from a
-  multiple of P on (`tail`); the cut blocks in between are copies of the head's second period
-  (their `template`), whose neighbours all ran.
+  block. Kept are the first block and three periods (the head), and the end of the stack from a
+  multiple of P on (the tail); the cut blocks in between are copies of the head's third period
+  (their `template`), whose neighbours all ran. The kept middle blocks of the tail must trace as
+  their templates do (`_Units._check_alike`): the first block's influence (a tensor it makes
+  that the next blocks keep) has died out by then.
 - The events are split into units: a block's forward unit runs from its predecessor's return to
   its own return, its backward unit from the gradient of its output to the next block's. A cut
   block's units are its template's, inserted in the forward after the head's last block and in
@@ -136,9 +138,9 @@ class _Stack:
     cut: range = range(0)      # the blocks that do not run
 
     def template(self, block: int) -> int:
-        """The head block whose units a cut block's are."""
-        second_period = self.first + 1 + self.period
-        return second_period + (block - second_period) % self.period
+        """The head block whose units a cut block's are: one of its third period."""
+        third_period = self.first + 1 + 2 * self.period
+        return third_period + (block - third_period) % self.period
 
     @property
     def head_last(self) -> int:
@@ -288,13 +290,13 @@ def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
                    if all(middle[i] == middle[i + p] for i in range(len(middle) - p))), None)
     if period is None:
         return stack
-    # Kept: the first block and two periods, then from the first block after a whole number of
+    # Kept: the first block and three periods, then from the first block after a whole number of
     # periods that leaves one middle block and the last block.
-    cut = (len(blocks) - 3 - 2 * period) // period * period
+    cut = (len(blocks) - 3 - 3 * period) // period * period
     if cut <= 0:
         return stack
     stack.period = period
-    stack.cut = range(first + 1 + 2 * period, first + 1 + 2 * period + cut)
+    stack.cut = range(first + 1 + 3 * period, first + 1 + 3 * period + cut)
     return stack
 
 
@@ -395,6 +397,43 @@ class _Units:
             elif any(("bwd", j) in self.members for j in self.kept[s.first] if j != s.first):
                 raise NotComposable("the blocks' backward units differ from their templates'")
         self._find_fixed_references()
+        self._check_alike()
+
+    def _check_alike(self) -> None:
+        """Each kept middle block after the cut traces as its template: same events, referring
+        to storages at the same places of the same neighbours. Else the template is not what the
+        cut blocks are (the first blocks' influence reaches it): NotComposable."""
+        for s in self.cut.stacks:
+            for block in range(s.cut.stop, s.first + s.length - 1):
+                template = s.template(block)
+                for role in ("fwd", "bwd"):
+                    ours, theirs = self._signature((role, block)), self._signature((role, template))
+                    if len(ours) != len(theirs) or not all(map(_alike, ours, theirs)):
+                        raise NotComposable(f"block {block}'s {role} unit differs from block {template}'s")
+
+    def _signature(self, unit: tuple) -> list:
+        """A unit's events, with the storages they refer to named by owner, relative to the block."""
+        here = unit[1]
+        signature = []
+        for i in self.members.get(unit, ()):
+            event = self.events[i]
+            if event[0] in ("free", "relabel", "grad"):
+                owner = self.owner.get(event[1])
+                detail = event[2:] if event[0] != "grad" else ()   # a gradient's parameter is the block's own
+                if owner is None or i in self.fixed:
+                    signature.append((event[0], "fixed", event[1], *detail))
+                    continue
+                (role, block), place = owner
+                stack = self.cut.stack_of[block]
+                if block in (stack.first, stack.first + stack.length - 1):   # an end block: its own layout
+                    signature.append((event[0], role, "end", *detail))
+                else:
+                    signature.append((event[0], role, self.order[block] - self.order[here], place, *detail))
+            elif event[0] in ("enter", "exit", "backward_block"):
+                signature.append((event[0], None if event[1] is None else self.order.get(event[1], 0) - self.order[here]))
+            else:
+                signature.append(event[2:] if event[0] == "alloc" else event)
+        return signature
 
     def _find_fixed_references(self) -> None:
         """The references a block's unit makes to the very storage that the same place of the unit
@@ -489,6 +528,14 @@ class _Units:
     def copy(self, unit: tuple, as_block: int, stand_ins: dict) -> list[tuple]:
         """The events of `unit` (a template's) as block `as_block`'s."""
         return [self.rename(i, unit, as_block, stand_ins) for i in self.members.get(unit, ())]
+
+
+def _alike(ours: tuple, theirs: tuple) -> bool:
+    """Two events of `_Units._signature` alike: equal, or referring to the same role's storage
+    where one of them is an end block's (whose layout is its own)."""
+    if ours == theirs:
+        return True
+    return "end" in (ours[2:3] + theirs[2:3]) and ours[:2] == theirs[:2] and ours[-1:] == theirs[-1:]
 
 
 def _numbered(events: list[tuple], units: _Units) -> list[tuple]:
