@@ -160,7 +160,8 @@ def test_frontier_findings_pair_rows_of_one_comparison():
 
 
 # Each benchmark's smallest setting: a run of every step at toy size, so that a rename in ckptlab
-# cannot break a benchmark silently. overhead.py and frontier.py run end to end above.
+# cannot break a benchmark silently. overhead.py and frontier.py run end to end above,
+# predict_speed.py below.
 SMALLEST = {
     "predict_and_plan": ["--quick", "--skip-compile", "--max-seconds", "0.5", "--batch", "2", "--seq", "32"],
     "sweep_cost": ["--quick"],
@@ -168,8 +169,19 @@ SMALLEST = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in ("overhead", "frontier")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py")
+                                         if p.stem not in ("overhead", "frontier", "predict_speed")))
 def test_every_benchmark_runs_its_smallest_setting(name, capsys):
     assert name in SMALLEST, f"benchmarks/{name}.py: add its smallest setting to SMALLEST"
     load(name).main(SMALLEST[name])
     assert capsys.readouterr().out.strip()
+
+
+def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, capsys):
+    load("predict_speed").main(["--quick", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "predict_speed.json").read_text())
+    (row,) = result["predictions"]
+    assert row["identical"] and row["fast_trace"] == "composed"
+    assert row["ratio"] == pytest.approx(row["full_s"] / row["fast_s"])
+    assert result["fits"][0]["trace"] == "fast" and result["fits"][0]["rows"]
+    assert "| gpt-tiny | 64 |" in (tmp_path / "predict_speed.md").read_text()

@@ -27,7 +27,7 @@ from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
-from ..estimate.predict import check_device
+from ..estimate.predict import TRACES, check_device
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
 from ..probe.timing import check_timing_options
@@ -446,7 +446,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         for seq in int_list("--seq", args.seq):
             for policy in policy_list(args.policy):
                 row = predict(workload, batch, seq, policy, dtype=args.dtype, optimizer=args.optimizer,
-                              holds_output=args.holds_output, **on).record()
+                              holds_output=args.holds_output, **on, trace=args.trace).record()
                 if on["device"] == "cpu":
                     try:
                         row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
@@ -636,6 +636,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
     add_device_arguments(p)
     add_holds_output_argument(p)
+    p.add_argument("--trace", default="fast", choices=TRACES,
+                   help="fast: trace a few of each stack's blocks and compose the step, where it can be (the "
+                        "same prediction); full: trace every block (default: fast; the record's trace says which "
+                        "answered)")
     add_format_argument(p)
     p.set_defaults(func=cmd_predict)
 

@@ -16,8 +16,9 @@ from typing import Optional
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import Policy, as_policy, budget_value, plan_policy
 from ..core.units import format_bytes
+from ..core.validate import choice
 from ..estimate.fake_step import FakeMemory, Prediction, as_card, fake_memory
-from ..estimate.predict import check_prediction, predict_policy
+from ..estimate.predict import TRACES, check_prediction, predict_policy
 from ..probe.measure import measure_policy, measurement_record
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
@@ -192,16 +193,18 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
             dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-            card=None, attention: str | None = None, holds_output: bool = False) -> Prediction:
+            card=None, attention: str | None = None, holds_output: bool = False, *, trace: str = "fast") -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
     the plan `plan_budget` chooses (on the same device, for the same loop); the prediction names
-    the budget as its policy and the plan in `plan`."""
+    the budget as its policy and the plan in `plan`. `trace` as predict_policy's: "fast" (the
+    step composed from a few blocks' traces where it can be) or "full"."""
     predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
+    choice("trace", trace, TRACES)
     workload, policy = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer,
                                         accum_steps, **predicted_for)
     resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **predicted_for)
     prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, optimizer, accum_steps,
-                                **predicted_for)
+                                **predicted_for, trace=trace)
     if resolved.plan is None:
         return prediction
     return dataclasses.replace(prediction, policy=str(policy), plan=resolved.plan.letters)
