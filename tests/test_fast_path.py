@@ -146,6 +146,22 @@ def test_broken_composition_is_caught(monkeypatch):
         fast.peak_by_category != full.peak_by_category
 
 
+def test_the_equality_test_fails_on_a_wrong_composition(monkeypatch):
+    """Composition broken on purpose past its own checks: cut blocks copied from the head's second
+    period, whose units still differ from the later blocks' (block 0's output stays alive there),
+    and the check against the tail turned off. The prediction is then wrong, and assert_same says so."""
+    def second_period(self, block):
+        start = self.first + 1 + self.period
+        return start + (block - start) % self.period
+
+    monkeypatch.setattr(compose._Stack, "template", second_period)
+    monkeypatch.setattr(compose._Units, "_check_alike", lambda self: None)
+    fast, full = both_ways(workload("reads-first"), "none")
+    assert fast.trace == "composed"
+    with pytest.raises(AssertionError, match="peak_bytes"):
+        assert_same(fast, full)
+
+
 def test_measure_equals_the_fast_prediction_on_cpu():
     net = workload("alternating", depth=11)
     fast = predict_policy(net, 2, 32, as_policy("full"))
