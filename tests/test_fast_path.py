@@ -40,6 +40,8 @@ def assert_same(fast, full) -> None:
     ("gpt-tiny", dict(n_layer=7), "full+offload", {}),
     ("gpt-tiny", dict(n_layer=11), "every=2", {}),
     ("gpt-tiny", dict(n_layer=7), "plan=kkkkkks", CUDA),
+    ("gpt-tiny", dict(n_layer=7), "none", dict(dtype="bf16")),          # autocast's cache of weight casts
+    ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16")),
     ("hf-llama-tiny", dict(num_hidden_layers=7), "none", dict(CUDA, dtype="bf16-weights")),
     ("hf-llama-tiny", dict(num_hidden_layers=7), "full", {}),
     ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "selective", dict(CUDA, dtype="bf16-weights")),

@@ -24,7 +24,8 @@ step. What the cut blocks would have done is put back into the events:
   place of the block at the same distance (in the kept order) from it, so a block's input is its
   predecessor's output whether that predecessor ran or is a copy. Storages of the first block and
   of everything outside the blocks (embeddings, head, parameters, optimizer state) keep their
-  names.
+  names. Where something outside the blocks refers to one storage of every block in turn
+  (autocast's cache of weight casts, released when autocast exits), it refers to the copies' too.
 - The cut blocks' gradients come from their template's units. The trace stands zero gradients
   in for them when backward ends (so that the optimizer step and `zero_grad` run on every
   parameter as in the full step); those allocations are dropped and their storages renamed to
@@ -44,7 +45,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -111,7 +112,6 @@ def composed_memory(workload, batch_size, seq_len, policy, dtype="fp32", optimiz
                 if host:
                     host.tracker = None
         events = list(tracker.events)
-        cut.restore()
     composed = compose(events, cut)
     counts = count_events(composed)
     report = counts.report(composed if cuda else None)
@@ -157,10 +157,8 @@ class _Cut:
     param_block: dict[int, int] = field(default_factory=dict)     # a cut block's parameter -> that block
     tracker: object = None
     params: list = field(default_factory=list)
-    skipping: list = field(default_factory=list)                  # (container, its class)
-    handle: object = None
 
-    def shorten(self, model: nn.Module, handle) -> callable:
+    def shorten(self, model: nn.Module, handle) -> Callable[[list], list]:
         """Cut the stacks' middles out of `model` (called once the policy is applied); returns
         what the warm-up's trained parameters become (the cut blocks' counterparts added)."""
         if not handle.stacks:
@@ -178,22 +176,16 @@ class _Cut:
         if not any(s.cut for s in self.stacks):
             raise NotComposable("no stack has repeated middle blocks to compose")
         self.params = list(model.parameters())
-        self._match_parameters(model, handle)
+        self._match_parameters(handle)
         for stack_plan, stack in zip(self.stacks, handle.stacks):
             if stack_plan.cut:
                 container = model.get_submodule(stack.path) if stack.path else model
                 kept = [b for i, b in enumerate(stack.blocks) if stack_plan.first + i not in stack_plan.cut]
-                self.skipping.append((container, type(container)))
-                container.__class__ = _skipping_class(type(container), kept)
+                container.__class__ = _skipping_class(type(container), kept)   # for this prediction's model only
         self._count_regions(handle)
         return self.trained
 
-    def restore(self) -> None:
-        for container, cls in self.skipping:
-            container.__class__ = cls
-        self.skipping = []
-
-    def _match_parameters(self, model: nn.Module, handle) -> None:
+    def _match_parameters(self, handle) -> None:
         """Each parameter of a cut block, matched with its template's, by position."""
         index = {id(p): i for i, p in enumerate(self.params)}
         cut_blocks = {j for s in self.stacks for j in s.cut}
@@ -206,12 +198,13 @@ class _Cut:
         for j in sorted(cut_blocks):
             template = self.stack_of[j].template(j)
             own, theirs = list(handle.blocks[j].parameters()), list(handle.blocks[template].parameters())
+            own_ids = {id(p) for p in own}
             for p, q in zip(own, theirs):
                 if id(p) in elsewhere:
                     if p is not q:
                         raise NotComposable(f"block {j} shares a parameter with another block than its template")
                     continue
-                if id(q) not in elsewhere or id(q) in {id(x) for x in own}:
+                if id(q) not in elsewhere or id(q) in own_ids:
                     raise NotComposable(f"block {j}'s parameters do not match block {template}'s")
                 self.param_template[index[id(p)]] = index[id(q)]
                 self.param_block[index[id(p)]] = j
@@ -219,7 +212,6 @@ class _Cut:
     def _count_regions(self, handle) -> None:
         """Mark the checkpoint handle's counts in the events, so that the composed step counts
         the cut blocks' recomputes."""
-        self.handle = handle
         region_run, count_forward = handle.count_region_run, handle.count_forward
 
         def counted_region_run():
@@ -318,6 +310,7 @@ def compose(events: list[tuple], cut: _Cut) -> list[tuple]:
         raise NotComposable(f"the step's phases are {', '.join(phases)}, not one forward, backward and optimizer step")
     units = _Units(events, cut)
     stand_ins = units.stand_in_names()
+    before, after = units.each_block_references(set(stand_ins.values()))
     out = []
     dropping = False
     for i, event in enumerate(events):
@@ -326,7 +319,9 @@ def compose(events: list[tuple], cut: _Cut) -> list[tuple]:
         if event[0] == "stand_ins":
             dropping = True
         if not dropping:
+            out += before.get(i, [])
             out.append(units.rename(i, units.unit_of[i], None, stand_ins))
+            out += after.get(i, [])
         if event[0] == "stand_ins_end":
             dropping = False
         for j in units.forward_inserts.get(i, ()):
@@ -509,6 +504,31 @@ class _Units:
                 raise NotComposable(f"block {template}'s gradients are allocated outside its stack")
             names[key] = self._storage_at((role, self._block_as(at, (role, template), block)), place)
         return names
+
+    def each_block_references(self, named: set) -> tuple[dict, dict]:
+        """The events outside the blocks that refer to one storage of every block, in block order
+        (autocast's cache of weight casts, released when autocast exits), made for the cut blocks
+        too: {event index: the cut blocks' events to put before it}, and after it. Found for a
+        period of one block, where the head's last block and the tail's first both have one, and
+        the cut blocks' storages are not `named` already (gradients, whose stand-ins name them)."""
+        before, after = defaultdict(list), defaultdict(list)
+        for s in self.cut.stacks:
+            if not s.cut or s.period != 1:
+                continue
+            series: dict[tuple, dict[int, int]] = defaultdict(dict)   # (role, place) -> {block: event index}
+            for i, event in enumerate(self.events):
+                if self.unit_of[i] is None and event[0] in ("free", "relabel") and event[1] in self.owner:
+                    (role, block), place = self.owner[event[1]]
+                    if block in (s.head_last, s.cut.stop):
+                        series[(role, place)][block] = i
+            for (role, place), at in series.items():
+                if len(at) < 2 or ("copy", (role, s.cut.start), place) in named:
+                    continue
+                i, event = at[s.head_last], self.events[at[s.head_last]]
+                ascending = at[s.cut.stop] > i
+                blocks = s.cut if ascending else reversed(s.cut)
+                (after if ascending else before)[i] += [(event[0], ("copy", (role, j), place), *event[2:]) for j in blocks]
+        return before, after
 
     def rename(self, i: int, unit: Optional[tuple], as_block: Optional[int], stand_ins: dict) -> tuple:
         """Event `i`, of `unit`, as block `as_block`'s (None: as its own)."""
