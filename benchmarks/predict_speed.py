@@ -9,7 +9,8 @@ in one run, with the two predictions checked identical.
      (with --full-fits, the full trace too: minutes), and how many predictions the table took.
 
 Each model is predicted once before it is timed (imports, first-call caches), so the times are
-those of a warm process. Timings on a shared machine are noisy: compare the ratios of one run.
+those of a warm process; then each path runs `--repeats` rounds, in turns. Timings on a shared
+machine are noisy: compare the ratios of one run.
 
     python benchmarks/predict_speed.py [--quick] [--full-fits] [--out results/predict_speed]
 """
@@ -23,6 +24,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from statistics import median
 
 from ckptlab import get_workload, predict, predict_fits
 from ckptlab.core.cards import DEFAULT_CARDS
@@ -53,13 +55,25 @@ def same_prediction(fast, full) -> list[str]:
     return [k for k in a if k not in ("predict_s", "trace") and a[k] != b[k]]
 
 
-def one_prediction(model: str, overrides: dict, seq: int, dtype: str) -> dict:
+def one_prediction(model: str, overrides: dict, seq: int, dtype: str, repeats: int) -> dict:
+    """Both paths, `repeats` rounds of each in turn (the first path of a round alternates); the
+    medians of their seconds, the median of the rounds' ratios."""
     workload = get_workload(model, **overrides)
     options = dict(dtype=dtype, card=CARD, device="cuda")
-    fast, fast_s = timed(lambda: predict(workload, 1, seq, POLICY, **options, trace="fast"))
-    full, full_s = timed(lambda: predict(workload, 1, seq, POLICY, **options, trace="full"))
+    seconds = {"fast": [], "full": []}
+    for r in range(repeats):
+        for trace in ("fast", "full") if r % 2 == 0 else ("full", "fast"):
+            prediction, s = timed(lambda: predict(workload, 1, seq, POLICY, **options, trace=trace))
+            seconds[trace].append(s)
+            if trace == "fast":
+                fast = prediction
+            else:
+                full = prediction
+    ratios = [a / b for a, b in zip(seconds["full"], seconds["fast"])]
+    full_s, fast_s = median(seconds["full"]), median(seconds["fast"])
     return {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": POLICY,
-            "full_s": full_s, "fast_s": fast_s, "ratio": full_s / fast_s, "fast_trace": fast.trace,
+            "full_s": full_s, "fast_s": fast_s, "ratio": median(ratios), "rounds_full_s": seconds["full"],
+            "rounds_fast_s": seconds["fast"], "fast_trace": fast.trace,
             "identical": not same_prediction(fast, full), "differing_fields": same_prediction(fast, full),
             "peak_bytes": fast.peak_bytes, "device_bytes": fast.device_bytes}
 
@@ -90,7 +104,9 @@ def fits_table(model: str, overrides: dict, policies: list[str], dtype: str, cap
 
 def markdown(result: dict) -> str:
     lines = [f"# Prediction speed: full trace vs fast path ({result['machine']})", "",
-             "One run; each model predicted once before it is timed. The machine may be shared: compare ratios.", "",
+             f"One run; each model predicted once before it is timed, then {result['repeats']} rounds of each path "
+             "(medians; full / fast is the median of the rounds' ratios). Load average (1, 5, 15 min) at the end: "
+             f"{', '.join(f'{x:.1f}' for x in result['load_average'])}. The machine may be shared: compare ratios.", "",
              "| model | seq | dtype | full s | fast s | full / fast | fast path | identical |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["predictions"]:
@@ -107,6 +123,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="gpt-tiny only (a smoke run)")
     parser.add_argument("--full-fits", action="store_true", help="time predict_fits on the full trace too (minutes)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of each path per prediction (default 3)")
     parser.add_argument("--out", default="results/predict_speed", help="folder for predict_speed.json and .md")
     args = parser.parse_args(argv)
     cases, fits = (QUICK_CASES, QUICK_FITS) if args.quick else (CASES, FITS)
@@ -114,7 +131,7 @@ def main(argv=None) -> None:
     for model, overrides, seqs, dtype in cases:
         predict(get_workload(model, **overrides), 1, seqs[0], POLICY, dtype=dtype, card=CARD, device="cuda")  # warm
         for seq in seqs:
-            predictions.append(one_prediction(model, overrides, seq, dtype))
+            predictions.append(one_prediction(model, overrides, seq, dtype, args.repeats))
             r = predictions[-1]
             print(f"{r['model']} s{seq} {dtype}: full {r['full_s']:.2f} s, fast {r['fast_s']:.2f} s "
                   f"({r['ratio']:.1f}x, {r['fast_trace']}), identical: {r['identical']}", flush=True)
@@ -124,7 +141,7 @@ def main(argv=None) -> None:
     for f in tables:
         print(f"predict_fits {f['model']} x {len(f['policies'])} policies x {len(f['cards'])} cards, {f['trace']}: "
               f"{f['predictions']} predictions, {f['seconds']:.1f} s")
-    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "repeats": args.repeats,
               "load_average": os.getloadavg(), "predictions": predictions, "fits": tables}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
