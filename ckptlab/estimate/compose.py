@@ -521,13 +521,26 @@ class _Units:
                     (role, block), place = self.owner[event[1]]
                     if block in (s.head_last, s.cut.stop):
                         series[(role, place)][block] = i
-            for (role, place), at in series.items():
-                if len(at) < 2 or ("copy", (role, s.cut.start), place) in named:
-                    continue
-                i, event = at[s.head_last], self.events[at[s.head_last]]
-                ascending = at[s.cut.stop] > i
-                blocks = s.cut if ascending else reversed(s.cut)
-                (after if ascending else before)[i] += [(event[0], ("copy", (role, j), place), *event[2:]) for j in blocks]
+            series = {key: at for key, at in series.items()
+                      if len(at) == 2 and ("copy", (key[0], s.cut.start), key[1]) not in named}
+            if not series:
+                continue
+            heads = sorted((at[s.head_last], key) for key, at in series.items())
+            tails = sorted(at[s.cut.stop] for at in series.values())
+            ascending = tails[0] > heads[0][0]
+            blocks = list(s.cut if ascending else reversed(s.cut))
+
+            def copies(i: int, role: str, place: int, js) -> list[tuple]:
+                event = self.events[i]
+                return [(event[0], ("copy", (role, j), place), *event[2:]) for j in js]
+
+            if ascending and heads[-1][0] < tails[0]:      # block by block: after the head's last one
+                after[heads[-1][0]] += [e for j in blocks for i, key in heads for e in copies(i, *key, [j])]
+            elif not ascending and heads[0][0] > tails[-1]:
+                before[heads[0][0]] += [e for j in blocks for i, key in heads for e in copies(i, *key, [j])]
+            else:                                              # storage by storage
+                for i, key in heads:
+                    (after if ascending else before)[i] += copies(i, *key, blocks)
         return before, after
 
     def rename(self, i: int, unit: Optional[tuple], as_block: Optional[int], stand_ins: dict) -> tuple:
