@@ -42,6 +42,9 @@ def assert_same(fast, full) -> None:
     ("gpt-tiny", dict(n_layer=7), "plan=kkkkkks", CUDA),
     ("gpt-tiny", dict(n_layer=7), "none", dict(dtype="bf16")),          # autocast's cache of weight casts
     ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16")),
+    ("gpt-tiny", dict(n_layer=7), "full", dict(holds_output=True)),
+    ("gpt-tiny", dict(n_layer=7), "none", dict(optimizer="sgd")),
+    ("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, optimizer="none")),
     ("hf-llama-tiny", dict(num_hidden_layers=7), "none", dict(CUDA, dtype="bf16-weights")),
     ("hf-llama-tiny", dict(num_hidden_layers=7), "full", {}),
     ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "selective", dict(CUDA, dtype="bf16-weights")),
@@ -130,6 +133,14 @@ def test_a_short_stack_is_traced_in_full_and_says_why():
     fast, full = both_ways(workload("plain", depth=4), "none")
     assert_same(fast, full)
     assert fast.trace == "full (no stack has repeated middle blocks to compose)"
+
+
+def test_what_cannot_be_composed_is_traced_in_full():
+    fast, full = both_ways(workload("plain"), "segments=2")
+    assert_same(fast, full)
+    assert fast.trace == "full (checkpoint regions span several blocks)"
+    fast = predict_policy(workload("plain"), 2, 16, as_policy("none"), accum_steps=2)
+    assert fast.trace == "full (accum_steps=2 runs several forward passes)"
 
 
 def test_broken_composition_is_caught(monkeypatch):
