@@ -5,7 +5,7 @@ A stack's blocks trace alike: a block's forward, its backward and its recompute 
 the same sizes in the same order as its neighbours', and refer to its neighbours' tensors the same
 way (its input, the gradient flowing into it). So the step is run once, tracked as the full trace
 is (`fake_step`), on the whole model with each stack's middle cut out: the stack's container
-iterates over the kept blocks only (`_Skipping`), while the model keeps all its parameters, so
+iterates over the kept blocks only (`_skipping_class`), while the model keeps all its parameters, so
 setup, optimizer state, the optimizer step and `zero_grad` see every parameter, as in the full
 step. What the cut blocks would have done is put back into the events:
 
@@ -22,9 +22,10 @@ step. What the cut blocks would have done is put back into the events:
   the backward before it, with their storages renamed: a storage a unit allocates is that
   block's own; one it refers to that another block's unit allocated is the one at the same
   place of the block at the same distance (in the kept order) from it, so a block's input is its
-  predecessor's output whether that predecessor ran or is a copy. Storages of the first block and
-  of everything outside the blocks (embeddings, head, parameters, optimizer state) keep their
-  names. Where something outside the blocks refers to one storage of every block in turn
+  predecessor's output whether that predecessor ran or is a copy. Storages of everything outside
+  the blocks (embeddings, head, parameters, optimizer state) keep their names, and so does one
+  that the unit a period before refers to at the same place (a table every block reads; a first
+  block's output that every block reads). Where something outside the blocks refers to one storage of every block in turn
   (autocast's cache of weight casts, released when autocast exits), it refers to the copies' too.
 - The cut blocks' gradients come from their template's units. The trace stands zero gradients
   in for them when backward ends (so that the optimizer step and `zero_grad` run on every
@@ -34,10 +35,11 @@ step. What the cut blocks would have done is put back into the events:
 The composed events are counted by `probe.memory.LiveCounts`, as a tracked step's own events are,
 and on CUDA replayed through the caching allocator. What a composed trace cannot know is refused
 before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
-policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step that is not one forward, backward and optimizer step, blocks whose
-order or gradients the trace cannot place. The equality of the two paths is a test
-(tests/test_fast_path.py), on models with repeated, alternating, shared, encoder-decoder blocks and
-blocks that read an earlier block's tensor.
+policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
+that is not one forward, backward and optimizer step, a model that indexes its blocks, blocks
+whose order, units or gradients the trace cannot place. The equality of the two paths is a test
+(tests/test_fast_path.py), on models with repeated, alternating, shared, encoder-decoder blocks
+and blocks that read an earlier block's tensor.
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ def _skipping_class(cls: type, kept: list) -> type:
 def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
     """Which of a stack's blocks are cut (module docstring)."""
     stack = _Stack(first, len(blocks))
-    kinds = [_kind(b, m, blocks[i - 1] if i else None) for i, (b, m) in enumerate(zip(blocks, modes))]
+    kinds = [_kind(b, m) for b, m in zip(blocks, modes)]
     middle = kinds[1:-1]
     period = next((p for p in range(1, LONGEST_PERIOD + 1)
                    if all(middle[i] == middle[i + p] for i in range(len(middle) - p))), None)
@@ -292,12 +294,12 @@ def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
     return stack
 
 
-def _kind(block: nn.Module, mode: str, previous: Optional[nn.Module]) -> tuple:
+def _kind(block: nn.Module, mode: str) -> tuple:
     """What makes two blocks trace alike: type, parameters and buffers (shapes, dtypes,
-    trainable), checkpoint mode, and whether it is its predecessor (a shared block)."""
+    trainable) and checkpoint mode."""
     tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in block.named_parameters())
     tensors += tuple((name, tuple(t.shape), t.dtype) for name, t in block.named_buffers())
-    return type(block), mode, tensors, block is previous
+    return type(block), mode, tensors
 
 
 # --------------------------------------------------------------------------- composing the events
