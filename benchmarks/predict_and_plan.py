@@ -444,6 +444,7 @@ def section_fits(args, result) -> None:
     print(format_table(fits, [("policy", "policy", str), ("card", "capacity", str),
                               ("max batch @ seq 2048", "max_batch_size", str),
                               ("margin left", "batch_margin_bytes", format_bytes),
+                              ("with cache flushes", "max_batch_size_with_flushes", str),
                               ("max seq @ batch 1", "max_seq_len", str)]))
     if args.quick:
         print("Llama-7B-shaped GPT cost: not run with --quick")

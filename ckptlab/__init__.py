@@ -28,6 +28,7 @@ from .workloads.stacks import find_blocks
 if TYPE_CHECKING:  # what IDEs and type checkers see of the names loaded on first use
     from .apps.explorer import Explorer
     from .core.cards import cards  # noqa: F401 - loaded on first use, outside __all__ (full at 30)
+    from .core.loop import Loop  # noqa: F401 - loaded on first use, outside __all__ (full at 30)
     from .report import analysis as analysis
     from .report import plots as plots
     from .report.analysis import add_predictions
@@ -48,6 +49,7 @@ _LAZY = {
     "sweep": ("ckptlab.run.sweep", "sweep"),
     "equal_batch_sweep": ("ckptlab.run.sweep", "equal_batch_sweep"),
     "cards": ("ckptlab.core.cards", "cards"),   # not in __all__ (full at 30): ckptlab.cards() still works
+    "Loop": ("ckptlab.core.loop", "Loop"),      # likewise; every `loop=` also takes its text
 }
 
 

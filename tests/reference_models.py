@@ -171,13 +171,13 @@ def pytorch_estimate() -> PyTorchEstimate:
 
 if __name__ == "__main__":
     ref = pytorch_estimate()
-    pred = ckptlab.predict(sac_ilp_transformer(), BATCH, SEQ, "none", optimizer="adamw-foreach", device="cuda")
+    pred = ckptlab.predict(sac_ilp_transformer(), BATCH, SEQ, "none", loop="adamw-foreach", device="cuda")
     print(f"PyTorch's test asserts   {PYTORCH_PEAK_BYTES:>15,} B")
     print(f"its estimator on ckptlab's CUDA step {ref.peak_bytes:>15,} B  ({ref.peak_bytes / PYTORCH_PEAK_BYTES - 1:+.4%}), at {ref.module}:")
     for name in ("param_bytes", "grad_bytes", "act_grad_bytes", "act_bytes"):
         print(f"  {name:<16} {getattr(ref, name):>15,}")
-    held = ckptlab.predict(sac_ilp_transformer(), BATCH, SEQ, "none", optimizer="adamw-foreach", device="cuda",
-                           holds_output=True)
+    held = ckptlab.predict(sac_ilp_transformer(), BATCH, SEQ, "none", loop="adamw-foreach,holds-output",
+                           device="cuda")
     for title, p in (("ckptlab.predict peak_bytes", pred), ("  the loop holding the output", held)):
         print(f"{title} {p.peak_bytes:>15,} B  ({p.peak_bytes / PYTORCH_PEAK_BYTES - 1:+.4%}), {p.peak_phase}, "
               f"attention {p.attention_backend}:")

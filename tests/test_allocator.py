@@ -187,3 +187,92 @@ def test_a_long_random_trace_keeps_the_allocators_invariants():
     assert r.end_reserved_bytes == r.peak_reserved_bytes  # nothing is released during a step
     e = replay_allocations(events, expandable_segments=True)
     assert e.end_allocated_bytes == 0 and e.segments == 2 and e.peak_allocated_bytes <= e.peak_reserved_bytes
+
+
+# Under a limit: DeviceCachingAllocator::malloc (CUDACachingAllocator.cpp): alloc_block fails past
+# the limit; release_available_cached_blocks returns false at once with the default
+# max_split_size; release_cached_blocks frees every wholly free segment; alloc_block is retried.
+
+def test_a_reserved_peak_over_the_limit_runs_with_a_cache_flush():
+    # A (8 MiB) opens a 20 MiB segment (kLargeBuffer: under 10 MiB) and is freed: 20 MiB cached.
+    # B (12 MiB, >= 10 MiB) fits in no free block of 12 MiB... it does: best fit takes A's 20 MiB
+    # block (rest 8 MiB > 1 MiB is split). So use C (24 MiB): no cached block fits, a new segment
+    # of 24 MiB (rounded to 2 MiB). Without a limit reserved is 20 + 24 = 44 MiB; allocated peaks
+    # at 24 MiB. Under a 30 MiB limit 20 + 24 > 30: the flush frees A's wholly free 20 MiB segment,
+    # the retry takes 24 MiB: one flush, reserved peak 24 MiB.
+    events = trace(("a", 1, 8 * MiB), ("f", 1), ("a", 2, 24 * MiB))
+    free = replay_allocations(events)
+    assert (free.peak_reserved_bytes, free.peak_allocated_bytes, free.cache_flushes) == (44 * MiB, 24 * MiB, 0)
+    limited = replay_allocations(events, limit_bytes=30 * MiB)
+    assert (limited.peak_reserved_bytes, limited.cache_flushes, limited.out_of_memory) == (24 * MiB, 1, False)
+    assert limited.segments == 1
+
+
+def test_a_split_segment_is_not_released_so_the_retry_runs_out_of_memory():
+    # A (8 MiB) and K (8 MiB) share one 20 MiB segment (K split from A's rest); A is freed, K lives:
+    # the segment is split (prev/next set), so release_blocks keeps it. C (24 MiB) needs a new
+    # 24 MiB segment: 20 + 24 = 44 MiB > a 40 MiB limit; after the flush still 44 > 40: out of memory.
+    events = trace(("a", 1, 8 * MiB), ("a", 2, 8 * MiB), ("f", 1), ("a", 3, 24 * MiB))
+    limited = replay_allocations(events, limit_bytes=40 * MiB)
+    assert (limited.cache_flushes, limited.out_of_memory, limited.peak_reserved_bytes) == (1, True, 20 * MiB)
+    assert not replay_allocations(events, limit_bytes=44 * MiB).out_of_memory
+
+
+def test_expandable_segments_unmap_free_pages_under_the_limit():
+    # Expandable (large pool, 20 MiB pages): A (30 MiB) maps 2 pages = 40 MiB; B (8 MiB) takes 8 MiB
+    # of the 10 MiB rest (the end block: find it by best fit: 10 MiB >= 8 MiB). A is freed: blocks
+    # [A 30 MiB free][B 8 MiB][2 MiB free]. C (50 MiB) fits no free block; the lowest address with
+    # room is the 2 MiB free block before the unmapped space: 48 MiB more, mapped in 3 pages
+    # (60 MiB): 100 MiB reserved. Under a 70 MiB limit: 40 + 60 > 70, so release_cached_blocks
+    # unmaps the whole pages inside free blocks: A's block spans [0, 30 MiB), page 0 ([0, 20))
+    # is wholly inside: 20 MiB unmapped, 20 MiB left mapped. The retry maps the lowest room again:
+    # the unmapped page 0 plus A's free 10 MiB is 30 MiB < 50; after B, 2 MiB + unmapped space:
+    # 3 pages: 20 + 60 = 80 MiB > 70: out of memory. With a 80 MiB limit it runs with one flush.
+    events = trace(("a", 1, 30 * MiB), ("a", 2, 8 * MiB), ("f", 1), ("a", 3, 50 * MiB))
+    free = replay_allocations(events, expandable_segments=True)
+    assert free.peak_reserved_bytes == 100 * MiB
+    assert replay_allocations(events, expandable_segments=True, limit_bytes=70 * MiB).out_of_memory
+    limited = replay_allocations(events, expandable_segments=True, limit_bytes=80 * MiB)
+    assert (limited.cache_flushes, limited.out_of_memory, limited.end_reserved_bytes) == (1, False, 80 * MiB)
+
+
+def test_the_first_step_puts_the_optimizer_state_into_the_activations_cache():
+    # The tracked step starts from P (a 24 MiB parameter) and S (16 MiB of optimizer state); its
+    # forward allocates X (40 MiB, an activation) and backward frees it and allocates G (24 MiB,
+    # the gradient); the optimizer phase begins at G's free (zero_grad). Sizes >= 10 MiB get
+    # their own segment, rounded to 2 MiB (get_allocation_size); a rest > 1 MiB is split off.
+    # From the tidy start (P, S laid out first): 24 + 16, X opens 40, G is split from X's freed
+    # 40 MiB: 80 MiB reserved.
+    # The loop's first step: P (24), X (40), X freed, G split from X's block ([G 24 | 16 free]),
+    # S created at the optimizer phase fills the 16 MiB rest exactly; G freed: [24 free | S 16].
+    # 24 + 40 = 64 MiB. Its second step on that layout: X (40) fits no free block (24 MiB): a new
+    # 40 MiB segment, 104 MiB reserved; G then reuses the 24 MiB block. The worse step is the second.
+    from ckptlab.estimate.allocator import replay_steps
+    from ckptlab.estimate.cuda_device import LoopOrder, first_two_steps
+    tracked = [("alloc", 1, 24 * MiB), ("alloc", 2, 16 * MiB),
+               ("alloc", 3, 40 * MiB), ("free", 3, 40 * MiB), ("alloc", 4, 24 * MiB), ("free", 4, 24 * MiB)]
+    initial, first, second = first_two_steps(tracked, 2, LoopOrder(frozenset({2}), optimizer_at=5))
+    assert initial == [("alloc", 1, 24 * MiB)]
+    assert [e[1] for e in first] == [3, 3, 4, 2, 4]          # S allocated where the optimizer phase begins
+    assert [e[0] for e in second] == [e[0] for e in tracked[2:]]
+
+    def events(es):
+        return [AllocEvent(*e) for e in es]
+    one, two = replay_steps(events(initial), [events(first), events(second)])
+    tidy = replay_allocations(events(tracked[2:]), initial_events=events(tracked[:2]))
+    assert tidy.peak_reserved_bytes == 80 * MiB
+    assert (one.peak_reserved_bytes, two.peak_reserved_bytes) == (64 * MiB, 104 * MiB)
+
+
+def test_the_first_step_has_no_previous_output_and_the_second_frees_the_firsts():
+    # A loop that holds the model's output: the tracked step starts with P (key 1) and the previous
+    # output H (key 2, 8 MiB), allocates X (key 3) and its own output O (key 4, 8 MiB), frees H once
+    # O exists. The first step has no H: it starts from P alone and frees nothing of the kind; the
+    # second step (keys shifted by the largest key + 1 = 5) frees the first step's O in H's place.
+    from ckptlab.estimate.cuda_device import LoopOrder, first_two_steps
+    tracked = [("alloc", 1, 4 * MiB), ("alloc", 2, 8 * MiB),
+               ("alloc", 3, 2 * MiB), ("alloc", 4, 8 * MiB), ("free", 2, 8 * MiB), ("free", 3, 2 * MiB)]
+    initial, first, second = first_two_steps(tracked, 2, LoopOrder(frozenset(), optimizer_at=None))
+    assert initial == [("alloc", 1, 4 * MiB)]
+    assert first == [("alloc", 3, 2 * MiB), ("alloc", 4, 8 * MiB), ("free", 3, 2 * MiB)]
+    assert second == [("alloc", 8, 2 * MiB), ("alloc", 9, 8 * MiB), ("free", 4, 8 * MiB), ("free", 8, 2 * MiB)]

@@ -122,7 +122,7 @@ API_CASES = [
     (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, "plan=kk"), "plan=kk is invalid for a model with 4 blocks"),
     (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, "hf"), "policy='hf' is invalid for model='gpt-tiny'"),
     (lambda tmp: ckptlab.measure("gpt-tiny", 2.0, 16), "batch_size=2.0 is invalid: allowed is an integer >= 1"),
-    (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, dtype="fp16"), "dtype='fp16' is invalid: allowed are fp32, bf16"),
+    (lambda tmp: ckptlab.measure("gpt-tiny", 2, 16, dtype="fp8"), "dtype='fp8' is invalid: allowed are fp32, bf16"),
     (lambda tmp: ckptlab.sweep(model="mlp-chain", out=tmp / "afile"), "out="),
     (lambda tmp: ckptlab.sweep(model="mlp-chain", out=""), "out='' is invalid"),
     (lambda tmp: ckptlab.sweep(model="mlp-chain", policies=["hf"], out=tmp / "o"), "policy='hf' is invalid"),
@@ -286,3 +286,9 @@ def test_a_scalar_parameter_whose_name_is_a_list_elsewhere_is_checked_as_a_scala
     check_parameters(find_notebook("09"), {"accum_steps": 4})
     with pytest.raises(ValueError, match="accum_steps"):
         check_parameters(find_notebook("09"), {"accum_steps": 0})
+
+
+def test_a_notebooks_loop_parameter_is_checked_as_the_command_line_checks_it():
+    check_parameters(find_notebook("11"), {"loop": "adamw-fused,accum=2,holds-output"})
+    with pytest.raises(ValueError, match=r"^notebook 11_why_memory_did_not_drop: accum_steps=0 is invalid: allowed is an"):
+        check_parameters(find_notebook("11"), {"loop": "adamw,accum=0"})

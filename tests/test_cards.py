@@ -18,6 +18,7 @@ from ckptlab.core.cards import (
     Card,
     card,
     cards,
+    fit_answer,
     fits,
     margin_left,
     parse_capacity,
@@ -73,11 +74,15 @@ def test_a_capacity_is_a_card_or_a_size_and_either_can_be_adjusted():
         parse_capacity("rtx4090", usable_bytes=0)
 
 
-def test_fits_keeps_the_margin_and_margin_left_is_usable_less_device_bytes():
+def test_fits_keeps_the_margin_and_margin_left_is_what_is_left_beyond_it():
+    # margin_left = usable - required margin - device bytes, so it is >= 0 exactly when it fits:
+    # at the edge (usable - 256 MiB of device bytes) 0 is left; one byte more is -1 and no fit.
     c = card("rtx4090")
     edge = c.usable_bytes - DEFAULT_MARGIN_BYTES
     assert fits(c, edge) and not fits(c, edge + 1)
-    assert margin_left(c, edge) == DEFAULT_MARGIN_BYTES and margin_left(c, c.usable_bytes + 1) == -1
+    assert margin_left(c, edge) == 0 and margin_left(c, edge + 1) == -1
+    assert fit_answer(c, edge, False) == "yes" and fit_answer(c, edge + 1, True) == "with cache flushes"
+    assert fit_answer(c, edge + 1, False) == "no"
     size = parse_capacity("16MiB")   # a plain size keeps no margin
     assert fits(size, 16 * MiB) and not fits(size, 16 * MiB + 1)
 
@@ -99,7 +104,7 @@ def test_predict_fits_takes_card_names_and_shows_the_margin_left():
     assert largest.device_bytes == on_rtx.device_bytes
     assert on_card["max_seq_len"] == on_size["max_seq_len"] == 16
     assert on_size["batch_margin_bytes"] == on_size["seq_margin_bytes"] == 0
-    assert on_card["batch_margin_bytes"] == on_card["seq_margin_bytes"] == DEFAULT_MARGIN_BYTES
+    assert on_card["batch_margin_bytes"] == on_card["seq_margin_bytes"] == 0
     with pytest.raises(ValueError, match=r"capacities='rtx5090' is invalid: allowed is a card \(rtx3090"):
         predict_fits(workload, ["full"], capacities=["rtx5090"])
 
@@ -124,8 +129,12 @@ def test_lora_fits_takes_card_names_and_says_the_margin_at_the_longest_sequence(
     on_h200 = predict("hf-llama-tiny+lora=4", 1, 16, "none", dtype="fp32", device="cuda", card="h200")
     assert bool(table["fits_h200"].iloc[0]) and not bool(table["fits_1KiB"].iloc[0])
     assert table["device_h200_bytes"].iloc[0] == on_h200.device_bytes   # predicted for the card
-    assert table["margin_h200_bytes"].iloc[0] == h200.usable_bytes - on_h200.device_bytes == on_h200.margin_bytes
+    assert table["margin_h200_bytes"].iloc[0] == (h200.usable_bytes - h200.required_margin_bytes
+                                                     - on_h200.device_bytes) == on_h200.margin_bytes
     longest = longest_fitting(table).set_index("capacity")
     assert longest.loc["h200", "longest_seq_len"] == 16 and longest.loc["1KiB", "longest_seq_len"] == 0
     assert longest.loc["h200", "margin_bytes"] == table["margin_h200_bytes"].iloc[0]
     assert longest.loc["1KiB", "margin_bytes"] is None or pd.isna(longest.loc["1KiB", "margin_bytes"])
+    assert table["fit_h200"].iloc[0] == on_h200.fit == "yes" and "fit_1KiB" not in table
+    assert longest.loc["h200", "longest_seq_len_with_flushes"] == 16
+    assert pd.isna(longest.loc["1KiB", "longest_seq_len_with_flushes"])

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlab import apply_checkpointing, get_workload, track_memory
 from ckptlab.checkpoint.wrap import selective_context_fn
-from ckptlab.estimate.cuda_autocast import cuda_autocast
+from ckptlab.estimate.cuda_autocast import cuda_autocast, cuda_autocast_policies
 from ckptlab.estimate.cuda_semantics import cuda_semantics
 from ckptlab.estimate.fake_step import fake_model
 
@@ -54,10 +54,12 @@ def test_flash_keeps_q_k_v_out_logsumexp_and_its_rng_state_by_hand():
     loss = 2                                 # the bf16 loss, alive when forward ends
     assert report.saved_activation_bytes == qkv_out + lse + rng + loss
     # Backward's peak: what forward kept, the loss's grad (a 0-d bf16 expanded), dout made
-    # contiguous, dq, dk, dv, softmax_d fp32 [b, h, s_q rounded to 128] and the fp32 dq
+    # contiguous as [b, s, h, d], the output made so too (a copy: it has the [b, h, s, d] layout of
+    # the cloned q), dq, dk, dv, softmax_d fp32 [b, h, s_q rounded to 128] and the fp32 dq
     # accumulator [b, s_q rounded to 128, h, d rounded to 32].
     s128, d32 = 128, 32
-    backward = 2 + B * S * H * D * 2 + 3 * B * H * S * D * 2 + B * H * s128 * 4 + B * s128 * H * d32 * 4
+    backward = (2 + 2 * B * S * H * D * 2 + 3 * B * H * S * D * 2 + B * H * s128 * 4
+                + B * s128 * H * d32 * 4)
     assert report.peak_phase == "backward"
     assert report.peak_bytes == report.saved_activation_bytes + backward
 
@@ -69,8 +71,9 @@ def test_flash_backward_with_grouped_query_attention_expands_dk_dv_before_the_su
     q_bytes, kv_bytes = B * H * S * D * 2, B * hk * S * D * 2
     kept = 2 * q_bytes + 2 * kv_bytes + B * H * S * 4 + 24 + 2     # q, out, k, v, lse, rng, loss
     assert report.saved_activation_bytes == kept
-    # dout, dq, dk, dv, softmax_d, the dq accumulator, and dk, dv per query head
-    backward = 2 + 2 * q_bytes + 2 * kv_bytes + B * H * 128 * 4 + B * 128 * H * 32 * 4 + 2 * q_bytes
+    # dout, the output made contiguous as [b, s, h, d] (a copy), dq, dk, dv, softmax_d, the dq
+    # accumulator, and dk, dv per query head
+    backward = 2 + 3 * q_bytes + 2 * kv_bytes + B * H * 128 * 4 + B * 128 * H * 32 * 4 + 2 * q_bytes
     assert report.peak_bytes == kept + backward
 
 
@@ -317,3 +320,135 @@ def test_checkpoint_recompute_runs_under_the_mode_with_the_same_backend():
         assert all(p.grad is not None for p in model.parameters())
     assert cuda.backend_calls == {"flash": 4}  # two blocks' forwards and their recomputations
     assert tracker.report().peak_bytes > 0
+
+
+# ---------------------------------------------------------------------------- per torch version
+
+@pytest.mark.parametrize("arch, torch_version, expected", [
+    ("sm90", "2.8", "flash"),    # priority_order: the constexpr {flash, efficient, math, cudnn}
+    ("sm90", "2.9", "cudnn"),    # check_prefer_cudnn_attention: CUDNN_VERSION >= 90900, major 9, minor 0
+    ("sm90", "2.10", "flash"),   # runtime cuDNN must be > 9.15.00; its wheel's is 9.10.2
+    ("sm90", "2.11", "cudnn"),   # its wheel's cuDNN (9.19) is past 9.15
+    ("sm90", "2.13", "cudnn"),
+    ("sm80", "2.13", "flash"),   # not major 9 or 10: flash, efficient, math, cudnn
+    ("sm89", "2.11", "flash"),
+])
+def test_the_backend_order_follows_the_torch_version_and_the_card(arch, torch_version, expected):
+    qkv = {n: _t(2, 4, 8, 64) for n in "qkv"}
+    assert _backend(**qkv, is_causal=True, arch=arch, torch_version=torch_version) == expected
+
+
+def test_cudnn_keeps_q_k_v_out_logsumexp_and_philox_scalars_and_a_dq_accumulator_by_hand():
+    # torch 2.13 on sm90 puts cuDNN first; a dropout of 1/16 is one it takes (sixteenths).
+    report, cuda = _attention_step(dropout_p=1 / 16, arch="sm90", torch_version="2.13")
+    assert cuda.attention_backend == "cudnn"
+    bhsd = B * H * S * D
+    # q, k, v, the output (in q's [b, h, s, d] layout), logsumexp fp32 [b, h, s_q, 1], the Philox
+    # seed and offset as two int64 scalars on the device, and the bf16 loss
+    kept = 4 * bhsd * 2 + B * H * S * 4 + 2 * 8 + 2
+    assert report.saved_activation_bytes == kept
+    # backward: the loss's grad (0-d bf16), dout copied in the output's layout (the grad of a sum
+    # has an innermost stride of 0: permute_to_matching_layout), dq, dk, dv, and the workspace:
+    # an fp32 dQ accumulator [b, s_q, h, d] and an fp32 softmax sum [b, h, s_q]
+    backward = 2 + bhsd * 2 + 3 * bhsd * 2 + bhsd * 4 + B * H * S * 4
+    assert report.peak_phase == "backward" and report.peak_bytes == kept + backward
+
+
+def test_cudnn_refusals_per_torch_version_and_card():
+    qkv = {n: _t(2, 4, 8, 64) for n in "qkv"}
+    # check_cudnn_dropout (from 2.12): 0.1 is not a multiple of 1/16; 2.11 takes it
+    with pytest.raises(ValueError, match="dropout probability in sixteenths"):
+        _backend(**qkv, dropout_p=0.1, arch="sm90", torch_version="2.12", attention="cudnn")
+    assert _backend(**qkv, dropout_p=0.1, arch="sm90", torch_version="2.11") == "cudnn"
+    # so a dropout of 0.1 on 2.13 goes to flash, the next in sm90's order
+    assert _backend(**qkv, dropout_p=0.1, arch="sm90", torch_version="2.13") == "flash"
+    # head dim 256: within cuDNN 9.10's limit on sm90, beyond the 128 of other cards
+    d256 = {n: _t(2, 4, 8, 256) for n in "qkv"}
+    assert _backend(**d256, arch="sm90", torch_version="2.13") == "cudnn"
+    with pytest.raises(ValueError, match="at most 128"):
+        _backend(**d256, arch="sm80", torch_version="2.13", attention="cudnn")
+    # torch 2.4 runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1: refused before any call
+    with pytest.raises(ValueError, match=r"attention='cudnn' is invalid with torch_version='2.4'"):
+        with cuda_semantics(attention="cudnn", torch_version="2.4"):
+            pass
+    with pytest.raises(ValueError, match=r"torch_version='2.3' is invalid: allowed are 2.4, 2.5"):
+        with cuda_semantics(torch_version="2.3"):
+            pass
+
+
+def test_torch_2_4_has_no_enable_gqa_so_keys_and_values_are_repeated_first():
+    # transformers' repeat_kv for torch < 2.5: k and v expanded to the query's heads and copied,
+    # then flash attention without grouped-query attention (no per-query-head dk, dv expansion).
+    hk = 2
+    report, cuda = _attention_step(kv_heads=hk, torch_version="2.4")
+    assert cuda.attention_backend == "flash"
+    q_bytes, kv_bytes = B * H * S * D * 2, B * hk * S * D * 2
+    # q, out, the k, v clones (the test's locals), their repeated copies, lse, rng state, loss
+    assert report.saved_activation_bytes == 2 * q_bytes + 2 * kv_bytes + 2 * q_bytes + B * H * S * 4 + 24 + 2
+
+
+def _flash_step(q_layout: str):
+    """A flash attention step whose q, k, v have the [b, h, s, d] layout ("bhsd": made contiguous)
+    or the [b, s, h, d] one ("bshd": a projection viewed and transposed): (report, out strides,
+    q strides)."""
+    with FakeTensorMode():
+        shape = (B, H, S, D) if q_layout == "bhsd" else (B, S, H, D)
+        leaves = _leaves(shape, shape, shape)
+        with cuda_semantics(), track_memory() as tracker:
+            q, k, v = (t.clone() if q_layout == "bhsd" else t.clone().transpose(1, 2) for t in leaves)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+            strides = out.stride(), q.stride()
+            loss = out.sum()
+            tracker.phase("backward")
+            loss.backward()
+    return tracker.report(), *strides
+
+
+def test_flash_output_takes_the_layout_of_the_query():
+    # mha_fwd: out = empty_like(q) of the [b, s, h, d] view; _flash_attention_backward then makes
+    # out.contiguous() of that view: no copy when out is [b, s, h, d] memory, a copy of
+    # B*H*S*D bf16 elements when it is [b, h, s, d] memory.
+    bshd, out_strides, q_strides = _flash_step("bshd")
+    assert out_strides == q_strides == (S * H * D, D, H * D, 1)
+    bhsd, out_strides, q_strides = _flash_step("bhsd")
+    assert out_strides == q_strides == (H * S * D, S * D, D, 1)
+    assert bhsd.saved_activation_bytes == bshd.saved_activation_bytes
+    assert bhsd.peak_bytes - bshd.peak_bytes == B * H * S * D * 2
+
+
+def test_efficient_mask_is_padded_as_given_then_expanded_as_a_view():
+    # fp32 runs memory-efficient attention. A [b, 1, 1, s_k] bool padding mask becomes an fp32
+    # additive mask of its own shape; its strides (s_k, s_k, s_k, 1) are not multiples of 8 for
+    # s_k = 20, so pad_bias pads the last dim to 24 and slices it back, and the [b, h, s_q, s_k]
+    # mask the kernel keeps is a view of those b * 24 floats. At s_k = 24 no padding is needed.
+    def kept(s):
+        with FakeTensorMode():
+            q, k, v = _leaves((B, H, s, D), (B, H, s, D), (B, H, s, D), dtype=torch.float32)
+            mask = torch.ones(B, 1, 1, s, dtype=torch.bool)
+            with cuda_semantics() as cuda, track_memory() as tracker:
+                q2, k2, v2 = q.clone(), k.clone(), v.clone()
+                loss = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask).sum()
+                tracker.phase("backward")
+                loss.backward()
+        assert cuda.attention_backend == "efficient"
+        return tracker.report().saved_activation_bytes
+    for s, padded in ((20, 24), (24, 24)):
+        # q, k, v (clones) and the output, fp32; logsumexp fp32 [b, h, s_q rounded to 32]; the
+        # mask's storage; the fp32 loss
+        assert kept(s) == 4 * B * H * s * D * 4 + B * H * round_up(s, 32) * 4 + B * padded * 4 + 4
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # 2.11's composite path, torch's own
+@pytest.mark.parametrize("torch_version, out_dtype", [("2.11", BF16), ("2.12", torch.float32), ("2.13", torch.float32)])
+def test_rms_norm_runs_in_fp32_under_cuda_autocast_from_torch_2_12(torch_version, out_dtype):
+    # autocast_mode.h AT_FORALL_FP32 lists rms_norm from 2.12: the bf16 activation is cast to an
+    # fp32 copy and the norm's output stays fp32 (4 bytes an element, where 2.11's composite casts
+    # its result back to the input's bf16).
+    with FakeTensorMode():
+        norm = nn.RMSNorm(64)
+        x = torch.randn(4, 64, dtype=BF16, requires_grad=True)
+        with cuda_autocast_policies(torch_version), cuda_autocast(BF16), _Ops() as ops:
+            y = norm(x.clone())
+    assert y.dtype == out_dtype and y.numel() * y.element_size() == 4 * 64 * (4 if out_dtype == torch.float32 else 2)
+    first_cast = next(c for c in ops.calls if c[0] == "_to_copy.default")
+    assert first_cast == ("_to_copy.default", torch.float32)

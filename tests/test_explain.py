@@ -126,7 +126,8 @@ def test_cli_prints_the_report_and_json(capsys, tmp_path):
     assert set(data["breakdown"]) == set(BREAKDOWN) | {"workspaces", "rounding", "fragmentation"}
     assert data["capacity_bytes"] == rtx.usable_bytes - rtx.required_margin_bytes
     assert data["capacity_card"].startswith("RTX 4090") and data["device"] == "cuda"
-    assert data["margin_bytes"] == rtx.usable_bytes - data["device_bytes"] and data["steps"][0]["predicted_peak_bytes"] == data["device_bytes"]
+    assert data["margin_bytes"] == rtx.usable_bytes - rtx.required_margin_bytes - data["device_bytes"] and data["steps"][0]["predicted_peak_bytes"] == data["device_bytes"]
+    assert data["fit"] == "yes" and data["fit_reason"].startswith("fits: reserved")   # margin_bytes >= 0
     offload = next(lever for lever in data["levers"] if lever["name"] == "offload")
     assert offload["basis"] == "predicted" and offload["predicted_peak_bytes"] > 0   # on a card, predicted
     assert data["peak_phase"] in ("forward", "backward", "optimizer")

@@ -26,8 +26,9 @@ def both_ways(workload, policy: str, batch: int = 2, seq: int = 16, **options):
 
 def assert_same(fast, full) -> None:
     """Every field but the wall time and the path is identical."""
-    differ = {k: (v, getattr(full, k)) for k, v in dataclasses.asdict(fast).items()
-              if k not in ("predict_s", "trace") and v != getattr(full, k)}
+    theirs = dataclasses.asdict(full)
+    differ = {k: (v, theirs[k]) for k, v in dataclasses.asdict(fast).items()
+              if k not in ("predict_s", "trace") and v != theirs[k]}
     assert not differ, differ
     assert full.trace == "full"
 
@@ -42,9 +43,10 @@ def assert_same(fast, full) -> None:
     ("gpt-tiny", dict(n_layer=7), "plan=kkkkkks", CUDA),
     ("gpt-tiny", dict(n_layer=7), "none", dict(dtype="bf16")),          # autocast's cache of weight casts
     ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16")),
-    ("gpt-tiny", dict(n_layer=7), "full", dict(holds_output=True)),
-    ("gpt-tiny", dict(n_layer=7), "none", dict(optimizer="sgd")),
-    ("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, optimizer="none")),
+    ("gpt-tiny", dict(n_layer=7), "full", dict(loop="adamw,holds-output")),
+    ("gpt-tiny", dict(n_layer=7), "none", dict(loop="sgd")),
+    ("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, loop="none")),
+    ("gpt-tiny", dict(n_layer=7), "none", dict(loop="adamw,zero-grad=zeros,clip=1.0")),
     ("hf-llama-tiny", dict(num_hidden_layers=7), "none", dict(CUDA, dtype="bf16-weights")),
     ("hf-llama-tiny", dict(num_hidden_layers=7), "full", {}),
     ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "selective", dict(CUDA, dtype="bf16-weights")),
@@ -139,8 +141,8 @@ def test_what_cannot_be_composed_is_traced_in_full():
     fast, full = both_ways(workload("plain"), "segments=2")
     assert_same(fast, full)
     assert fast.trace == "full (checkpoint regions span several blocks)"
-    fast = predict_policy(workload("plain"), 2, 16, as_policy("none"), accum_steps=2)
-    assert fast.trace == "full (accum_steps=2 runs several forward passes)"
+    fast = predict_policy(workload("plain"), 2, 16, as_policy("none"), loop="adamw,accum=2")
+    assert fast.trace == "full (accum=2 runs several forward passes)"
 
 
 def test_broken_composition_is_caught(monkeypatch):

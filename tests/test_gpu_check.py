@@ -376,9 +376,21 @@ def test_every_stage_is_skipped_with_its_reason_when_no_time_is_left(tmp_path):
     assert [c.name for c in claims] == [gv.MEMORY_MEASURED_CLAIM, gv.ALLOCATED_CLAIM, gv.RESERVED_CLAIM,
                                         gv.OVERHEAD_CLAIM, gv.TRAINER_CLAIM, gv.FRONTIER_CLAIM]
     assert all(c.status == gv.SKIPPED and "budget left" in c.summary for c in claims)
-    assert gv.exit_status(claims) == 3 and len(notes) == 1 and notes[0].startswith("cuDNN attention was switched off")
-    assert not torch.backends.cuda.cudnn_sdp_enabled()   # the kernels the prediction models
-    torch.backends.cuda.enable_cudnn_sdp(True)
+    assert gv.exit_status(claims) == 3 and len(notes) == 1
+    # no card here: the default card's arch (sm80) and flash; nothing measured without CUDA
+    assert notes[0].startswith("Attention kernel this card picks by default") and "not measured" in notes[0]
+    assert "ckptlab predicts flash" in notes[0]
+    assert torch.backends.cuda.cudnn_sdp_enabled()   # cuDNN attention stays on: the card's own choice is checked
+
+
+@pytest.mark.parametrize("card_name, torch_version, kernel", [
+    ("h200", "2.13", "cudnn"), ("h200", "2.10", "flash"), ("h100-80", "2.9", "cudnn"), ("a100-80", "2.13", "flash"),
+    ("rtx4090", "2.13", "flash")])
+def test_the_kernel_the_check_names_is_the_cards_default(card_name, torch_version, kernel):
+    # sdp_utils.cpp check_prefer_cudnn_attention: sm90 with a runtime cuDNN > 9.15 (the wheels of
+    # 2.11 on) or, in 2.9, built against cuDNN >= 9.9: cuDNN first; other cards: flash first.
+    from ckptlab.core.cards import card
+    assert gpu_check.predicted_attention_kernel(card(card_name), torch_version) == kernel
 
 
 def test_the_configured_cells_and_groups_are_valid_before_a_gpu_sees_them():

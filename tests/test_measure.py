@@ -66,7 +66,7 @@ def test_a_failure_during_work_becomes_an_error_record():
         (dict(dtype="fp8"), "dtype='fp8' is invalid: allowed are fp32, bf16"),
         (dict(steps=0), "steps=0 is invalid: allowed is an integer >= 1"),
         (dict(memory_limit="lots"), "memory_limit='lots' is invalid"),
-        (dict(optimizer="lion"), "optimizer='lion' is invalid: allowed are adamw, adamw-foreach, adamw-fused, adamw-forloop, sgd, none"),
+        (dict(loop="lion"), "optimizer='lion' is invalid: allowed are adamw, adamw-foreach, adamw-fused, adamw-forloop, sgd, none"),
         (dict(workload="gpt-huge"), "model='gpt-huge' is invalid: allowed presets are gpt-tiny"),
     ],
 )

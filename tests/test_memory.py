@@ -15,14 +15,14 @@ MLP = dict(n_layer=8, n_embd=32)
 @pytest.mark.parametrize("density, n_checkpointed", [(0, 0), (0.5, 4), (1, 8)])
 def test_mlp_chain_activation_bytes_equal_hand_count(density, n_checkpointed):
     workload = get_workload("mlp-chain", **MLP)
-    record = measure(workload, 4, 8, f"density={density}", steps=1, warmup=0, optimizer="none")
+    record = measure(workload, 4, 8, f"density={density}", steps=1, warmup=0, loop="none")
     expected = mlp_chain_activation_bytes(workload.config, 4, 8, n_checkpointed)
     assert record["saved_activation_bytes"] == expected
 
 
 def test_mlp_chain_parameter_and_optimizer_bytes_equal_hand_count():
     workload = get_workload("mlp-chain", **MLP)
-    record = measure(workload, 4, 8, "none", steps=1, warmup=0, optimizer="adamw")
+    record = measure(workload, 4, 8, "none", steps=1, warmup=0, loop="adamw")
     h, n = MLP["n_embd"], MLP["n_layer"]
     n_params = n * (h * 4 * h + 4 * h + 4 * h * h + h)
     assert record["peak_parameters_bytes"] == 4 * n_params
@@ -219,7 +219,7 @@ def test_selective_cache_counts_as_activations_in_blocks_at_a_forward_peak():
 
 def test_the_block_whose_backward_holds_the_peak_is_reported():
     workload = get_workload("gpt-tiny", n_layer=4)
-    record, report = measure(workload, 4, 64, "full", steps=1, warmup=0, optimizer="none", with_report=True)
+    record, report = measure(workload, 4, 64, "full", steps=1, warmup=0, loop="none", with_report=True)
     # Gradients accumulate as backward runs, so the first block's backward (the last to run) holds most.
     assert (report.peak_phase, report.peak_block) == ("backward", 0)
     assert report.block_calls_in_backward == 0   # ckptlab recomputes through the block's own forward

@@ -4,13 +4,19 @@ allocator's numbers, the card's device bytes and margin, and the command line th
 import json
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ckptlab
 from ckptlab.apps.cli import main as cli_main
-from ckptlab.core.cards import CUBLAS_WORKSPACE_BYTES, card
+from ckptlab.core.cards import CUBLAS_WORKSPACE_BYTES, card, parse_capacity
 from ckptlab.core.policy import parse_policy
-from ckptlab.estimate.cuda_device import CUBLASLT_WORKSPACE_BYTES
+from ckptlab.estimate.cuda_device import CUBLASLT_WORKSPACE_BYTES, BlasUse
 from ckptlab.estimate.fake_step import DEVICE_CATEGORIES, fake_memory
+from ckptlab.estimate.torch_versions import torch_rules
+from ckptlab.probe.memory import track_memory
 
 TINY = dict(n_layer=2)
 
@@ -38,7 +44,7 @@ def test_adamw_on_cuda_is_foreach_whose_temporary_is_one_state_at_the_optimizer_
     # one state (4 B per trainable fp32 parameter), alive while the update runs.
     growth, trainable = optimizer_step_growth(tiny, "adamw")
     assert growth == trainable == optimizer_step_growth(tiny, "adamw-foreach")[0]
-    p = ckptlab.predict(tiny, 1, 8, "full", optimizer="adamw", device="cuda")
+    p = ckptlab.predict(tiny, 1, 8, "full", loop="adamw", device="cuda")
     assert p.peak_phase == "optimizer" and p.peak_by_category["temporaries"] >= trainable
 
 
@@ -60,16 +66,38 @@ def test_cuda_prediction_adds_up_allocated_reserved_device_and_margin(tiny):
     assert by["fragmentation"] == p.reserved_bytes - p.peak_bytes >= 0
     assert sum(v for c, v in by.items() if c != "fragmentation") == p.peak_bytes
     assert p.device_bytes == p.reserved_bytes + rtx.context_bytes
-    assert p.margin_bytes == rtx.usable_bytes - p.device_bytes
-    # Forward multiplies on the caller's thread, backward on autograd's: a cuBLAS workspace each.
-    # gpt-tiny's Linear layers have biases (addmm: cuBLASLt), run in forward, and in backward
-    # only when checkpointing recomputes them there.
-    assert by["workspaces"] == 2 * CUBLAS_WORKSPACE_BYTES[8] + CUBLASLT_WORKSPACE_BYTES
-    full = ckptlab.predict(tiny, 2, 32, "full", dtype="bf16", device="cuda", card="h100-80")
-    assert full.peak_by_category["workspaces"] == 2 * (CUBLAS_WORKSPACE_BYTES[9] + CUBLASLT_WORKSPACE_BYTES)
+    assert p.margin_bytes == rtx.usable_bytes - rtx.required_margin_bytes - p.device_bytes
     record = p.record()
     assert record["predicted_reserved_bytes"] == p.reserved_bytes and record["margin_bytes"] == p.margin_bytes
     assert record["predicted_peak_fragmentation_bytes"] == by["fragmentation"]
+
+
+@pytest.mark.parametrize("torch_version, lt_kept", [("2.8", 0), ("2.10", 1), ("2.13", 0)])
+def test_cublas_and_cublaslt_workspaces_per_torch_version(tiny, torch_version, lt_kept):
+    # Forward multiplies on the caller's thread, backward on autograd's: a cuBLAS workspace each
+    # (8 MiB + 128 KiB below sm90, 32 MiB on sm90). gpt-tiny's Linear layers have biases (addmm:
+    # cuBLASLt), run in forward, and in backward only when checkpointing recomputes them there.
+    # cuBLASLt's 1 MiB: per call in 2.8 (allocated and freed around the matmul: nothing kept), per
+    # thread in 2.10 (kept), the thread's cuBLAS workspace itself in 2.13 (unified: nothing more).
+    none = ckptlab.predict(tiny, 2, 32, "none", dtype="bf16", device="cuda", card="rtx4090", torch_version=torch_version)
+    assert none.peak_by_category["workspaces"] == 2 * CUBLAS_WORKSPACE_BYTES[8] + lt_kept * CUBLASLT_WORKSPACE_BYTES
+    full = ckptlab.predict(tiny, 2, 32, "full", dtype="bf16", device="cuda", card="h100-80", torch_version=torch_version)
+    assert full.peak_by_category["workspaces"] == 2 * (CUBLAS_WORKSPACE_BYTES[9] + lt_kept * CUBLASLT_WORKSPACE_BYTES)
+    assert none.torch_version == torch_version == none.record()["torch_version"]
+
+
+def test_cublaslt_workspace_per_call_before_torch_2_9_is_a_transient_of_the_matmul():
+    # CUDABlas.cpp gemm_and_bias (2.4 - 2.8) allocates its 1 MiB workspace for the call: the peak of
+    # one Linear with bias is its output plus 1 MiB; from 2.9 the workspace is kept apart.
+    def peak(torch_version):
+        with FakeTensorMode():
+            lin, x = torch.nn.Linear(16, 16), torch.randn(4, 16)
+            with track_memory() as tracker, BlasUse(torch_rules(torch_version)) as blas:
+                lin(x)
+        return tracker.report().peak_bytes, blas.workspaces("sm80")
+    (per_call, kept_28), (apart, kept_210) = peak("2.8"), peak("2.10")
+    assert per_call - apart == CUBLASLT_WORKSPACE_BYTES
+    assert kept_28 == [CUBLAS_WORKSPACE_BYTES[8]] and kept_210 == [CUBLAS_WORKSPACE_BYTES[8], CUBLASLT_WORKSPACE_BYTES]
 
 
 def test_cpu_prediction_has_no_cuda_numbers(tiny):
@@ -85,8 +113,11 @@ def test_cpu_prediction_has_no_cuda_numbers(tiny):
     (dict(device="tpu"), "device='tpu' is invalid: allowed are cpu, cuda"),
     (dict(device="cuda", card="rtx5090"), "card='rtx5090' is invalid: allowed are rtx3090"),
     (dict(card="rtx4090"), "card='rtx4090' is invalid with device='cpu'"),
-    (dict(device="cuda", attention="fast"), "attention='fast' is invalid: allowed are flash, efficient, math"),
-    (dict(optimizer="adamw-turbo"), "optimizer='adamw-turbo' is invalid: allowed are adamw, adamw-foreach"),
+    (dict(device="cuda", attention="fast"), "attention='fast' is invalid: allowed are flash, efficient, math, cudnn"),
+    (dict(loop="adamw-turbo"), "optimizer='adamw-turbo' is invalid: allowed are adamw, adamw-foreach"),
+    (dict(device="cuda", torch_version="2.3"), r"torch_version='2.3' is invalid: allowed are 2.4, 2.5, .*2.13"),
+    (dict(torch_version="2.11"), "torch_version='2.11' is invalid with device='cpu'"),
+    (dict(device="cuda", attention="cudnn", torch_version="2.4"), "attention='cudnn' is invalid with torch_version='2.4'"),
 ])
 def test_bad_device_card_attention_or_optimizer_is_one_line_before_work(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -105,16 +136,24 @@ def test_cli_predict_for_a_card_prints_allocated_reserved_device_backend_and_mar
     assert cli_main(args + ["--format", "json"]) == 0
     row, = json.loads(capsys.readouterr().out)
     assert row["attention_backend"] == "math" and row["card"] == "rtx4090"
-    assert row["margin_bytes"] == card("rtx4090").usable_bytes - row["predicted_device_bytes"]
+    assert row["margin_bytes"] == card("rtx4090").usable_bytes - card("rtx4090").required_margin_bytes - row["predicted_device_bytes"]
     assert cli_main(["predict", "--model", "gpt-tiny", "--card", "rtx5090"]) == 2
     assert capsys.readouterr().err.startswith("error: card='rtx5090' is invalid")
+    assert cli_main(args[:-2] + ["--torch-version", "2.11", "--format", "json"]) == 0
+    row, = json.loads(capsys.readouterr().out)
+    assert row["torch_version"] == "2.11"
+    for bad in (["--torch-version", "3.0"], ["--attention", "cudnn", "--torch-version", "2.4"]):
+        assert cli_main(["predict", "--model", "gpt-tiny", "--card", "h200", *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1
 
 
 def test_predict_fits_on_a_card_leaves_the_margin_predict_says(tiny):
     row, = ckptlab.predict_fits(tiny, ["full"], capacities=["rtx4090"], seq_len=16, batch_size=1, dtype="fp32",
-                                max_batch=2, seq_lens=[16])
-    p = ckptlab.predict(tiny, 2, 16, "full", dtype="fp32", device="cuda", card="rtx4090")
+                                max_batch=2, seq_lens=[16], torch_version="2.10")
+    p = ckptlab.predict(tiny, 2, 16, "full", dtype="fp32", device="cuda", card="rtx4090", torch_version="2.10")
     assert row["max_batch_size"] == 2 and row["batch_margin_bytes"] == p.margin_bytes
+    assert row["torch_version"] == "2.10"
     assert row["basis"] == "predicted for RTX 4090" and row["device"] == "cuda"
 
 
@@ -135,3 +174,151 @@ def test_offload_on_cuda_moves_what_the_blocks_save_to_pinned_host_memory(tiny):
     assert offloaded.saved_activation_bytes + offloaded.host_bytes >= kept.saved_activation_bytes
     on_cpu = ckptlab.predict(tiny, 2, 32, "none+offload")
     assert on_cpu.host_bytes is None and "no-op on CPU" in on_cpu.note
+
+
+def test_a_llama_in_bf16_runs_cudnn_attention_on_hopper_where_its_torch_prefers_it():
+    # hf-llama-tiny without attention dropout (Llama's default): grouped-query attention, head
+    # dim 8, bf16. sm90 cards put cuDNN first in 2.9 and from 2.11 (torch_versions.CUDNN_FIRST);
+    # sm80 and sm89 cards keep flash first.
+    llama = ckptlab.get_workload("hf-llama-tiny", attention_dropout=0.0)
+    for card_name, torch_version, backend in (("h100-80", "2.13", "cudnn"), ("h200", "2.11", "cudnn"),
+                                              ("h200", "2.10", "flash"), ("rtx4090", "2.13", "flash"),
+                                              ("a100-80", "2.13", "flash")):
+        p = ckptlab.predict(llama, 1, 16, "none", dtype="bf16", device="cuda", card=card_name,
+                            torch_version=torch_version)
+        assert (p.attention_backend, p.torch_version) == (backend, torch_version), card_name
+        assert p.record()["attention_backend"] == backend
+
+
+class PaddedEncoder(nn.Module):
+    """Two encoder blocks whose attention takes a [b, 1, 1, s] bool padding mask."""
+
+    def __init__(self, width=32, heads=2, vocab=64):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(qkv=nn.Linear(width, 3 * width), out=nn.Linear(width, width)))
+                                    for _ in range(2))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids, mask):
+        h = self.embed(ids)
+        b, s, w = h.shape
+        for layer in self.layers:
+            q, k, v = layer["qkv"](h).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+            h = h + layer["out"](a.transpose(1, 2).reshape(b, s, w))
+        return self.head(h)
+
+
+def padded_encoder():
+    def batch(b, s, gen):
+        return torch.randint(0, 64, (b, s), generator=gen), torch.ones(b, s, dtype=torch.bool)
+
+    return ckptlab.Workload.custom("padded-encoder", PaddedEncoder, batch,
+                                   lambda model, batch: model(*batch).float().logsumexp(-1).mean(), blocks="layers")
+
+
+def test_a_masked_encoder_at_500_keys_is_predicted_no_higher_than_at_512():
+    # fp32 with a mask: memory-efficient attention. preprocess_mask pads the [b, 1, 1, 500] mask to
+    # 504 and expands a view: nothing of [b, h, s_q, s_k] is materialised, so 500 keys hold less
+    # than 512. (Expanding first, then padding, kept a [b, h, 500, 504] fp32 copy per block:
+    # 2 * 2 * 500 * 504 * 4 B = 4 MB, more than the step's activations at 512.)
+    encoder = padded_encoder()
+    at = {s: ckptlab.predict(encoder, 2, s, "none", device="cuda", card="a100-80") for s in (500, 512)}
+    assert {p.attention_backend for p in at.values()} == {"efficient"}
+    assert at[500].peak_bytes <= at[512].peak_bytes
+
+
+def test_a_reserved_peak_past_the_card_is_answered_by_the_allocators_flush_and_retry(tiny):
+    # A card whose usable bytes are the device bytes + the margin - 1: the reserved peak passes what
+    # the allocator may reserve by one byte (margin_left = usable - margin - device = -1), so the
+    # answer is not "yes"; the replay under that limit releases the wholly free segments and
+    # retries (CUDACachingAllocator.cpp, malloc -> release_cached_blocks -> alloc_block). Whether
+    # the retry finds room depends on the layout (a wholly free segment at the limit): it does for
+    # this step, whose free cache at that moment holds one.
+    p = ckptlab.predict(tiny, 8, 128, "none", dtype="bf16", device="cuda", card="rtx4090")
+    assert p.fit == "yes" and p.cache_flushes is None and p.margin_bytes >= 0
+    margin = card("rtx4090").required_margin_bytes
+    tight = parse_capacity("rtx4090", usable_bytes=p.device_bytes + margin - 1)
+    q = ckptlab.predict(tiny, 8, 128, "none", dtype="bf16", device="cuda", card=tight)
+    assert (q.reserved_bytes, q.peak_bytes, q.margin_bytes) == (p.reserved_bytes, p.peak_bytes, -1)
+    assert q.fit == "with cache flushes" and q.cache_flushes >= 1
+    assert "fits with cache flushes" in q.fit_reason and "passes the card less its margin by 1 B" in q.fit_reason
+    # A limit under the allocated peak: no release of cached blocks makes room (allocated <= reserved
+    # at every moment), so "no".
+    context = p.device_bytes - p.reserved_bytes
+    short = parse_capacity("rtx4090", usable_bytes=p.peak_bytes + context + margin - 1)
+    assert ckptlab.predict(tiny, 8, 128, "none", dtype="bf16", device="cuda", card=short).fit == "no"
+
+
+def test_expandable_segments_are_an_allocator_option_of_the_prediction(tiny, capsys):
+    default = ckptlab.predict(tiny, 8, 256, "none", device="cuda", card="rtx4090")
+    expandable = ckptlab.predict(tiny, 8, 256, "none", device="cuda", card="rtx4090",
+                                 alloc_conf="expandable_segments:True")
+    assert expandable.alloc_conf == "expandable_segments:True" and default.alloc_conf is None
+    # Pages of 2 MiB (small pool) and 20 MiB (large pool) are mapped as needed: reserved is whole
+    # pages. should_split keeps any rest of 512 B or more with expandable segments, where the
+    # default large pool hands out a whole block whose rest is 1 MiB or less: less is allocated.
+    assert expandable.reserved_bytes % (2 * 2**20) == 0 and expandable.peak_bytes < default.peak_bytes
+    assert ckptlab.predict(tiny, 8, 256, "none", device="cuda",
+                           alloc_conf="expandable_segments:False").peak_bytes == default.peak_bytes
+    with pytest.raises(ValueError, match=r"alloc_conf='max_split_size_mb:128' is invalid: allowed are expandable"):
+        ckptlab.predict(tiny, 2, 32, "none", device="cuda", alloc_conf="max_split_size_mb:128")
+    assert cli_main(["predict", "--model", "gpt-tiny", "--card", "rtx4090", "--alloc-conf", "expandable:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: alloc_conf='expandable:1' is invalid") and err.count("\n") == 1
+
+
+def test_the_first_step_creates_the_optimizer_state_where_its_optimizer_phase_begins(tiny):
+    # AdamW (foreach on CUDA) creates per trainable parameter `step` (a 0-dim fp32 tensor: 4 B),
+    # `exp_avg` and `exp_avg_sq` (each the parameter's bytes) at the first step() (adamw.py
+    # _init_group). So the state the tracked step starts with is 2 x trainable bytes + 4 B each.
+    from ckptlab.estimate import fake_step
+    seen = {}
+    replay = fake_step.device_memory
+
+    def spy(trace, *args, loop_order=None, **kwargs):
+        seen.update(trace=trace, order=loop_order)
+        return replay(trace, *args, loop_order=loop_order, **kwargs)
+
+    fake_step.device_memory = spy
+    try:
+        fake = fake_memory(tiny, 2, 32, parse_policy("none"), "fp32", device="cuda")
+    finally:
+        fake_step.device_memory = replay
+    trace, order = seen["trace"], seen["order"]
+    trainable = [p for p in tiny.build("meta").parameters() if p.requires_grad]
+    state_sizes = sorted(size for _, key, size in trace if key in order.state_keys)
+    assert sum(state_sizes) == 2 * fake.report.param_bytes["trainable_param_bytes"] + 4 * len(trainable)
+    assert state_sizes.count(4) == len(trainable)
+    # the optimizer phase begins after the backward: every gradient is allocated before it
+    assert trace[order.optimizer_at][0] in ("alloc", "free") and order.optimizer_at > len(trace) // 2
+    assert fake.device.worse_step in (1, 2)
+
+
+def test_pinned_host_memory_is_held_in_powers_of_two_per_size():
+    # CachingHostAllocator.h, allocate: roundSize = PowerOf2Ceil(size); a freed block serves only a
+    # later request of the same rounded size. 3000 B -> 4096 B, 5000 B -> 8192 B; the first is
+    # dropped and 3000 B more packed: its 4096 B block is reused. Held: 4096 + 8192 = 12,288 B
+    # (the raw bytes peak at 8,000 B).
+    import torch
+
+    from ckptlab.estimate.cuda_device import HostOffload
+    host = HostOffload()
+    first = host._pack(torch.empty(750, dtype=torch.float32, device="meta"))     # 3000 B
+    second = host._pack(torch.empty(1250, dtype=torch.float32, device="meta"))   # 5000 B
+    del first
+    third = host._pack(torch.empty(750, dtype=torch.float32, device="meta"))
+    assert host.peak_bytes == 4096 + 8192 and second and third
+
+
+def test_predict_fits_says_how_far_cache_flushes_reach(tiny):
+    # The card of the flush test above: batch 8 passes it by one byte of device bytes, so the
+    # largest batch that fits is below 8, and 8 itself runs with cache flushes.
+    p = ckptlab.predict(tiny, 8, 128, "none", dtype="bf16", device="cuda", card="rtx4090")
+    tight = parse_capacity("rtx4090", usable_bytes=p.device_bytes + card("rtx4090").required_margin_bytes - 1)
+    row, = ckptlab.predict_fits(tiny, ["none"], capacities=[tight], seq_len=128, batch_size=8, dtype="bf16",
+                                max_batch=8, seq_lens=[128])
+    assert row["max_batch_size"] < 8 == row["max_batch_size_with_flushes"]
+    assert row["max_seq_len"] == 0 and row["max_seq_len_with_flushes"] == 128

@@ -24,7 +24,7 @@ def test_pytorch_estimator_on_ckptlab_cuda_step_gives_its_published_peak(referen
 
 
 def test_ckptlab_peak_differs_from_the_reference_by_what_each_counts(reference):
-    pred = ckptlab.predict(sac_ilp_transformer(), BATCH, SEQ, "none", dtype="fp32", optimizer="adamw-foreach",
+    pred = ckptlab.predict(sac_ilp_transformer(), BATCH, SEQ, "none", dtype="fp32", loop="adamw-foreach",
                            device="cuda")
     assert (pred.attention_backend, pred.peak_phase) == ("efficient", "forward")
     cat = pred.peak_by_category
@@ -46,8 +46,8 @@ def test_ckptlab_peak_differs_from_the_reference_by_what_each_counts(reference):
 def test_ckptlab_peak_of_the_reference_loop_is_within_its_tolerance(reference):
     # The loop of test_sac_ilp (`output = model(inp)` at loop scope) keeps the previous output
     # into the next forward: predicted as that loop runs, ckptlab's peak is within PyTorch's ±5%.
-    pred = ckptlab.predict(sac_ilp_transformer(), BATCH, SEQ, "none", dtype="fp32", optimizer="adamw-foreach",
-                           device="cuda", holds_output=True)
+    pred = ckptlab.predict(sac_ilp_transformer(), BATCH, SEQ, "none", dtype="fp32",
+                           loop="adamw-foreach,holds-output", device="cuda")
     assert pred.peak_bytes == pytest.approx(PYTORCH_PEAK_BYTES, rel=TOLERANCE)
     assert pred.peak_phase == "forward"
     cat = pred.peak_by_category

@@ -76,7 +76,7 @@ def test_emulated_oom_marks_larger_batches_inferred(tmp_path):
 
 @pytest.mark.parametrize("bad, shown", [
     (dict(batch_sizes=[0]), "0"), (dict(seq_lens=[-1]), "-1"), (dict(policies=["density=2"]), "density=2"),
-    (dict(model="gpt-huge"), "gpt-huge"), (dict(dtypes=["fp16"]), "fp16"), (dict(device="tpu"), "tpu"),
+    (dict(model="gpt-huge"), "gpt-huge"), (dict(dtypes=["fp8"]), "fp8"), (dict(device="tpu"), "tpu"),
     (dict(accum_steps=[0]), "0"), (dict(memory_limit="lots"), "lots"), (dict(seq_lens=[999]), "999"),
     (dict(policies=["layers=7"]), "layers=7"), (dict(batch_sizes=[]), "batch_sizes"),
 ])
@@ -186,7 +186,7 @@ def test_cli_sweep_then_plot(tmp_path, capsys):
 
 
 def test_measure_gradient_accumulation_record():
-    r = measure("mlp-chain", 2, 8, "none", steps=1, warmup=0, max_seconds=0.2, accum_steps=3)
+    r = measure("mlp-chain", 2, 8, "none", steps=1, warmup=0, max_seconds=0.2, loop="accum=3")
     assert r["status"] == "ok"
     assert (r["accum_steps"], r["effective_batch_size"], r["tokens"]) == (3, 6, 48)
     one = measure("mlp-chain", 2, 8, "none", steps=1, warmup=0, max_seconds=0.2)
@@ -194,7 +194,7 @@ def test_measure_gradient_accumulation_record():
     # Micro-batch activations are what is held: about the same saved bytes as one micro-batch.
     assert r["saved_activation_bytes"] == one["saved_activation_bytes"]
     with pytest.raises(ValueError, match="accum_steps=0"):
-        measure("mlp-chain", 2, 8, accum_steps=0)
+        measure("mlp-chain", 2, 8, loop="accum=0")
 
 
 def test_source_commit_names_ckptlabs_own_repository_only(tmp_path):

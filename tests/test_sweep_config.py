@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ckptlab import SweepConfig, sweep
-from ckptlab.apps.cli import build_parser, main
+from ckptlab.apps.cli import build_parser, config_from_arguments, main
 from ckptlab.core.parsing import attribute_docs
 
 TINY = dict(model="mlp-chain", batch_sizes=[1], seq_lens=[8], policies=["none"], steps=1, warmup=0, max_seconds=0.2)
@@ -33,9 +33,23 @@ def test_every_field_is_documented_and_every_flagged_field_has_its_own_flag():
     docs = attribute_docs(SweepConfig)
     assert set(docs) == {f.name for f in fields} and all(len(text) > 10 for text in docs.values())
     flags = [f.metadata["flag"] for f in fields if "flag" in f.metadata]
-    assert len(flags) == len(set(flags)) and len(flags) == len(fields) - 1   # all but the computed model_hash
+    # all but the computed model_hash and the loop, whose flags are the loop's on every command
+    assert len(flags) == len(set(flags)) and len(flags) == len(fields) - 2
     help_text = build_parser()._subparsers._group_actions[0].choices["sweep"].format_help()
     assert all(flag in help_text for flag in flags) and docs["cells_per_job"] in " ".join(help_text.split())
+    assert all(flag in help_text for flag in ("--optimizer", "--holds-output", "--zero-grad", "--clip-grad-norm",
+                                              "--grad-scaler"))
+
+
+def test_a_sweeps_loop_comes_from_its_flags_or_its_file_and_its_accumulation_from_the_grid(tmp_path):
+    args = build_parser().parse_args(["sweep", "--model", "mlp-chain", "--accum", "1,2", "--optimizer", "sgd",
+                                      "--zero-grad", "zeros", "--out", str(tmp_path / "run")])
+    config = config_from_arguments(SweepConfig, args)
+    assert str(config.loop) == "sgd,zero-grad=zeros" and config.accum_steps == [1, 2]
+    assert [str(config.cell_loop(c)) for c in config.cells()][-1] == "sgd,accum=2,zero-grad=zeros"
+    assert SweepConfig.from_dict(config.to_dict()).loop == config.loop
+    with pytest.raises(ValueError, match=r"loop='adamw,accum=2' is invalid in a sweep: its accumulation is the grid"):
+        SweepConfig(model="mlp-chain", loop="adamw,accum=2", out=tmp_path / "other")
 
 
 def test_yaml_file_and_flags_make_the_same_config(tmp_path):

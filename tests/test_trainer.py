@@ -12,6 +12,7 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 from ckptlab import analysis, apply_checkpointing, get_workload, load_run  # noqa: E402
+from ckptlab.core.loop import LOOP_COLUMNS  # noqa: E402
 from ckptlab.hf import CkptlabCallback, compare_trainer_runs  # noqa: E402
 from ckptlab.probe.memory import CATEGORIES  # noqa: E402
 
@@ -22,7 +23,7 @@ SHAPE = dict(batch_size=2, seq_len=16, accum_steps=2, max_steps=2)
 RUNS = ["none", "gradient_checkpointing", "full"]
 # The columns a sweep record has that mean something for a Trainer step.
 SWEEP_COLUMNS = ["model", "n_blocks", "batch_size", "seq_len", "accum_steps", "effective_batch_size", "tokens",
-                 "policy", "effective_density", "checkpointed_blocks", "device", "device_name", "dtype", "optimizer",
+                 "policy", "effective_density", "checkpointed_blocks", "device", "device_name", "dtype", *LOOP_COLUMNS,
                  "peak_bytes", *[f"peak_{c}_bytes" for c in CATEGORIES], "peak_phase", "saved_activation_bytes",
                  "recompute_count", "loss", "step_ms", "tokens_per_s", "status"]
 
@@ -104,6 +105,19 @@ def test_checkpointing_does_not_change_training(runs):
     answer = analysis.slowdown_answer(summary)
     assert "gradient_checkpointing:" in answer and "full:" in answer and f"over {SHAPE['max_steps']} steps" in answer
     assert "every step ran under the memory tracker" in answer  # track_steps=None: said, not hidden
+
+
+def test_the_callback_records_the_loop_its_training_arguments_run(tmp_path):
+    # Trainer's loop: gradient_accumulation_steps, max_grad_norm (clip_grad_norm_), optim -> the
+    # loop's optimizer; it sets gradients to None and keeps no output.
+    callback = CkptlabCallback(tmp_path / "run", "none")
+    tiny_trainer(tmp_path, callback, gradient_accumulation_steps=2, max_grad_norm=0.5, optim="sgd").train()
+    (row,) = load_run(tmp_path / "run").to_dict("records")
+    assert (row["loop"], row["optimizer"], row["accum_steps"], row["clip_grad_norm"]) == ("sgd,accum=2,clip=0.5",
+                                                                                           "sgd", 2, 0.5)
+    with pytest.raises(ValueError, match="optim='adafactor' is invalid for CkptlabCallback"):
+        tiny_trainer(tmp_path, CkptlabCallback(tmp_path / "other", "none"), optim="adafactor").train()
+    assert not (tmp_path / "other").exists()
 
 
 def test_ckptlab_policy_and_transformers_checkpointing_together_are_refused(tmp_path):

@@ -17,17 +17,20 @@ import pandas as pd
 import torch
 import yaml
 
-from ..core.cards import card, cards
+from ..core.cards import card, cards, parse_capacity
 from ..core.dtypes import DTYPE_HELP, DTYPES
+from ..core.loop import DEFAULT_LOOP, ZERO_GRADS, Loop, as_loop
 from ..core.meta import __version__
-from ..core.optimizers import OPTIMIZER_HELP, OPTIMIZERS
+from ..core.optimizers import OPTIMIZER_HELP
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
 from ..core.policy import COMPOSITIONS, KINDS, Policy, parse_policies, policy_label
 from ..core.units import format_bytes, parse_bytes
 from ..core.validate import integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
+from ..estimate.cuda_device import ALLOC_CONFS
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
 from ..estimate.predict import TRACES, check_device
+from ..estimate.torch_versions import TORCH_VERSIONS, default_torch_version
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
 from ..probe.timing import check_timing_options
@@ -138,29 +141,24 @@ def cmd_measure(args: argparse.Namespace) -> int:
     for policy in policies:  # every policy before the first measurement
         check_policy_applies(workload, policy)
     check_timing_options(0.02, args.max_seconds)
-    integer("--accum", args.accum, 1)
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r} is invalid: allowed is one of {', '.join(DTYPES)}")
-    if args.optimizer not in OPTIMIZERS:
-        raise ValueError(f"--optimizer {args.optimizer!r} is invalid: allowed is one of {', '.join(OPTIMIZERS)}")
+    loop = loop_from_arguments(args, dtype=args.dtype)
     limit = parse_bytes(args.memory_limit)
     rows = []
     for batch in batches:
         for seq in seqs:
             rows += measure_together(workload, batch, seq, policies, device=args.device, dtype=args.dtype,
-                                     accum_steps=args.accum, optimizer=args.optimizer, memory_limit_bytes=limit,
-                                     steps=args.steps, warmup=args.warmup, max_seconds=args.max_seconds,
-                                     holds_output=args.holds_output)
+                                     loop=loop, memory_limit_bytes=limit, steps=args.steps, warmup=args.warmup,
+                                     max_seconds=args.max_seconds)
     for r in rows:
         r["step_text"] = "-" if r["step_ms"] is None else f"{r['step_ms']:.1f} [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]"
         r["overhead_text"] = "-" if r["time_ratio"] is None else (
             f"{r['time_ratio'] - 1:+.0%} [{r['time_ratio_low'] - 1:+.0%}, {r['time_ratio_high'] - 1:+.0%}]"
             + (" *" if r["significant"] else ""))
     timed = next((r for r in rows if r["rounds"]), rows[0])
-    accum = f", accum {args.accum}" if args.accum != 1 else ""
     print_rows(rows, MEASURE_COLUMNS, args.format,
-               f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}{accum}, {args.optimizer}"
-               f"{HOLDS_OUTPUT_NOTE if args.holds_output else ''}): "
+               f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}, loop {loop}): "
                f"policies of one shape timed together, {timed['rounds']} interleaved rounds, {timed['threads']} threads; "
                f"medians with 95% intervals; overhead vs {policies[0]} (* = the interval excludes 0)")
     if timed["busy"] and args.format == "table":
@@ -182,7 +180,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         from ..report.plots import redraw_all  # noqa: PLC0415 - matplotlib is heavy; only figures need it
         redraw_all(config.out)
     print(format_summary(df))
-    print(f"run folder: {config.out}")
+    print(f"run folder: {config.out} (loop {config.loop}, accum_steps {','.join(map(str, config.accum_steps))})")
     return 1 if (df["status"] == "error").any() else 0
 
 
@@ -223,6 +221,8 @@ def config_from_arguments(config_class, args: argparse.Namespace):
             values[f.name], flags[f.name] = _argument_value(_argument_kind(f), flag, raw), flag
         elif "cli_default" in f.metadata and f.name not in values:
             values[f.name] = f.metadata["cli_default"]
+    if "loop" in {f.name for f in dataclasses.fields(config_class)}:   # its flags are the loop's (`add_loop_arguments`)
+        values["loop"] = loop_from_arguments(args, values.get("loop"))
     try:
         return config_class.from_dict(values, source=f"--config={args.config!r}" if args.config else "arguments")
     except ValueError as exc:  # name the flag the user typed, not the field behind it
@@ -297,12 +297,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads {args.threads} is invalid: allowed is an integer >= 1")
         torch.set_num_threads(args.threads)
     workload = get_workload(args.model, **_model_overrides(args.set))
-    df = compare(workload, args.batch, args.seq, policy_list(args.policy), dtype=args.dtype, device=args.device,
+    loop = loop_from_arguments(args, dtype=args.dtype)
+    df = compare(workload, args.batch, args.seq, policy_list(args.policy), dtype=args.dtype, loop=loop, device=args.device,
                  target_ci=args.target_ci, max_seconds=args.max_seconds, anchors=args.anchors, verify=args.verify,
                  out=args.out)
     first = df.iloc[0]
     if args.format == "table":
-        print(f"{args.model} b={args.batch} s={args.seq} {args.dtype} on {first['device_name']} ({first['device']}); "
+        print(f"{args.model} b={args.batch} s={args.seq} {args.dtype}, loop {loop} on {first['device_name']} "
+              f"({first['device']}); "
               f"time ratios to {df['policy'].iloc[0]}")
         print(format_compare(df))
     else:
@@ -416,37 +418,50 @@ def cuda_predict_columns(card_name: str | None) -> list:
                       ("reserved" + on, "predicted_reserved_bytes", format_bytes)]
     if card_name:
         columns[at + 2:at + 2] = [("device" + on, "predicted_device_bytes", format_bytes),
-                                  ("margin" + on, "margin_bytes", format_bytes)]
+                                  ("margin" + on, "margin_bytes", format_bytes),
+                                  ("fits", "fit", str), ("flushes/step", "cache_flushes", _count),
+                                  ("reserved in step", "worse_step", _count)]
     columns.insert(at, ("attention", "attention_backend", str))
+    columns.insert(at + 1, ("torch", "torch_version", str))
     return columns
 
 
+def _count(value) -> str:
+    return "-" if value is None else str(value)
+
+
 def device_options(args: argparse.Namespace) -> dict:
-    """`predict`'s device, card and attention from --device, --card and --attention (a card means
-    CUDA). Checked as `predict` checks them, before any work."""
-    device = "cuda" if args.card else args.device
-    options = {"device": device, "card": args.card, "attention": args.attention}
+    """`predict`'s device, card, attention, torch version and allocator option from --device,
+    --card, --attention, --torch-version and --alloc-conf (a card, or explain's --capacity naming
+    one, means CUDA). Checked as `predict` checks them, before any work."""
+    capacity = getattr(args, "capacity", None)
+    device = "cuda" if args.card or (capacity is not None and parse_capacity(capacity).arch) else args.device
+    options = {"device": device, "card": args.card, "attention": args.attention, "torch_version": args.torch_version,
+               "alloc_conf": args.alloc_conf}
     check_device(**options)
     return options
 
 
 def predicted_for(options: dict) -> str:
     """What a command's sizes are predicted for, in words."""
+    allocator = f", PYTORCH_CUDA_ALLOC_CONF={options['alloc_conf']}" if options.get("alloc_conf") else ""
     if options["card"]:
-        return f"predicted for {card(options['card']).describe()}"
-    return "predicted for CUDA (allocator only, no card)" if options["device"] == "cuda" else "predicted for a CPU"
+        return f"predicted for {card(options['card']).describe()}{allocator}"
+    if options["device"] == "cuda":
+        return f"predicted for CUDA (allocator only, no card){allocator}"
+    return "predicted for a CPU"
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside."""
     on = device_options(args)
+    loop = loop_from_arguments(args, dtype=args.dtype)
     workload = get_workload(args.model, **_model_overrides(args.set))
     rows = []
     for batch in int_list("--batch", args.batch):
         for seq in int_list("--seq", args.seq):
             for policy in policy_list(args.policy):
-                row = predict(workload, batch, seq, policy, dtype=args.dtype, optimizer=args.optimizer,
-                              holds_output=args.holds_output, **on, trace=args.trace).record()
+                row = predict(workload, batch, seq, policy, dtype=args.dtype, loop=loop, **on, trace=args.trace).record()
                 if on["device"] == "cpu":
                     try:
                         row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
@@ -456,29 +471,29 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 rows.append(row)
     columns = PREDICT_COLUMNS if on["device"] == "cpu" else cuda_predict_columns(on["card"])
     print_rows(rows, columns, args.format,
-               f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, {args.optimizer}"
-               f"{HOLDS_OUTPUT_NOTE if args.holds_output else ''}: {predicted_for(on)}, nothing allocated")
+               f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, loop {loop}: "
+               f"{predicted_for(on)}, nothing allocated")
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Choose keep/selective/full per block for a memory budget; print the plan."""
+    loop = loop_from_arguments(args, dtype=args.dtype)
     workload = get_workload(args.model, **_model_overrides(args.set))
     if args.compile:
-        if args.holds_output:
-            raise ValueError("--holds-output is invalid with --compile: a compiled plan is measured on a step that "
-                             "drops the output; allowed is one of the two")
+        if loop != Loop():
+            raise ValueError(f"the loop {loop} is invalid with --compile: a compiled plan is measured in the loop "
+                             f"{Loop()}; allowed is one of the two")
         return _compiled_plan(args, workload)
     on = device_options(args)
-    plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, cost=args.cost,
-                       holds_output=args.holds_output, **on)
+    plan = plan_budget(workload, args.batch, args.seq, args.budget, dtype=args.dtype, loop=loop, cost=args.cost, **on)
     if args.format != "table":
         row = {"model": args.model, "batch_size": args.batch, "seq_len": args.seq, "dtype": args.dtype,
-               "budget": args.budget, "policy": f"plan={plan.letters}", **plan.record(),
+               "budget": args.budget, "policy": f"plan={plan.letters}", **plan.record(), **loop.record(),
                "plan_none_peak_bytes": plan.none_peak_bytes, "plan_full_peak_bytes": plan.full_peak_bytes, **on}
         print_rows([row], [], args.format)
         return 0
-    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype}, budget {args.budget}: {predicted_for(on)}")
+    print(f"{args.model} b={args.batch} s={args.seq} {args.dtype}, loop {loop}, budget {args.budget}: {predicted_for(on)}")
     print(plan)
     print(f"apply it with: --policy plan={plan.letters}")
     return 0
@@ -531,10 +546,10 @@ def _compiled_plan(args: argparse.Namespace, workload) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why the peak is what it is, and what each lever would make it; the report or JSON."""
 
+    loop = loop_from_arguments(args, dtype=args.dtype)
     workload = get_workload(args.model, **_model_overrides(args.set))
-    explanation = explain(workload, args.batch, args.seq, args.policy, dtype=args.dtype, optimizer=args.optimizer,
-                          capacity=args.capacity, measure=args.measure, ranks=args.ranks,
-                          holds_output=args.holds_output, **device_options(args))
+    explanation = explain(workload, args.batch, args.seq, args.policy, dtype=args.dtype, loop=loop,
+                          capacity=args.capacity, measure=args.measure, ranks=args.ranks, **device_options(args))
     if args.figure:
         explanation.figure(args.figure)
     if args.format == "json":
@@ -562,17 +577,65 @@ def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, pol
     p.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
 
 
-HOLDS_OUTPUT_NOTE = ", the loop holds the model's output"
+# The loop's flags (`core.loop.Loop`'s fields): flag -> (field, what it reads: "int", "flag" or "text").
+LOOP_FLAGS = {"--optimizer": ("optimizer", "text"), "--accum": ("accum_steps", "int"),
+              "--holds-output": ("holds_output", "flag"), "--zero-grad": ("zero_grad", "text"),
+              "--clip-grad-norm": ("clip_grad_norm", "text"), "--grad-scaler": ("grad_scaler", "flag")}
 
 
-def add_holds_output_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--holds-output", action="store_true",
+def add_loop_arguments(p: argparse.ArgumentParser, accum: bool = True) -> None:
+    """The training loop's flags, the same on every command (a sweep's --accum is its grid's axis:
+    `accum=False`); `loop_from_arguments` makes them one Loop."""
+    p.add_argument("--optimizer", default=None, help=OPTIMIZER_HELP + f" (default: {DEFAULT_LOOP})")
+    if accum:
+        p.add_argument("--accum", default=None, help="gradient-accumulation steps: micro-batches of --batch per "
+                                                     "optimizer step (default: 1)")
+    p.add_argument("--holds-output", action="store_true", default=None,
                    help="the training loop keeps the model's output alive into the next step's forward, as "
                         "`logits, loss = model(x, y)` at loop scope does (default: the step drops it)")
+    p.add_argument("--zero-grad", default=None, metavar="|".join(ZERO_GRADS),
+                   help="set_to_none: gradients freed after each step (default); zeros: zero_grad(set_to_none=False), "
+                        "gradients zero-filled and kept through the next forward")
+    p.add_argument("--clip-grad-norm", default=None, metavar="X",
+                   help="clip_grad_norm_ with max norm X between backward and the optimizer step (default: no clipping)")
+    p.add_argument("--grad-scaler", action="store_true", default=None,
+                   help="fp16's torch.amp.GradScaler: scale the loss, unscale and step (needs --dtype fp16)")
+
+
+def loop_from_arguments(args: argparse.Namespace, base: Loop | str | None = None, dtype: str | None = None) -> Loop:
+    """The one Loop of the loop's flags given, over `base` (a --config file's loop; default: the
+    default loop); checked against `dtype` when given. ValueError naming the flag otherwise."""
+    base = as_loop(base)
+    values = dataclasses.asdict(base)
+    given = {}
+    for flag, (name, kind) in LOOP_FLAGS.items():
+        raw = getattr(args, name if name != "accum_steps" else "accum", None)
+        if raw is None:
+            continue
+        if kind == "int":
+            try:
+                raw = int(raw)
+            except ValueError:
+                raise ValueError(f"{flag} {raw!r} is invalid: allowed is an integer >= 1") from None
+        values[name], given[name] = raw, flag
+    try:
+        loop = Loop(**values)
+        if dtype is not None:
+            loop.check_dtype(dtype)
+    except ValueError as exc:  # name the flag the user typed, not the field behind it
+        message = str(exc)
+        for name, flag in given.items():
+            if message.startswith(f"{name}=True "):   # a flag that takes no value
+                message = flag + message[len(name) + 5:]
+            elif message.startswith(f"{name}="):
+                message = flag + " " + message[len(name) + 1:]
+        raise ValueError(message) from None
+    return loop
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """--device, --card, --attention: what a prediction is for (predict, plan, explain)."""
+    """--device, --card, --attention, --torch-version, --alloc-conf: what a prediction is for (predict, plan,
+    explain)."""
     p.add_argument("--device", default="cpu", help="cpu (exact to the byte) | cuda: predict the step as a CUDA card "
                                                    "runs it (its kernels, autocast, optimizer, cuBLAS workspaces and "
                                                    "caching allocator)")
@@ -580,6 +643,12 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                                                 "its device bytes and the margin left")
     p.add_argument("--attention", default=None, choices=ATTENTION_BACKENDS,
                    help="force scaled-dot-product attention's CUDA backend (default: PyTorch's choice)")
+    p.add_argument("--torch-version", default=None, metavar="X.Y",
+                   help=f"the torch release whose CUDA rules the prediction follows ({', '.join(TORCH_VERSIONS)}; "
+                        f"default: the installed torch's, {default_torch_version()})")
+    p.add_argument("--alloc-conf", default=None, metavar="OPTION",
+                   help="PYTORCH_CUDA_ALLOC_CONF the caching allocator is replayed with: "
+                        + " or ".join(ALLOC_CONFS) + " (default: none; CUDA only)")
 
 
 def add_format_argument(p: argparse.ArgumentParser) -> None:
@@ -596,20 +665,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("measure", help="measure one training step per policy and print a table")
     add_workload_arguments(p, batch="4", seq="64", policy="none,full")
-    p.add_argument("--accum", type=int, default=1, help="gradient-accumulation steps (micro-batches per optimizer step)")
-    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
+    add_loop_arguments(p)
     add_format_argument(p)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--steps", type=int, default=5, help="minimum interleaved timing rounds (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds")
     p.add_argument("--max-seconds", type=float, default=10, help="timing budget per (batch, seq); stops earlier at ±2%%")
     p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
-    add_holds_output_argument(p)
     p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("sweep", help="measure a grid into a run folder (OOM-safe, resumable); print a summary",
                        description="Lists take comma-separated values (--batch 1,2,4).")
     add_config_arguments(p, SweepConfig)
+    add_loop_arguments(p, accum=False)
     p.add_argument("--no-plots", action="store_true", help="skip drawing figures")
     p.set_defaults(func=cmd_sweep)
 
@@ -617,6 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "with 95%% intervals")
     add_workload_arguments(p, batch="4", seq="64", policy="none,density=0.5,full", lists=False)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    add_loop_arguments(p)
     p.add_argument("--anchors", action="store_true",
                    help="add torch.utils.checkpoint, torch.compile at memory budgets 0, 0.25, 0.5, 0.75 and "
                         "(transformers models) transformers' own checkpointing, and at each anchor's peak the "
@@ -633,9 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors), "
                                        "for a CPU or a CUDA card")
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
-    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
+    add_loop_arguments(p)
     add_device_arguments(p)
-    add_holds_output_argument(p)
     p.add_argument("--trace", default="fast", choices=TRACES,
                    help="fast: trace a few of each stack's blocks and compose the step, where it can be (the "
                         "same prediction); full: trace every block (default: fast; the record's trace says which "
@@ -648,7 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of the no-checkpointing peak (0.5)")
     p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
     add_device_arguments(p)
-    add_holds_output_argument(p)
+    add_loop_arguments(p)
     p.add_argument("--compile", action="store_true",
                    help="a plan for the compiled model: per block keep/selective/full or a compile budget, chosen "
                         "from measured uniform compiled plans, then measured (peak, time, gradients); minutes")
@@ -663,12 +731,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="why memory did not drop: the peak, what holds it, and what each lever "
                                        "would make it (predicted, nothing allocated)")
     add_workload_arguments(p, batch="4", seq="64", policy="none", lists=False)
-    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP + " (default: adamw)")
+    add_loop_arguments(p)
     p.add_argument("--capacity", default=None, help="a card (rtx4090, a100-80, h100-80, ...: `ckptlab cards`) or a "
                                                     "size (24GiB): adds the plan that fits it; the waterfall stops there")
     p.add_argument("--ranks", type=int, default=8, help="world size of the FSDP2 lever (default 8)")
     add_device_arguments(p)
-    add_holds_output_argument(p)
     p.add_argument("--measure", action="store_true", help="also measure the step here, beside the prediction")
     p.add_argument("--figure", default=None, help="save the waterfall figure as FIGURE.png and FIGURE.svg")
     p.add_argument("--format", choices=("table", "json"), default="table",

@@ -34,12 +34,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import get_device_states
 
 from ..core.cards import Card, cards
 from ..core.children import child_environment, die_with_parent
 from ..core.policy import Policy, parse_policy
 from ..core.records import new_record
+from ..estimate.cuda_device import DEFAULT_ARCH
+from ..estimate.cuda_semantics import cuda_semantics
+from ..estimate.torch_versions import torch_rules
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import failures_recorded, measurement_record, policy_applier, policy_notes, prepare_step
 from ..probe.memory import cuda_memory_snapshot, saved_bytes_by_node
@@ -73,14 +77,15 @@ BUDGET_S = 450.0          # from main() on: with the interpreter's start and the
 REPORT_RESERVE_S = 15.0   # kept back for writing the report when the alarm stops a stage
 
 # The memory cells: (label, workload spec, config overrides, batch, seq), each policy, each
-# attention dropout, in bf16 (flash attention on CUDA). PLAN stands for the planner's plan (for
+# attention dropout, in bf16, with the attention kernel the card picks (flash on sm80 / sm89; on
+# sm90 cuDNN where the torch prefers it, except with dropout 0.1, which cuDNN refuses from 2.12). PLAN stands for the planner's plan (for
 # CUDA) at the budget halfway between the peaks predicted for the model's none and full without
 # dropout. Small model first, the plans' cells last: if time runs short, both models have cells.
 SMALL_LLAMA = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048)
 PLAN = "plan"
 MEMORY = dict(models=(("small Llama", "hf-llama-tiny", SMALL_LLAMA, 8, 1024), ("hf-llama-1b", "hf-llama-1b", {}, 2, 2048)),
-              dtype="bf16", optimizer="adamw", policies=("none", "full", "selective", PLAN), dropouts=(0.0, 0.1))
+              dtype="bf16", loop="adamw", policies=("none", "full", "selective", PLAN), dropouts=(0.0, 0.1))
 OVERHEAD_TIMING_S = 60.0  # its rounds stop earlier at ±0.3%, enough to show +1% on a steady GPU
 OVERHEAD_ARGS = ["--model", "gpt2-small", "--batch", "8", "--seq", "1024", "--target-ci", "0.003", "--threads", "1"]
 TRAINER = dict(model="hf-llama-1b", batch_size=2, seq_len=1024, accum_steps=1, max_steps=20, track_steps=1)
@@ -229,12 +234,12 @@ def memory_workload(spec: str, overrides: dict, dropout: float):
 # CUDA state is inherited), each handed everything it needs (a worker does not see MEMORY).
 
 def predicted(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, policy: str, dtype: str,
-              optimizer: str, card: Card | None) -> dict:
+              loop: str, card: Card | None) -> dict:
     """One cell's `predict(device="cuda", card=card)` as record columns; a prediction that fails is
     the cell's `prediction_message`, which fails its claims with the reason."""
     try:
         p = predict(memory_workload(spec, overrides, dropout), batch_size, seq_len, policy, dtype=dtype,
-                    optimizer=optimizer, device="cuda", card=card)
+                    loop=loop, device="cuda", card=card)
     except Exception as exc:  # noqa: BLE001 - the cell's claims fail with the reason; the others go on
         return {"prediction_message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     return dict(predicted_peak_bytes=p.peak_bytes, predicted_reserved_bytes=p.reserved_bytes,
@@ -243,14 +248,14 @@ def predicted(spec: str, overrides: dict, dropout: float, batch_size: int, seq_l
 
 
 def midpoint_plan(spec: str, overrides: dict, dropout: float, batch_size: int, seq_len: int, dtype: str,
-                  optimizer: str, card: Card | None) -> str:
+                  loop: str, card: Card | None) -> str:
     """The planner's plan for CUDA at the budget halfway between the peaks predicted for none and
     full. Its recompute costs are the roofline's: which plan it is matters here, not what it
     costs, and timing blocks on a CPU takes long."""
     workload = memory_workload(spec, overrides, dropout)
-    none, full = (predict(workload, batch_size, seq_len, p, dtype=dtype, optimizer=optimizer, device="cuda",
+    none, full = (predict(workload, batch_size, seq_len, p, dtype=dtype, loop=loop, device="cuda",
                           card=card).peak_bytes for p in ("none", "full"))
-    plan = plan_budget(workload, batch_size, seq_len, (none + full) // 2, dtype=dtype, optimizer=optimizer,
+    plan = plan_budget(workload, batch_size, seq_len, (none + full) // 2, dtype=dtype, loop=loop,
                        cost="roofline", device="cuda", card=card)
     return str(plan.policy)
 
@@ -269,6 +274,36 @@ def card_of(dev: torch.device) -> Card | None:
     return min(same, key=lambda c: abs(c.usable_bytes - props.total_memory), default=None)
 
 
+# The attention call whose kernel the report names: a Llama-like head (bf16, causal, head dim 64,
+# no mask, no dropout), with grad.
+KERNEL_PROBE = dict(shape=(1, 8, 1024, 64), dtype=torch.bfloat16)
+
+
+def default_attention_kernel(dev: torch.device) -> str:
+    """The kernel scaled_dot_product_attention runs on `dev` for KERNEL_PROBE by default, read from
+    its autograd nodes."""
+    q = torch.randn(*KERNEL_PROBE["shape"], dtype=KERNEL_PROBE["dtype"], device=dev, requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    return attention_backend_of(list(saved_bytes_by_node(out.float().sum()))) or "not known"
+
+
+def predicted_attention_kernel(card: Card | None, torch_version: str | None = None) -> str:
+    """The kernel ckptlab's CUDA model picks for KERNEL_PROBE on `card` (None: the default card's
+    architecture), under the rules of `torch_version` (default: this torch's)."""
+    with FakeTensorMode(), cuda_semantics(card.arch if card else DEFAULT_ARCH, torch_version=torch_version) as cuda:
+        q = torch.randn(*KERNEL_PROBE["shape"], dtype=KERNEL_PROBE["dtype"], requires_grad=True)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    return cuda.attention_backend
+
+
+def attention_kernel_note(dev: torch.device, card: Card | None) -> str:
+    """report.md's line naming the attention kernel this card runs by default and the one predicted."""
+    measured = default_attention_kernel(dev) if dev.type == "cuda" else "not measured (no CUDA device)"
+    return (f"Attention kernel this card picks by default (bf16, causal, head dim 64, torch {torch.__version__}): "
+            f"{measured}; ckptlab predicts {predicted_attention_kernel(card)} for it (torch "
+            f"{torch_rules().version}'s rules). Each memory cell's kernel is compared in the allocated claim.")
+
+
 def prediction_workers() -> int:
     """Worker processes for the predictions: the CPUs but two (the measuring process and the GPU's
     driver), at most eight (each holds a fake model; a GPU host has 16 cores or more)."""
@@ -279,14 +314,14 @@ def memory_cell(workload, batch_size: int, seq_len: int, policy: str, dropout: f
     """One cell measured on CUDA: one step as `measure` takes it, without its timing, its allocator
     peaks counted from what the device held before it."""
     fresh_allocator(dev)
-    dtype, optimizer = MEMORY["dtype"], MEMORY["optimizer"]
+    dtype, loop = MEMORY["dtype"], MEMORY["loop"]
     record, workload, parsed, dev, limit = measurement_record(workload, batch_size, seq_len, parse_policy(policy), device=str(dev),
-                                                              dtype=dtype, optimizer=optimizer)
+                                                              dtype=dtype, loop=loop)
     record["dropout"] = dropout
     reserved_before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
     with failures_recorded(record, dev):
         policy_notes(record, parsed, dev)
-        prepare_step(record, workload, policy_applier(parsed), dev, dtype, limit, optimizer)
+        prepare_step(record, workload, policy_applier(parsed), dev, dtype, limit, loop)
         if dev.type == "cuda":  # as prepare_step takes out what the device allocated before
             record["cuda_max_reserved_bytes"] -= reserved_before
     return record
@@ -313,7 +348,7 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
     workspace, rng = library_workspace_bytes(dev), rng_state_bytes(dev)
     notes.append(f"Library workspaces measured on this device: {workspace} B; one saved RNG state: {rng} B of "
                  "device memory.")
-    dtype, optimizer, card = MEMORY["dtype"], MEMORY["optimizer"], card_of(dev)
+    dtype, loop, card = MEMORY["dtype"], MEMORY["loop"], card_of(dev)
     notes.append(f"Predicted for the card {card.label if card else 'of no entry of the table (the default card)'}.")
     # The plans' cells last: their plans are made (in a worker) while the GPU measures the others.
     todo = sorted([(model, dropout, policy) for model in MEMORY["models"] for dropout in MEMORY["dropouts"]
@@ -324,11 +359,11 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
             pool.apply_async(os.getpid).get(WORKER_START_S)
         except multiprocessing.TimeoutError:
             raise RuntimeError(f"the prediction workers did not start within {WORKER_START_S:.0f} s") from None
-        plans = {label: pool.apply_async(midpoint_plan, (spec, overrides, MEMORY["dropouts"][0], b, s, dtype, optimizer,
+        plans = {label: pool.apply_async(midpoint_plan, (spec, overrides, MEMORY["dropouts"][0], b, s, dtype, loop,
                                                          card))
                  for label, spec, overrides, b, s in MEMORY["models"] if PLAN in MEMORY["policies"]}
         predictions = {(label, dropout, policy): pool.apply_async(predicted, (spec, overrides, dropout, b, s, policy,
-                                                                              dtype, optimizer, card))
+                                                                              dtype, loop, card))
                        for (label, spec, overrides, b, s), dropout, policy in todo if policy != PLAN}
         for k, ((label, spec, overrides, batch_size, seq_len), dropout, policy) in enumerate(todo):
             if k and label != todo[k - 1][0][0]:   # another model: what a cell of the last one took is no estimate
@@ -352,11 +387,11 @@ def memory_stage(out: Path, dev: torch.device, budget: TimeBudget, notes: list[s
                         policy = exc
                     if isinstance(policy, str):
                         predictions[key] = pool.apply_async(predicted, (spec, overrides, dropout, batch_size, seq_len,
-                                                                        policy, dtype, optimizer, card))
+                                                                        policy, dtype, loop, card))
                 if (label, dropout) not in backends:
                     backends[label, dropout] = backend_on_cuda(workload, batch_size, seq_len, dev)
                 cell = (memory_cell(workload, batch_size, seq_len, policy, dropout, dev) if isinstance(policy, str) else
-                        new_record(workload.label, batch_size, seq_len, policy=PLAN, dtype=dtype, dropout=dropout,
+                        new_record(workload.label, batch_size, seq_len, loop, policy=PLAN, dtype=dtype, dropout=dropout,
                                    status="error", message=f"no plan: {type(policy).__name__}: {policy}"))
             except BudgetExceeded:
                 not_run.append(f"{len(todo) - k} cells from {label} {policy} dropout={dropout:g} on (stopped by the "
@@ -471,13 +506,13 @@ def snapshot_stage(out: Path, dev: torch.device) -> str:
     where the allocator's bytes went, for reading a rest that the report could not explain. Returns
     what the cell was."""
     label, spec, overrides, batch_size, seq_len = MEMORY["models"][0]
-    dropout, dtype, optimizer = MEMORY["dropouts"][-1], MEMORY["dtype"], MEMORY["optimizer"]
+    dropout, dtype, loop = MEMORY["dropouts"][-1], MEMORY["dtype"], MEMORY["loop"]
     fresh_allocator(dev)
     record, workload, policy, dev, limit = measurement_record(memory_workload(spec, overrides, dropout), batch_size,
                                                               seq_len, Policy("full"), device=str(dev), dtype=dtype,
-                                                              optimizer=optimizer)
+                                                              loop=loop)
     with cuda_memory_snapshot(str(out / "memory" / "snapshot.pickle")):
-        prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, optimizer)
+        prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, loop)
     return f"{label} b={batch_size} s={seq_len} full {dtype} dropout={dropout:g}"
 
 
@@ -489,11 +524,9 @@ def run_check(out: Path, dev: torch.device, budget: TimeBudget) -> tuple[list[Cl
     traceback in errors.txt), the others run; when the alarm stops a stage, it and the stages
     after it are skipped."""
     claims: list[Claim] = []
-    # ckptlab predicts flash, memory-efficient and math attention, not cuDNN's, which torch tries
-    # first on some cards (sm90 with a recent cuDNN): the check runs the kernels the prediction models.
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    notes = ["cuDNN attention was switched off (`torch.backends.cuda.enable_cudnn_sdp(False)`): ckptlab's "
-             "prediction models flash, memory-efficient and math attention only."]
+    # The kernels run as torch picks them on this card (cuDNN attention first on sm90 where this
+    # torch prefers it): the check measures what users of the card run, and names it.
+    notes = [attention_kernel_note(dev, card_of(dev))]
     stages = [
         ("memory", (MEMORY_MEASURED_CLAIM, ALLOCATED_CLAIM, RESERVED_CLAIM), ESTIMATES["memory_cell"] + 10,
          lambda: memory_stage(out, dev, budget, notes)),

@@ -28,6 +28,7 @@ from ..core import validate
 from ..core.cards import parse_capacity
 from ..core.dtypes import DTYPES
 from ..core.extras import require
+from ..core.loop import parse_loop
 from ..core.parsing import yaml_mapping
 from ..core.policy import parse_policy
 from ..core.units import size_bytes
@@ -164,7 +165,7 @@ def _value_checks() -> dict:
         "model": model, "fits_model": model, "device": lambda name, v: resolve_device(v),
         "steps": at_least(1), "warmup": at_least(0), "batch_size": at_least(1), "seq_len": at_least(1),
         "fits_seq_len": at_least(1), "batch_sizes": each(at_least(1), False), "seq_lens": each(at_least(1), False),
-        "accum_steps": each(at_least(1)), "policy": policy, "policies": each(policy, False),
+        "accum_steps": each(at_least(1)), "loop": lambda name, v: parse_loop(v), "policy": policy, "policies": each(policy, False),
         "densities": each(lambda name, v: number(name, v, 0.0, 1.0), False), "dtype": dtype, "dtypes": each(dtype),
         "memory_limit": size_bytes, "capacity": capacity, "fits_capacities": each(capacity, False),
         "rank": at_least(1), "fits_seq_lens": each(at_least(1), False), "fits_dtype": dtype,

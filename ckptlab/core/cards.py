@@ -10,8 +10,10 @@ context_bytes="600MiB", required_margin_bytes=0)`.
 
 A configuration fits a card when its device bytes (what the allocator reserves, plus context and
 workspaces: what nvidia-smi shows) plus the card's margin are at most its usable bytes
-(`fits`); `margin_left` is what remains. `budget_bytes` is the same test seen from the allocator:
-the bytes it may reserve.
+(`fits`); `margin_left` is what remains beyond the margin, so it fits exactly when that is 0 or
+more. `budget_bytes` is the same test seen from the allocator: the bytes it may reserve. Where the
+reserved peak passes it, the allocator can still run the step by releasing its cached segments
+and retrying (`fit_answer`: "yes", "with cache flushes" or "no").
 """
 
 from __future__ import annotations
@@ -168,14 +170,29 @@ def _bytes(name: str, value, minimum: int) -> int:
 
 
 def margin_left(capacity: Card, device_bytes: int) -> int:
-    """Usable bytes minus the device bytes of a step: what is left (negative: it does not fit)."""
-    return capacity.usable_bytes - device_bytes
+    """What is left of the card beyond its required margin: usable bytes - the margin - device
+    bytes. `fits` exactly when it is 0 or more."""
+    return capacity.usable_bytes - capacity.required_margin_bytes - device_bytes
 
 
 def fits(capacity: Card, device_bytes: int) -> bool:
-    """Device bytes plus the card's margin are at most its usable bytes."""
-    return device_bytes + capacity.required_margin_bytes <= capacity.usable_bytes
+    """Device bytes plus the card's margin are at most its usable bytes: `margin_left` >= 0."""
+    return margin_left(capacity, device_bytes) >= 0
 
 
-__all__ = ["CAPACITY_HELP", "Card", "DEFAULT_CARDS", "DEFAULT_MARGIN_BYTES", "card", "card_budgets", "cards", "fits",
-           "margin_left", "parse_capacity"]
+# The answers to "does it fit": with its reserved peak; only by the caching allocator's release of
+# its cached segments and a retry, step after step (slower: PyTorch warns of it); not at all.
+FIT_ANSWERS = ("yes", "with cache flushes", "no")
+
+
+def fit_answer(capacity: Card, device_bytes: int, runs_under_limit: bool) -> str:
+    """"yes" when the device bytes fit, else "with cache flushes" when the step, replayed under
+    the card's limit with the allocator's release-and-retry path, runs (`runs_under_limit`),
+    else "no"."""
+    if fits(capacity, device_bytes):
+        return "yes"
+    return "with cache flushes" if runs_under_limit else "no"
+
+
+__all__ = ["CAPACITY_HELP", "Card", "DEFAULT_CARDS", "DEFAULT_MARGIN_BYTES", "FIT_ANSWERS", "card", "card_budgets", "cards",
+           "fit_answer", "fits", "margin_left", "parse_capacity"]

@@ -6,6 +6,8 @@ Predictions (`predict`, `predict_fits`) are not records: they have columns of th
 
 from __future__ import annotations
 
+from .loop import DEFAULT_LOOP, Loop, as_loop
+
 # parameters are the trainable ones; frozen_parameters those with requires_grad=False (a LoRA
 # fine-tune's base weights), which have no gradient and no optimizer state.
 CATEGORIES = ("parameters", "frozen_parameters", "gradients", "optimizer_state", "activations", "temporaries")
@@ -20,8 +22,13 @@ FIELDS: dict[str, object] = {
     "block_stacks": None,             # the stacks of repeated blocks found: "encoder.block[6] + decoder.block[6]"
     "batch_size": None,
     "seq_len": None,
-    "accum_steps": 1,
+    "loop": DEFAULT_LOOP,             # the training loop (`core.loop`), as text; its fields follow
+    "accum_steps": 1,                 # micro-batches per optimizer step
     "holds_output": False,            # the loop keeps the model's output into the next step's forward
+    "optimizer": None,                # core.optimizers.OPTIMIZERS: the optimizer and its implementation
+    "zero_grad": "set_to_none",       # set_to_none | zeros (gradients zero-filled and kept)
+    "clip_grad_norm": None,           # clip_grad_norm_'s max norm (None: no clipping)
+    "grad_scaler": False,             # fp16's GradScaler
     "world_size": 1,                  # ranks the batch is split over (FSDP2 runs)
     "effective_batch_size": None,     # batch_size * accum_steps * world_size
     "tokens": None,                   # per optimizer step
@@ -31,7 +38,6 @@ FIELDS: dict[str, object] = {
     "device": None,
     "device_name": None,
     "dtype": "fp32",
-    "optimizer": None,
     "steps": None,
     "warmup": None,
     "memory_limit_bytes": None,
@@ -77,12 +83,15 @@ FIELDS: dict[str, object] = {
 }
 
 
-def new_record(model: str, batch_size: int, seq_len: int, accum_steps: int = 1, world_size: int = 1,
+def new_record(model: str, batch_size: int, seq_len: int, loop: Loop | str | None = None, world_size: int = 1,
                **values) -> dict:
-    """A record with every column of FIELDS (defaults where not given), the derived sizes computed
-    here once, and `values` filling or adding columns (a sharded run adds its per-rank peaks)."""
+    """A record with every column of FIELDS (defaults where not given), the loop's columns
+    (`Loop.record`), the derived sizes computed here once, and `values` filling or adding columns
+    (a sharded run adds its per-rank peaks)."""
+    loop = as_loop(loop)
+    accum_steps = loop.accum_steps
     record = dict(FIELDS)
-    record.update(model=model, batch_size=batch_size, seq_len=seq_len, accum_steps=accum_steps, world_size=world_size,
+    record.update(model=model, batch_size=batch_size, seq_len=seq_len, **loop.record(), world_size=world_size,
                   effective_batch_size=batch_size * accum_steps * world_size,
                   tokens=batch_size * seq_len * accum_steps * world_size)
     record.update(values)

@@ -24,6 +24,7 @@ from torch.utils.flop_counter import flop_registry
 from ..checkpoint.blocks import hidden_state
 from ..checkpoint.wrap import selective_policy_fn
 from ..core.cards import Card
+from ..core.loop import Loop, as_loop
 from ..core.policy import plan_policy
 from ..probe.block_timing import average_alike, block_inputs, cpu_autocast
 from ..probe.memory import track_memory
@@ -80,15 +81,20 @@ def block_count(workload: Workload) -> int:
 
 
 def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str, dtype: str = "fp32",
-                 optimizer: str = "adamw", device: str = "cpu", card: Optional[str | Card] = None,
-                 attention: Optional[str] = None, holds_output: bool = False) -> BlockMemory:
+                 loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
+                 attention: Optional[str] = None, *, torch_version: Optional[str] = None) -> BlockMemory:
     """The fake training step with every block at `option` (keep, selective, full), its memory at
-    block boundaries (module docstring); `device`, `card`, `attention` and `holds_output` as
-    `fake_training_step`'s."""
+    block boundaries (module docstring); `loop`, `device`, `card`, `attention` and `torch_version`
+    as `fake_training_step`'s. The loop runs one micro-batch (accum_steps=1): the markers are a
+    pass's."""
+    loop = as_loop(loop)
+    if loop.accum_steps != 1:
+        raise ValueError(f"loop={str(loop)!r} is invalid here: a block profile is one forward and backward; "
+                         "allowed is a loop with accum_steps=1")
     n = block_count(workload)
     policy = plan_policy([option] * n)
-    with fake_training_step(workload, batch_size, seq_len, policy, dtype, optimizer, device=device, card=card,
-                            attention=attention, holds_output=holds_output) as (model, handle, batch, opt, step):
+    with fake_training_step(workload, batch_size, seq_len, policy, dtype, loop, device=device, card=card,
+                            attention=attention, torch_version=torch_version) as (model, handle, batch, opt, step):
         blocks = handle.blocks
         marks = {"fwd_pre": [None] * n, "fwd_post": [None] * n, "bwd_start": [None] * n, "bwd_end": [None] * n}
         state = {}

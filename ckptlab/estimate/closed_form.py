@@ -11,17 +11,19 @@ from ..workloads.base import Workload
 from ..workloads.models import GPTConfig
 from ..workloads.registry import as_workload
 
+AUTOCAST_16 = ("bf16", "fp16")   # autocast to a 16-bit type: the same ops cast, the same sizes
+
 
 def _elem_bytes(dtype: str) -> tuple[int, int, int]:
     """(E, R, W): bytes of a matmul-region activation; of the residual stream and what runs
     outside the matmuls (norm inputs and statistics, the loss's log-softmax); of one weight, its
-    gradient and each element of its optimizer state. bf16 autocast halves E only: the weights
+    gradient and each element of its optimizer state. bf16 / fp16 autocast halves E only: the weights
     stay fp32, and autocast runs norms and the loss in fp32. bf16-weights and fp16-weights cast the
     model and the batch, so every tensor is 2 bytes, the optimizer state too (AdamW allocates it
     like its parameter)."""
     if dtype in ("bf16-weights", "fp16-weights"):
         return 2, 2, 2
-    return (2, 4, 4) if dtype == "bf16" else (4, 4, 4)
+    return (2, 4, 4) if dtype in AUTOCAST_16 else (4, 4, 4)
 
 
 def gpt_block_bytes(cfg: GPTConfig, batch_size: int, seq_len: int, dtype: str = "fp32",
@@ -49,11 +51,11 @@ def gpt_block_bytes(cfg: GPTConfig, batch_size: int, seq_len: int, dtype: str = 
     T, h, a, s, b = batch_size * seq_len, cfg.n_embd, cfg.n_head, seq_len, batch_size
     fused = cfg.dropout == 0 if fused_attention is None else fused_attention
     masks = 2 * E * T * h if cfg.dropout > 0 else 0     # CPU dropout multiplies by a same-dtype mask
-    casts = 2 * 12 * h * h if dtype == "bf16" else 0     # autocast's bf16 weight copies, saved by the matmuls
+    casts = 2 * 12 * h * h if dtype in AUTOCAST_16 else 0     # autocast's 16-bit weight copies, saved by the matmuls
     if fused:
         attn_keep = attn_sel = E * T * h + 4 * b * a * s
     else:  # the math path runs in fp32 under autocast (q, k, v become fp32 copies)
-        qkv_copies = 3 * R * T * h if dtype == "bf16" else R * T * h  # fp32: only the scaled q is new
+        qkv_copies = 3 * R * T * h if dtype in AUTOCAST_16 else R * T * h  # fp32: only the scaled q is new
         attn_keep = qkv_copies + R * T * h + 3 * R * b * a * s * s
         attn_sel = R * T * h + R * b * a * s * s       # q@k^T scores and probs@v output
     keep = (R + E + 3 * E) * T * h + attn_keep + (E + R + E + 4 * E + 4 * E) * T * h + masks + 4 * R * T + casts

@@ -53,12 +53,21 @@ import torch
 import torch.nn as nn
 
 from ..core.cards import Card
+from ..core.loop import Loop, as_loop
 from ..core.policy import Policy
 from ..probe.memory import count_events, track_memory
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
-from .cuda_device import DEFAULT_ARCH, BlasUse, HostOffload, device_memory
-from .fake_step import FakeMemory, as_card, fake_memory, fake_step_state
+from .cuda_device import DEFAULT_ARCH, BlasUse, HostOffload, LoopOrder, device_memory, parse_alloc_conf
+from .fake_step import (
+    FakeMemory,
+    as_card,
+    fake_memory,
+    fake_step_state,
+    optimizer_event,
+    optimizer_state_keys,
+)
+from .torch_versions import torch_rules
 
 LONGEST_PERIOD = 4   # of the block kinds in a stack's middle; a longer one is traced in full
 
@@ -68,39 +77,42 @@ class NotComposable(Exception):
 
 
 def fast_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
-                optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-                card: Optional[str | Card] = None, attention: Optional[str] = None,
-                holds_output: bool = False) -> FakeMemory:
+                loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
+                attention: Optional[str] = None, *, torch_version: Optional[str] = None,
+                alloc_conf: Optional[str] = None) -> FakeMemory:
     """`fake_step.fake_memory`'s answer, from a composed trace where the step allows one (module
     docstring), else from the full trace; `FakeMemory.trace` says which answered, and why not
     the composed one."""
-    args = (workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention,
-            holds_output)
+    args = (workload, batch_size, seq_len, policy, dtype, loop, device, card, attention)
+    options = dict(torch_version=torch_version, alloc_conf=alloc_conf)
     try:
-        return composed_memory(*args)
+        return composed_memory(*args, **options)
     except NotComposable as why:
         reason = str(why)
     except Exception as exc:   # the model cannot run with its stacks cut: the full trace can say why
         reason = f"the shortened step failed with {type(exc).__name__}: {one_line(exc)}"
-    full = fake_memory(*args)
+    full = fake_memory(*args, **options)
     full.trace = f"full ({reason})"
     return full
 
 
-def composed_memory(workload, batch_size, seq_len, policy, dtype="fp32", optimizer="adamw", accum_steps=1,
-                    device="cpu", card=None, attention=None, holds_output=False) -> FakeMemory:
+def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
+                    loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
+                    attention: Optional[str] = None, *, torch_version: Optional[str] = None,
+                    alloc_conf: Optional[str] = None) -> FakeMemory:
     """One fake training step from a composed trace (module docstring); NotComposable if the step
     does not allow one."""
-    if accum_steps != 1:
-        raise NotComposable(f"accum_steps={accum_steps} runs several forward passes")
+    loop = as_loop(loop)
+    if loop.accum_steps != 1:
+        raise NotComposable(f"accum={loop.accum_steps} runs several forward passes")
     if policy.mechanism == "transformers":
         raise NotComposable("transformers' own checkpointing")
     cuda, card = device == "cuda", as_card(card)
-    blas = BlasUse() if cuda else contextlib.nullcontext()
+    blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
     host = _MarkedHostOffload() if cuda and policy.offload else None
     cut = _Cut()
-    with fake_step_state(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
-                         attention, holds_output, host, shorten=cut.shorten) as (model, handle, batch, opt, step, kernels):
+    with fake_step_state(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention, host,
+                         torch_version=torch_version, shorten=cut.shorten) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks) as tracker, blas:
@@ -114,18 +126,22 @@ def composed_memory(workload, batch_size, seq_len, policy, dtype="fp32", optimiz
                 if host:
                     host.tracker = None
         events = list(tracker.events)
-    composed = compose(events, cut)
-    counts = count_events(composed)
-    report = counts.report(composed if cuda else None)
-    report.param_bytes = tracker.report().param_bytes
-    recomputes = sum(1 for e in composed if e[0] == "region_run") - sum(e[1] for e in composed if e[0] == "forward_runs")
-    fake = FakeMemory(report, handle, recompute_count=recomputes, trace="composed")
-    if cuda:
+        composed = compose(events, cut)
+        counts = count_events(composed)
+        report = counts.report(composed if cuda else None)
+        report.param_bytes = tracker.report().param_bytes
+        recomputes = (sum(1 for e in composed if e[0] == "region_run")
+                      - sum(e[1] for e in composed if e[0] == "forward_runs"))
+        fake = FakeMemory(report, handle, recompute_count=recomputes, trace="composed")
+        if not cuda:
+            return fake
         workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
-        fake.device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card)
+        order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
+        fake.device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card,
+                                    parse_alloc_conf(alloc_conf), loop_order=order)
         fake.device.host_bytes = _host_peak(composed) if host else None
         fake.attention_backend = kernels.attention_backend
-    return fake
+        return fake
 
 
 # --------------------------------------------------------------------------- the cut
@@ -239,7 +255,7 @@ class _Cut:
         graded = {e[2] for e in marks.events if e[0] == "grad"}
         marks.mark(("stand_ins",))
         for p, q in self.param_template.items():
-            if q in graded:
+            if q in graded and self.params[p].grad is None:   # a loop that zero-fills keeps its gradients
                 param = self.params[p]
                 param.grad = torch.zeros_like(param)
                 marks.mark(("stand_in", marks.number(param.grad), p))
@@ -417,8 +433,11 @@ class _Units:
             if event[0] in ("free", "relabel", "grad"):
                 owner = self.owner.get(event[1])
                 detail = event[2:] if event[0] != "grad" else ()   # a gradient's parameter is the block's own
-                if owner is None or i in self.fixed:
+                if i in self.fixed:
                     signature.append((event[0], "fixed", event[1], *detail))
+                    continue
+                if owner is None:   # outside the blocks: a parameter's own gradient a loop keeps, say
+                    signature.append((event[0], "outside", *detail))
                     continue
                 (role, block), place = owner
                 stack = self.cut.stack_of[block]

@@ -13,7 +13,9 @@ weights) are cached until the outermost `cuda_autocast` exits (autocast_mode.cpp
 The lists are AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
 AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE and AT_FORALL_PROMOTE of aten/src/ATen/autocast_mode.h
 and the banned binary_cross_entropy of autocast_mode.cpp, copied from PyTorch's main branch in the
-torch 2.11 era; an op the running torch does not have is skipped. Known difference: for fp16,
+torch 2.11 era; the lists of the torch version modelled add what that version adds
+(`FP32_FROM`: rms_norm from 2.12, `estimate.torch_versions`); an op the running torch does not
+have is skipped. Known difference: for fp16,
 CUDA's softmax and log_softmax read fp16 input directly into an fp32 result, where the CPU
 kernel first copies the input to fp32 (an extra transient); for bf16 both copy.
 """
@@ -26,6 +28,8 @@ from typing import Iterator
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
+
+from .torch_versions import torch_rules
 
 LOWER_PRECISION_FP = (
     ("_convolution", "deprecated"), ("_convolution", ""), ("conv1d", ""), ("conv2d", ""), ("conv3d", ""),
@@ -54,6 +58,8 @@ FP32_SET_OPT_DTYPE = (
     ("log_softmax", "int"), ("log_softmax", "Dimname"), ("cumprod", ""), ("cumprod", "dimname"), ("cumsum", ""),
     ("cumsum", "dimname"), ("linalg_vector_norm", ""), ("linalg_matrix_norm", ""), ("linalg_matrix_norm", "str_ord"),
     ("sum", ""), ("sum", "dim_IntList"), ("sum", "dim_DimnameList"))
+# Ops a later torch adds to AT_FORALL_FP32, by the TorchRules property that says whether it has them.
+FP32_FROM = {("rms_norm", ""): "autocast_fp32_rms_norm"}
 # fp32_append_dtype: norm without a dtype is redispatched to the overload with one, in fp32.
 FP32_APPEND_DTYPE = {("norm", "Scalar"): "ScalarOpt_dtype", ("norm", "ScalarOpt_dim"): "ScalarOpt_dim_dtype",
                      ("norm", "names_ScalarOpt_dim"): "names_ScalarOpt_dim_dtype"}
@@ -74,11 +80,13 @@ class _State:
 
 
 @contextlib.contextmanager
-def cuda_autocast_policies() -> Iterator[None]:
-    """While inside, CPU autocast, wherever it is entered, follows CUDA autocast's lists: the
-    step's own autocast, and the one torch.utils.checkpoint re-enters to recompute a region."""
+def cuda_autocast_policies(torch_version: str | None = None) -> Iterator[None]:
+    """While inside, CPU autocast, wherever it is entered, follows CUDA autocast's lists (those of
+    `torch_version`, default the installed torch's): the step's own autocast, and the one
+    torch.utils.checkpoint re-enters to recompute a region. Nested inside another, the outer
+    one's lists stay."""
     if _State.users == 0:
-        _State.policies = _cuda_policies()
+        _State.policies = _cuda_policies(torch_version)
     _State.users += 1
     try:
         yield
@@ -162,9 +170,11 @@ def _banned_binary_cross_entropy(*args, **kwargs):
                        "(CUDA autocast refuses them); use binary_cross_entropy_with_logits")
 
 
-def _cuda_policies() -> torch.library.Library:
-    """A library registering CUDA's policies for the AutocastCPU key, and a fallthrough for every
-    op that only CPU autocast lists; destroying it restores CPU autocast."""
+def _cuda_policies(torch_version: str | None = None) -> torch.library.Library:
+    """A library registering CUDA's policies of `torch_version` for the AutocastCPU key, and a
+    fallthrough for every op that only CPU autocast lists; destroying it restores CPU autocast."""
+    rules = torch_rules(torch_version)
+    fp32 = FP32 + tuple(op for op, has in FP32_FROM.items() if getattr(rules, has))
     lib = torch.library.Library("aten", "IMPL")
     registered = set()
 
@@ -178,7 +188,7 @@ def _cuda_policies() -> torch.library.Library:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": CPU autocast's, on purpose
-        for policy, ops in (("lower_precision_fp", LOWER_PRECISION_FP), ("fp32", FP32),
+        for policy, ops in (("lower_precision_fp", LOWER_PRECISION_FP), ("fp32", fp32),
                             ("fp32_set_opt_dtype", FP32_SET_OPT_DTYPE), ("promote", PROMOTE)):
             for name, overload in ops:
                 register(name, overload, lambda packet, o=overload, p=policy: _kernel(getattr(packet, o or "default"), p))
@@ -192,5 +202,5 @@ def _cuda_policies() -> torch.library.Library:
     return lib
 
 
-__all__ = ["FP32", "FP32_SET_OPT_DTYPE", "LOWER_PRECISION_FP", "PROMOTE", "cuda_autocast",
+__all__ = ["FP32", "FP32_FROM", "FP32_SET_OPT_DTYPE", "LOWER_PRECISION_FP", "PROMOTE", "cuda_autocast",
            "cuda_autocast_policies"]

@@ -4,11 +4,13 @@ A CPU-only torch cannot run backward on fake CUDA tensors, so `predict(device="c
 step on CPU fake tensors inside `cuda_semantics()`, which makes the ops whose CUDA kernels keep
 other tensors than the CPU's allocate and save what the CUDA kernels would:
 
-- `scaled_dot_product_attention`: the backend PyTorch's CUDA dispatcher would choose
-  (`flash_refusal`, `efficient_refusal`), then flash and memory-efficient attention as custom
-  autograd Functions whose forward and backward allocate the kernels' outputs, saved tensors and
-  scratch buffers (`torch.empty` of the right shape and dtype, nothing computed), and the math
-  backend as the composite ops CUDA runs (fp32 upcast, a bool dropout mask).
+- `scaled_dot_product_attention`: the backend PyTorch's CUDA dispatcher would choose, in the
+  priority order of the torch version modelled (`estimate.torch_versions`: cuDNN first on sm90
+  where that torch prefers it; `cudnn_refusal`, `flash_refusal`, `efficient_refusal`), then
+  cuDNN, flash and memory-efficient attention as custom autograd Functions whose forward and
+  backward allocate the kernels' outputs, saved tensors and scratch buffers (`torch.empty` of the
+  right shape and dtype, nothing computed), and the math backend as the composite ops CUDA runs
+  (fp32 upcast, a bool dropout mask).
 - `dropout`: CUDA's fused `native_dropout` keeps a 1-byte bool mask where the CPU keeps one in
   the input's dtype.
 - Autocast: CPU autocast, wherever it is entered (the step, or torch.utils.checkpoint
@@ -17,12 +19,13 @@ other tensors than the CPU's allocate and save what the CUDA kernels would:
 The two ops get kernels for the AutogradCPU dispatch key (a torch.library registration, removed
 on exit), not a TorchFunctionMode: a mode is off while it handles `loss.backward()`, so it would
 miss the recomputations that checkpointing runs inside backward. The fused kernels' outputs come
-from the aten ops CUDA runs (`_scaled_dot_product_flash_attention`, `..._efficient_attention`),
-whose fake (Meta) kernels are replaced by ones with the CUDA layouts and RNG tensors: selective
-checkpointing, which saves those ops by name, sees them as on a GPU. Every rule names the PyTorch
-source it follows; the rules are torch 2.11's (the GPU check's torch), read from PyTorch's main
-branch where the two agree. The model, and what it leaves out: docs/design.md, note "What a fake
-step cannot know".
+from the aten ops CUDA runs (`_scaled_dot_product_flash_attention`, `..._efficient_attention`,
+`..._cudnn_attention`), whose fake (Meta) kernels are replaced by ones with the CUDA layouts and
+RNG tensors: selective checkpointing, which saves those ops by name, sees them as on a GPU. Every
+rule names the PyTorch source it follows (aten/src/ATen/native/transformers/: attention.cpp,
+cuda/sdp_utils.cpp, cuda/attention.cu, cuda/flash_attn/flash_api.cpp; aten/src/ATen/native/cudnn/
+MHA.cpp); where torch versions differ, `estimate.torch_versions` says how. The model, and what it
+leaves out: docs/design.md, note "What a fake step cannot know".
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..core.validate import choice
 from .cuda_autocast import cuda_autocast_policies
+from .torch_versions import TorchRules, torch_rules
 
-ATTENTION_BACKENDS = ("flash", "efficient", "math")
+# In PyTorch's default priority order (sdp_utils.cpp priority_order); a torch that prefers cuDNN
+# on the card puts "cudnn" first (`priority`).
+ATTENTION_BACKENDS = ("flash", "efficient", "math", "cudnn")
 
 # Architectures by compute capability (sm86: 8.6), and the streaming multiprocessors of the card
 # each name usually means (NVIDIA's data sheets: A100 108, RTX 3090 82, RTX 4090 128, H100 SXM
@@ -56,6 +62,7 @@ class CudaSemantics:
     arch: str
     attention: Optional[str]           # the user's override; None: PyTorch's choice
     sm_count: int
+    rules: TorchRules = field(default_factory=torch_rules)      # the torch version modelled
     backend_calls: dict[str, int] = field(default_factory=dict)  # per backend, recomputations included
 
     @property
@@ -67,17 +74,21 @@ class CudaSemantics:
 
 @contextlib.contextmanager
 def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
-                   sm_count: Optional[int] = None) -> Iterator[CudaSemantics]:
+                   sm_count: Optional[int] = None, *, torch_version: Optional[str] = None) -> Iterator[CudaSemantics]:
     """Inside a FakeTensorMode, around the whole step (forward, backward with its recomputations,
     optimizer): attention, dropout and autocast allocate and keep what their CUDA kernels would
-    on a GPU of architecture `arch`. `attention` forces a backend (ValueError at the first call
-    it cannot serve, naming why); `sm_count` defaults to the SMs of the arch's usual card."""
+    on a GPU of architecture `arch`, under the rules of `torch_version` (default: the installed
+    torch's, `estimate.torch_versions`). `attention` forces a backend (ValueError at the first call
+    it cannot serve, naming why; before any work for cuDNN on a torch or card that lacks it);
+    `sm_count` defaults to the SMs of the arch's usual card."""
     choice("arch", arch, ARCHS)
+    rules = torch_rules(torch_version)
     if attention is not None:
         choice("attention", attention, ATTENTION_BACKENDS)
+        check_backend_available(attention, rules)
     if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
         raise ValueError(f"sm_count={sm_count!r} is invalid: allowed is an integer >= 1")
-    semantics = CudaSemantics(arch, attention, sm_count or SM_COUNTS[arch])
+    semantics = CudaSemantics(arch, attention, sm_count or SM_COUNTS[arch], rules)
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel", on purpose
@@ -85,11 +96,30 @@ def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
         lib.impl("dropout", dropout, "AutogradCPU")
         lib.impl("_scaled_dot_product_flash_attention", _flash_outputs, "Meta")
         lib.impl("_scaled_dot_product_efficient_attention", _efficient_outputs, "Meta")
+        lib.impl("_scaled_dot_product_cudnn_attention", _cudnn_outputs, "Meta")
     try:
-        with cuda_autocast_policies():
+        with cuda_autocast_policies(rules.version):
             yield semantics
     finally:
         lib._destroy()
+
+
+def check_backend_available(attention: str, rules: TorchRules) -> None:
+    """ValueError when the forced backend does not exist for this torch and card, whatever the
+    inputs: cuDNN attention before torch 2.5 (opt-in there). Every backend exists on every card of
+    ARCHS (check_cudnn_hardware_support: [sm80, sm121])."""
+    if attention == "cudnn" and not rules.cudnn_attention:
+        raise ValueError(f"attention='cudnn' is invalid with torch_version={rules.version!r}: torch {rules.version} "
+                         "runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1, which ckptlab does not model; "
+                         "allowed are flash, efficient, math, or torch_version 2.5 and later")
+
+
+def priority(rules: TorchRules, arch: str) -> tuple[str, ...]:
+    """sdp_utils.cpp priority_order: cuDNN first where check_prefer_cudnn_attention holds for this
+    torch and card, else flash, efficient, math, cuDNN (which math, always possible, precedes)."""
+    if rules.cudnn_first(arch):
+        return ("cudnn", "flash", "efficient", "math")
+    return ATTENTION_BACKENDS
 
 
 def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -100,14 +130,24 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
     if not is_fake(query):
         raise ValueError("cuda_semantics models what CUDA kernels keep, on fake tensors: scaled_dot_product_attention "
                          "got a real tensor; run the step under a FakeTensorMode")
-    why_not = {"flash": flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, semantics.arch),
+    rules, arch = semantics.rules, semantics.arch
+    if enable_gqa and not rules.has_gqa and key.dim() == 4 and key.size(-3) != query.size(-3):
+        # torch 2.4 has no enable_gqa: its callers repeat keys and values first, as transformers'
+        # repeat_kv does for torch < 2.5 (expand, then reshape: a copy of each).
+        key, value = (_repeat_heads(t, query.size(-3) // t.size(-3)) for t in (key, value))
+        enable_gqa = False
+    why_not = {"cudnn": cudnn_refusal(query, key, value, dropout_p, arch, rules),
+               "flash": flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, arch),
                "efficient": efficient_refusal(query, key, value, enable_gqa),
                "math": None}
-    backend = semantics.attention or next(b for b in ATTENTION_BACKENDS if why_not[b] is None)
+    order = priority(rules, arch)
+    backend = semantics.attention or next(b for b in order if why_not[b] is None)
     if why_not[backend] is not None:
         raise ValueError(f"attention={backend!r} is impossible for this attention call: {why_not[backend]}; "
-                         f"allowed here: {', '.join(b for b in ATTENTION_BACKENDS if why_not[b] is None)}")
+                         f"allowed here: {', '.join(b for b in order if why_not[b] is None)}")
     semantics.backend_calls[backend] = semantics.backend_calls.get(backend, 0) + 1
+    if backend == "cudnn":
+        return cudnn_attention(query, key, value, attn_mask, dropout_p, is_causal, rules)
     if backend == "flash":
         return flash_attention(query, key, value, dropout_p, semantics.sm_count)
     if backend == "efficient":
@@ -115,10 +155,15 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
     return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+def _repeat_heads(t, n: int):
+    b, h, s, d = t.shape
+    return t[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
 # ---------------------------------------------------------------------------- the backend choice
 # aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (select_sdp_backend, can_use_*) and
-# sdp_utils_cpp.h: the first backend of flash, efficient, math whose checks all pass. Each check
-# returns why it fails, or None.
+# sdp_utils_cpp.h: the first backend of `priority` whose checks all pass. Each check returns why
+# it fails, or None.
 
 def _common_refusal(query, key, value) -> Optional[str]:
     if not (query.dim() == key.dim() == value.dim() == 4):
@@ -138,7 +183,41 @@ def _heads_refusal(query, key, value, enable_gqa: bool, supports_gqa: bool) -> O
         return None
     if not hq == hk == hv:
         return (f"query, key and value have {hq}, {hk}, {hv} heads"
-                + (" and this kernel has no grouped-query attention in torch 2.11" if enable_gqa else ""))
+                + (" and this kernel has no grouped-query attention" if enable_gqa else ""))
+    return None
+
+
+def cudnn_refusal(query, key, value, dropout_p, arch, rules: TorchRules) -> Optional[str]:
+    """can_use_cudnn_attention, check by check, for the torch of `rules` and the cuDNN its wheel
+    ships (`rules.wheel_cudnn`): fp16 / bf16; masks of any broadcastable shape are taken
+    (check_attn_mask_shape); dense inputs need a contiguous last dim, head counts that group
+    (check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads=false>: grouped
+    heads, with or without enable_gqa), and check_cudnn_tensor_shapes' head dims (multiples of 8,
+    at most 128, or 256 on sm90 with a cuDNN of 9.10 or later: `cudnn_version >= 91000 && major
+    == 9 && !minor`, the wheels of 2.8 on), s_k > 1, no dropout with s_q = 1; from 2.12 a dropout
+    in sixteenths (check_cudnn_dropout)."""
+    if not rules.cudnn_attention:
+        return f"torch {rules.version} runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1"
+    common = _common_refusal(query, key, value)
+    if common:
+        return common
+    if query.dtype not in (torch.float16, torch.bfloat16) or not query.dtype == key.dtype == value.dtype:
+        return f"cuDNN attention needs fp16 or bf16 (got {query.dtype})"
+    if rules.cudnn_dropout_in_sixteenths and dropout_p * 16 != math.floor(dropout_p * 16):
+        return f"cuDNN attention needs a dropout probability in sixteenths (got {dropout_p})"
+    if not all(t.stride(-1) == 1 or t.size(-1) == 1 for t in (query, key, value)):
+        return "the fused kernels need the last dimension contiguous"
+    hq, hk, hv = query.size(-3), key.size(-3), value.size(-3)
+    if hk != hv or hq % hk:
+        return f"cuDNN attention needs key and value heads ({hk}, {hv}) equal and dividing the query's {hq}"
+    d_qk, d_v = query.size(-1), value.size(-1)
+    limit = 256 if arch == "sm90" and rules.wheel_cudnn >= 91000 else 128
+    if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8:
+        return f"cuDNN attention needs head dims that are multiples of 8, at most {limit} (got {d_qk}, {d_v})"
+    if key.size(-2) == 1:
+        return "cuDNN attention refuses a key sequence of length 1"
+    if dropout_p and query.size(-2) == 1:
+        return "cuDNN attention refuses dropout with a query sequence of length 1"
     return None
 
 
@@ -227,11 +306,14 @@ class _Flash(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, value = ctx.saved_tensors[:3]
+        query, key, value, out = ctx.saved_tensors[:4]
         b, hq, sq, d = query.shape
         hk, sk = key.size(1), key.size(2)
-        # _flash_attention_backward: dout as a contiguous [b, s, h, d] (out is one already).
+        # _flash_attention_backward: `grad_out.contiguous()` and `out.contiguous()` of their
+        # [b, s, h, d] views: copies unless they are [b, s, h, d] memory already (out is when the
+        # query was, flash_outputs), alive to the end.
         dout = grad.transpose(1, 2).contiguous()
+        out_t = out.transpose(1, 2).contiguous()
         dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (query, key, value))
         softmax_d = torch.empty(b, hq, _round_up(sq, 128), dtype=torch.float32)
         dq_accum = torch.empty(b, _round_up(sq, 128), hq, _round_up(d, 32 if d <= 128 else 64), dtype=torch.float32)
@@ -240,16 +322,19 @@ class _Flash(torch.autograd.Function):
             dv_expanded = torch.empty(b, sk, hq, d, dtype=query.dtype)
             torch.sum(dk_expanded.view(b, sk, hk, hq // hk, d), 3, out=dk)
             torch.sum(dv_expanded.view(b, sk, hk, hq // hk, d), 3, out=dv)
-        del dout, softmax_d, dq_accum
+        del dout, out_t, softmax_d, dq_accum
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
 
 
 def _flash_outputs(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-    """_scaled_dot_product_flash_attention's outputs as CUDA allocates them: the output in
-    [b, s, h, d] memory, logsumexp fp32 [b, h, s_q], rng_state uint64[2] and the unused uint64."""
+    """_scaled_dot_product_flash_attention's outputs as CUDA allocates them: the output in the
+    layout of the query (flash_api.cpp mha_fwd: `out = at::empty_like(q_padded)`, q being the
+    [b, s, h, d] view of the [b, h, s, d] query: [b, s, h, d] memory for a query projected and
+    viewed, [b, h, s, d] memory for one made contiguous), logsumexp fp32 [b, h, s_q], rng_state
+    uint64[2] and the unused uint64."""
     b, h, sq, d = query.shape
     device = query.device
-    return (torch.empty(b, sq, h, d, dtype=query.dtype, device=device).transpose(1, 2),
+    return (torch.empty_like(query.transpose(1, 2)).transpose(1, 2),
             torch.empty(b, h, sq, dtype=torch.float32, device=device), None, None, sq, key.size(2),
             torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device),
             torch.empty(0, dtype=query.dtype, device=device))
@@ -272,18 +357,24 @@ def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int =
 # ---------------------------------------------------------------------------- memory-efficient attention
 
 def efficient_attention(query, key, value, attn_mask, dropout_p, arch):
-    """attention.cpp: a bool mask becomes an additive one in the query's dtype, then
-    preprocess_mask expands it to [b, h, s_q, s_k] and pads the last dim to a multiple of 16.
-    Dropout and the arch pick the backward's kernel, hence its workspace."""
+    """attention.cpp: a bool mask becomes an additive one in the query's dtype, of the mask's own
+    shape (convert_boolean_attn_mask); preprocess_mask then aligns the mask as given (pad_bias:
+    the last dim padded to the next multiple of mem_eff_alignment = 8 and sliced back, unless
+    every stride but the last is a multiple of 8 and the last is 1) and expands it, a view, to
+    [b, h, s_q, s_k]. Dropout and the arch pick the backward's kernel, hence its workspace."""
     if attn_mask is not None:
         attn_mask = _additive_mask(attn_mask, query.dtype)
+        if not _aligned(attn_mask, 8):
+            last = attn_mask.size(-1)
+            attn_mask = F.pad(attn_mask, (0, 8 - last % 8))[..., :last]
         attn_mask = attn_mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
-        if attn_mask.size(-1) % 16:
-            attn_mask = F.pad(attn_mask, (0, 16 - attn_mask.size(-1) % 16))[..., :key.size(2)]
-        elif any(s % 16 for s in attn_mask.stride()[:3]):
-            attn_mask = attn_mask.contiguous()
     keep_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     return _Efficient.apply(query, key, value, attn_mask, keep_lse, bool(dropout_p), arch)
+
+
+def _aligned(t, alignment: int) -> bool:
+    """attention.cpp aligned_tensor."""
+    return all(s % alignment == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1
 
 
 class _Efficient(torch.autograd.Function):
@@ -402,6 +493,80 @@ def _efficient_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout
             torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device))
 
 
+# ---------------------------------------------------------------------------- cuDNN attention
+
+def cudnn_attention(query, key, value, attn_mask, dropout_p, is_causal, rules: TorchRules):
+    """attention.cpp's cuDNN case: a bool mask made additive in the query's dtype
+    (convert_boolean_attn_mask_cudnn), then _scaled_dot_product_cudnn_attention with the logsumexp
+    computed when an input requires grad (should_compute_logsumexp)."""
+    if attn_mask is not None:
+        attn_mask = _additive_mask(attn_mask, query.dtype)
+    keep_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return _Cudnn.apply(query, key, value, attn_mask, keep_lse, dropout_p, is_causal, rules.wheel_cudnn)
+
+
+class _Cudnn(torch.autograd.Function):
+    """_scaled_dot_product_cudnn_attention_cuda -> cudnn/MHA.cpp run_cudnn_SDP_fprop / _bprop.
+    derivatives.yaml: the backward (_scaled_dot_product_cudnn_attention_backward) keeps query,
+    key, value, output, logsumexp, philox_seed, philox_offset and attn_bias."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, bias, keep_lse, dropout_p, is_causal, wheel_cudnn):
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query, key, value, bias, keep_lse, dropout_p, is_causal)
+        ctx.save_for_backward(query, key, value, out, lse, seed, offset, bias)
+        ctx.wheel_cudnn = wheel_cudnn
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out = ctx.saved_tensors[:4]
+        b, h, sq, d = query.shape
+        # run_cudnn_SDP_bprop: a cuDNN older than 9.5.1 (CUDNN_VERSION < 90501, the wheels of
+        # torch 2.5 / 2.6) needs grad_output in the strides of the output, a newer one only a
+        # contiguous last dim; otherwise permute_to_matching_layout copies it in the output's layout.
+        same_strides = grad.stride() == out.stride()
+        dout = (torch.empty_like(out) if (not same_strides if ctx.wheel_cudnn < 90501 else grad.stride(-1) != 1)
+                else grad)
+        dq, dk, dv = (torch.empty_like(t) for t in (query, key, value))  # alloc_with_matching_layout
+        # The graph's workspace (mha_graph.get_workspace_size()) is cuDNN's engine's, not in
+        # PyTorch's source: modelled as the FlashAttention-2 backward's fp32 dQ accumulator
+        # [b, s_q, h, d] and softmax sum [b, h, s_q], the sizes NVIDIA's own cuDNN SDPA backward
+        # asks for (TransformerEngine fused_attn_f16_arbitrary_seqlen.cu: dqAccum_workspace_size,
+        # softmaxSum_workspace_size), alive while the kernel runs.
+        workspace = torch.empty(b * sq * h * d * 4 + b * h * sq * 4, dtype=torch.uint8)
+        del dout, workspace
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _cudnn_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                   return_debug_mask=False, *, scale=None):
+    """_scaled_dot_product_cudnn_attention's outputs as CUDA allocates them (MHA.cpp
+    run_cudnn_SDP_fprop): the output in the query's layout (alloc_with_matching_layout), the
+    logsumexp fp32 [b, h, s_q, 1] when asked (softmaxstats), and with dropout the Philox seed and
+    offset as int64 scalars on the device (without: none on the device)."""
+    b, h, sq, _ = query.shape
+    device = query.device
+    out = torch.empty_strided((b, h, sq, value.size(-1)), _matching_strides(query, value.size(-1)), dtype=query.dtype,
+                              device=device)
+    lse = torch.empty(b, h, sq if compute_log_sumexp else 0, 1, dtype=torch.float32, device=device)
+    rng = () if dropout_p else (0,)
+    seed, offset = (torch.empty(rng, dtype=torch.long, device=device) for _ in range(2))
+    return out, lse, None, None, sq, key.size(2), seed, offset, torch.empty(0, dtype=query.dtype, device=device)
+
+
+def _matching_strides(query, d_v: int) -> tuple[int, ...]:
+    """MHA.cpp alloc_with_matching_layout: dense strides for [b, h, s_q, d_v] in the dimension order
+    of the query's strides (largest stride outermost)."""
+    order = sorted(range(4), key=lambda i: -query.stride(i))
+    sizes = [*query.shape[:3], d_v]
+    strides, running = [0] * 4, 1
+    for i in reversed(order):
+        strides[i] = running
+        running *= sizes[i]
+    return tuple(strides)
+
+
 # ---------------------------------------------------------------------------- math
 
 def _additive_mask(mask, dtype):
@@ -452,5 +617,5 @@ def dropout(input, p, train):
     return torch.native_dropout(input, p, True)[0]
 
 
-__all__ = ["ARCHS", "ATTENTION_BACKENDS", "CudaSemantics", "SM_COUNTS", "cuda_semantics", "efficient_refusal",
-           "flash_refusal"]
+__all__ = ["ARCHS", "ATTENTION_BACKENDS", "CudaSemantics", "SM_COUNTS", "check_backend_available", "cuda_semantics",
+           "cudnn_refusal", "efficient_refusal", "flash_refusal", "priority"]

@@ -2,12 +2,13 @@
 no data, so a step's memory can be tracked for shapes far beyond this machine.
 
 Where a library decides from tensor data what to allocate, a fake step cannot read the data and
-the library takes its cautious branch, which the real step does not. The one such decision
-known here: transformers reads `position_ids` to detect several sequences packed into one row;
-unable to read fake ones it assumes packing and builds a (batch, 1, seq, seq) attention mask
-that the real step never builds (it lets SDPA apply causality). A prediction therefore takes
-the answer the real check gives for ckptlab's batches: one sequence per row
-(`sequences_unpacked`).
+the library takes its cautious branch, which the real step does not. Two such decisions are
+known here. A grad scaler reads whether the gradients hold an inf before it steps the optimizer:
+a prediction is of a healthy step, which steps (`assume_finite_gradients`). And transformers
+reads `position_ids` to detect several sequences packed into one row; unable to read fake ones
+it assumes packing and builds a (batch, 1, seq, seq) attention mask that the real step never
+builds (it lets SDPA apply causality). A prediction therefore takes the answer the real check
+gives for ckptlab's batches: one sequence per row (`sequences_unpacked`).
 
 For `device="cuda"` the step runs under CUDA's semantics (`cuda_semantics`: the kernels CUDA
 would pick and what they save and allocate; `cuda_autocast`: CUDA autocast's op lists; the
@@ -32,11 +33,13 @@ from torch._subclasses.fake_tensor import (
     FakeCopyMode,
     FakeTensorMode,
 )
+from torch.utils._pytree import tree_flatten
 
 from ..checkpoint.blocks import CheckpointHandle
 from ..checkpoint.wrap import apply_checkpointing
 from ..core.cards import Card
 from ..core.cards import card as find_card
+from ..core.loop import Loop, as_loop
 from ..core.policy import Policy
 from ..core.records import CATEGORIES
 from ..core.units import format_bytes
@@ -45,8 +48,9 @@ from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
 from .cuda_autocast import cuda_autocast
-from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, device_memory
+from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, LoopOrder, device_memory, parse_alloc_conf
 from .cuda_semantics import cuda_semantics
+from .torch_versions import torch_rules
 
 
 @dataclass
@@ -58,7 +62,7 @@ class Prediction:
     seq_len: int
     policy: str
     dtype: str
-    optimizer: str
+    loop: Loop                           # the training loop (`core.loop`)
     n_blocks: int
     effective_density: float
     peak_bytes: int
@@ -78,7 +82,12 @@ class Prediction:
     # fields are None. On "cuda", peak_bytes is max_memory_allocated's peak (the allocator's
     # rounding and the cuBLAS workspaces included), peak_by_category adds workspaces, rounding
     # and fragmentation (reserved - allocated), and with a card: device_bytes = reserved + the
-    # card's context, margin_bytes = the card's usable bytes - device_bytes.
+    # card's context, margin_bytes = core.cards.margin_left (usable - required margin - device
+    # bytes). The CUDA peaks are each the worse of a loop's first two steps (`worse_step`: the one
+    # that reached the reserved peak, 1 or 2),
+    # and `fit` is core.cards.fit_answer ("yes", "with cache flushes", "no"), with the flushes
+    # per step when the reserved peak passes the card (`cache_flushes`). `alloc_conf` is the
+    # PYTORCH_CUDA_ALLOC_CONF the allocator is replayed with (`cuda_device.parse_alloc_conf`).
     device: str = "cpu"
     card: Optional[str] = None
     attention: Optional[str] = None          # the SDPA backend asked for (None: PyTorch's choice)
@@ -87,7 +96,11 @@ class Prediction:
     device_bytes: Optional[int] = None
     margin_bytes: Optional[int] = None
     host_bytes: Optional[int] = None         # offload on CUDA: pinned host memory at its peak
-    holds_output: bool = False               # a loop that keeps the model's output into the next step
+    torch_version: Optional[str] = None      # on "cuda": the torch release whose rules it follows
+    fit: Optional[str] = None                # on a card: "yes", "with cache flushes" or "no"
+    cache_flushes: Optional[int] = None      # on a card that the reserved peak passes: per step
+    worse_step: Optional[int] = None         # on "cuda": the loop's step (1, 2) that reached the reserved peak
+    alloc_conf: Optional[str] = None         # on "cuda": PYTORCH_CUDA_ALLOC_CONF as replayed (None: default)
     trace: str = "full"                      # which trace answered: "composed", or "full" (why, if fast was asked)
 
     @property
@@ -97,7 +110,9 @@ class Prediction:
 
     def record(self) -> dict:
         """A flat row, columns named like `measure`'s with a `predicted_` prefix."""
-        row = {k: v for k, v in asdict(self).items() if k not in ("peak_by_category", "peak_in_blocks_by_category")}
+        row = {k: v for k, v in asdict(self).items()
+               if k not in ("loop", "peak_by_category", "peak_in_blocks_by_category")}
+        row.update(self.loop.record())
         for key in ("peak_bytes", "saved_activation_bytes", "reserved_bytes", "device_bytes"):
             row[f"predicted_{key}"] = row.pop(key)
         for c in CATEGORIES:
@@ -108,15 +123,36 @@ class Prediction:
         return row
 
     def __str__(self) -> str:
-        text = (f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}): "
+        text = (f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, loop {self.loop}): "
                 f"peak {format_bytes(self.peak_bytes)} in {self.peak_phase}, saved activations "
                 f"{format_bytes(self.saved_activation_bytes)}")
         if self.device == "cuda":
-            text += f"; reserved {format_bytes(self.reserved_bytes)}, attention {self.attention_backend}"
+            text += (f"; reserved {format_bytes(self.reserved_bytes)}, attention {self.attention_backend}"
+                     f" (torch {self.torch_version})")
         if self.card is not None:
             text += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
-                     f"predicted for {self.card}")
+                     f"predicted for {self.card}; {self.fit_reason}")
         return text + f" [{self.predict_s:.1f} s]"
+
+    @property
+    def fit_reason(self) -> str:
+        """On a card, the answer `fit` with the numbers that give it ("" elsewhere)."""
+        if self.card is None:
+            return ""
+        context = self.device_bytes - self.reserved_bytes
+        step = "first" if self.worse_step == 1 else "second"
+        reserved = (f"reserved {format_bytes(self.reserved_bytes)} (reached in the loop's {step} step) + context "
+                    f"{format_bytes(context)} = device {format_bytes(self.device_bytes)}")
+        if self.fit == "yes":
+            return f"fits: {reserved}, {format_bytes(self.margin_bytes)} left beyond the card's margin"
+        over = format_bytes(-self.margin_bytes)
+        if self.fit == "with cache flushes":
+            return (f"fits with cache flushes: {reserved} passes the card less its margin by {over}, but allocated "
+                    f"{format_bytes(self.peak_bytes)} does not; releasing its cached segments and retrying, the "
+                    f"allocator runs the step ({self.cache_flushes} cache flush(es) per step, each a synchronizing "
+                    "cudaFree)")
+        return (f"does not fit: {reserved} passes the card less its margin by {over}, and with its cached segments "
+                f"released the allocator still runs out of memory (allocated {format_bytes(self.peak_bytes)})")
 
 
 # What a CUDA prediction's peak_by_category adds to the tensors' categories: the sum of all but
@@ -200,21 +236,22 @@ def sequences_unpacked():
 
 @contextlib.contextmanager
 def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy,
-                       dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1,
-                       device: str = "cpu", card: Optional[str | Card] = None, attention: Optional[str] = None,
-                       holds_output: bool = False):
+                       dtype: str = "fp32", loop: Loop | str | None = None, device: str = "cpu",
+                       card: Optional[str | Card] = None, attention: Optional[str] = None, *,
+                       torch_version: Optional[str] = None):
     """Build the model, batch and optimizer under FakeTensorMode and yield (model, handle, batch,
     optimizer, step) after one untracked warm-up step — the state `measure` tracks from. With
-    device="cuda" the step runs as on `card`'s architecture (default sm80), `attention` forcing
-    the SDPA backend; `holds_output` as `probe.step.training_step`'s."""
-    with fake_step_state(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
-                    attention, holds_output) as (model, handle, batch, opt, step, _):
+    device="cuda" the step runs as on `card`'s architecture (default sm80) under the rules of
+    `torch_version` (default: the installed torch's), `attention` forcing the SDPA backend;
+    `loop` as `probe.step.training_step`'s."""
+    with fake_step_state(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
+                    attention, torch_version=torch_version) as (model, handle, batch, opt, step, _):
         yield model, handle, batch, opt, step
 
 
 @contextlib.contextmanager
-def fake_step_state(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card, attention,
-                    holds_output, host: Optional[HostOffload] = None, *, shorten=None):
+def fake_step_state(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
+                    host: Optional[HostOffload] = None, *, torch_version: Optional[str] = None, shorten=None):
     """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu"); with
     `host`, offload moves saved tensors to it as on CUDA. `shorten(model, handle)`, once the
     policy is applied, may change which blocks run (`compose`); it returns what the warm-up's
@@ -226,17 +263,18 @@ def fake_step_state(workload, batch_size, seq_len, policy, dtype, optimizer, acc
     cuda = device == "cuda"
     semantics = None
     if cuda:
-        semantics = cuda_semantics(card.arch, attention, card.sm_count or None) if card else cuda_semantics(
-            DEFAULT_ARCH, attention)
+        semantics = cuda_semantics(card.arch if card else DEFAULT_ARCH, attention, (card.sm_count or None) if card else None,
+                                   torch_version=torch_version)
     with fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
         model.train()
         handle = apply_checkpointing(model, policy, offload_hooks=host.hooks if host else None)
         trained = shorten(model, handle) if shorten else None
         gen = torch.Generator().manual_seed(workload.seed + 1)
         batch = workload.new_batch(batch_size, seq_len, gen)
-        opt = make_optimizer(optimizer, model, device)
-        step = training_step(model, workload, batch, opt, dtype, accum_steps, cuda_autocast if cuda else None,
-                             holds_output)
+        opt = make_optimizer(loop, model, device)
+        step = training_step(model, workload, batch, opt, dtype, loop, cuda_autocast if cuda else None)
+        if step.scaler is not None:
+            assume_finite_gradients(step.scaler)
         torch.manual_seed(workload.seed)
         warm_up(step, model, opt, trained)
         handle.reset_counts()
@@ -244,27 +282,48 @@ def fake_step_state(workload, batch_size, seq_len, policy, dtype, optimizer, acc
 
 
 def warm_up(step, model: nn.Module, opt, trained=None) -> None:
-    """Leave what a first training step leaves, the optimizer's state, at a fraction of its cost:
-    the forward shows which parameters its backward would give gradients (those its graph
-    reaches), zero gradients stand in for them, and the optimizer steps once. A graph with a
-    custom autograd Function (which may run its own backward, as reentrant checkpointing does)
-    gets the whole step. `trained(reached)`, if given, says which parameters train from those
-    the step reaches (a step whose blocks are cut, `compose`): a graph with a custom Function then
-    runs its backward to show them."""
+    """Leave what a first training step of the step's loop leaves, at a fraction of its cost: the
+    optimizer's state, a grad scaler's scale and growth tracker, and with zero_grad="zeros" the
+    zero-filled gradients. The forward shows which parameters its backward would give gradients
+    (those its graph reaches), zero gradients stand in for them, the loss is scaled (which makes
+    the scaler's state), and the optimizer steps once, as the step steps it (clipping leaves
+    nothing behind). A graph with a custom autograd Function (which may run its own backward, as reentrant
+    checkpointing does) gets the whole step. `trained(reached)`, if given, says which parameters
+    train from those the step reaches (a step whose blocks are cut, `compose`): a graph with a
+    custom Function then runs its backward to show them."""
     loss = step.forward_loss()
     reached = reached_parameters(loss)
     if reached is None and trained is None:
+        loss = None
         step()
         return
     if reached is None:
         loss.backward()
         reached = [p for p in model.parameters() if p.grad is not None]
-    for param in trained(reached) if trained else reached:
+    trained = trained(reached) if trained else reached
+    scaler, loop = step.scaler, step.loop
+    if scaler is not None:
+        scaler.scale(loss)
+    loss = None
+    for param in trained:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    if opt is not None:
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    elif opt is not None:
         opt.step()
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=loop.zero_grad == "set_to_none")
+
+
+def assume_finite_gradients(scaler) -> None:
+    """A grad scaler steps the optimizer only when the unscaled gradients hold no inf or NaN,
+    which it reads from a tensor (torch/amp/grad_scaler.py at v2.13.0, `GradScaler._maybe_opt_step`:
+    `.item()` on found_inf); a fake step cannot read it. The step is predicted as a healthy step runs: the
+    optimizer steps."""
+    def step_optimizer(optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+    scaler._maybe_opt_step = step_optimizer
 
 
 def reached_parameters(loss: torch.Tensor) -> Optional[list[torch.Tensor]]:
@@ -304,15 +363,17 @@ class FakeMemory:
 
 
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
-                optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-                card: Optional[str | Card] = None, attention: Optional[str] = None,
-                holds_output: bool = False) -> FakeMemory:
-    """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring)."""
+                loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
+                attention: Optional[str] = None, *, torch_version: Optional[str] = None,
+                alloc_conf: Optional[str] = None) -> FakeMemory:
+    """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring, under
+    the rules of `torch_version`, default the installed torch's, the allocator replayed with
+    `alloc_conf` through the loop's first two steps)."""
     cuda, card = device == "cuda", as_card(card)
-    blas = BlasUse() if cuda else contextlib.nullcontext()
+    blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
     host = HostOffload() if cuda and policy.offload else None
-    with fake_step_state(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, card,
-                    attention, holds_output, host) as (model, handle, batch, opt, step, kernels):
+    with fake_step_state(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
+                    attention, host, torch_version=torch_version) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
@@ -321,10 +382,40 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
         if not cuda:
             return FakeMemory(report, handle, recompute_count=handle.recompute_count)
         workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
-        on_device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card)
+        # --- the loop's first two steps (cuda_device.first_two_steps) ---
+        order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
+        on_device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card,
+                                  parse_alloc_conf(alloc_conf), loop_order=order)
         on_device.host_bytes = host.peak_bytes if host else None
         return FakeMemory(report, handle, kernels.attention_backend, on_device, handle.recompute_count)
 
 
-__all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model",
-           "fake_modes", "fake_step_state", "fake_training_step", "sequences_unpacked"]
+def optimizer_state_keys(trace: list[tuple[str, int, int]], model: nn.Module, opt) -> frozenset:
+    """The trace keys of the optimizer state a tracked step starts with. `probe.memory.track_memory`
+    numbers the start's storages in order, each once: the parameters' and the gradients a loop
+    keeps (zero_grad="zeros"), then the optimizer state's, then the inputs'."""
+    seen: set[int] = set()
+    for p in model.parameters():
+        seen.update(t.untyped_storage()._cdata for t in (p, p.grad) if t is not None)
+    tensors = [t for s in (opt.state.values() if opt is not None else ()) for t in tree_flatten(s)[0]]
+    state = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors
+             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen}
+    entries = trace[len(seen):len(seen) + len(state)]
+    if sum(size for _, _, size in entries) != sum(state.values()):
+        raise RuntimeError("the tracked step's start does not list the optimizer state after the parameters")
+    return frozenset(key for _, key, _ in entries)
+
+
+def optimizer_event(report: MemoryReport) -> Optional[int]:
+    """The trace index of the step's first event in its optimizer phase (None: none). The
+    tracker's timeline has one entry as the step begins, then one per event of the step."""
+    step_events = [phase for phase, _ in report.timeline[1:]]
+    first = len(report.trace) - len(step_events)
+    start = report.trace[:first]
+    if any(action != "alloc" for action, _, _ in start) or sum(size for _, _, size in start) != report.start_bytes:
+        raise RuntimeError("the tracker's timeline does not follow its trace event by event")
+    return next((first + i for i, phase in enumerate(step_events) if phase == "optimizer"), None)
+
+
+__all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model", "fake_step_state",
+           "fake_modes", "fake_training_step", "sequences_unpacked"]

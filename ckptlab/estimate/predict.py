@@ -19,14 +19,16 @@ from typing import Iterable, Optional, Sequence
 from ..core.cards import DEFAULT_CARDS, Card, fits, margin_left, parse_capacity
 from ..core.cards import card as find_card
 from ..core.dtypes import DTYPES
-from ..core.optimizers import OPTIMIZERS
+from ..core.loop import Loop, as_loop
 from ..core.policy import Policy, parse_policies
-from ..core.validate import boolean, choice, integer
+from ..core.validate import choice
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
 from .compose import fast_memory
-from .cuda_semantics import ATTENTION_BACKENDS
+from .cuda_device import parse_alloc_conf
+from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available
 from .fake_step import DEVICES, Prediction, as_card, fake_memory
+from .torch_versions import check_torch_version, torch_rules
 
 TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
 
@@ -37,13 +39,13 @@ def predict_policy(
     seq_len: int,
     policy: Policy,
     dtype: str = "fp32",
-    optimizer: str = "adamw",
-    accum_steps: int = 1,
+    loop: Loop | str | None = None,
     device: str = "cpu",
     card: Optional[str | Card] = None,
     attention: Optional[str] = None,
-    holds_output: bool = False,
     *,
+    torch_version: Optional[str] = None,
+    alloc_conf: Optional[str] = None,
     trace: str = "fast",
 ) -> Prediction:
     """Predict `measure(workload, batch_size, seq_len, policy, dtype=dtype)`'s memory columns
@@ -53,23 +55,32 @@ def predict_policy(
     predicts it as a CUDA card runs it: peak_bytes is the allocator's allocated peak,
     reserved_bytes its reserved peak, and with `card` (a name of `ckptlab.cards()`, default:
     none, an sm80 card without a context) device_bytes and margin_bytes. `attention` forces
-    scaled-dot-product attention's CUDA backend (flash, efficient or math; default: PyTorch's
-    choice, named in `attention_backend`). `holds_output=True` predicts a training loop that keeps
-    the model's output alive into the next step's forward (`out = model(x)` or
-    `logits, loss = model(x, y)` at loop scope), as `measure(..., holds_output=True)` runs it.
+    scaled-dot-product attention's CUDA backend (flash, efficient, math or cudnn; default:
+    PyTorch's choice, named in `attention_backend`). `torch_version` ("2.4" .. "2.13", default the
+    installed torch's major.minor) is the torch release whose CUDA rules the step follows (SDPA's
+    priority, grouped-query attention, cuBLASLt's workspace, autocast's lists:
+    `estimate.torch_versions`); the prediction records it. `loop` (`core.loop.Loop` or its text,
+    default adamw) is the training loop, as `measure(..., loop=...)` runs it (`probe.step.training_step`).
+    On "cuda" the allocator replays the loop's first two steps (the first creates the optimizer
+    state) and each peak is the worse of them (`worse_step`: the step that reached the reserved
+    peak); `alloc_conf` is the PYTORCH_CUDA_ALLOC_CONF it runs with (`"expandable_segments:True"`;
+    default: none). On a card, `fit` is "yes" (device bytes + the card's margin within its usable
+    bytes), "with cache flushes" (not so, but the allocator, releasing its cached segments and
+    retrying at the card's limit, runs both steps: `cache_flushes` per step) or "no";
+    `margin_bytes` = usable - margin - device bytes.
 
     The policy is concrete: `ckptlab.predict` resolves a `budget=` to its plan first.
     Policies that compile cannot be predicted (the compiler's partitioner decides inside the graph):
     ValueError. Offload on "cuda" moves what the blocks save to pinned host memory (`host_bytes`),
     as on a GPU; on "cpu" it is a no-op, predicted as its base policy, and `note` says so.
-
+    
     `trace="fast"` (default) traces a few of each stack's repeated blocks and composes the step
     from them (`estimate.compose`), where the step allows it, else the whole step; `"full"`
     traces every block. Both give the same prediction; `Prediction.trace` says which answered.
     """
     choice("trace", trace, TRACES)
-    workload, policy = check_prediction(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps,
-                                        device, card, attention, holds_output)
+    workload, policy, loop = check_prediction(workload, batch_size, seq_len, policy, dtype, loop, device, card,
+                                              attention, torch_version=torch_version, alloc_conf=alloc_conf)
     if policy.kind == "budget":
         raise ValueError(f"policy={policy} is invalid here: this predicts a concrete policy; ckptlab.predict "
                          "resolves a budget to its plan first")
@@ -77,8 +88,8 @@ def predict_policy(
     on_card = as_card(card)
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
     trace_step = fast_memory if trace == "fast" else fake_memory
-    fake = trace_step(workload, batch_size, seq_len, policy, dtype, optimizer, accum_steps, device, on_card, attention,
-                      holds_output)
+    fake = trace_step(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention,
+                      torch_version=torch_version, alloc_conf=alloc_conf)
     report, handle = fake.report, fake.handle
     peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
     if fake.device is not None:
@@ -87,54 +98,63 @@ def predict_policy(
                            fragmentation=dm.reserved_bytes - dm.allocated_bytes)
         peak = dm.allocated_bytes
         cuda = {"reserved_bytes": dm.reserved_bytes, "device_bytes": dm.device_bytes,
-                "attention_backend": fake.attention_backend, "host_bytes": dm.host_bytes}
+                "attention_backend": fake.attention_backend, "host_bytes": dm.host_bytes,
+                "torch_version": torch_rules(torch_version).version, "worse_step": dm.worse_step,
+                "alloc_conf": alloc_conf}
         if on_card is not None:
-            cuda.update(card=on_card.name, margin_bytes=margin_left(on_card, dm.device_bytes))
+            cuda.update(card=on_card.name, margin_bytes=margin_left(on_card, dm.device_bytes), fit=dm.fit,
+                        cache_flushes=dm.cache_flushes)
     return Prediction(
         model=workload.label, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
-        optimizer=optimizer, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
+        loop=loop, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
         peak_bytes=peak, peak_by_category=by_category,
         peak_phase=report.peak_phase, saved_activation_bytes=report.saved_activation_bytes or 0,
         predict_s=time.perf_counter() - t0, note=note,
         peak_in_blocks_by_category=dict(report.peak_in_blocks_by_category), peak_block=report.peak_block,
         recompute_count=fake.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
-        device=device, attention=attention, holds_output=holds_output, trace=fake.trace,
-        **{**report.param_bytes, **cuda},
+        device=device, attention=attention, trace=fake.trace, **{**report.param_bytes, **cuda},
     )
 
 
 def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
-                     optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-                     card: Optional[str | Card] = None, attention: Optional[str] = None,
-                     holds_output: bool = False) -> tuple[Workload, Policy]:
-    """Check every input of `predict_policy` (ValueError naming the first bad one): (workload, policy)."""
+                     loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
+                     attention: Optional[str] = None, *, torch_version: Optional[str] = None,
+                     alloc_conf: Optional[str] = None) -> tuple[Workload, Policy, Loop]:
+    """Check every input of `predict_policy` (ValueError naming the first bad one): (workload,
+    policy, loop)."""
     workload = as_workload(workload)
     workload.check_shape(batch_size, seq_len)
-    integer("accum_steps", accum_steps, 1)
-    boolean("holds_output", holds_output)
     choice("dtype", dtype, list(DTYPES))
-    choice("optimizer", optimizer, OPTIMIZERS)
-    check_device(device, card, attention)
+    loop = as_loop(loop)
+    loop.check_dtype(dtype)
+    check_device(device, card, attention, torch_version=torch_version, alloc_conf=alloc_conf)
     if not policy.predictable:
         raise ValueError(f"policy={policy} cannot be predicted: torch.compile's partitioner decides "
                          "what to save inside the compiled graph; measure it instead")
-    return workload, policy
+    return workload, policy, loop
 
 
-def check_device(device: str, card: Optional[str | Card] = None, attention: Optional[str] = None) -> None:
+def check_device(device: str, card: Optional[str | Card] = None, attention: Optional[str] = None, *,
+                 torch_version: Optional[str] = None, alloc_conf: Optional[str] = None) -> None:
     """Check what a prediction is for (ValueError naming the first bad one): a device of DEVICES,
-    a card of `ckptlab.cards()` and an attention backend, the last two only for "cuda"."""
+    a card of `ckptlab.cards()`, an attention backend that the torch version has, a torch version
+    modelled and an allocator option (`cuda_device.ALLOC_CONFS`), the last four only for "cuda"."""
     choice("device", device, DEVICES)
-    if device != "cuda" and (card is not None or attention is not None):
-        given = "card" if card is not None else "attention"
-        raise ValueError(f"{given}={card if card is not None else attention!r} is invalid with device={device!r}: "
-                         "a card and an attention backend are CUDA's; allowed is device='cuda'")
+    check_torch_version(torch_version)
+    parse_alloc_conf(alloc_conf)
+    given = {"card": card, "attention": attention, "torch_version": torch_version, "alloc_conf": alloc_conf}
+    if device != "cuda" and any(v is not None for v in given.values()):
+        name, value = next((k, v) for k, v in given.items() if v is not None)
+        raise ValueError(f"{name}={value!r} is invalid with device={device!r}: a card, an attention backend, a torch "
+                         "version and an allocator option are CUDA's model (a CPU prediction runs the installed "
+                         "torch); allowed is device='cuda'")
     if isinstance(card, str):
         find_card(card)
     if isinstance(card, Card) and card.arch is None:
         raise ValueError(f"card={card.name!r} is invalid: a size is not a card; allowed is a card of ckptlab.cards()")
     if attention is not None:
         choice("attention", attention, ATTENTION_BACKENDS)
+        check_backend_available(attention, torch_rules(torch_version))
 
 
 def llama7b_shape(**overrides) -> Workload:
@@ -151,13 +171,14 @@ def predict_fits(
     seq_len: int = 2048,
     batch_size: int = 1,
     dtype: str = "bf16",
-    optimizer: str = "adamw",
+    loop: Loop | str | None = None,
     max_batch: int = 1024,
     seq_lens: Optional[Sequence[int]] = None,
     device: str = "cpu",
     attention: Optional[str] = None,
-    holds_output: bool = False,
     *,
+    torch_version: Optional[str] = None,
+    alloc_conf: Optional[str] = None,
     trace: str = "fast",
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
@@ -172,10 +193,20 @@ def predict_fits(
     card's margin are at most its usable bytes. A size is compared with the peak on `device`
     "cpu", with the reserved bytes on "cuda". `batch_margin_bytes` / `seq_margin_bytes` are the
     bytes left at the largest batch / sequence (None where nothing fits); `basis` says what the
-    row is predicted for. `holds_output` is the loop's, and `trace` the way to trace, as `predict`'s."""
+    row is predicted for, and the loop's columns (`core.loop.LOOP_COLUMNS`) what loop. `loop` is
+    the training loop, and `torch_version` the torch release whose CUDA rules a card's prediction
+    follows, and `alloc_conf` its allocator option, as `predict`'s. On a card,
+    `max_batch_size_with_flushes` / `max_seq_len_with_flushes` are the largest that run at all
+    (`fit` "yes" or "with cache flushes": the allocator releasing its cache and retrying each step).
+    `trace` is the way to trace each step, as `predict`'s.
+    """
     workload = as_workload(workload)
     choice("trace", trace, TRACES)
-    boolean("holds_output", holds_output)
+    choice("dtype", dtype, list(DTYPES))
+    loop = as_loop(loop)
+    loop.check_dtype(dtype)
+    check_torch_version(torch_version)
+    parse_alloc_conf(alloc_conf)
     caps = [parse_capacity(c, "capacities") for c in capacities]
     choice("device", device, DEVICES)
     limit = workload.max_seq_len or 1 << 20
@@ -184,31 +215,58 @@ def predict_fits(
     for pol in parse_policies(policies):
         cache: dict[tuple, Prediction] = {}
 
-        def held(b: int, s: int, cap: Card) -> int:
-            """What `fits` compares for cap: on a card its device bytes, reserved + its context. Cards
-            that run the same kernels (arch, SMs, workspace) share one prediction."""
+        def predicted(b: int, s: int, cap: Card) -> Prediction:
+            """The prediction for cap. Cards that run the same kernels (arch, SMs, workspace) share
+            one, except for the answer "with cache flushes", which is the card's own limit's."""
             key = (b, s, (cap.arch, cap.sm_count, cap.cublas_workspace_bytes) if cap.arch else None)
             if key not in cache:
                 cuda = cap.arch is not None or device == "cuda"
-                cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, optimizer=optimizer,
+                cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, loop=loop,
                                             device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
-                                            attention=attention if cuda else None, holds_output=holds_output,
-                                            trace=trace)
-            p = cache[key]
+                                            attention=attention if cuda else None,
+                                            torch_version=torch_version if cuda else None,
+                                            alloc_conf=alloc_conf if cuda else None, trace=trace)
+            return cache[key]
+
+        def held(b: int, s: int, cap: Card) -> int:
+            """What `fits` compares for cap: on a card its device bytes, reserved + its context."""
+            p = predicted(b, s, cap)
             return p.reserved_bytes + cap.context_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
+
+        def runs(b: int, s: int, cap: Card) -> bool:
+            """On a card: the answer is not "no" (it fits, or runs with cache flushes)."""
+            if fits(cap, held(b, s, cap)):
+                return True
+            p = predicted(b, s, cap)
+            if p.card != cap.name or p.card is None:
+                key = (b, s, cap.name)
+                if key not in cache:
+                    cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, loop=loop, device="cuda",
+                                                card=cap, attention=attention, torch_version=torch_version,
+                                                alloc_conf=alloc_conf, trace=trace)
+                p = cache[key]
+            return p.fit != "no"
 
         for cap in caps:
             best_batch = _largest(lambda b, cap=cap: fits(cap, held(b, seq_len, cap)), max_batch,
                                   _linear_guess(lambda b, cap=cap: held(b, seq_len, cap), cap, max_batch))
             best_seq = max((s for s in seq_lens if fits(cap, held(batch_size, s, cap))), default=0)
             on_device = "cuda" if cap.arch else device
+            flushed = {}
+            if cap.arch:
+                flushed = {"max_batch_size_with_flushes": _largest(lambda b, cap=cap: runs(b, seq_len, cap), max_batch,
+                                                                   max(best_batch, 1)),
+                           "max_seq_len_with_flushes": max((s for s in seq_lens if runs(batch_size, s, cap)), default=0)}
             rows.append({"model": workload.label, "policy": str(pol), "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
                          "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
                          "max_seq_len": best_seq,
                          "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len, cap)) if best_batch else None,
                          "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq, cap)) if best_seq else None,
+                         "max_batch_size_with_flushes": None, "max_seq_len_with_flushes": None, **flushed,
                          "device": on_device, "required_margin_bytes": cap.required_margin_bytes,
-                         "holds_output": holds_output,
+                         **loop.record(),
+                         "torch_version": torch_rules(torch_version).version if on_device == "cuda" else None,
+                         "alloc_conf": alloc_conf if on_device == "cuda" else None,
                          "basis": cap.basis if cap.arch or device == "cpu" else f"predicted for {device}"})
     return rows
 
@@ -219,7 +277,7 @@ def _linear_guess(held, capacity: Card, upper: int) -> int:
     (the allocator's rounding makes the bytes grow a little faster than the first line says).
     Only a starting point: `_largest` verifies it."""
     one = held(1)
-    left = margin_left(capacity, one) - capacity.required_margin_bytes   # bytes to spare before `fits` fails
+    left = margin_left(capacity, one)   # bytes to spare before `fits` fails
     if upper < 2 or left < 0:
         return 1
     guess, at = 1, 2

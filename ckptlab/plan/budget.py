@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from ..core.loop import Loop, as_loop, loop_of_record
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import Policy, as_policy, budget_value, plan_policy
 from ..core.units import format_bytes
@@ -41,7 +42,8 @@ class Plan:
     cost_basis: str
     iterations: int = 1
     loss_fn: str = ""                  # the training step's loss the plan was made for (its memory counts)
-    holds_output: bool = False         # made for a loop that keeps the model's output into the next step
+    loop: Loop = Loop()                # the training loop it was made and verified for
+    fit: Optional[str] = None          # on a card: does the plan fit it ("yes", "with cache flushes", "no")
 
     @property
     def policy(self) -> Policy:
@@ -55,7 +57,8 @@ class Plan:
         return {"plan": self.letters, "plan_budget_bytes": self.budget_bytes,
                 "plan_predicted_peak_bytes": self.predicted_peak_bytes,
                 "plan_model_peak_bytes": self.model_peak_bytes, "plan_recompute_ms": self.recompute_ms,
-                "plan_cost_basis": self.cost_basis, "plan_loss_fn": self.loss_fn}
+                "plan_cost_basis": self.cost_basis, "plan_loss_fn": self.loss_fn, "plan_loop": str(self.loop),
+                "plan_fit": self.fit}
 
     def __str__(self) -> str:
         counts = {o: self.options.count(o) for o in OPTIONS}
@@ -66,9 +69,11 @@ class Plan:
             f"(none {format_bytes(self.none_peak_bytes)}, full {format_bytes(self.full_peak_bytes)})",
             f"  recompute {self.recompute_ms:.2f} ms/step ({self.cost_basis}) vs "
             f"{self.full_recompute_ms:.2f} ms for full checkpointing",
-            f"  made for the training step with loss {self.loss_fn}"
-            f"{', its output held into the next step' if self.holds_output else ''}: another loss keeps other tensors",
+            f"  made for the training step with loss {self.loss_fn}, loop {self.loop}: another loss or loop "
+            "keeps other tensors",
         ]
+        if self.fit is not None:
+            lines.append(f"  on the card: fits {self.fit} (predict --card says why)")
         return "\n".join(lines)
 
 
@@ -80,37 +85,41 @@ def resolve_budget(budget, none_peak: int) -> int:
 
 
 def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
-                optimizer: str = "adamw", cost: str = "auto", max_iterations: int = 4, device: str = "cpu",
-                card=None, attention: str | None = None, holds_output: bool = False) -> Plan:
+                loop: Loop | str | None = None, cost: str = "auto", max_iterations: int = 4, device: str = "cpu",
+                card=None, attention: str | None = None, *, torch_version: str | None = None,
+                alloc_conf: str | None = None) -> Plan:
     """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
     `budget` (e.g. "6GiB", "budget=0.5", 0.5, 6 * 2**30). Raises ValueError, stating the minimum
-    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, as
-    `predict`) the plan is made and verified on the CUDA prediction's allocated peak; with
-    `holds_output` for a loop that keeps the model's output into the next step (`predict`'s)."""
-    workload = as_workload(workload)
+    achievable peak, if no plan fits. With device="cuda" (on `card`, with `attention`, under
+    `torch_version`'s rules, with the allocator's `alloc_conf`, as `predict`) the plan is made and
+    verified on the CUDA prediction's allocated peak, and on a card `fit` says whether it fits
+    there; for the training `loop` (`core.loop`, `predict`'s): profiled as
+    `plan.profile.profiled_loop`, verified in the loop itself."""
+    workload, loop = as_workload(workload), as_loop(loop)
     card = as_card(card)
-    predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
-    profile = profile_blocks(workload, batch_size, seq_len, dtype, optimizer, cost, **predicted_for)
+    predicted_for = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
+    profile = profile_blocks(workload, batch_size, seq_len, dtype, loop, cost, **predicted_for)
     budget_bytes = resolve_budget(budget, profile.peak["keep"])
     target = budget_bytes
     if device == "cuda":  # the profile counts tensors; the workspaces and the allocator's rounding come on top
-        keep = fake_memory(workload, batch_size, seq_len, plan_policy(["keep"] * profile.n_blocks), dtype, optimizer,
-                           **predicted_for)
+        keep = fake_memory(workload, batch_size, seq_len, plan_policy(["keep"] * profile.n_blocks), dtype, loop,
+                           **predicted_for, alloc_conf=alloc_conf)
         target -= _peak(keep) - keep.report.peak_bytes
     for iteration in range(1, max_iterations + 1):
         options = solve(profile, target)
         if options is None:
             lowest, lowest_plan = min_peak(profile)
             verified = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
-                                         optimizer, **predicted_for))
+                                         loop, **predicted_for, alloc_conf=alloc_conf))
             raise ValueError(
                 f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
                 f"{workload.label} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
                 f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
                 f"{plan_policy(lowest_plan).value}); allowed is a budget >= that"
             )
-        predicted = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype,
-                                      optimizer, **predicted_for))
+        chosen = fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype, loop, **predicted_for,
+                             alloc_conf=alloc_conf)
+        predicted = _peak(chosen)
         if predicted <= budget_bytes:
             break
         target -= predicted - budget_bytes  # the model was optimistic: tighten and re-solve
@@ -123,7 +132,8 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
         model_peak_bytes=model_peak(profile, options), recompute_ms=plan_cost(profile, options),
         full_recompute_ms=plan_cost(profile, ["full"] * n), none_peak_bytes=profile.peak["keep"],
         full_peak_bytes=profile.peak["full"], cost_basis=profile.cost_basis, iterations=iteration,
-        loss_fn=workload.loss_name, holds_output=holds_output,
+        loss_fn=workload.loss_name, loop=loop,
+        fit=chosen.device.fit if chosen.device is not None else None,
     )
 
 
@@ -148,8 +158,8 @@ def refuse_compiled_budget(policy: Policy) -> None:
 
 
 def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32",
-            optimizer: str = "adamw", device: str = "cpu", card=None, attention: str | None = None,
-            holds_output: bool = False) -> Resolved:
+            loop: Loop | str | None = None, device: str = "cpu", card=None, attention: str | None = None, *,
+            torch_version: str | None = None, alloc_conf: str | None = None) -> Resolved:
     """The one place an eager `budget=` becomes a plan: the plan `plan_budget` chooses for this
     shape (predicted for `device`, and a card's), with the budget's +offload. Any other policy is
     already concrete. An infeasible budget raises ValueError stating the minimum achievable peak;
@@ -157,8 +167,8 @@ def resolve(policy: Policy, workload: Workload, batch_size: int, seq_len: int, d
     if policy.kind != "budget":
         return Resolved(policy)
     refuse_compiled_budget(policy)
-    plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, optimizer=optimizer, device=device,
-                       card=card, attention=attention, holds_output=holds_output)
+    plan = plan_budget(workload, batch_size, seq_len, policy, dtype=dtype, loop=loop, device=device,
+                       card=card, attention=attention, torch_version=torch_version, alloc_conf=alloc_conf)
     return Resolved(plan_policy(plan.options, policy.offload), plan)
 
 
@@ -177,8 +187,7 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     record = measurement_record(workload, batch_size, seq_len, policy, **options)[0]
     try:
         device = "cuda" if record["device"].startswith("cuda") else "cpu"  # the plan predicted as it will run
-        resolved = resolve(policy, workload, batch_size, seq_len, record["dtype"], record["optimizer"], device,
-                           holds_output=record["holds_output"])
+        resolved = resolve(policy, workload, batch_size, seq_len, record["dtype"], loop_of_record(record), device)
     except ValueError as exc:
         record.update(status="error", message=f"ValueError: {exc}")
         return (record, None) if with_report else record
@@ -192,19 +201,21 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
-            dtype: str = "fp32", optimizer: str = "adamw", accum_steps: int = 1, device: str = "cpu",
-            card=None, attention: str | None = None, holds_output: bool = False, *, trace: str = "fast") -> Prediction:
+            dtype: str = "fp32", loop: Loop | str | None = None, device: str = "cpu", card=None,
+            attention: str | None = None, *, torch_version: str | None = None,
+            alloc_conf: str | None = None, trace: str = "fast") -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
-    the plan `plan_budget` chooses (on the same device, for the same loop); the prediction names
-    the budget as its policy and the plan in `plan`. `trace` as predict_policy's: "fast" (the
-    step composed from a few blocks' traces where it can be) or "full"."""
-    predicted_for = {"device": device, "card": card, "attention": attention, "holds_output": holds_output}
+    the plan `plan_budget` chooses (on the same device, for the same loop, under the same torch
+    version's rules, with the same allocator); the prediction names the budget as its policy and
+    the plan in `plan`. `trace` as predict_policy's: "fast" (the step composed from a few blocks'
+    traces where it can be) or "full"."""
     choice("trace", trace, TRACES)
-    workload, policy = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer,
-                                        accum_steps, **predicted_for)
-    resolved = resolve(policy, workload, batch_size, seq_len, dtype, optimizer, **predicted_for)
-    prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, optimizer, accum_steps,
-                                **predicted_for, trace=trace)
+    predicted_for = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
+    workload, policy, loop = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, loop,
+                                              **predicted_for, alloc_conf=alloc_conf)
+    resolved = resolve(policy, workload, batch_size, seq_len, dtype, loop, **predicted_for, alloc_conf=alloc_conf)
+    prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, loop, **predicted_for,
+                                alloc_conf=alloc_conf, trace=trace)
     if resolved.plan is None:
         return prediction
     return dataclasses.replace(prediction, policy=str(policy), plan=resolved.plan.letters)

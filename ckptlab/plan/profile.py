@@ -12,9 +12,11 @@ from what the layers below measure and predict:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from ..core.loop import Loop, as_loop
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..estimate.block_profile import block_memory, roofline_block_costs
 from ..probe.block_timing import measured_block_costs
@@ -43,8 +45,8 @@ class Profile:
             step by recomputing (0 for keep).
         peak (dict[str, int]): [option] peak live bytes of the uniform run.
         cost_basis (str): how cost_ms was had: measured, roofline or given.
-        meta (dict): what it was profiled for (model, loss_fn, batch_size, seq_len, dtype, holds_output,
-            optimizer) and profile_s, the seconds profiling took.
+        meta (dict): what it was profiled for (model, loss_fn, batch_size, seq_len, dtype, the
+            profiled loop) and profile_s, the seconds profiling took.
     """
 
     n_blocks: int
@@ -66,25 +68,24 @@ _PROFILE_CACHE: dict = {}
 
 
 def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtype: str = "fp32",
-                   optimizer: str = "adamw", cost: str = "auto", device: str = "cpu", card=None,
-                   attention: str | None = None, holds_output: bool = False) -> Profile:
+                   loop: Loop | str | None = None, cost: str = "auto", device: str = "cpu", card=None,
+                   attention: str | None = None, *, torch_version: str | None = None) -> Profile:
     """The planner's per-block profile (module docstring). `cost`: measured (each block's
     forward + backward per option, timed on the CPU), roofline (FLOPs and bytes of a fake forward,
     for shapes that do not fit here) or auto (measured if the uniform keep peak is under
     `MEASURED_BELOW_BYTES`, 4 GiB). Cached per shape.
-    The memory is the fake step's on `device` ("cuda": on `card`, with `attention`: `predict`'s), of
-    a loop that `holds_output` or not."""
-    workload = as_workload(workload)
+    The memory is the fake step's on `device` ("cuda": on `card`, with `attention`, under
+    `torch_version`'s rules: `predict`'s), in `loop` (`core.loop`) as `profiled_loop` runs it."""
+    workload, loop = as_workload(workload), profiled_loop(as_loop(loop))
     if cost not in ("auto", "measured", "roofline"):
         raise ValueError(f"cost={cost!r} is invalid: allowed are auto, measured, roofline")
-    on_device = {"device": device, "card": card, "attention": attention}
-    key = (workload.identity, batch_size, seq_len, dtype, optimizer, cost, device, getattr(card, "name", card), attention,
-           holds_output)
+    on_device = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
+    key = (workload.identity, batch_size, seq_len, dtype, loop, cost, device, getattr(card, "name", card), attention,
+           torch_version)
     if key in _PROFILE_CACHE:
         return _PROFILE_CACHE[key]
     t0 = time.perf_counter()
-    runs = {o: block_memory(workload, batch_size, seq_len, o, dtype, optimizer, **on_device, holds_output=holds_output)
-            for o in OPTIONS}
+    runs = {o: block_memory(workload, batch_size, seq_len, o, dtype, loop, **on_device) for o in OPTIONS}
     if cost == "auto":
         cost = "measured" if runs["keep"].peak < MEASURED_BELOW_BYTES else "roofline"
     if cost == "measured":
@@ -102,10 +103,19 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
         peak={o: runs[o].peak for o in OPTIONS},
         cost_basis=cost,
         meta={"model": workload.label, "loss_fn": workload.loss_name, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
-              "optimizer": optimizer, "holds_output": holds_output, "profile_s": time.perf_counter() - t0},
+              "loop": str(loop), "profile_s": time.perf_counter() - t0},
     )
     _PROFILE_CACHE[key] = profile
     return profile
+
+
+def profiled_loop(loop: Loop) -> Loop:
+    """The one-pass loop a block profile runs for `loop`: with accumulation its last micro-batch,
+    whose forward runs beside the gradients the earlier ones accumulated, as a loop that keeps
+    zero-filled gradients runs every forward. `plan_budget` verifies the plan in `loop` itself."""
+    if loop.accum_steps == 1:
+        return loop
+    return dataclasses.replace(loop, accum_steps=1, zero_grad="zeros")
 
 
 __all__ = ["Profile", "profile_blocks"]

@@ -27,7 +27,7 @@ import torch
 
 from ..core.children import child_environment, die_with_parent
 from ..core.dtypes import DTYPES
-from ..core.optimizers import OPTIMIZERS
+from ..core.loop import Loop, as_loop
 from ..core.policy import Policy, as_policy
 from ..core.records import new_record, tokens_per_second
 from ..core.units import parse_bytes
@@ -59,8 +59,8 @@ def measure_sharded(workload: Workload | str, batch_size: int, seq_len: int, pol
 
 def measure_sharded_many(workload: Workload | str, batch_size: int, seq_len: int,
                          policies=("none",), nproc: int = 2, device: str = "cpu", dtype: str = "fp32",
-                         steps: int = 3, warmup: int = 1, memory_limit=None, optimizer: str = "adamw",
-                         accum_steps: int = 1, seed: int = 0, model_overrides: Optional[dict] = None,
+                         steps: int = 3, warmup: int = 1, memory_limit=None, loop: Loop | str | None = None,
+                         seed: int = 0, model_overrides: Optional[dict] = None,
                          timeout_s: Optional[float] = 600, target_ci: float = 0.02) -> list[dict]:
     """One record per policy, all measured by one group of `nproc` ranks (one start-up, one
     process group; each policy on a freshly built and sharded model, timed after the previous
@@ -68,7 +68,7 @@ def measure_sharded_many(workload: Workload | str, batch_size: int, seq_len: int
     reached it within `steps`), never a reason to stop early."""
     check_timing_options(target_ci, math.inf)   # no time budget: the round count is fixed
     spec = rank_spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, warmup,
-                 memory_limit, optimizer, accum_steps, seed, model_overrides)
+                 memory_limit, loop, seed, model_overrides)
     spec["target_ci"] = float(target_ci)
     with tempfile.TemporaryDirectory(prefix="ckptlab-ranks-") as tmp:
         error = _spawn(spec, nproc, tmp, timeout_s)
@@ -95,7 +95,7 @@ def sharded_gradients(workload: Workload | str, batch_size: int, seq_len: int, p
     `batch_size * nproc` rows (FSDP averages over ranks: equal to the unsharded gradient of the
     whole global batch). For checking that sharding + checkpointing changes no gradient."""
     spec = rank_spec(workload, batch_size, seq_len, policies, nproc, device, "fp32", 1, 0, None, "none",
-                 1, seed, model_overrides)
+                 seed, model_overrides)
     spec["mode"] = "gradients"
     with tempfile.TemporaryDirectory(prefix="ckptlab-ranks-") as tmp:
         error = _spawn(spec, nproc, tmp, timeout_s)
@@ -105,7 +105,7 @@ def sharded_gradients(workload: Workload | str, batch_size: int, seq_len: int, p
 
 
 def rank_spec(workload, batch_size, seq_len, policies, nproc, device, dtype, steps, warmup, memory_limit,
-          optimizer, accum_steps, seed, model_overrides) -> dict:
+          loop, seed, model_overrides) -> dict:
     """Validate everything before any process starts; the JSON spec every rank reads."""
     overrides = dict(model_overrides or {})
     if not isinstance(workload, str):
@@ -117,18 +117,19 @@ def rank_spec(workload, batch_size, seq_len, policies, nproc, device, dtype, ste
     model_hash = get_workload(name, seed=seed, **overrides).spec_hash   # validates name and overrides
     integer("nproc", nproc, 1)
     choice("dtype", dtype, list(DTYPES))
-    choice("optimizer", optimizer, OPTIMIZERS)
+    loop = as_loop(loop)
+    loop.check_dtype(dtype)
     dev_type = torch.device(device).type
     if dev_type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda")
     if dev_type == "cuda" and torch.cuda.device_count() < nproc:
         raise ValueError(f"nproc={nproc} is invalid here: only {torch.cuda.device_count()} CUDA devices")
-    for label, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps), ("accum_steps", accum_steps)):
+    for label, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps)):
         integer(label, value, 1)
     policies = [str(as_policy(p)) for p in ([policies] if isinstance(policies, (str, Policy)) else policies)]
     return dict(model=name, model_hash=model_hash, seed=seed, overrides=overrides, batch_size=batch_size, seq_len=seq_len,
                 policies=policies, device_type=dev_type, dtype=dtype, steps=steps, warmup=warmup,
-                memory_limit_bytes=parse_bytes(memory_limit), optimizer=optimizer, accum_steps=accum_steps)
+                memory_limit_bytes=parse_bytes(memory_limit), loop=str(loop))
 
 
 def _spawn(spec: dict, nproc: int, out_dir: str, timeout_s: Optional[float]) -> str:
@@ -185,9 +186,9 @@ _RANK_MAIN = ("import os, sys; from ckptlab.probe.sharded_rank import rank_main;
 
 
 def _base_record(spec: dict, world: int) -> dict:
-    return new_record(spec["model"], spec["batch_size"], spec["seq_len"], spec["accum_steps"], world,
+    return new_record(spec["model"], spec["batch_size"], spec["seq_len"], spec["loop"], world,
                       policy=spec["policy"], device=spec["device_type"], dtype=spec["dtype"],
-                      optimizer=spec["optimizer"], steps=spec["steps"], warmup=spec["warmup"],
+                      steps=spec["steps"], warmup=spec["warmup"],
                       memory_limit_bytes=spec["memory_limit_bytes"], sharding="fsdp2", peak_bytes_per_rank=None,
                       start_bytes_per_rank=None, model_hash=spec.get("model_hash"))
 

@@ -20,11 +20,11 @@ import torch
 
 from ..checkpoint.compiled import apply_policy, fresh_compiler_cache
 from ..core.dtypes import DTYPES
-from ..core.optimizers import OPTIMIZERS
+from ..core.loop import Loop, as_loop
 from ..core.policy import Policy
 from ..core.records import CATEGORIES, new_record, tokens_per_second
 from ..core.units import parse_bytes
-from ..core.validate import boolean, choice, integer
+from ..core.validate import choice, integer
 from ..workloads.base import Workload, is_transformers_model
 from ..workloads.registry import as_workload
 from ..workloads.stacks import find_blocks
@@ -45,12 +45,10 @@ def measure_policy(
     steps: int = 5,
     warmup: int = 2,
     memory_limit: Optional[str | int] = None,
-    optimizer: str = "adamw",
-    accum_steps: int = 1,
+    loop: Loop | str | None = None,
     with_report: bool = False,
     target_ci: float = 0.02,
     max_seconds: float = 1.0,
-    holds_output: bool = False,
 ) -> dict:
     """Measure one training step of `workload` at (batch_size, seq_len) under a concrete `policy`
     (`ckptlab.measure` resolves a budget first).
@@ -60,49 +58,44 @@ def measure_policy(
     raise ValueError; failures during the measurement come back as status "oom" or "error" with a
     message, so a sweep never loses a row. On CPU `memory_limit` is emulated: a peak above it is
     reported as status "oom". On CUDA it caps the process (real OOMs), defaulting to the device's
-    capacity. `accum_steps` > 1 runs that many forward+backward micro-batches of `batch_size`
-    before one optimizer step (gradient accumulation): effective batch = batch_size * accum_steps.
-    `holds_output=True` runs a loop that keeps the model's output alive into the next step's
-    forward, as `out = model(x)` at loop scope does (`probe.step.HeldOutput`).
+    capacity. `loop` (`core.loop.Loop`, or its text such as "adamw-fused,accum=2,holds-output";
+    default: adamw) is the training loop the step runs in (`probe.step.training_step`): with
+    accum_steps > 1 the effective batch is batch_size * accum_steps.
     """
     record, workload, policy, dev, limit = measurement_record(
         workload, batch_size, seq_len, policy, device=device, dtype=dtype, steps=steps, warmup=warmup,
-        memory_limit=memory_limit, optimizer=optimizer, accum_steps=accum_steps, target_ci=target_ci,
-        max_seconds=max_seconds, holds_output=holds_output)
+        memory_limit=memory_limit, loop=loop, target_ci=target_ci, max_seconds=max_seconds)
     if policy.kind == "budget":
         raise ValueError(f"policy={policy} is invalid here: this measures a concrete policy; ckptlab.measure "
                          "resolves a budget to its plan first")
     report = None
     with failures_recorded(record, dev), fresh_compiler_cache(policy.compiles):
-        report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer, target_ci,
+        report = _run(record, workload, policy, dev, dtype, steps, warmup, limit, as_loop(loop), target_ci,
                       max_seconds)
     return (record, report) if with_report else record
 
 
 def measurement_record(workload: Workload | str, batch_size: int, seq_len: int, policy: Policy, *, device: str = "cpu",
                        dtype: str = "fp32", steps: int = 5, warmup: int = 2, memory_limit=None,
-                       optimizer: str = "adamw", accum_steps: int = 1, target_ci: float = 0.02,
-                       max_seconds: float = 1.0, holds_output: bool = False):
+                       loop: Loop | str | None = None, target_ci: float = 0.02, max_seconds: float = 1.0):
     """Check every input of `measure_policy` (ValueError naming the first bad one) and start its record.
     Returns (record, workload, policy, device, memory limit in bytes or None)."""
     workload = as_workload(workload)
     workload.check_shape(batch_size, seq_len)
     integer("steps", steps, 1)
     integer("warmup", warmup, 0)
-    integer("accum_steps", accum_steps, 1)
-    boolean("holds_output", holds_output)
     check_timing_options(target_ci, max_seconds)
     choice("dtype", dtype, list(DTYPES))
-    choice("optimizer", optimizer, OPTIMIZERS)
+    loop = as_loop(loop)
+    loop.check_dtype(dtype)
     dev = resolve_device(device)
     limit = parse_bytes(memory_limit)
     check_policy_applies(workload, policy)
     if dev.type == "cuda" and limit is None:
         limit = torch.cuda.get_device_properties(dev).total_memory
-    record = new_record(workload.label, batch_size, seq_len, accum_steps, policy=str(policy), device=str(dev),
-                        device_name=device_name(dev), dtype=dtype, optimizer=optimizer, steps=steps, warmup=warmup,
-                        memory_limit_bytes=limit, model_hash=workload.spec_hash, loss_fn=workload.loss_name,
-                        holds_output=holds_output)
+    record = new_record(workload.label, batch_size, seq_len, loop, policy=str(policy), device=str(dev),
+                        device_name=device_name(dev), dtype=dtype, steps=steps, warmup=warmup,
+                        memory_limit_bytes=limit, model_hash=workload.spec_hash, loss_fn=workload.loss_name)
     return record, workload, policy, dev, limit
 
 
@@ -123,9 +116,9 @@ def failures_recorded(record: dict, dev: torch.device):
             torch.cuda.empty_cache()
 
 
-def _run(record, workload, policy, dev, dtype, steps, warmup, limit, optimizer_name, target_ci, max_seconds):
+def _run(record, workload, policy, dev, dtype, steps, warmup, limit, loop, target_ci, max_seconds):
     policy_notes(record, policy, dev)
-    step, report = prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, optimizer_name)
+    step, report = prepare_step(record, workload, policy_applier(policy), dev, dtype, limit, loop)
     if step is None:
         return report
     timing = time_interleaved({record["policy"]: step}, device=dev, warmup=warmup, target_ci=target_ci,
@@ -150,10 +143,10 @@ def policy_applier(policy):
 
 
 def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dtype: str, limit: Optional[int],
-                 optimizer_name: str):
+                 loop: Loop | str):
     """Everything of a measurement but the timing: build the model on `dev`, apply checkpointing
     with `apply(model, record) -> (model to run, Compiled or False, handle or None)` (which fills
-    the record's checkpointing columns), run one warm-up step and one step under the live-tensor
+    the record's checkpointing columns), run one warm-up step of `loop` and one step under the live-tensor
     tracker (allocator events for compiled models), and fill `record`'s memory columns. A compiled
     model records `compiled_graphs`, the graphs its backends compiled; none is an error (it ran eager).
     Returns (step closure, MemoryReport); the step is None when the peak exceeds the emulated
@@ -171,9 +164,8 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
     model.train()
     runner, compiled, handle = apply(model, record)
     batch = workload.batch(record["batch_size"], record["seq_len"], dev)
-    optimizer = make_optimizer(optimizer_name, model, dev.type)
-    step = training_step(runner, workload, batch, optimizer, dtype, record["accum_steps"],
-                         holds_output=record["holds_output"])
+    optimizer = make_optimizer(loop, model, dev.type)
+    step = training_step(runner, workload, batch, optimizer, dtype, loop)
 
     torch.manual_seed(workload.seed)
     step()
@@ -235,7 +227,8 @@ def allocator_step_memory(step, model, optimizer, inputs, dev):
     MemoryReport (peak = bytes held when the step began + the allocator's high-water mark above
     it; saved activations = bytes the forward left allocated) and the loss."""
     start = {}
-    for t in list(model.parameters()) + list(inputs) + [
+    grads = [p.grad for p in model.parameters() if p.grad is not None]   # a loop that keeps them zero-filled
+    for t in list(model.parameters()) + grads + list(inputs) + [
             t for st in (optimizer.state.values() if optimizer else []) for t in st.values()
             if isinstance(t, torch.Tensor)]:
         if t.device == dev:

@@ -115,8 +115,8 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     out.update(n_blocks=handle.n_blocks, block_stacks=handle.stacks_found, effective_density=handle.effective_density,
                checkpointed_blocks=",".join(map(str, handle.checkpointed_blocks)))
     batch = rank_batch(workload, spec["batch_size"], spec["seq_len"], rank, world, dev)
-    optimizer = make_optimizer(spec["optimizer"], model, dev.type)
-    step = training_step(model, workload, batch, optimizer, spec["dtype"], spec["accum_steps"])
+    optimizer = make_optimizer(spec["loop"], model, dev.type)
+    step = training_step(model, workload, batch, optimizer, spec["dtype"], spec["loop"])
     torch.manual_seed(workload.seed + rank)
     step()   # warm-up: optimizer state exists
     handle.reset_counts()
@@ -124,7 +124,7 @@ def _measure_rank(spec: dict, rank: int, world: int, dev: torch.device) -> dict:
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    held = list(model.parameters()) + list(batch)
+    held = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None] + list(step.inputs())
     if optimizer is not None:
         held += [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     start = {}

@@ -9,8 +9,10 @@ import functools
 import platform
 
 import torch
+from torch.utils._foreach_utils import _device_has_foreach_support
 
 from ..core.dtypes import DTYPES, WEIGHT_DTYPES
+from ..core.loop import Loop, as_loop
 from ..core.optimizers import implementation_options
 from ..workloads.base import Workload
 
@@ -30,21 +32,35 @@ def with_dtype(workload: Workload, dtype: str) -> Workload:
     return dataclasses.replace(workload, weights_dtype=weights)
 
 
-def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", accum_steps: int = 1,
-                  autocast=None, holds_output: bool = False):
-    """A closure running one forward + backward [+ optimizer step]; pass it a tracker to mark
-    phases. Gradients are set to None at the end, as a training loop does between steps.
-    With accum_steps > 1 the forward + backward runs that many times on the micro-batch
-    (gradients accumulate, loss scaled by 1/accum_steps) before the one optimizer step.
+def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str = "fp32", loop: Loop | str | None = None,
+                  autocast=None):
+    """A closure running one optimizer step of `loop` (`core.loop.Loop`); pass it a tracker to
+    mark phases. `optimizer` is the one `make_optimizer(loop, ...)` built (None for "none").
     `autocast(dtype)` makes the context a mixed-precision forward runs in (default:
     `torch.autocast` on the batch's device); a prediction for CUDA passes CUDA's emulation.
-    With `holds_output` the step keeps the model's output until the next forward has made its
-    own (`HeldOutput`; `step.inputs()` includes it), as a loop that assigns it at loop scope does."""
+
+    The loop, in order: `accum_steps` forward + backward passes on the micro-batch (gradients
+    accumulate, the loss scaled by 1/accum_steps; with `grad_scaler` the scaled loss backward);
+    then, in the optimizer phase, with `clip_grad_norm` the gradients unscaled (a scaler's
+    `unscale_`) and clipped (`clip_grad_norm_`, foreach where torch picks it for the batch's
+    device: torch/nn/utils/clip_grad.py _get_total_norm), the optimizer step (through the
+    scaler's `step`, then its `update`), and `zero_grad` (gradients set to None, or zero-filled
+    and kept). With `holds_output` the step keeps the model's output until the next forward has
+    made its own (`HeldOutput`; `step.inputs()` includes it). `step.scaler` is the GradScaler
+    (None without one)."""
+    loop = as_loop(loop)
+    loop.check_dtype(dtype)
     in_dtype = autocast_dtype(dtype)
     device_type = batch[0].device.type
     if autocast is None:
         autocast = functools.partial(torch.autocast, device_type)
-    held = HeldOutput(model, workload.label) if holds_output else None
+    held = HeldOutput(model, workload.label) if loop.holds_output else None
+    scaler = torch.amp.GradScaler(device_type) if loop.grad_scaler else None
+    # torch picks foreach norms for plain tensors on a device that has them (CPU and CUDA); fake
+    # tensors fail its type check, so the choice is passed (clip_grad.py _get_total_norm, v2.13.0).
+    clip_foreach = _device_has_foreach_support(batch[0].device)
+    set_to_none = loop.zero_grad == "set_to_none"
+    accum_steps = loop.accum_steps
 
     def forward_loss():
         with autocast(dtype=in_dtype) if in_dtype else contextlib.nullcontext():
@@ -57,19 +73,38 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
             loss = forward_loss() if held is None else held.forward(forward_loss)
             if tracker is not None:
                 tracker.phase("backward")
-            (loss / accum_steps if accum_steps > 1 else loss).backward()
+            scaled = loss / accum_steps if accum_steps > 1 else loss
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            scaled = None
         if tracker is not None:
             tracker.phase("optimizer")
-        if optimizer is not None:
+        if loop.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip_grad_norm, foreach=clip_foreach)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        elif optimizer is not None:
             optimizer.step()
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=set_to_none)
         return loss.detach()
 
     # The forward alone (a prediction's warm-up, `estimate.fake_step`), holding the output as the step does.
     step.forward_loss = forward_loss if held is None else functools.partial(held.forward, forward_loss)
-    # What the step starts from beside the model and the optimizer: the batch, and a held output.
-    step.inputs = lambda: (*batch, *(held.tensors if held is not None else ()))
+    # What the step starts from beside the model and the optimizer: the batch, a held output, and
+    # the scale and growth tracker a grad scaler keeps from step to step (torch/amp/grad_scaler.py).
+    step.inputs = lambda: (*batch, *(held.tensors if held is not None else ()), *scaler_state(scaler))
+    step.loop, step.scaler = loop, scaler
     return step
+
+
+def scaler_state(scaler) -> list[torch.Tensor]:
+    """The tensors a GradScaler keeps between steps once its first `scale` made them: the scale
+    and the growth tracker (torch/amp/grad_scaler.py `_lazy_init_scale_growth_tracker`)."""
+    if scaler is None:
+        return []
+    return [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
 
 
 class HeldOutput:
@@ -111,10 +146,11 @@ def tensors_in(output) -> list[torch.Tensor]:
     return []
 
 
-def make_optimizer(name: str, model: torch.nn.Module, device_type: str = "cpu"):
-    """Optimizer `name` (`core.optimizers.OPTIMIZERS`) over the model's parameters, running the
-    implementation that name means on `device_type` (the parameters' own device, or the one a
-    prediction stands for); None for "none"."""
+def make_optimizer(loop: Loop | str | None, model: torch.nn.Module, device_type: str = "cpu"):
+    """The optimizer of `loop` (`core.loop.Loop`; its text, such as "adamw-fused") over the
+    model's parameters, running the implementation its name means on `device_type` (the
+    parameters' own device, or the one a prediction stands for); None for "none"."""
+    name = as_loop(loop).optimizer
     if name == "none":
         return None
     options = implementation_options(name, device_type)

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.cards import card_budgets
+from ..core.loop import loop_of_record
 from ..core.policy import Policy, policy_label, policy_of_label
 from ..core.units import format_bytes
 from ..estimate.closed_form import closed_form
@@ -298,8 +299,7 @@ def add_predictions(df, closed_form_too: bool = True):
             policy = Policy("plan", r["plan"], offload=policy.offload)
         overrides = r.get("model_overrides")
         workload = get_workload(r["model"], **(overrides if isinstance(overrides, dict) else {}))
-        pred = predict(workload, r["batch_size"], r["seq_len"], policy, dtype=r["dtype"],
-                       optimizer=r.get("optimizer", "adamw"), accum_steps=int(r.get("accum_steps") or 1),
+        pred = predict(workload, r["batch_size"], r["seq_len"], policy, dtype=r["dtype"], loop=loop_of_record(r),
                        device="cuda" if str(r.get("device") or "cpu").startswith("cuda") else "cpu")
         r.update(predicted_peak_bytes=pred.peak_bytes, predicted_saved_activation_bytes=pred.saved_activation_bytes,
                  peak_error=prediction_error(pred.peak_bytes, r["peak_bytes"]),

@@ -20,11 +20,13 @@ first, each step a prediction of every change so far, until the peak fits the ca
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from ..core.cards import parse_capacity
+from ..core.loop import Loop
 from ..core.optimizers import implementation
 from ..core.policy import as_policy, plan_policy
 from ..core.units import format_bytes
@@ -58,8 +60,8 @@ PLAN_COST = "roofline"   # the planner's recompute cost from FLOPs and bytes: no
 @dataclass
 class Lever:
     """One change and the peak it leads to. `change` is what it changes, as the step's settings:
-    policy, dtype, optimizer, batch_size with accum_steps, loss_chunks (a chunked GPT loss),
-    holds_output (the loop's), or fsdp_ranks; empty for advice no setting expresses. `basis`: predicted (the same fake step
+    policy, dtype, batch_size, loss_chunks (a chunked GPT loss), a field of the loop (`core.loop.Loop`:
+    optimizer, accum_steps, holds_output), or fsdp_ranks; empty for advice no setting expresses. `basis`: predicted (the same fake step
     with `change` applied), modelled (FSDP2: module docstring) or not predicted (`cost` says why)."""
 
     name: str
@@ -84,7 +86,7 @@ class Explanation:
     seq_len: int
     policy: str
     dtype: str
-    optimizer: str
+    loop: Loop                            # the training loop (`core.loop`)
     n_blocks: int
     peak_bytes: int
     peak_phase: str                       # forward | backward | optimizer
@@ -101,16 +103,18 @@ class Explanation:
     device: str = "cpu"
     card: Optional[str] = None            # its name
     device_bytes: Optional[int] = None    # on a card: reserved + context, what the levers' sizes are
-    margin_bytes: Optional[int] = None    # on a card: its usable bytes less the step's device bytes
+    margin_bytes: Optional[int] = None    # on a card: usable - its margin - the step's device bytes
+    fit: Optional[str] = None             # on a card: "yes", "with cache flushes" or "no" (predict's)
+    fit_reason: str = ""                  # on a card: the answer with its numbers (Prediction.fit_reason)
     ranks: int = 8                        # the FSDP2 lever's world size
-    holds_output: bool = False            # the loop keeps the model's output into the next forward
     recompute_count: int = 0              # block forwards the policy ran again in backward
     measured_peak_bytes: Optional[int] = None
     measured_note: str = ""
     explain_s: float = 0.0                # wall time of the explanation
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field, the loop as its record columns (`Loop.record`)."""
+        return {**{k: v for k, v in asdict(self).items() if k != "loop"}, **self.loop.record()}
 
     def figure(self, path=None):
         """The waterfall from today's peak towards the capacity, one step per lever (a matplotlib
@@ -124,12 +128,12 @@ class Explanation:
     def __str__(self) -> str:
         b = self.breakdown
         where = _where(self.peak_phase, self.peak_block, b["activations_in_blocks"] > 0)
-        held = ", the loop holds the model's output" if self.holds_output else ""
-        lines = [f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, {self.optimizer}"
-                 f"{held}): peak {format_bytes(self.peak_bytes)} {where}"]
+        lines = [f"{self.model} b={self.batch_size} s={self.seq_len} {self.policy} ({self.dtype}, loop {self.loop}): "
+                 f"peak {format_bytes(self.peak_bytes)} {where}"]
         if self.card is not None:
             lines[0] += (f"; device {format_bytes(self.device_bytes)}, margin {format_bytes(self.margin_bytes)}: "
                          f"predicted for {self.capacity_card} (the floor and levers below in its device bytes)")
+            lines.append(f"  {self.fit_reason}")
         elif self.device == "cuda":
             lines[0] += " (allocated, predicted for CUDA)"
         if self.measured_peak_bytes is not None or self.measured_note:
@@ -158,8 +162,9 @@ class Explanation:
 # --------------------------------------------------------------------------- the explanation
 
 def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none", *, dtype: str = "fp32",
-            optimizer: str = "adamw", capacity=None, measure: bool = False, ranks: int = 8, device: str = "cpu",
-            card=None, attention: Optional[str] = None, holds_output: bool = False) -> Explanation:
+            loop: Loop | str | None = None, capacity=None, measure: bool = False, ranks: int = 8, device: str = "cpu",
+            card=None, attention: Optional[str] = None, torch_version: Optional[str] = None,
+            alloc_conf: Optional[str] = None) -> Explanation:
     """Why the peak of one training step is what it is, and what each lever would make it.
 
     Everything comes from predictions (fake tensors), so any shape works on a laptop;
@@ -168,23 +173,26 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     it and stops the waterfall there; `ranks` is the world size of the FSDP2 lever. `device`,
     `card` and `attention` are `predict`'s: on a card (or a card as capacity) every number is
     predicted for that card, its device bytes, and the capacity is its usable bytes less its
-    margin. `holds_output` is the loop's (`predict`'s): every prediction is for that loop, and a
-    lever releases the output. Bad input raises ValueError before any work."""
+    margin. `loop` is the training loop (`core.loop`, `predict`'s): every prediction is for that
+    loop, and levers change its fields (another optimizer, accumulation, releasing a held output);
+    `torch_version` and the allocator's `alloc_conf` are `predict`'s too. Bad input raises
+    ValueError before any work."""
     t0 = time.perf_counter()
     limit = parse_capacity(capacity) if capacity is not None else None
     on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
     device = "cuda" if on_card is not None else device
-    workload, parsed = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, optimizer, 1, device, on_card,
-                                        attention, holds_output)
+    workload, parsed, loop = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, loop, device,
+                                              on_card, attention, torch_version=torch_version, alloc_conf=alloc_conf)
     if limit is None or limit.arch:   # on a card: what its device bytes may reach
         limit = on_card
     capacity_bytes = limit.usable_bytes - limit.required_margin_bytes if limit is not None else None
-    on = {"device": device, "card": on_card, "attention": attention, "holds_output": holds_output}
+    on = {"device": device, "card": on_card, "attention": attention, "torch_version": torch_version,
+          "alloc_conf": alloc_conf}
     integer("ranks", ranks, 2)
     if measure and device != "cpu":
         raise ValueError(f"measure=True is invalid with device={device!r}: the step is measured here, on the CPU; "
                          "allowed is measure=False for a prediction for CUDA")
-    base = predict(workload, batch_size, seq_len, parsed, dtype, optimizer, **on)
+    base = predict(workload, batch_size, seq_len, parsed, dtype, loop, **on)
     applied = f"plan={base.plan}" if base.plan else str(parsed)
     breakdown = peak_breakdown(base)
 
@@ -209,17 +217,17 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
     explanation = Explanation(
         model=base.model, batch_size=batch_size, seq_len=seq_len, policy=str(parsed), dtype=dtype,
-        optimizer=optimizer, n_blocks=base.n_blocks, peak_bytes=base.peak_bytes, peak_phase=base.peak_phase,
+        loop=loop, n_blocks=base.n_blocks, peak_bytes=base.peak_bytes, peak_phase=base.peak_phase,
         peak_block=base.peak_block, breakdown=breakdown, checkpoint_floor_bytes=floor,
         checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
         capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count, device=device,
         card=base.card, capacity_card=on_card.describe() if on_card else "", device_bytes=base.device_bytes,
-        margin_bytes=base.margin_bytes, holds_output=holds_output,
+        margin_bytes=base.margin_bytes, fit=base.fit, fit_reason=base.fit_reason,
     )
     explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on, memo)
     if measure:
-        record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, optimizer=optimizer, steps=1,
-                              warmup=0, max_seconds=0.5, holds_output=holds_output)
+        record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, loop=loop, steps=1,
+                              warmup=0, max_seconds=0.5)
         if record["status"] == "ok":
             explanation.measured_peak_bytes = record["peak_bytes"]
             error = prediction_error(base.peak_bytes, record["peak_bytes"])
@@ -320,15 +328,16 @@ def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever], 
     """The plan of keep/selective/full per block with the lowest peak (the planner's `min_peak`),
     its peak predicted by a fake run of that plan (or taken from `full`'s lever when it is full
     everywhere: the same model)."""
-    profile = profile_blocks(workload, base.batch_size, base.seq_len, base.dtype, base.optimizer, PLAN_COST,
-                             **on)
+    tensors_on = {k: v for k, v in on.items() if k != "alloc_conf"}   # the profile counts tensors, not blocks
+    profile = profile_blocks(workload, base.batch_size, base.seq_len, base.dtype, base.loop, PLAN_COST,
+                             **tensors_on)
     _, options = min_peak(profile)
     policy = str(plan_policy(options))
     full = next((lv.predicted_peak_bytes for lv in levers if lv.policy == "full"), None)
     if set(options) == {"full"} and full is not None:
         peak = full
     else:
-        peak = (predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.optimizer,
+        peak = (predict(workload, base.batch_size, base.seq_len, policy, base.dtype, base.loop,
                             **on)).held_bytes
     return Lever("plan with the lowest peak", peak, {"policy": policy},
                  f"{options.count('full')} full, {options.count('selective')} selective, "
@@ -341,14 +350,14 @@ def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int, on:
     (the context, and the fragmentation of today's step); the plan's device bytes are predicted."""
     budget = capacity - (base.held_bytes - base.peak_bytes)
     try:
-        plan = plan_budget(workload, base.batch_size, base.seq_len, budget, base.dtype, base.optimizer, cost=PLAN_COST,
+        plan = plan_budget(workload, base.batch_size, base.seq_len, budget, base.dtype, base.loop, cost=PLAN_COST,
                            **on)
     except ValueError as exc:
         return Lever(f"plan at {format_bytes(capacity)}", None, {}, f"no plan fits: {exc}", "not predicted")
     peak = plan.predicted_peak_bytes
     if base.card is not None:
         peak = (predict(workload, base.batch_size, base.seq_len, f"plan={plan.letters}", base.dtype,
-                            base.optimizer, **on)).held_bytes
+                            base.loop, **on)).held_bytes
     return Lever(f"plan at {format_bytes(capacity)}", peak, {"policy": f"plan={plan.letters}"},
                  f"recompute {plan.recompute_ms:.2f} ms/step against {plan.full_recompute_ms:.2f} ms for full "
                  f"({plan.cost_basis}: an assumed accelerator's FLOPs and bandwidth)")
@@ -358,7 +367,7 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
                  capacity: Optional[int], ranks: int, on: dict, memo: dict) -> list[Lever]:
     """The levers beyond checkpointing: bf16, micro-batches, a chunked loss, the optimizer, FSDP2, offload,
     and in a loop that holds the model's output, releasing it."""
-    dtype, opt = base.dtype, base.optimizer
+    dtype, opt = base.dtype, base.loop.optimizer
     levers = []
     if dtype == "fp32":
         levers.append(predicted_lever("bf16 autocast", workload, base, applied, {"dtype": "bf16"},
@@ -394,7 +403,7 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
                         "gather one unit at a time: all-gathers and reduce-scatters every step", "modelled"))
     if "+offload" not in applied:
         levers.append(offload_lever(workload, base, applied, on))
-    if base.holds_output:
+    if base.loop.holds_output:
         levers.append(predicted_lever("release the output", workload, base, applied, {"holds_output": False},
                                       "`del` the model's output (or keep it inside a function) before the next "
                                       "forward: the same training", on, memo))
@@ -409,16 +418,18 @@ def offload_lever(workload: Workload, base: Prediction, applied: str, on: dict) 
         return Lever("offload", None, change, "CUDA only: saved activations go to pinned host memory and come back "
                      "in backward (host-device copies); on a CPU it is a no-op: predict for a card to see it",
                      "not predicted")
-    pred = predict(workload, base.batch_size, base.seq_len, change["policy"], base.dtype, base.optimizer, **on)
+    pred = predict(workload, base.batch_size, base.seq_len, change["policy"], base.dtype, base.loop, **on)
     return Lever("offload", pred.held_bytes, change,
-                 f"what the blocks save goes to pinned host memory ({format_bytes(pred.host_bytes)} at its peak) and "
+                 f"what the blocks save goes to pinned host memory ({format_bytes(pred.host_bytes)} held by the host "
+                 "caching allocator, in powers of two) and "
                  "comes back in backward: host-device copies every step")
 
 
 def setting_of(base: Prediction, applied: str) -> dict:
-    """The step `base` predicted, as the settings a lever's `change` updates."""
-    return {"policy": applied, "dtype": base.dtype, "optimizer": base.optimizer, "batch_size": base.batch_size,
-            "accum_steps": 1, "loss_chunks": None, "holds_output": base.holds_output}
+    """The step `base` predicted, as the settings a lever's `change` updates: its loop as the
+    loop's fields."""
+    return {"policy": applied, "dtype": base.dtype, "batch_size": base.batch_size, "loss_chunks": None,
+            **dataclasses.asdict(base.loop)}
 
 
 def predict_setting(workload: Workload, seq_len: int, setting: dict, on: dict, memo: dict) -> Prediction:
@@ -428,8 +439,8 @@ def predict_setting(workload: Workload, seq_len: int, setting: dict, on: dict, m
     key = tuple(sorted(setting.items()))
     if key not in memo:
         chunked = with_chunked_loss(workload, setting["loss_chunks"]) if setting["loss_chunks"] else workload
-        memo[key] = predict(chunked, setting["batch_size"], seq_len, setting["policy"], setting["dtype"],
-                            setting["optimizer"], setting["accum_steps"], **{**on, "holds_output": setting["holds_output"]})
+        loop = Loop(**{f.name: setting[f.name] for f in dataclasses.fields(Loop)})
+        memo[key] = predict(chunked, setting["batch_size"], seq_len, setting["policy"], setting["dtype"], loop, **on)
     return memo[key]
 
 
@@ -447,15 +458,16 @@ def predicted_lever(name: str, workload: Workload, base: Prediction, applied: st
 def micro_batch_lever(workload: Workload, base: Prediction, applied: str, capacity: Optional[int], on: dict,
                       memo: dict) -> Lever:
     """The largest micro-batch below `batch_size` that divides it (keeping the effective batch by
-    accumulation) and fits `capacity`; without a capacity, the largest one."""
-    b = base.batch_size
+    accumulation: the loop's accum_steps times more) and fits `capacity`; without a capacity, the
+    largest one."""
+    b, accum = base.batch_size, base.loop.accum_steps
     pred = None
     for micro in [d for d in range(b - 1, 0, -1) if b % d == 0]:
         pred = predict_setting(workload, base.seq_len, {**setting_of(base, applied), "batch_size": micro,
-                                                         "accum_steps": b // micro}, on, memo)
+                                                         "accum_steps": accum * (b // micro)}, on, memo)
         if capacity is None or pred.held_bytes <= capacity:
             break
-    steps = b // pred.batch_size
+    steps = accum * (b // pred.batch_size)
     return Lever(f"micro-batch {pred.batch_size} x {steps} accumulation steps", pred.held_bytes,
                  {"batch_size": pred.batch_size, "accum_steps": steps},
                  f"{steps} forward and backward passes per optimizer step: the same tokens, less parallelism per pass")

@@ -101,8 +101,8 @@ def measure_together_cells(config: SweepConfig, cells: list[dict], keep: Callabl
         workload = config.workload()
         first = todo[0]
         measured = measure_together(workload, first["batch_size"], first["seq_len"], [config.policy(c["policy"]) for c in todo],
-                                    device=config.device, dtype=first["dtype"], accum_steps=first["accum_steps"],
-                                    memory_limit_bytes=config.memory_limit, optimizer=config.optimizer,
+                                    device=config.device, dtype=first["dtype"], loop=config.cell_loop(first),
+                                    memory_limit_bytes=config.memory_limit,
                                     steps=config.steps, warmup=config.warmup, target_ci=config.target_ci,
                                     max_seconds=config.max_seconds)
         for cell, record in zip(todo, measured):
@@ -148,8 +148,8 @@ class OomInference:
 
 
 def inferred_oom_record(config: SweepConfig, cell: dict, oom_batch: int) -> dict:
-    return new_record(config.model, cell["batch_size"], cell["seq_len"], cell["accum_steps"], config.nproc,
-                      model_hash=config.model_hash, policy=cell["policy"], dtype=cell["dtype"], device=config.device, optimizer=config.optimizer,
+    return new_record(config.model, cell["batch_size"], cell["seq_len"], config.cell_loop(cell), config.nproc,
+                      model_hash=config.model_hash, policy=cell["policy"], dtype=cell["dtype"], device=config.device,
                       steps=config.steps, warmup=config.warmup, memory_limit_bytes=config.memory_limit, fits=False,
                       status="oom", inferred=True, message=f"inferred, not run: batch {oom_batch} already ran out of memory")
 
@@ -159,20 +159,20 @@ def run_cell(config: SweepConfig, cell: dict) -> dict:
     if config.nproc > 1:
         return measure_sharded(config.model, cell["batch_size"], cell["seq_len"], cell["policy"], nproc=config.nproc,
                                device=config.device, dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
-                               memory_limit=config.memory_limit, optimizer=config.optimizer,
-                               accum_steps=cell["accum_steps"], seed=config.seed, model_overrides=config.model_overrides,
+                               memory_limit=config.memory_limit, loop=config.cell_loop(cell), seed=config.seed,
+                               model_overrides=config.model_overrides,
                                target_ci=config.target_ci)
     policy = config.policy(cell["policy"])
     if policy.kind == "budget" and policy.compiled:  # a compiled plan is chosen from measured costs: compare measures them
         return measure_together(config.workload(), cell["batch_size"], cell["seq_len"], [policy],
-                                device=config.device, dtype=cell["dtype"], accum_steps=cell["accum_steps"],
-                                memory_limit_bytes=config.memory_limit, optimizer=config.optimizer,
+                                device=config.device, dtype=cell["dtype"], loop=config.cell_loop(cell),
+                                memory_limit_bytes=config.memory_limit,
                                 steps=config.steps, warmup=config.warmup, target_ci=config.target_ci,
                                 max_seconds=config.max_seconds)[0]
     return measure(config.workload(), cell["batch_size"], cell["seq_len"], policy, device=config.device,
                    dtype=cell["dtype"], steps=config.steps, warmup=config.warmup,
-                   memory_limit=config.memory_limit, optimizer=config.optimizer,
-                   accum_steps=cell["accum_steps"], target_ci=config.target_ci, max_seconds=config.max_seconds)
+                   memory_limit=config.memory_limit, loop=config.cell_loop(cell), target_ci=config.target_ci,
+                   max_seconds=config.max_seconds)
 
 
 def run_isolated(config: SweepConfig, cell: dict, timeout_s: Optional[float] = None) -> dict:

@@ -25,6 +25,7 @@ import torch
 
 from ..checkpoint.compiled import fresh_compiler_cache
 from ..core.dtypes import DTYPES
+from ..core.loop import Loop, as_loop
 from ..core.policy import Policy, parse_policies
 from ..core.records import new_record, tokens_per_second
 from ..core.validate import choice
@@ -53,31 +54,27 @@ COLUMNS = ["policy", "source", "effective_density", "peak_bytes", "saved_activat
            "rounds", "threads", "load_before", "load_after", "busy", "status", "message"]
 COMPILED_PLAN_OPTIONS = "ksf05"   # what a compiled plan chooses among: keep, selective, full, budgets 0 and 0.5
 COSTING_SHARE = 0.25              # of max_seconds: timing the options' uniform compiled plans
-OPTIMIZER = "adamw"
 CKPTLAB = "ckptlab"
 
 
 @dataclass
 class Setup:
     """What every contender of one comparison shares: workload, batch shape, dtype, device,
-    optimizer and run settings."""
+    training loop and run settings."""
 
     workload: Workload
     batch_size: int
     seq_len: int
     dtype: str
     dev: torch.device
-    accum_steps: int = 1
+    loop: Loop = Loop()            # the training loop (`core.loop`)
     memory_limit_bytes: Optional[int] = None
-    optimizer: str = OPTIMIZER
     min_rounds: int = 5
     warmup: int = 1
-    holds_output: bool = False     # the loop keeps the model's output into the next step (`probe.step`)
 
     def resolve(self, policy: Policy) -> Resolved:
         """`policy` made concrete for this shape: a budget's plan predicted for this device and loop."""
-        return resolve(policy, self.workload, self.batch_size, self.seq_len, self.dtype, self.optimizer,
-                       self.dev.type, holds_output=self.holds_output)
+        return resolve(policy, self.workload, self.batch_size, self.seq_len, self.dtype, self.loop, self.dev.type)
 
     @property
     def limit(self) -> Optional[int]:
@@ -88,10 +85,12 @@ class Setup:
 
 
 def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: Sequence[str | Policy] | str, *,
-            dtype: str = "fp32", device: str = "cpu", target_ci: float = 0.02, max_seconds: float = 120,
+            dtype: str = "fp32", loop: Loop | str | None = None, device: str = "cpu", target_ci: float = 0.02,
+            max_seconds: float = 120,
             anchors: bool | Sequence[str] = False, verify: bool = False, compiled_options: str = COMPILED_PLAN_OPTIONS,
             progress: bool = True, out: Optional[str | Path] = None) -> pd.DataFrame:
-    """One row per configuration; the first policy is the time baseline.
+    """One row per configuration; the first policy is the time baseline. Every configuration runs
+    the training `loop` (`core.loop.Loop` or its text; default adamw).
 
     `anchors` is True for every anchor of this workload, or a list of anchor labels (as
     `run.anchors.anchor_configs` names them) for those only: configurations timed together share the
@@ -107,13 +106,13 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     `out=DIR` writes compare.csv and compare.json there (`ckptlab.report.plots.compare_plot` draws them)."""
     workload = as_workload(workload)
     policies = parse_policies(policies)
-    _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds)
+    loop = _check(workload, batch_size, seq_len, policies, dtype, loop, target_ci, max_seconds)
     if compiled_options:
         check_options(compiled_options)
     chosen = chosen_anchors(workload, anchors)
     dev = resolve_device(device)
     contenders = [_ckptlab_contender(p) for p in policies] + chosen
-    setup = Setup(workload, batch_size, seq_len, dtype, dev)
+    setup = Setup(workload, batch_size, seq_len, dtype, dev, loop)
     bar = Progress(f"compare {workload.label}", progress)
 
     def add_plans(rows, steps):
@@ -140,18 +139,17 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
 
 
 def measure_together(workload: Workload, batch_size: int, seq_len: int, policies: Sequence[str | Policy], *,
-                     device: str = "cpu", dtype: str = "fp32", accum_steps: int = 1,
-                     memory_limit_bytes: Optional[int] = None, optimizer: str = OPTIMIZER, steps: int = 5,
-                     warmup: int = 1, target_ci: float = 0.02, max_seconds: float = 30,
-                     holds_output: bool = False) -> list[dict]:
-    """ckptlab policies at one (batch, seq, dtype, accum), each measured like `measure` (same
+                     device: str = "cpu", dtype: str = "fp32", loop: Loop | str | None = None,
+                     memory_limit_bytes: Optional[int] = None, steps: int = 5, warmup: int = 1,
+                     target_ci: float = 0.02, max_seconds: float = 30) -> list[dict]:
+    """ckptlab policies at one (batch, seq, dtype, loop), each measured like `measure` (same
     record), then timed together: the records carry paired time ratios to the first policy that
     ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`SweepConfig`).
     A `budget=B+compile` becomes the compiled plan chosen from measured costs; the uniform
     compiled plans measured to cost it are timed too but not returned: one record per policy.
-    `holds_output` as `measure`'s."""
-    setup = Setup(workload, batch_size, seq_len, dtype, resolve_device(device), accum_steps, memory_limit_bytes,
-                  optimizer, steps, warmup, holds_output)
+    `loop` as `measure`'s."""
+    setup = Setup(workload, batch_size, seq_len, dtype, resolve_device(device), as_loop(loop), memory_limit_bytes,
+                  steps, warmup)
     contenders = [_ckptlab_contender(p) for p in parse_policies(policies)]
 
     def add_plans(rows, steps):
@@ -199,12 +197,16 @@ def _verify(rows, contenders, setup: Setup, bar: Progress) -> None:
                 setup.dtype, setup.dev, bar)
 
 
-def _check(workload, batch_size, seq_len, policies, dtype, target_ci, max_seconds) -> None:
+def _check(workload, batch_size, seq_len, policies, dtype, loop, target_ci, max_seconds) -> Loop:
+    """Every input of `compare` checked (ValueError naming the first bad one); the loop parsed."""
     workload.check_shape(batch_size, seq_len)
     for p in policies:
         check_policy_applies(workload, p)
     choice("dtype", dtype, list(DTYPES))
+    loop = as_loop(loop)
+    loop.check_dtype(dtype)
     check_timing_options(target_ci, max_seconds)
+    return loop
 
 
 def _ckptlab_contender(policy: Policy) -> Contender:
@@ -214,11 +216,11 @@ def _ckptlab_contender(policy: Policy) -> Contender:
 # ----------------------------------------------------------------------------- measuring
 
 def _new_record(setup: Setup, policy: str, source: str) -> dict:
-    return new_record(setup.workload.label, setup.batch_size, setup.seq_len, setup.accum_steps, policy=policy,
+    return new_record(setup.workload.label, setup.batch_size, setup.seq_len, setup.loop, policy=policy,
                       device=str(setup.dev), device_name=device_name(setup.dev), dtype=setup.dtype,
-                      optimizer=setup.optimizer, steps=setup.min_rounds, warmup=setup.warmup,
+                      steps=setup.min_rounds, warmup=setup.warmup,
                       memory_limit_bytes=setup.limit, source=source, model_hash=setup.workload.spec_hash,
-                      loss_fn=setup.workload.loss_name, holds_output=setup.holds_output)
+                      loss_fn=setup.workload.loss_name)
 
 
 def _prepare(contender: Contender, setup: Setup, rows, steps) -> None:
@@ -232,7 +234,7 @@ def _prepare(contender: Contender, setup: Setup, rows, steps) -> None:
                 record["plan"] = resolved.plan.letters
             policy_notes(record, resolved.policy, dev)
             contender.apply = policy_applier(resolved.policy)
-        step, _ = prepare_step(record, setup.workload, contender.apply, dev, setup.dtype, setup.limit, setup.optimizer)
+        step, _ = prepare_step(record, setup.workload, contender.apply, dev, setup.dtype, setup.limit, setup.loop)
         steps[contender.policy] = step
     rows.append(record)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..core.dtypes import DTYPES
-from ..core.optimizers import OPTIMIZERS
+from ..core.loop import DEFAULT_LOOP, Loop, as_loop
 from ..core.parsing import yaml_mapping
 from ..core.policy import Policy, parse_policies
 from ..core.units import parse_bytes
@@ -72,15 +72,17 @@ class SweepConfig:
     dtypes: list[str] = option(["fp32"], "--dtype")
     """fp32, bf16 (autocast), bf16-weights, fp16-weights (pure: model and batch cast, no autocast)."""
     accum_steps: list[int] = option([1], "--accum")
-    """Gradient-accumulation steps: the effective batch is batch x accum."""
+    """Gradient-accumulation steps, the grid's axis of the loop's accum_steps: the effective batch
+    is batch x accum."""
     device: str = option("cpu", "--device")
     """cpu, cuda or cuda:N."""
     memory_limit: Optional[int | str] = option(None, "--memory-limit")
     """A memory limit such as 2GiB (emulated on CPU); a cell above it is recorded as oom.
     Stored in bytes."""
-    optimizer: str = option("adamw", "--optimizer")
-    """adamw (torch's pick on the device: foreach on CUDA, the for-loop on CPU), adamw-foreach,
-    adamw-fused, adamw-forloop, sgd or none: its state and temporaries count in the peak."""
+    loop: Loop | str = DEFAULT_LOOP
+    """The training loop of every cell (`core.loop`: its text, e.g. adamw-fused,holds-output, or a
+    Loop) but its accumulation, which is `accum_steps`'. On the command line its flags, as on
+    `measure`: --optimizer, --holds-output, --zero-grad, --clip-grad-norm, --grad-scaler."""
     seed: int = option(0, "--seed")
     """Seed of the model's weights and of the batches."""
     nproc: int = option(1, "--nproc")
@@ -169,7 +171,12 @@ class SweepConfig:
         self.policies = [str(p) for p in parsed]  # canonical text: cells, records and run.json
         self._parsed = {str(p): p for p in parsed}
         self.dtypes = [choice("dtypes", d, list(DTYPES)) for d in dict.fromkeys(non_empty("dtypes", self.dtypes))]
-        choice("optimizer", self.optimizer, OPTIMIZERS)
+        self.loop = as_loop(self.loop)
+        if self.loop.accum_steps != 1:
+            raise ValueError(f"loop={str(self.loop)!r} is invalid in a sweep: its accumulation is the grid's axis; "
+                             f"allowed is accum_steps=[{self.loop.accum_steps}] and a loop without accum=")
+        for dtype in self.dtypes:
+            self.loop.check_dtype(dtype)
         self.device = str(resolve_device(self.device))
         self.memory_limit = parse_bytes(self.memory_limit)
         integer("nproc", self.nproc, 1)
@@ -193,6 +200,10 @@ class SweepConfig:
             self.submitit_folder = output_folder("submitit_folder", self.submitit_folder)
         if self.executor == "submitit":
             self.job_options()
+
+    def cell_loop(self, cell: dict) -> Loop:
+        """The loop of one cell: `loop` with the cell's accumulation."""
+        return dataclasses.replace(self.loop, accum_steps=cell["accum_steps"])
 
     def policy(self, text: str) -> Policy:
         """The parsed Policy of one of `policies` (a cell's `policy` text)."""
@@ -219,7 +230,8 @@ class SweepConfig:
 
     def to_dict(self) -> dict:
         """Every field as JSON takes it (paths as text): what an isolated cell or a job is handed."""
-        return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
+        return {f.name: str(getattr(self, f.name)) if isinstance(getattr(self, f.name), (Path, Loop))
+                else copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def cells(self) -> list[dict]:
         """Every cell, in run order (batch innermost, ascending)."""
@@ -266,7 +278,7 @@ def job_options(out: Path, folder=None, cluster=None, slurm_partition=None, slur
 # The fields that must match when a sweep resumes into an existing run folder: mixing cells
 # measured under different settings in one table would make every comparison in it wrong.
 RESUME_MUST_MATCH = ("model", "model_hash", "model_overrides", "seed", "device", "steps", "warmup", "memory_limit",
-                     "optimizer", "nproc")
+                     "loop", "nproc")
 
 
 __all__ = ["CLUSTERS", "EXECUTORS", "JobOptions", "RESUME_MUST_MATCH", "SweepConfig", "job_options"]

@@ -45,8 +45,9 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
     CPU prediction, exact against `measure` on a CPU), and per capacity `fits_<capacity>` and
     `margin_<capacity>_bytes` (the usable bytes left; negative: short by that much): on a card, of
     the step predicted for that card (`predict(device="cuda", card=...)`: its device bytes, also
-    in `device_<card>_bytes`) against its usable bytes less its margin (`core.cards.fits`); on a
-    size, of the CPU peak."""
+    in `device_<card>_bytes`) against its usable bytes less its margin (`core.cards.fits`), and
+    `fit_<card>` its answer ("yes", "with cache flushes", "no": `predict`'s `fit`); on a size, of
+    the CPU peak."""
     spec = f"{model}+lora={rank}"
     caps = [parse_capacity(c, "capacities") for c in capacities]
     rows = []
@@ -59,8 +60,9 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
             for cap in caps:
                 held = p.peak_bytes
                 if cap.arch:
-                    held = predict(spec, batch_size, seq_len, policy, dtype=dtype, device="cuda", card=cap).device_bytes
-                    row[f"device_{cap.name}_bytes"] = held
+                    on_card = predict(spec, batch_size, seq_len, policy, dtype=dtype, device="cuda", card=cap)
+                    held = on_card.device_bytes
+                    row.update({f"device_{cap.name}_bytes": held, f"fit_{cap.name}": on_card.fit})
                 row.update({f"fits_{cap.name}": fits(cap, held), f"margin_{cap.name}_bytes": margin_left(cap, held)})
             rows.append(row)
     return pd.DataFrame(rows)
@@ -68,15 +70,20 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
 
 def longest_fitting(fits: pd.DataFrame) -> pd.DataFrame:
     """From `lora_fits`: per policy and capacity, the longest sequence that fits (0: none) and the
-    margin left there (None where none fits)."""
+    margin left there (None where none fits); on a card also the longest that runs at all, with
+    cache flushes (`longest_seq_len_with_flushes`; None on a size)."""
     rows = []
     for column in [c for c in fits.columns if c.startswith("fits_")]:
         capacity = column[len("fits_"):]
         for policy, g in fits.groupby("policy", sort=False):
             best = g[g[column]].sort_values("seq_len").tail(1)
+            answer = f"fit_{capacity}"
+            runs = g[g[answer] != "no"] if answer in g else None
             rows.append({"policy": policy, "capacity": capacity,
                          "longest_seq_len": int(best["seq_len"].iloc[0]) if len(best) else 0,
-                         "margin_bytes": int(best[f"margin_{capacity}_bytes"].iloc[0]) if len(best) else None})
+                         "margin_bytes": int(best[f"margin_{capacity}_bytes"].iloc[0]) if len(best) else None,
+                         "longest_seq_len_with_flushes": None if runs is None else int(runs["seq_len"].max())
+                         if len(runs) else 0})
     return pd.DataFrame(rows)
 
 

@@ -112,13 +112,14 @@ def config_label(df: pd.DataFrame) -> pd.Series:
 
 # What a run.json written before a field existed, or under its earlier name, meant.
 _SAVED_DEFAULTS = {"nproc": 1, "model_hash": None}
-_SAVED_NAMES = {"memory_limit": "memory_limit_bytes"}
+_SAVED_NAMES = {"memory_limit": "memory_limit_bytes", "loop": "optimizer"}
 
 
 def _check_resumable(config: SweepConfig, meta: dict) -> None:
     saved = meta.get("config", meta.get("grid", {}))
     old = {k: saved.get(k, saved.get(_SAVED_NAMES.get(k), _SAVED_DEFAULTS.get(k))) for k in RESUME_MUST_MATCH}
-    new = json.loads(json.dumps({k: getattr(config, k) for k in RESUME_MUST_MATCH}))
+    fields = config.to_dict()
+    new = json.loads(json.dumps({k: fields[k] for k in RESUME_MUST_MATCH}))
     diff = [k for k in RESUME_MUST_MATCH if old[k] != new[k]]
     if diff and config.resume:
         k, name = diff[0], config.out.name

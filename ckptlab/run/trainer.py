@@ -15,6 +15,7 @@ docs/design.md, note "What the Trainer callback records".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 import time
 from importlib import metadata
@@ -37,6 +38,7 @@ except ImportError:
 from ..checkpoint.blocks import handle_of
 from ..checkpoint.hf import HFCheckpointHandle, hf_layers
 from ..checkpoint.wrap import apply_checkpointing
+from ..core.loop import Loop
 from ..core.policy import parse_policy
 from ..core.records import new_record, tokens_per_second
 from ..core.validate import integer
@@ -85,6 +87,7 @@ class CkptlabCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.close()
+        self._loop = training_loop(args)
         earlier = read_records(self.out)
         if earlier:
             raise ValueError(f"out={str(self.out)!r} is invalid: it already holds {len(earlier)} records of an earlier "
@@ -125,7 +128,6 @@ class CkptlabCallback(TrainerCallback):
             "device": str(device),
             "device_name": device_name(device),
             "dtype": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-            "optimizer": str(getattr(args.optim, "value", args.optim)),
         }
         self._device = device
         self._steps_done = 0
@@ -223,10 +225,11 @@ class CkptlabCallback(TrainerCallback):
         losses = [float(l) for l in step["losses"]]
         loss = (sum(losses) if step["loss_spans_batch"] else sum(losses) / len(losses)) if losses else None
         record = new_record(
-            self._run["model"], step["sequences"] // step["micro_batches"], step["seq_len"], step["micro_batches"],
+            self._run["model"], step["sequences"] // step["micro_batches"], step["seq_len"],
+            dataclasses.replace(self._loop, accum_steps=step["micro_batches"]),
             n_blocks=self._run["n_blocks"], effective_batch_size=step["sequences"], tokens=step["tokens"],
             **{k: self._run[k] for k in ("policy", "mechanism", "effective_density", "checkpointed_blocks",
-                                         "device", "device_name", "dtype", "optimizer")},
+                                         "device", "device_name", "dtype")},
             step=state.global_step,
             epoch=state.epoch,
             memory_tracked=report is not None,
@@ -267,6 +270,23 @@ def _transformers_label(args) -> str:
     if options.get("every_n_layers", 1) != 1:
         return f"hf:every_n_layers={options['every_n_layers']}"
     return "hf"
+
+
+# TrainingArguments.optim -> the loop's optimizer: Trainer builds torch.optim.AdamW (implementation
+# left to torch, or fused=True) and torch.optim.SGD for these (transformers' trainer_optimizer.py).
+OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw-fused", "sgd": "sgd"}
+
+
+def training_loop(args: TrainingArguments) -> Loop:
+    """The loop Trainer runs for `args` (`core.loop`): gradient_accumulation_steps, max_grad_norm
+    (0 or None: no clipping), optim (`OPTIMS`) and fp16 (a GradScaler); Trainer sets gradients to
+    None between steps and keeps no output. An optim ckptlab's loop cannot name is refused."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in OPTIMS:
+        raise ValueError(f"optim={optim!r} is invalid for CkptlabCallback: its loop names torch's optimizers; allowed "
+                         f"are {', '.join(OPTIMS)}")
+    return Loop(accum_steps=args.gradient_accumulation_steps, optimizer=OPTIMS[optim],
+                clip_grad_norm=args.max_grad_norm or None, grad_scaler=bool(args.fp16))
 
 
 def _arguments(args) -> dict:

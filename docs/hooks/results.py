@@ -23,7 +23,7 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
 NOTEBOOKS = "[0-9][0-9]_*/default/*.ipynb"
-FIGURES = ("[0-9][0-9]_*/default/*.png", "browser-check/*.png")
+FIGURES = ("[0-9][0-9]_*/default/*.png", "browser-check/*.png", "published/*.png")  # published.md shows the last
 RENDERED = ROOT / ".cache" / "docs-notebooks"  # the copies mkdocs-jupyter renders (git-ignored)
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
