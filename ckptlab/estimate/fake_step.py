@@ -245,7 +245,7 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
     `torch_version` (default: the installed torch's), `attention` forcing the SDPA backend;
     `loop` as `probe.step.training_step`'s."""
     with fake_step_state(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
-                    attention, torch_version=torch_version) as (model, handle, batch, opt, step, _):
+                         attention, torch_version=torch_version) as (model, handle, batch, opt, step, _):
         yield model, handle, batch, opt, step
 
 
