@@ -373,7 +373,7 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
     host = HostOffload() if cuda and policy.offload else None
     with fake_step_state(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
-                    attention, host, torch_version=torch_version) as (model, handle, batch, opt, step, kernels):
+                         attention, host, torch_version=torch_version) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
