@@ -160,8 +160,9 @@ def test_frontier_findings_pair_rows_of_one_comparison():
 
 
 # Each benchmark's smallest setting: a run of every step at toy size, so that a rename in ckptlab
-# cannot break a benchmark silently. overhead.py and frontier.py run end to end above; published.py
-# (and its table of rows) in tests/test_published.py, on a stand-in row without its extra's packages.
+# cannot break a benchmark silently. overhead.py and frontier.py run end to end above,
+# predict_speed.py below; published.py (and its table of rows) in tests/test_published.py, on a
+# stand-in row without its extra's packages.
 SMALLEST = {
     "predict_and_plan": ["--quick", "--skip-compile", "--max-seconds", "0.5", "--batch", "2", "--seq", "32"],
     "sweep_cost": ["--quick"],
@@ -169,8 +170,20 @@ SMALLEST = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in ("overhead", "frontier", "published", "published_rows")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py")
+                                         if p.stem not in ("overhead", "frontier", "predict_speed", "published",
+                                                           "published_rows")))
 def test_every_benchmark_runs_its_smallest_setting(name, capsys):
     assert name in SMALLEST, f"benchmarks/{name}.py: add its smallest setting to SMALLEST"
     load(name).main(SMALLEST[name])
     assert capsys.readouterr().out.strip()
+
+
+def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, capsys):
+    load("predict_speed").main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "predict_speed.json").read_text())
+    (row,) = result["predictions"]
+    assert row["identical"] and row["fast_trace"] == "composed"
+    assert row["ratio"] == pytest.approx(row["full_s"] / row["fast_s"])   # one round: its own ratio
+    assert result["fits"][0]["trace"] == "fast" and result["fits"][0]["rows"]
+    assert "| gpt-tiny | 64 |" in (tmp_path / "predict_speed.md").read_text()

@@ -29,7 +29,7 @@ from ..core.validate import integer, integer_list, number, output_folder, run_na
 from ..estimate.closed_form import closed_form
 from ..estimate.cuda_device import ALLOC_CONFS
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
-from ..estimate.predict import check_device
+from ..estimate.predict import TRACES, check_device
 from ..estimate.torch_versions import TORCH_VERSIONS, default_torch_version
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
@@ -461,7 +461,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     for batch in int_list("--batch", args.batch):
         for seq in int_list("--seq", args.seq):
             for policy in policy_list(args.policy):
-                row = predict(workload, batch, seq, policy, dtype=args.dtype, loop=loop, **on).record()
+                row = predict(workload, batch, seq, policy, dtype=args.dtype, loop=loop, **on, trace=args.trace).record()
                 if on["device"] == "cpu":
                     try:
                         row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
@@ -704,6 +704,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
     add_loop_arguments(p)
     add_device_arguments(p)
+    p.add_argument("--trace", default="fast", choices=TRACES,
+                   help="fast: trace a few of each stack's blocks and compose the step, where it can be (the "
+                        "same prediction); full: trace every block (default: fast; the record's trace says which "
+                        "answered)")
     add_format_argument(p)
     p.set_defaults(func=cmd_predict)
 

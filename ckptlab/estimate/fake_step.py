@@ -101,6 +101,7 @@ class Prediction:
     cache_flushes: Optional[int] = None      # on a card that the reserved peak passes: per step
     worse_step: Optional[int] = None         # on "cuda": the loop's step (1, 2) that reached the reserved peak
     alloc_conf: Optional[str] = None         # on "cuda": PYTORCH_CUDA_ALLOC_CONF as replayed (None: default)
+    trace: str = "full"                      # which trace answered: "composed", or "full" (why, if fast was asked)
 
     @property
     def held_bytes(self) -> int:
@@ -243,16 +244,18 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
     device="cuda" the step runs as on `card`'s architecture (default sm80) under the rules of
     `torch_version` (default: the installed torch's), `attention` forcing the SDPA backend;
     `loop` as `probe.step.training_step`'s."""
-    with _fake_step(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
-                    attention, torch_version=torch_version) as (model, handle, batch, opt, step, _):
+    with fake_step_state(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
+                         attention, torch_version=torch_version) as (model, handle, batch, opt, step, _):
         yield model, handle, batch, opt, step
 
 
 @contextlib.contextmanager
-def _fake_step(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
-               host: Optional[HostOffload] = None, *, torch_version: Optional[str] = None):
+def fake_step_state(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
+                    host: Optional[HostOffload] = None, *, torch_version: Optional[str] = None, shorten=None):
     """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu"); with
-    `host`, offload moves saved tensors to it as on CUDA."""
+    `host`, offload moves saved tensors to it as on CUDA. `shorten(model, handle)`, once the
+    policy is applied, may change which blocks run (`compose`); it returns what the warm-up's
+    trained parameters become."""
     card = as_card(card)
     fake_mode = fake_modes()
     workload = with_dtype(workload, dtype)
@@ -265,6 +268,7 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, loop, device, card,
     with fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
         model.train()
         handle = apply_checkpointing(model, policy, offload_hooks=host.hooks if host else None)
+        trained = shorten(model, handle) if shorten else None
         gen = torch.Generator().manual_seed(workload.seed + 1)
         batch = workload.new_batch(batch_size, seq_len, gen)
         opt = make_optimizer(loop, model, device)
@@ -272,31 +276,38 @@ def _fake_step(workload, batch_size, seq_len, policy, dtype, loop, device, card,
         if step.scaler is not None:
             assume_finite_gradients(step.scaler)
         torch.manual_seed(workload.seed)
-        warm_up(step, model, opt)
+        warm_up(step, model, opt, trained)
         handle.reset_counts()
         yield model, handle, batch, opt, step, kernels
 
 
-def warm_up(step, model: nn.Module, opt) -> None:
+def warm_up(step, model: nn.Module, opt, trained=None) -> None:
     """Leave what a first training step of the step's loop leaves, at a fraction of its cost: the
     optimizer's state, a grad scaler's scale and growth tracker, and with zero_grad="zeros" the
     zero-filled gradients. The forward shows which parameters its backward would give gradients
     (those its graph reaches), zero gradients stand in for them, the loss is scaled (which makes
     the scaler's state), and the optimizer steps once, as the step steps it (clipping leaves
     nothing behind). A graph with a custom autograd Function (which may run its own backward, as reentrant
-    checkpointing does) gets the whole step."""
+    checkpointing does) gets the whole step. `trained(reached)`, if given, says which parameters
+    train from those the step reaches (a step whose blocks are cut, `compose`): a graph with a
+    custom Function then runs its backward to show them."""
     loss = step.forward_loss()
-    trained = reached_parameters(loss)
-    if trained is None:
+    reached = reached_parameters(loss)
+    if reached is None and trained is None:
         loss = None
         step()
         return
+    if reached is None:
+        loss.backward()
+        reached = [p for p in model.parameters() if p.grad is not None]
+    trained = trained(reached) if trained else reached
     scaler, loop = step.scaler, step.loop
     if scaler is not None:
         scaler.scale(loss)
     loss = None
     for param in trained:
-        param.grad = torch.zeros_like(param)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
     if scaler is not None:
         scaler.step(opt)
         scaler.update()
@@ -347,6 +358,8 @@ class FakeMemory:
     handle: CheckpointHandle
     attention_backend: Optional[str] = None
     device: Optional[DeviceMemory] = None
+    recompute_count: int = 0            # block forwards the policy's checkpoints ran again in backward
+    trace: str = "full"                 # which trace answered: "full", or "composed" (`compose`)
 
 
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
@@ -359,22 +372,22 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
     host = HostOffload() if cuda and policy.offload else None
-    with _fake_step(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
-                    attention, host, torch_version=torch_version) as (model, handle, batch, opt, step, kernels):
+    with fake_step_state(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
+                         attention, host, torch_version=torch_version) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
             step(tracker)
         report = tracker.report()
         if not cuda:
-            return FakeMemory(report, handle)
+            return FakeMemory(report, handle, recompute_count=handle.recompute_count)
         workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
         # --- the loop's first two steps (cuda_device.first_two_steps) ---
         order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
         on_device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card,
                                   parse_alloc_conf(alloc_conf), loop_order=order)
         on_device.host_bytes = host.peak_bytes if host else None
-        return FakeMemory(report, handle, kernels.attention_backend, on_device)
+        return FakeMemory(report, handle, kernels.attention_backend, on_device, handle.recompute_count)
 
 
 def optimizer_state_keys(trace: list[tuple[str, int, int]], model: nn.Module, opt) -> frozenset:
@@ -404,5 +417,5 @@ def optimizer_event(report: MemoryReport) -> Optional[int]:
     return next((first + i for i, phase in enumerate(step_events) if phase == "optimizer"), None)
 
 
-__all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model",
+__all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model", "fake_step_state",
            "fake_modes", "fake_training_step", "sequences_unpacked"]

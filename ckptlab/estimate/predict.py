@@ -24,10 +24,13 @@ from ..core.policy import Policy, parse_policies
 from ..core.validate import choice
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
+from .compose import fast_memory
 from .cuda_device import parse_alloc_conf
 from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available
 from .fake_step import DEVICES, Prediction, as_card, fake_memory
 from .torch_versions import check_torch_version, torch_rules
+
+TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
 
 
 def predict_policy(
@@ -43,6 +46,7 @@ def predict_policy(
     *,
     torch_version: Optional[str] = None,
     alloc_conf: Optional[str] = None,
+    trace: str = "fast",
 ) -> Prediction:
     """Predict `measure(workload, batch_size, seq_len, policy, dtype=dtype)`'s memory columns
     without allocating: peak bytes (total, by category, phase) and saved-activation bytes.
@@ -69,7 +73,12 @@ def predict_policy(
     Policies that compile cannot be predicted (the compiler's partitioner decides inside the graph):
     ValueError. Offload on "cuda" moves what the blocks save to pinned host memory (`host_bytes`),
     as on a GPU; on "cpu" it is a no-op, predicted as its base policy, and `note` says so.
+    
+    `trace="fast"` (default) traces a few of each stack's repeated blocks and composes the step
+    from them (`estimate.compose`), where the step allows it, else the whole step; `"full"`
+    traces every block. Both give the same prediction; `Prediction.trace` says which answered.
     """
+    choice("trace", trace, TRACES)
     workload, policy, loop = check_prediction(workload, batch_size, seq_len, policy, dtype, loop, device, card,
                                               attention, torch_version=torch_version, alloc_conf=alloc_conf)
     if policy.kind == "budget":
@@ -78,8 +87,9 @@ def predict_policy(
     t0 = time.perf_counter()
     on_card = as_card(card)
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
-    fake = fake_memory(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention,
-                       torch_version=torch_version, alloc_conf=alloc_conf)
+    trace_step = fast_memory if trace == "fast" else fake_memory
+    fake = trace_step(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention,
+                      torch_version=torch_version, alloc_conf=alloc_conf)
     report, handle = fake.report, fake.handle
     peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
     if fake.device is not None:
@@ -101,8 +111,8 @@ def predict_policy(
         peak_phase=report.peak_phase, saved_activation_bytes=report.saved_activation_bytes or 0,
         predict_s=time.perf_counter() - t0, note=note,
         peak_in_blocks_by_category=dict(report.peak_in_blocks_by_category), peak_block=report.peak_block,
-        recompute_count=handle.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
-        device=device, attention=attention, **{**report.param_bytes, **cuda},
+        recompute_count=fake.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
+        device=device, attention=attention, trace=fake.trace, **{**report.param_bytes, **cuda},
     )
 
 
@@ -169,6 +179,7 @@ def predict_fits(
     *,
     torch_version: Optional[str] = None,
     alloc_conf: Optional[str] = None,
+    trace: str = "fast",
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
@@ -187,8 +198,10 @@ def predict_fits(
     follows, and `alloc_conf` its allocator option, as `predict`'s. On a card,
     `max_batch_size_with_flushes` / `max_seq_len_with_flushes` are the largest that run at all
     (`fit` "yes" or "with cache flushes": the allocator releasing its cache and retrying each step).
+    `trace` is the way to trace each step, as `predict`'s.
     """
     workload = as_workload(workload)
+    choice("trace", trace, TRACES)
     choice("dtype", dtype, list(DTYPES))
     loop = as_loop(loop)
     loop.check_dtype(dtype)
@@ -212,7 +225,7 @@ def predict_fits(
                                             device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
                                             attention=attention if cuda else None,
                                             torch_version=torch_version if cuda else None,
-                                            alloc_conf=alloc_conf if cuda else None)
+                                            alloc_conf=alloc_conf if cuda else None, trace=trace)
             return cache[key]
 
         def held(b: int, s: int, cap: Card) -> int:
@@ -230,7 +243,7 @@ def predict_fits(
                 if key not in cache:
                     cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, loop=loop, device="cuda",
                                                 card=cap, attention=attention, torch_version=torch_version,
-                                                alloc_conf=alloc_conf)
+                                                alloc_conf=alloc_conf, trace=trace)
                 p = cache[key]
             return p.fit != "no"
 
@@ -308,4 +321,4 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-__all__ = ["check_device", "check_prediction", "llama7b_shape", "predict_fits", "predict_policy", "prediction_error"]
+__all__ = ["TRACES", "check_device", "check_prediction", "llama7b_shape", "predict_fits", "predict_policy", "prediction_error"]

@@ -17,8 +17,9 @@ from ..core.loop import Loop, as_loop, loop_of_record
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import Policy, as_policy, budget_value, plan_policy
 from ..core.units import format_bytes
+from ..core.validate import choice
 from ..estimate.fake_step import FakeMemory, Prediction, as_card, fake_memory
-from ..estimate.predict import check_prediction, predict_policy
+from ..estimate.predict import TRACES, check_prediction, predict_policy
 from ..probe.measure import measure_policy, measurement_record
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
@@ -202,17 +203,19 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
             dtype: str = "fp32", loop: Loop | str | None = None, device: str = "cpu", card=None,
             attention: str | None = None, *, torch_version: str | None = None,
-            alloc_conf: str | None = None) -> Prediction:
+            alloc_conf: str | None = None, trace: str = "fast") -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
     the plan `plan_budget` chooses (on the same device, for the same loop, under the same torch
     version's rules, with the same allocator); the prediction names the budget as its policy and
-    the plan in `plan`."""
+    the plan in `plan`. `trace` as predict_policy's: "fast" (the step composed from a few blocks'
+    traces where it can be) or "full"."""
+    choice("trace", trace, TRACES)
     predicted_for = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
     workload, policy, loop = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, loop,
                                               **predicted_for, alloc_conf=alloc_conf)
     resolved = resolve(policy, workload, batch_size, seq_len, dtype, loop, **predicted_for, alloc_conf=alloc_conf)
     prediction = predict_policy(workload, batch_size, seq_len, resolved.policy, dtype, loop, **predicted_for,
-                                alloc_conf=alloc_conf)
+                                alloc_conf=alloc_conf, trace=trace)
     if resolved.plan is None:
         return prediction
     return dataclasses.replace(prediction, policy=str(policy), plan=resolved.plan.letters)

@@ -48,33 +48,36 @@ class MemoryReport:
 
 
 @dataclass
-class _Storage:
-    """One live storage as the tracker counts it."""
+class _Entry:
+    """One live storage as the counts see it."""
 
     nbytes: int
     category: str
     phase: str                 # the phase it was allocated in
-    ref: weakref.ref           # tells the tracker when it dies
-    allocation: int            # its number among the storages seen, in order
+    order: int                 # its number among the storages allocated, in order
     in_block: bool             # allocated by a block's forward
 
 
-class _Tracker(TorchDispatchMode):
-    def __init__(self, device: torch.device | None, detect_backward: bool = False, trace: bool = False):
-        super().__init__()
-        self.device = device
-        self.detect_backward = detect_backward
-        self.trace: list[tuple[str, int, int]] | None = [] if trace else None
-        self.live: dict[int, _Storage] = {}   # by storage key
-        self.allocations = 0                  # storages seen so far, numbered in order
-        self.peak_allocation = 0              # the number of the storage that set the peak
+class LiveCounts:
+    """The tracker's counts, kept from its events (`_Tracker.events`), one at a time: a tracked
+    step's report is these counts after its events, and a stream of events composed elsewhere
+    (`estimate.compose`) is counted by the same rules. Events are tuples:
+
+    ("alloc", key, nbytes, category, in_block), ("free", key, nbytes), ("relabel", key, category),
+    ("phase", name), ("start",) (the state before the step is complete), ("enter", block) and
+    ("exit", block) (a block's __call__), ("backward_block", block or None). Others are marks for
+    whoever reads the events, and are not counted."""
+
+    def __init__(self):
+        self.live: dict[object, _Entry] = {}
+        self.allocations = 0                  # storages allocated so far
+        self.peak_allocation = 0              # the order of the storage that set the peak
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.peak = 0
         self.peak_by_category = dict(self.by_category)
         self.in_blocks = dict.fromkeys(CATEGORIES, 0)   # by_category's share allocated in blocks
         self.peak_in_blocks = dict(self.in_blocks)
-        self.block_depth = 0                  # > 0 while a block's forward runs
         self.backward_block: int | None = None  # the block whose backward is running
         self.peak_block: int | None = None
         self.block_calls_in_backward = 0
@@ -83,7 +86,135 @@ class _Tracker(TorchDispatchMode):
         self.start_bytes = 0
         self.saved_activation_bytes: int | None = None
         self.timeline: list[tuple[str, int]] = []
+        self._apply = {"alloc": self.alloc, "free": self.free, "relabel": self.relabel, "phase": self.set_phase,
+                       "start": self.start, "enter": self.enter, "backward_block": self.enter_backward}
+
+    def apply(self, event: tuple) -> None:
+        handler = self._apply.get(event[0])
+        if handler is not None:
+            handler(*event[1:])
+
+    def alloc(self, key, nbytes: int, category: str, in_block: bool) -> None:
+        self.allocations += 1
+        self.live[key] = _Entry(nbytes, category, self.phase, self.allocations, in_block)
+        self.by_category[category] += nbytes
+        if in_block:
+            self.in_blocks[category] += nbytes
+        self.total += nbytes
+        if self.phase != "setup":  # what existed before the step is the timeline's starting level
+            self.timeline.append((self.phase, self.total))
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_by_category = dict(self.by_category)
+            self.peak_in_blocks = dict(self.in_blocks)
+            self.peak_phase = self.phase
+            self.peak_allocation = self.allocations
+            self.peak_block = self.backward_block if self.phase == "backward" else None
+
+    def relabel(self, key, category: str) -> None:
+        """Give a live storage a category that ranks before its own (a temporary that autograd
+        saves becomes an activation), in the breakdown at the peak too when it was alive then:
+        allocated no later than the storage that set the peak, and not freed since (it is live)."""
+        entry = self.live[key]
+        if CATEGORIES.index(category) >= CATEGORIES.index(entry.category):
+            return
+        alive_at_peak = entry.order <= self.peak_allocation
+        for counts, applies in ((self.by_category, True), (self.peak_by_category, alive_at_peak),
+                                (self.in_blocks, entry.in_block), (self.peak_in_blocks, alive_at_peak and entry.in_block)):
+            if applies:
+                counts[entry.category] -= entry.nbytes
+                counts[category] += entry.nbytes
+        entry.category = category
+
+    def free(self, key, nbytes: int) -> None:
+        entry = self.live.pop(key)
+        self.by_category[entry.category] -= entry.nbytes
+        if entry.in_block:
+            self.in_blocks[entry.category] -= entry.nbytes
+        self.total -= entry.nbytes
+        self.timeline.append((self.phase, self.total))
+
+    def set_phase(self, phase: str) -> None:
+        if self.phase == "setup":
+            self.timeline.append((phase, self.total))
+        if self.phase == "forward" and phase != "forward":
+            # Whatever forward allocated and is still alive is held for backward.
+            held = 0
+            for key, entry in self.live.items():
+                if entry.phase == "forward":
+                    held += entry.nbytes
+                    self.relabel(key, "activations")
+            self.saved_activation_bytes = held
+        self.phase = phase
+
+    def start(self) -> None:
+        self.start_bytes = self.total
+
+    def enter(self, block: int) -> None:
+        if self.phase == "backward":   # a recompute through the block's __call__, not ckptlab's wrapper
+            self.block_calls_in_backward += 1
+
+    def enter_backward(self, block: int | None) -> None:
+        self.backward_block = block
+
+    def report(self, events: list[tuple] | None = None) -> MemoryReport:
+        """The report of what was counted; with `events` (those counted), its allocator `trace`."""
+        return MemoryReport(
+            peak_bytes=self.peak,
+            peak_by_category=dict(self.peak_by_category),
+            peak_phase=self.peak_phase,
+            start_bytes=self.start_bytes,
+            saved_activation_bytes=self.saved_activation_bytes,
+            peak_in_blocks_by_category=dict(self.peak_in_blocks),
+            peak_block=self.peak_block,
+            block_calls_in_backward=self.block_calls_in_backward,
+            timeline=list(self.timeline),
+            trace=None if events is None else allocator_trace(events),
+        )
+
+
+def count_events(events: Iterable[tuple]) -> LiveCounts:
+    """The counts after `events`, counted from nothing."""
+    counts = LiveCounts()
+    for event in events:
+        counts.apply(event)
+    return counts
+
+
+def allocator_trace(events: Iterable[tuple]) -> list[tuple[str, int, int]]:
+    """The allocations and frees among `events`, as `MemoryReport.trace` holds them."""
+    return [(e[0], e[1], e[2]) for e in events if e[0] == "alloc" or e[0] == "free"]
+
+
+@dataclass
+class _Storage:
+    """One live storage as the tracker sees it."""
+
+    number: int                # its number among the storages seen, in order (its events' key)
+    nbytes: int
+    ref: weakref.ref           # tells the tracker when it dies
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self, device: torch.device | None, detect_backward: bool = False, trace: bool = False):
+        super().__init__()
+        self.device = device
+        self.detect_backward = detect_backward
+        self.keep_trace = trace
+        self.events: list[tuple] = []          # everything counted, in order (`LiveCounts`)
+        self.counts = LiveCounts()
+        self.live: dict[int, _Storage] = {}   # by storage key
+        self.allocations = 0                  # storages seen so far, numbered in order
+        self.block_depth = 0                  # > 0 while a block's forward runs
         self.active = True
+
+    def emit(self, event: tuple) -> None:
+        self.events.append(event)
+        self.counts.apply(event)
+
+    @property
+    def phase(self) -> str:
+        return self.counts.phase
 
     # -- bookkeeping --------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: str) -> None:
@@ -101,23 +232,16 @@ class _Tracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         ref = weakref.ref(storage, lambda _ref, key=key: self._free(key))
         self.allocations += 1
-        in_block = self.block_depth > 0
-        self.live[key] = _Storage(nbytes, category, self.phase, ref, self.allocations, in_block)
-        if self.trace is not None:
-            self.trace.append(("alloc", self.allocations, nbytes))
-        self.by_category[category] += nbytes
-        if in_block:
-            self.in_blocks[category] += nbytes
-        self.total += nbytes
-        if self.phase != "setup":  # what existed before the step is the timeline's starting level
-            self.timeline.append((self.phase, self.total))
-        if self.total > self.peak:
-            self.peak = self.total
-            self.peak_by_category = dict(self.by_category)
-            self.peak_in_blocks = dict(self.in_blocks)
-            self.peak_phase = self.phase
-            self.peak_allocation = self.allocations
-            self.peak_block = self.backward_block if self.phase == "backward" else None
+        self.live[key] = _Storage(self.allocations, nbytes, ref)
+        self.emit(("alloc", self.allocations, nbytes, category, self.block_depth > 0))
+
+    def number(self, tensor: torch.Tensor) -> int | None:
+        """The number of the live storage that `tensor` views (None: not tracked)."""
+        try:
+            entry = self.live.get(tensor.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            return None
+        return None if entry is None else entry.number
 
     def claim(self, tensor: torch.Tensor, category: str) -> None:
         """Label a tensor that may already be counted (as a temporary, say) as `category`, in the
@@ -135,18 +259,8 @@ class _Tracker(TorchDispatchMode):
         self._relabel(entry, category)
 
     def _relabel(self, entry: _Storage, category: str) -> None:
-        """Give a live storage a category that ranks before its own (a temporary that autograd
-        saves becomes an activation), in the breakdown at the peak too when it was alive then:
-        allocated no later than the storage that set the peak, and not freed since (it is live)."""
-        if CATEGORIES.index(category) >= CATEGORIES.index(entry.category):
-            return
-        alive_at_peak = entry.allocation <= self.peak_allocation
-        for counts, applies in ((self.by_category, True), (self.peak_by_category, alive_at_peak),
-                                (self.in_blocks, entry.in_block), (self.peak_in_blocks, alive_at_peak and entry.in_block)):
-            if applies:
-                counts[entry.category] -= entry.nbytes
-                counts[category] += entry.nbytes
-        entry.category = category
+        if CATEGORIES.index(category) < CATEGORIES.index(self.counts.live[entry.number].category):
+            self.emit(("relabel", entry.number, category))
 
     def _free(self, key: int) -> None:
         if not self.active:
@@ -154,13 +268,7 @@ class _Tracker(TorchDispatchMode):
         entry = self.live.pop(key, None)
         if entry is None:
             return
-        self.by_category[entry.category] -= entry.nbytes
-        if entry.in_block:
-            self.in_blocks[entry.category] -= entry.nbytes
-        self.total -= entry.nbytes
-        self.timeline.append((self.phase, self.total))
-        if self.trace is not None:
-            self.trace.append(("free", entry.allocation, entry.nbytes))
+        self.emit(("free", entry.number, entry.nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Autograd's engine runs every backward op inside a graph task: a loop ckptlab does not
@@ -177,31 +285,10 @@ class _Tracker(TorchDispatchMode):
     def set_phase(self, phase: str) -> None:
         if phase not in PHASES:
             raise ValueError(f"phase={phase!r} is invalid: allowed are {', '.join(PHASES)}")
-        if self.phase == "setup":
-            self.timeline.append((phase, self.total))
-        if self.phase == "forward" and phase != "forward":
-            # Whatever forward allocated and is still alive is held for backward.
-            held = 0
-            for entry in self.live.values():
-                if entry.phase == "forward":
-                    held += entry.nbytes
-                    self._relabel(entry, "activations")
-            self.saved_activation_bytes = held
-        self.phase = phase
+        self.emit(("phase", phase))
 
     def report(self) -> MemoryReport:
-        return MemoryReport(
-            peak_bytes=self.peak,
-            peak_by_category=dict(self.peak_by_category),
-            peak_phase=self.peak_phase,
-            start_bytes=self.start_bytes,
-            saved_activation_bytes=self.saved_activation_bytes,
-            peak_in_blocks_by_category=dict(self.peak_in_blocks),
-            peak_block=self.peak_block,
-            block_calls_in_backward=self.block_calls_in_backward,
-            timeline=list(self.timeline),
-            trace=None if self.trace is None else list(self.trace),
-        )
+        return self.counts.report(self.events if self.keep_trace else None)
 
     # -- blocks -------------------------------------------------------------------------------
     def watch_blocks(self, blocks: Sequence[nn.Module]) -> list:
@@ -216,20 +303,20 @@ class _Tracker(TorchDispatchMode):
 
     def _block_called(self, j: int, module, args) -> None:
         self.block_depth += 1
-        if self.phase == "backward":   # a recompute through the block's __call__, not ckptlab's wrapper
-            self.block_calls_in_backward += 1
+        self.emit(("enter", j))
         x = args[0] if args else None
         if j == 0 and self.phase == "forward" and isinstance(x, torch.Tensor) and x.requires_grad:
             x.register_hook(lambda grad: self._enter_backward(None))
 
     def _block_returned(self, j: int, module, args, out) -> None:
         self.block_depth -= 1
+        self.emit(("exit", j))
         h = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
         if self.phase == "forward" and isinstance(h, torch.Tensor) and h.requires_grad:
             h.register_hook(lambda grad: self._enter_backward(j))
 
     def _enter_backward(self, j: int | None) -> None:
-        self.backward_block = j
+        self.emit(("backward_block", j))
 
 
 class MemoryTracker:
@@ -259,7 +346,20 @@ class MemoryTracker:
     @property
     def timeline(self) -> list[tuple[str, int]]:
         """(phase, live bytes) after each allocation and free so far, in order."""
-        return self._tracker.timeline
+        return self._tracker.counts.timeline
+
+    @property
+    def events(self) -> list[tuple]:
+        """Everything counted so far, in order (`LiveCounts` says what each event is)."""
+        return self._tracker.events
+
+    def mark(self, event: tuple) -> None:
+        """Add a mark to the events (a tuple whose first item names it; not counted)."""
+        self._tracker.emit(event)
+
+    def number(self, tensor: torch.Tensor) -> int | None:
+        """The key of the tracked storage `tensor` views in the events (None: not tracked)."""
+        return self._tracker.number(tensor)
 
 
 @contextlib.contextmanager
@@ -284,7 +384,7 @@ def track_memory(
     blocks' forwards allocated and which block's backward held the peak. Optimizer state is
     labelled as such at the end, also in the peak's breakdown when the step created it.
     `trace=True` also keeps every allocation and free in order (`MemoryReport.trace`), for an
-    allocator to replay; off, nothing is kept.
+    allocator to replay; off, the report has none.
     """
     if device is None and model is not None:
         first = next(model.parameters(), None)
@@ -304,9 +404,14 @@ def track_memory(
     # Inputs that the step itself releases (a held output, `probe.step.HeldOutput`) must not be
     # kept alive by this frame.
     inputs = t = None
-    tracker.start_bytes = tracker.total
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.track(p.grad, "gradients"))
-             for p in params if p.requires_grad]
+    tracker.emit(("start",))
+
+    def gradient_ready(index: int, p: torch.Tensor) -> None:
+        tracker.track(p.grad, "gradients")
+        tracker.emit(("grad", tracker.number(p.grad), index))   # a mark: whose gradient it is
+
+    hooks = [p.register_post_accumulate_grad_hook(functools.partial(gradient_ready, i))
+             for i, p in enumerate(params) if p.requires_grad]
     hooks += tracker.watch_blocks(blocks)
 
     def pack(t: torch.Tensor) -> torch.Tensor:

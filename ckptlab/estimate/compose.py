@@ -1,0 +1,655 @@
+"""The fast path of a prediction: trace the step on a few blocks of each stack, and compose the
+whole step's events from that trace.
+
+A stack's blocks trace alike: a block's forward, its backward and its recompute allocate and free
+the same sizes in the same order as its neighbours', and refer to its neighbours' tensors the same
+way (its input, the gradient flowing into it). So the step is run once, tracked as the full trace
+is (`fake_step`), on the whole model with each stack's middle cut out: the stack's container
+iterates over the kept blocks only (`_skipping_class`), while the model keeps all its parameters, so
+setup, optimizer state, the optimizer step and `zero_grad` see every parameter, as in the full
+step. What the cut blocks would have done is put back into the events:
+
+- A stack of L blocks is split into its first block, its middle (L - 2 blocks, whose kinds repeat
+  with a period P: a kind is the block's type, parameters and checkpoint mode) and its last
+  block. Kept are the first block and three periods (the head), and the end of the stack from a
+  multiple of P on (the tail); the cut blocks in between are copies of the head's third period
+  (their `template`), whose neighbours all ran. The kept middle blocks of the tail must trace as
+  their templates do (`_Units._check_alike`): the first block's influence (a tensor it makes
+  that the next blocks keep) has died out by then.
+- The events are split into units: a block's forward unit runs from its predecessor's return to
+  its own return, its backward unit from the gradient of its output to the next block's. A cut
+  block's units are its template's, inserted in the forward after the head's last block and in
+  the backward before it, with their storages renamed: a storage a unit allocates is that
+  block's own; one it refers to that another block's unit allocated is the one at the same
+  place of the block at the same distance (in the kept order) from it, so a block's input is its
+  predecessor's output whether that predecessor ran or is a copy. Storages of everything outside
+  the blocks (embeddings, head, parameters, optimizer state) keep their names, and so does one
+  that the unit a period before refers to at the same place (a table every block reads; a first
+  block's output that every block reads). Where something outside the blocks refers to one storage of every block in turn
+  (autocast's cache of weight casts, released when autocast exits), it refers to the copies' too.
+- The cut blocks' gradients come from their template's units. The trace stands zero gradients
+  in for them when backward ends (so that the optimizer step and `zero_grad` run on every
+  parameter as in the full step); those allocations are dropped and their storages renamed to
+  the copies' gradients.
+
+The composed events are counted by `probe.memory.LiveCounts`, as a tracked step's own events are,
+and on CUDA replayed through the caching allocator. What a composed trace cannot know is refused
+before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
+policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
+that is not one forward, backward and optimizer step, a model that indexes its blocks, blocks
+whose order, units or gradients the trace cannot place. The equality of the two paths is a test
+(tests/test_fast_path.py), on models with repeated, alternating, shared, encoder-decoder blocks
+and blocks that read an earlier block's tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ..core.cards import Card
+from ..core.loop import Loop, as_loop
+from ..core.policy import Policy
+from ..probe.memory import count_events, track_memory
+from ..workloads.base import Workload
+from ..workloads.specs import one_line
+from .cuda_device import DEFAULT_ARCH, BlasUse, HostOffload, LoopOrder, device_memory, parse_alloc_conf
+from .fake_step import (
+    FakeMemory,
+    as_card,
+    fake_memory,
+    fake_step_state,
+    optimizer_event,
+    optimizer_state_keys,
+)
+from .torch_versions import torch_rules
+
+LONGEST_PERIOD = 4   # of the block kinds in a stack's middle; a longer one is traced in full
+
+
+class NotComposable(Exception):
+    """Why a step's events cannot be composed: the prediction runs the full trace instead."""
+
+
+def fast_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
+                loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
+                attention: Optional[str] = None, *, torch_version: Optional[str] = None,
+                alloc_conf: Optional[str] = None) -> FakeMemory:
+    """`fake_step.fake_memory`'s answer, from a composed trace where the step allows one (module
+    docstring), else from the full trace; `FakeMemory.trace` says which answered, and why not
+    the composed one."""
+    args = (workload, batch_size, seq_len, policy, dtype, loop, device, card, attention)
+    options = dict(torch_version=torch_version, alloc_conf=alloc_conf)
+    try:
+        return composed_memory(*args, **options)
+    except NotComposable as why:
+        reason = str(why)
+    except Exception as exc:   # the model cannot run with its stacks cut: the full trace can say why
+        reason = f"the shortened step failed with {type(exc).__name__}: {one_line(exc)}"
+    full = fake_memory(*args, **options)
+    full.trace = f"full ({reason})"
+    return full
+
+
+def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
+                    loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
+                    attention: Optional[str] = None, *, torch_version: Optional[str] = None,
+                    alloc_conf: Optional[str] = None) -> FakeMemory:
+    """One fake training step from a composed trace (module docstring); NotComposable if the step
+    does not allow one."""
+    loop = as_loop(loop)
+    if loop.accum_steps != 1:
+        raise NotComposable(f"accum={loop.accum_steps} runs several forward passes")
+    if policy.mechanism == "transformers":
+        raise NotComposable("transformers' own checkpointing")
+    cuda, card = device == "cuda", as_card(card)
+    blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
+    host = _MarkedHostOffload() if cuda and policy.offload else None
+    cut = _Cut()
+    with fake_step_state(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention, host,
+                         torch_version=torch_version, shorten=cut.shorten) as (model, handle, batch, opt, step, kernels):
+        if host:
+            host.reset()   # the warm-up step's copies are gone
+        with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks) as tracker, blas:
+            cut.tracker = tracker
+            if host:
+                host.tracker = tracker
+            try:
+                step(_Marks(tracker, cut))
+            finally:
+                cut.tracker = None
+                if host:
+                    host.tracker = None
+        events = list(tracker.events)
+        composed = compose(events, cut)
+        counts = count_events(composed)
+        report = counts.report(composed if cuda else None)
+        report.param_bytes = tracker.report().param_bytes
+        recomputes = (sum(1 for e in composed if e[0] == "region_run")
+                      - sum(e[1] for e in composed if e[0] == "forward_runs"))
+        fake = FakeMemory(report, handle, recompute_count=recomputes, trace="composed")
+        if not cuda:
+            return fake
+        workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
+        order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
+        fake.device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card,
+                                    parse_alloc_conf(alloc_conf), loop_order=order)
+        fake.device.host_bytes = _host_peak(composed) if host else None
+        fake.attention_backend = kernels.attention_backend
+        return fake
+
+
+# --------------------------------------------------------------------------- the cut
+
+@dataclass
+class _Stack:
+    """One stack's cut: global block indices (into the checkpoint handle's blocks)."""
+
+    first: int                 # the stack's first block
+    length: int
+    period: int = 1
+    cut: range = range(0)      # the blocks that do not run
+
+    def template(self, block: int) -> int:
+        """The head block whose units a cut block's are: one of its third period."""
+        third_period = self.first + 1 + 2 * self.period
+        return third_period + (block - third_period) % self.period
+
+    @property
+    def head_last(self) -> int:
+        return self.cut.start - 1
+
+
+@dataclass
+class _Cut:
+    """Which blocks a shortened step runs, and how its events become the whole step's."""
+
+    stacks: list[_Stack] = field(default_factory=list)
+    stack_of: dict[int, _Stack] = field(default_factory=dict)     # global block -> its stack
+    param_template: dict[int, int] = field(default_factory=dict)  # a cut block's parameter -> its template's
+    param_block: dict[int, int] = field(default_factory=dict)     # a cut block's parameter -> that block
+    tracker: object = None
+    params: list = field(default_factory=list)
+
+    def shorten(self, model: nn.Module, handle) -> Callable[[list], list]:
+        """Cut the stacks' middles out of `model` (called once the policy is applied); returns
+        what the warm-up's trained parameters become (the cut blocks' counterparts added)."""
+        if not handle.stacks:
+            raise NotComposable("the blocks were given, not found in stacks")
+        if any(stop - start > 1 for start, stop in handle.regions):
+            raise NotComposable("checkpoint regions span several blocks")
+        modes = handle.policy.modes(handle.n_blocks) if handle.policy.kind in ("selective", "plan") else [
+            "full" if j in set(handle.checkpointed_blocks) else "keep" for j in range(handle.n_blocks)]
+        start = 0
+        for stack in handle.stacks:
+            self.stacks.append(_plan_stack(stack.blocks, modes[start:start + len(stack.blocks)], start))
+            for j in range(start, start + len(stack.blocks)):
+                self.stack_of[j] = self.stacks[-1]
+            start += len(stack.blocks)
+        if not any(s.cut for s in self.stacks):
+            raise NotComposable("no stack has repeated middle blocks to compose")
+        self.params = list(model.parameters())
+        self._match_parameters(handle)
+        for stack_plan, stack in zip(self.stacks, handle.stacks):
+            if stack_plan.cut:
+                container = model.get_submodule(stack.path) if stack.path else model
+                kept = [b for i, b in enumerate(stack.blocks) if stack_plan.first + i not in stack_plan.cut]
+                container.__class__ = _skipping_class(type(container), kept)   # for this prediction's model only
+        self._count_regions(handle)
+        return self.trained
+
+    def _match_parameters(self, handle) -> None:
+        """Each parameter of a cut block, matched with its template's, by position."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        cut_blocks = {j for s in self.stacks for j in s.cut}
+        elsewhere = set()
+        for j, block in enumerate(handle.blocks):
+            if j not in cut_blocks:
+                elsewhere.update(id(p) for p in block.parameters())
+        in_blocks = {id(p) for block in handle.blocks for p in block.parameters()}
+        elsewhere.update(id(p) for p in self.params if id(p) not in in_blocks)
+        for j in sorted(cut_blocks):
+            template = self.stack_of[j].template(j)
+            own, theirs = list(handle.blocks[j].parameters()), list(handle.blocks[template].parameters())
+            own_ids = {id(p) for p in own}
+            for p, q in zip(own, theirs):
+                if id(p) in elsewhere:
+                    if p is not q:
+                        raise NotComposable(f"block {j} shares a parameter with another block than its template")
+                    continue
+                if id(q) not in elsewhere or id(q) in own_ids:
+                    raise NotComposable(f"block {j}'s parameters do not match block {template}'s")
+                self.param_template[index[id(p)]] = index[id(q)]
+                self.param_block[index[id(p)]] = j
+
+    def _count_regions(self, handle) -> None:
+        """Mark the checkpoint handle's counts in the events, so that the composed step counts
+        the cut blocks' recomputes."""
+        region_run, count_forward = handle.count_region_run, handle.count_forward
+
+        def counted_region_run():
+            region_run()
+            if self.tracker is not None:
+                self.tracker.mark(("region_run",))
+
+        def counted_forward(blocks: int = 1):
+            count_forward(blocks)
+            if self.tracker is not None:
+                self.tracker.mark(("forward_runs", blocks))
+
+        handle.count_region_run, handle.count_forward = counted_region_run, counted_forward
+
+    def trained(self, reached: list) -> list:
+        """The warm-up's trained parameters with the cut blocks' counterparts of them."""
+        ids = {id(p) for p in reached}
+        return list(reached) + [self.params[p] for p, q in self.param_template.items() if id(self.params[q]) in ids]
+
+    def stand_in_gradients(self, marks) -> None:
+        """Zero gradients for the cut blocks' parameters whose templates got one, marked so that
+        `compose` drops them and renames them to the copies' gradients."""
+        graded = {e[2] for e in marks.events if e[0] == "grad"}
+        marks.mark(("stand_ins",))
+        for p, q in self.param_template.items():
+            if q in graded and self.params[p].grad is None:   # a loop that zero-fills keeps its gradients
+                param = self.params[p]
+                param.grad = torch.zeros_like(param)
+                marks.mark(("stand_in", marks.number(param.grad), p))
+        marks.mark(("stand_ins_end",))
+
+
+class _Marks:
+    """The tracker handed to the step: when backward ends, the cut blocks' stand-in gradients."""
+
+    def __init__(self, tracker, cut: _Cut):
+        self.tracker, self.cut, self.phase_now = tracker, cut, "forward"
+
+    def __getattr__(self, name: str):
+        return getattr(self.tracker, name)
+
+    def phase(self, name: str) -> None:
+        if self.phase_now == "backward" and name != "backward":
+            self.cut.stand_in_gradients(self.tracker)
+        self.phase_now = name
+        self.tracker.phase(name)
+
+
+def _skipping_class(cls: type, kept: list) -> type:
+    """`cls` whose instances iterate over `kept` only: the model's loop runs the kept blocks,
+    while its parameters (`_modules`) stay whole."""
+
+    def refuse(self, index):
+        if isinstance(index, slice):
+            return kept[index]
+        raise NotComposable(f"the model indexes its blocks ({type(self).__name__}[{index}]), so they cannot be cut")
+
+    return type(cls.__name__, (cls,), {"__iter__": lambda self: iter(kept), "__len__": lambda self: len(kept),
+                                       "__getitem__": refuse})
+
+
+def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
+    """Which of a stack's blocks are cut (module docstring)."""
+    stack = _Stack(first, len(blocks))
+    kinds = [_kind(b, m) for b, m in zip(blocks, modes)]
+    middle = kinds[1:-1]
+    period = next((p for p in range(1, LONGEST_PERIOD + 1)
+                   if all(middle[i] == middle[i + p] for i in range(len(middle) - p))), None)
+    if period is None:
+        return stack
+    # Kept: the first block and three periods, then from the first block after a whole number of
+    # periods that leaves one middle block and the last block.
+    cut = (len(blocks) - 3 - 3 * period) // period * period
+    if cut <= 0:
+        return stack
+    stack.period = period
+    stack.cut = range(first + 1 + 3 * period, first + 1 + 3 * period + cut)
+    return stack
+
+
+def _kind(block: nn.Module, mode: str) -> tuple:
+    """What makes two blocks trace alike: type, parameters and buffers (shapes, dtypes,
+    trainable) and checkpoint mode."""
+    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in block.named_parameters())
+    tensors += tuple((name, tuple(t.shape), t.dtype) for name, t in block.named_buffers())
+    return type(block), mode, tensors
+
+
+# --------------------------------------------------------------------------- composing the events
+
+def compose(events: list[tuple], cut: _Cut) -> list[tuple]:
+    """The whole step's events from a shortened step's (module docstring), with storages numbered
+    1, 2, ... in the order they are allocated."""
+    phases = [e[1] for e in events if e[0] == "phase"]
+    if phases != ["forward", "backward", "optimizer"]:
+        raise NotComposable(f"the step's phases are {', '.join(phases)}, not one forward, backward and optimizer step")
+    units = _Units(events, cut)
+    stand_ins = units.stand_in_names()
+    before, after = units.each_block_references(set(stand_ins.values()))
+    out = []
+    dropping = False
+    for i, event in enumerate(events):
+        for j in units.backward_inserts.get(i, ()):
+            out += units.copy(("bwd", cut.stack_of[j].template(j)), j, stand_ins)
+        if event[0] == "stand_ins":
+            dropping = True
+        if not dropping:
+            out += before.get(i, [])
+            out.append(units.rename(i, units.unit_of[i], None, stand_ins))
+            out += after.get(i, [])
+        if event[0] == "stand_ins_end":
+            dropping = False
+        for j in units.forward_inserts.get(i, ()):
+            out += units.copy(("fwd", cut.stack_of[j].template(j)), j, stand_ins)
+    return _numbered(out, units)
+
+
+class _Units:
+    """A shortened step's events split into the kept blocks' units (module docstring)."""
+
+    def __init__(self, events: list[tuple], cut: _Cut):
+        self.events, self.cut = events, cut
+        self.kept = {s.first: [j for j in range(s.first, s.first + s.length) if j not in s.cut] for s in cut.stacks}
+        self.order = {j: k for kept in self.kept.values() for k, j in enumerate(kept)}   # place in the kept order
+        self.unit_of: list[Optional[tuple]] = [None] * len(events)
+        self.members: dict[tuple, list[int]] = defaultdict(list)   # unit -> its events' indices
+        self.allocs: dict[tuple, list] = defaultdict(list)         # unit -> the storages it allocates
+        self.owner: dict[object, tuple] = {}                        # storage -> (unit, place among its allocations)
+        self.forward_inserts: dict[int, list[int]] = {}
+        self.backward_inserts: dict[int, list[int]] = {}
+        self._split()
+
+    def _next_kept(self, block: int) -> Optional[int]:
+        kept = self.kept[self.cut.stack_of[block].first]
+        k = self.order[block]
+        return kept[k + 1] if k + 1 < len(kept) else None
+
+    def _split(self) -> None:
+        phase, unit, depth, entered = "setup", None, 0, defaultdict(int)
+        forward_exit, backward_marks = {}, defaultdict(list)
+        for i, event in enumerate(self.events):
+            kind = event[0]
+            if kind == "phase":
+                phase, unit = event[1], None
+            elif phase == "forward" and kind == "enter":
+                if depth == 0 and unit is None and self._is_first(event[1]):
+                    unit = ("fwd", event[1])
+                if depth == 0 and unit != ("fwd", event[1]):
+                    raise NotComposable(f"block {event[1]} ran out of its stack's order")
+                depth += 1
+                entered[event[1]] += 1
+            elif phase == "backward" and kind == "backward_block":
+                unit = None if event[1] is None else ("bwd", event[1])
+                backward_marks[event[1]].append(i)
+            self.unit_of[i] = unit
+            if unit is not None:
+                self.members[unit].append(i)
+                if kind == "alloc":
+                    self.owner[event[1]] = (unit, len(self.allocs[unit]))
+                    self.allocs[unit].append(event[1])
+            if phase == "forward" and kind == "exit":
+                depth -= 1
+                if depth == 0:
+                    forward_exit[event[1]] = i
+                    following = self._next_kept(event[1])
+                    unit = ("fwd", following) if following is not None else None
+        for s in self.cut.stacks:
+            if not s.cut:
+                continue
+            for j in self.kept[s.first]:
+                if entered[j] != 1:
+                    raise NotComposable(f"block {j} ran {entered[j]} times in forward")
+            self.forward_inserts[forward_exit[s.head_last]] = list(s.cut)
+            if ("bwd", s.template(s.cut.start)) in self.members:
+                if len(backward_marks[s.head_last]) != 1:
+                    raise NotComposable(f"block {s.head_last}'s backward cannot be placed")
+                self.backward_inserts[backward_marks[s.head_last][0]] = list(reversed(s.cut))
+            elif any(("bwd", j) in self.members for j in self.kept[s.first] if j != s.first):
+                raise NotComposable("the blocks' backward units differ from their templates'")
+        self._find_fixed_references()
+        self._check_alike()
+
+    def _check_alike(self) -> None:
+        """Each kept middle block after the cut traces as its template: same events, referring
+        to storages at the same places of the same neighbours. Else the template is not what the
+        cut blocks are (the first blocks' influence reaches it): NotComposable."""
+        for s in self.cut.stacks:
+            for block in range(s.cut.stop, s.first + s.length - 1):
+                template = s.template(block)
+                for role in ("fwd", "bwd"):
+                    ours, theirs = self._signature((role, block)), self._signature((role, template))
+                    if len(ours) != len(theirs) or not all(map(_alike, ours, theirs)):
+                        raise NotComposable(f"block {block}'s {role} unit differs from block {template}'s")
+
+    def _signature(self, unit: tuple) -> list:
+        """A unit's events, with the storages they refer to named by owner, relative to the block."""
+        here = unit[1]
+        signature = []
+        for i in self.members.get(unit, ()):
+            event = self.events[i]
+            if event[0] in ("free", "relabel", "grad"):
+                owner = self.owner.get(event[1])
+                detail = event[2:] if event[0] != "grad" else ()   # a gradient's parameter is the block's own
+                if i in self.fixed:
+                    signature.append((event[0], "fixed", event[1], *detail))
+                    continue
+                if owner is None:   # outside the blocks: a parameter's own gradient a loop keeps, say
+                    signature.append((event[0], "outside", *detail))
+                    continue
+                (role, block), place = owner
+                stack = self.cut.stack_of[block]
+                if block in (stack.first, stack.first + stack.length - 1):   # an end block: its own layout
+                    signature.append((event[0], role, "end", *detail))
+                else:
+                    signature.append((event[0], role, self.order[block] - self.order[here], place, *detail))
+            elif event[0] in ("enter", "exit", "backward_block"):
+                signature.append((event[0], None if event[1] is None else self.order.get(event[1], 0) - self.order[here]))
+            else:
+                signature.append(event[2:] if event[0] == "alloc" else event)
+        return signature
+
+    def _find_fixed_references(self) -> None:
+        """The references a block's unit makes to the very storage that the same place of the unit
+        one period before refers to: a storage all blocks read (a table made once), named as is
+        in every copy. The others refer to a storage relative to the block (its input)."""
+        self.fixed: set[int] = set()
+        for (role, block), members in list(self.members.items()):
+            stack = self.cut.stack_of[block]
+            kept = self.kept[stack.first]
+            k = self.order[block] - stack.period
+            before = self.members.get((role, kept[k])) if k >= 0 else None
+            if before is None or len(before) != len(members):
+                continue
+            for i, i_before in zip(members, before):
+                event = self.events[i]
+                if event[0] in ("free", "relabel", "grad") and event[1] == self.events[i_before][1]:
+                    self.fixed.add(i)
+
+    def _is_first(self, block: int) -> bool:
+        return self.cut.stack_of[block].first == block
+
+    def _block_as(self, block: Optional[int], unit: Optional[tuple], as_block: Optional[int]) -> Optional[int]:
+        """The block that `block`, seen from `unit` running as `as_block`, stands for."""
+        if block is None or unit is None:
+            return block
+        here = unit[1]
+        stack = self.cut.stack_of[here]
+        if self.cut.stack_of.get(block) is not stack:
+            return block
+        target = (here if as_block is None else as_block) + self.order[block] - self.order[here]
+        if not stack.first <= target < stack.first + stack.length:
+            raise NotComposable(f"block {here} refers to a block beyond its stack")
+        return target
+
+    def _storage_as(self, key, unit: Optional[tuple], as_block: Optional[int], fixed: bool = False):
+        """The storage that `key`, seen from `unit` running as `as_block`, stands for."""
+        owner = self.owner.get(key)
+        if owner is None or unit is None or fixed:
+            return key
+        (role, block), place = owner
+        target = self._block_as(block, unit, as_block)
+        return self._storage_at((role, target), place)
+
+    def _storage_at(self, unit: tuple, place: int):
+        if unit[1] in self.order:   # a kept block: its own storage
+            allocs = self.allocs.get(unit, [])
+            if place >= len(allocs):
+                raise NotComposable(f"block {unit[1]}'s {unit[0]} unit differs from its template's")
+            return allocs[place]
+        return ("copy", unit, place)
+
+    def stand_in_names(self) -> dict:
+        """Each stand-in gradient's storage -> the copy's gradient it stands for."""
+        last_grad = {}
+        for e in self.events:
+            if e[0] == "grad":
+                last_grad[e[2]] = e[1]
+            if e[0] == "stand_ins":
+                break
+        names = {}
+        for e in self.events:
+            if e[0] != "stand_in":
+                continue
+            _, key, param = e
+            block = self.cut.param_block[param]
+            template = self.cut.stack_of[block].template(block)
+            theirs = last_grad[self.cut.param_template[param]]
+            owner = self.owner.get(theirs)
+            if owner is None:
+                raise NotComposable(f"block {template}'s gradients are allocated outside its units")
+            (role, at), place = owner
+            if self.cut.stack_of.get(at) is not self.cut.stack_of[block]:
+                raise NotComposable(f"block {template}'s gradients are allocated outside its stack")
+            names[key] = self._storage_at((role, self._block_as(at, (role, template), block)), place)
+        return names
+
+    def each_block_references(self, named: set) -> tuple[dict, dict]:
+        """The events outside the blocks that refer to one storage of every block, in block order
+        (autocast's cache of weight casts, released when autocast exits), made for the cut blocks
+        too: {event index: the cut blocks' events to put before it}, and after it. Found for a
+        period of one block, where the head's last block and the tail's first both have one, and
+        the cut blocks' storages are not `named` already (gradients, whose stand-ins name them)."""
+        before, after = defaultdict(list), defaultdict(list)
+        for s in self.cut.stacks:
+            if not s.cut or s.period != 1:
+                continue
+            series: dict[tuple, dict[int, int]] = defaultdict(dict)   # (role, place) -> {block: event index}
+            for i, event in enumerate(self.events):
+                if self.unit_of[i] is None and event[0] in ("free", "relabel") and event[1] in self.owner:
+                    (role, block), place = self.owner[event[1]]
+                    if block in (s.head_last, s.cut.stop):
+                        series[(role, place)][block] = i
+            series = {key: at for key, at in series.items()
+                      if len(at) == 2 and ("copy", (key[0], s.cut.start), key[1]) not in named}
+            if not series:
+                continue
+            heads = sorted((at[s.head_last], key) for key, at in series.items())
+            tails = sorted(at[s.cut.stop] for at in series.values())
+            ascending = tails[0] > heads[0][0]
+            blocks = list(s.cut if ascending else reversed(s.cut))
+
+            def copies(i: int, role: str, place: int, js) -> list[tuple]:
+                event = self.events[i]
+                return [(event[0], ("copy", (role, j), place), *event[2:]) for j in js]
+
+            if ascending and heads[-1][0] < tails[0]:      # block by block: after the head's last one
+                after[heads[-1][0]] += [e for j in blocks for i, key in heads for e in copies(i, *key, [j])]
+            elif not ascending and heads[0][0] > tails[-1]:
+                before[heads[0][0]] += [e for j in blocks for i, key in heads for e in copies(i, *key, [j])]
+            else:                                              # storage by storage
+                for i, key in heads:
+                    (after if ascending else before)[i] += copies(i, *key, blocks)
+        return before, after
+
+    def rename(self, i: int, unit: Optional[tuple], as_block: Optional[int], stand_ins: dict) -> tuple:
+        """Event `i`, of `unit`, as block `as_block`'s (None: as its own)."""
+        event = self.events[i]
+        kind = event[0]
+        if kind == "alloc":
+            if as_block is None:
+                return event
+            return ("alloc", ("copy", (unit[0], as_block), self.owner[event[1]][1]), *event[2:])
+        if kind in ("free", "relabel", "grad"):
+            key = stand_ins.get(event[1]) or self._storage_as(event[1], unit, as_block, i in self.fixed)
+            return (kind, key, *event[2:])
+        if kind in ("enter", "exit", "backward_block"):
+            return (kind, self._block_as(event[1], unit, as_block))
+        return event
+
+    def copy(self, unit: tuple, as_block: int, stand_ins: dict) -> list[tuple]:
+        """The events of `unit` (a template's) as block `as_block`'s."""
+        return [self.rename(i, unit, as_block, stand_ins) for i in self.members.get(unit, ())]
+
+
+def _alike(ours: tuple, theirs: tuple) -> bool:
+    """Two events of `_Units._signature` alike: equal, or referring to the same role's storage
+    where one of them is an end block's (whose layout is its own)."""
+    if ours == theirs:
+        return True
+    return "end" in (ours[2:3] + theirs[2:3]) and ours[:2] == theirs[:2] and ours[-1:] == theirs[-1:]
+
+
+def _numbered(events: list[tuple], units: _Units) -> list[tuple]:
+    """`events` with their storages numbered 1, 2, ... in the order allocated. A copy's storage
+    lives to the end exactly when its template's does, or something outside the blocks refers
+    to the cut blocks' storages (all blocks' outputs kept, say): NotComposable."""
+    number: dict = {}
+    live: set = set()
+    out = []
+    for e in events:
+        if e[0] == "alloc":
+            if e[1] in live:
+                raise NotComposable("a composed unit allocates a storage twice")
+            number[e[1]] = len(number) + 1
+            live.add(e[1])
+            out.append(("alloc", number[e[1]], *e[2:]))
+        elif e[0] in ("free", "relabel", "grad"):
+            if e[1] not in live:
+                raise NotComposable("a composed unit refers to a storage that is not alive")
+            if e[0] == "free":
+                live.remove(e[1])
+            out.append((e[0], number[e[1]], *e[2:]))
+        else:
+            out.append(e)
+    for key in live:
+        if isinstance(key, tuple):
+            (role, block), place = key[1], key[2]
+            template = units.cut.stack_of[block].template(block)
+            if units.allocs[(role, template)][place] not in live:
+                raise NotComposable(f"a storage of block {block}'s {role} unit outlives the step: something "
+                                    "outside the blocks refers to every block's tensors")
+    return out
+
+
+def _host_peak(events: list[tuple]) -> int:
+    """Pinned host bytes at their peak, from the offload's marks."""
+    live = peak = 0
+    for e in events:
+        if e[0] == "host":
+            live += e[1]
+            peak = max(peak, live)
+    return peak
+
+
+class _MarkedHostOffload(HostOffload):
+    """`HostOffload` that marks each copy to the host and its release in the tracked events, so
+    that the composed step counts the cut blocks' copies too."""
+
+    tracker = None
+
+    def _pack(self, tensor: torch.Tensor):
+        device, host = super()._pack(tensor)
+        if self.tracker is not None:
+            self.tracker.mark(("host", host.numel() * host.element_size()))
+        return device, host
+
+    def _freed(self, nbytes: int) -> None:
+        super()._freed(nbytes)
+        if self.tracker is not None:
+            self.tracker.mark(("host", -nbytes))
+
+
+__all__ = ["NotComposable", "compose", "composed_memory", "fast_memory"]

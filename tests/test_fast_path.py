@@ -1,0 +1,191 @@
+"""The fast path of a prediction (a few blocks traced, the step composed) gives the full trace's
+prediction to the byte: presets, LoRA, bf16 weights, offload, selective, plans, CPU and CUDA, and
+models whose blocks differ."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ckptlab
+from ckptlab.core.policy import as_policy
+from ckptlab.estimate import compose
+from ckptlab.estimate.predict import predict_policy
+from ckptlab.workloads.registry import get_workload
+
+CUDA = dict(device="cuda", card="rtx4090")
+
+
+def both_ways(workload, policy: str, batch: int = 2, seq: int = 16, **options):
+    """(fast, full) predictions of one step."""
+    return tuple(predict_policy(workload, batch, seq, as_policy(policy), trace=trace, **options)
+                 for trace in ("fast", "full"))
+
+
+def assert_same(fast, full) -> None:
+    """Every field but the wall time and the path is identical."""
+    theirs = dataclasses.asdict(full)
+    differ = {k: (v, theirs[k]) for k, v in dataclasses.asdict(fast).items()
+              if k not in ("predict_s", "trace") and v != theirs[k]}
+    assert not differ, differ
+    assert full.trace == "full"
+
+
+@pytest.mark.parametrize("spec, overrides, policy, options", [
+    ("gpt-tiny", dict(n_layer=7), "none", {}),
+    ("gpt-tiny", dict(n_layer=7), "full", CUDA),
+    ("gpt-tiny", dict(n_layer=7), "selective", {}),
+    ("gpt-tiny", dict(n_layer=7), "full+offload", CUDA),
+    ("gpt-tiny", dict(n_layer=7), "full+offload", {}),
+    ("gpt-tiny", dict(n_layer=11), "every=2", {}),
+    ("gpt-tiny", dict(n_layer=7), "plan=kkkkkks", CUDA),
+    ("gpt-tiny", dict(n_layer=7), "none", dict(dtype="bf16")),          # autocast's cache of weight casts
+    ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16")),
+    ("gpt-tiny", dict(n_layer=7), "full", dict(loop="adamw,holds-output")),
+    ("gpt-tiny", dict(n_layer=7), "none", dict(loop="sgd")),
+    ("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, loop="none")),
+    ("gpt-tiny", dict(n_layer=7), "none", dict(loop="adamw,zero-grad=zeros,clip=1.0")),
+    ("hf-llama-tiny", dict(num_hidden_layers=7), "none", dict(CUDA, dtype="bf16-weights")),
+    ("hf-llama-tiny", dict(num_hidden_layers=7), "full", {}),
+    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "selective", dict(CUDA, dtype="bf16-weights")),
+    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "none", {}),
+])
+def test_composed_prediction_is_the_full_one(spec, overrides, policy, options):
+    fast, full = both_ways(get_workload(spec, **overrides), policy, **options)
+    assert fast.trace == "composed"
+    assert_same(fast, full)
+
+
+def test_encoder_decoder_composes_each_stack():
+    workload = get_workload("hf:t5", num_layers=7, num_decoder_layers=7)
+    fast, full = both_ways(workload, "full", seq=8)
+    assert fast.trace == "composed"
+    assert_same(fast, full)
+
+
+# ----------------------------------------------------------------------------- models of our own
+
+class Block(nn.Module):
+    """A residual MLP block; `wide` ones have a wider hidden layer, `reads` the first block's
+    output too, `shared` a weight that every block shares."""
+
+    def __init__(self, width: int, hidden: int, shared: nn.Linear | None = None):
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.shared = shared
+
+    def forward(self, h, first=None, before=None):
+        x = h if first is None else h + first
+        x = x if before is None else x * before
+        if self.shared is not None:
+            x = self.shared(x)
+        return h + self.down(F.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, kind: str, depth: int = 9, width: int = 16):
+        super().__init__()
+        self.kind = kind
+        shared = nn.Linear(width, width) if kind == "shared" else None
+        hidden = [(2 if kind == "alternating" and j % 2 else 4) * width for j in range(depth)]
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width, hidden[j], shared) for j in range(depth))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        first = before = None
+        for block in self.blocks:
+            if self.kind == "reads-first":
+                out = block(h, first=first)
+                first = out if first is None else first
+            elif self.kind == "reads-before":
+                out = block(h, before=before)
+                before = h
+            else:
+                out = block(h)
+            h = out
+        return self.head(h.mean(dim=1))
+
+
+def loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def workload(kind: str, depth: int = 7):
+    return ckptlab.Workload.custom(
+        f"net-{kind}", build_model=lambda: Net(kind, depth),
+        make_batch=lambda b, s, gen: (torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)),
+        loss=loss)
+
+
+@pytest.mark.parametrize("kind", ["alternating", "shared", "reads-first", "reads-before"])
+@pytest.mark.parametrize("policy, options", [("none", {}), ("full", CUDA)])
+def test_blocks_that_differ_compose_or_fall_back_exactly(kind, policy, options):
+    fast, full = both_ways(workload(kind, depth=11 if kind == "alternating" else 7), policy, **options)
+    assert_same(fast, full)
+    assert fast.trace == "composed"
+
+
+def test_a_short_stack_is_traced_in_full_and_says_why():
+    fast, full = both_ways(workload("plain", depth=4), "none")
+    assert_same(fast, full)
+    assert fast.trace == "full (no stack has repeated middle blocks to compose)"
+
+
+def test_what_cannot_be_composed_is_traced_in_full():
+    fast, full = both_ways(workload("plain"), "segments=2")
+    assert_same(fast, full)
+    assert fast.trace == "full (checkpoint regions span several blocks)"
+    fast = predict_policy(workload("plain"), 2, 16, as_policy("none"), loop="adamw,accum=2")
+    assert fast.trace == "full (accum=2 runs several forward passes)"
+
+
+def test_broken_composition_is_caught(monkeypatch):
+    """The equality test fails when a repeated unit goes missing: dropping one cut block's
+    backward changes the prediction (or the composition refuses it)."""
+    insert = compose._Units._split
+
+    def drop_one(self):
+        insert(self)
+        for at, blocks in self.backward_inserts.items():
+            self.backward_inserts[at] = blocks[1:]
+
+    monkeypatch.setattr(compose._Units, "_split", drop_one)
+    fast, full = both_ways(workload("plain"), "none")
+    assert fast.trace != "composed" or fast.peak_bytes != full.peak_bytes or \
+        fast.peak_by_category != full.peak_by_category
+
+
+def test_the_equality_test_fails_on_a_wrong_composition(monkeypatch):
+    """Composition broken on purpose past its own checks: cut blocks copied from the head's second
+    period, whose units still differ from the later blocks' (block 0's output stays alive there),
+    and the check against the tail turned off. The prediction is then wrong, and assert_same says so."""
+    def second_period(self, block):
+        start = self.first + 1 + self.period
+        return start + (block - start) % self.period
+
+    monkeypatch.setattr(compose._Stack, "template", second_period)
+    monkeypatch.setattr(compose._Units, "_check_alike", lambda self: None)
+    fast, full = both_ways(workload("reads-first"), "none")
+    assert fast.trace == "composed"
+    with pytest.raises(AssertionError, match="peak_bytes"):
+        assert_same(fast, full)
+
+
+def test_measure_equals_the_fast_prediction_on_cpu():
+    net = workload("alternating", depth=11)
+    fast = predict_policy(net, 2, 32, as_policy("full"))
+    measured = ckptlab.measure(net, 2, 32, "full")
+    assert fast.trace == "composed"
+    assert fast.peak_bytes == measured["peak_bytes"]
+    assert fast.saved_activation_bytes == measured["saved_activation_bytes"]
+
+
+def test_trace_is_checked():
+    with pytest.raises(ValueError, match="trace='quick' is invalid"):
+        predict_policy("gpt-tiny", 1, 8, as_policy("none"), trace="quick")
