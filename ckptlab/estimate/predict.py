@@ -201,8 +201,6 @@ def predict_fits(
     `trace` is the way to trace each step, as `predict`'s.
     """
     workload = as_workload(workload)
-    workload.check_shape(batch_size, seq_len)
-    integer("max_batch", max_batch, 1)
     choice("trace", trace, TRACES)
     choice("dtype", dtype, list(DTYPES))
     loop = as_loop(loop)
@@ -213,8 +211,9 @@ def predict_fits(
     choice("device", device, DEVICES)
     limit = workload.max_seq_len or 1 << 20
     seq_lens = sorted(set(seq_lens)) if seq_lens else [2**k for k in range(7, 21) if 2**k <= limit]
-    for s in seq_lens:
+    for s in [seq_len, *seq_lens]:
         workload.check_shape(batch_size, s)
+    integer("max_batch", max_batch, 1)
     rows = []
     for pol in parse_policies(policies):
         cache: dict[tuple, Prediction] = {}
@@ -254,13 +253,19 @@ def predict_fits(
         for cap in caps:
             best_batch = _largest(lambda b, cap=cap: fits(cap, held(b, seq_len, cap)), max_batch,
                                   _linear_guess(lambda b, cap=cap: held(b, seq_len, cap), cap, max_batch))
+            # where the sequence search starts: the tokens of the largest batch at seq_len, or
+            # when not even batch 1 fits there, the sequence below it
             best_seq = _largest_of(lambda s, cap=cap: fits(cap, held(batch_size, s, cap)), seq_lens,
-                                   seq_len * best_batch // batch_size)
+                                   seq_len * best_batch // batch_size if best_batch else seq_len - 1)
             on_device = "cuda" if cap.arch else device
             flushed = {}
             if cap.arch:
+                # the allocated peak is what the allocator needs with its cache released: its line
+                # through batch 1 and 2 says where the flushes stop helping
+                allocated = _linear_guess(lambda b, cap=cap: predicted(b, seq_len, cap).peak_bytes + cap.context_bytes,
+                                          cap, max_batch)
                 flushed = {"max_batch_size_with_flushes": _largest(lambda b, cap=cap: runs(b, seq_len, cap), max_batch,
-                                                                   max(best_batch, 1)),
+                                                                   max(best_batch, allocated)),
                            "max_seq_len_with_flushes": _largest_of(lambda s, cap=cap: runs(batch_size, s, cap),
                                                                    seq_lens, best_seq)}
             rows.append({"model": workload.label, "policy": str(pol), "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
