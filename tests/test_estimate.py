@@ -8,7 +8,7 @@ import pytest
 
 from ckptlab import closed_form, get_workload, measure, predict, predict_fits
 from ckptlab.estimate.closed_form import gpt_block_bytes
-from ckptlab.estimate.predict import _largest, llama7b_shape, prediction_error
+from ckptlab.estimate.predict import _largest, _largest_of, llama7b_shape, prediction_error
 
 GPT_POLICIES = ["none", "full", "density=0.5", "every=2", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfsk", "density=0.5+offload"]
@@ -133,6 +133,17 @@ def test_batch_search_finds_the_largest_from_any_guess_and_a_close_guess_is_chea
                 assert _largest(lambda b: calls.append(b) or b <= answer, upper, guess) == answer
                 if answer and guess in (answer, answer + 1):
                     assert len(calls) <= 4, (upper, answer, guess, calls)
+
+
+def test_sequence_search_finds_the_largest_of_the_values_and_a_close_guess_is_cheap():
+    values = [2**k for k in range(7, 16)]
+    for answer in [0] + values:
+        for guess in [0] + values + [2**20]:
+            calls = []
+            assert _largest_of(lambda s: calls.append(s) or s <= answer, values, guess) == answer
+            assert len(calls) == len(set(calls))
+            if answer and guess == answer:
+                assert len(calls) <= 2, (answer, guess, calls)   # the guess, and the value above it
 
 
 def test_shape_preset_carries_its_own_name():

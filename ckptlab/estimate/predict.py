@@ -21,7 +21,7 @@ from ..core.cards import card as find_card
 from ..core.dtypes import DTYPES
 from ..core.loop import Loop, as_loop
 from ..core.policy import Policy, parse_policies
-from ..core.validate import choice
+from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
 from .compose import fast_memory
@@ -183,8 +183,8 @@ def predict_fits(
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
-    `batch_size`. The peak grows monotonically with batch and sequence, so the batch is found by
-    doubling then bisection; each step is one `predict`. 0 means not even the smallest fits.
+    `batch_size`. The peak grows monotonically with batch and sequence, so each is found by
+    steps away from a first guess then bisection (`_largest`); each step is one `predict`. 0 means not even the smallest fits.
     (`analysis.fits_from_run` answers the same question from a sweep's measured records.)
 
     A capacity is a card (`rtx4090`, see `ckptlab.cards()`; `core.cards.parse_capacity` changes
@@ -210,7 +210,10 @@ def predict_fits(
     caps = [parse_capacity(c, "capacities") for c in capacities]
     choice("device", device, DEVICES)
     limit = workload.max_seq_len or 1 << 20
-    seq_lens = list(seq_lens) if seq_lens else [2**k for k in range(7, 21) if 2**k <= limit]
+    seq_lens = sorted(set(seq_lens)) if seq_lens else [2**k for k in range(7, 21) if 2**k <= limit]
+    for s in [seq_len, *seq_lens]:
+        workload.check_shape(batch_size, s)
+    integer("max_batch", max_batch, 1)
     rows = []
     for pol in parse_policies(policies):
         cache: dict[tuple, Prediction] = {}
@@ -250,13 +253,21 @@ def predict_fits(
         for cap in caps:
             best_batch = _largest(lambda b, cap=cap: fits(cap, held(b, seq_len, cap)), max_batch,
                                   _linear_guess(lambda b, cap=cap: held(b, seq_len, cap), cap, max_batch))
-            best_seq = max((s for s in seq_lens if fits(cap, held(batch_size, s, cap))), default=0)
+            # where the sequence search starts: the tokens of the largest batch at seq_len, or
+            # when not even batch 1 fits there, the sequence below it
+            best_seq = _largest_of(lambda s, cap=cap: fits(cap, held(batch_size, s, cap)), seq_lens,
+                                   seq_len * best_batch // batch_size if best_batch else seq_len - 1)
             on_device = "cuda" if cap.arch else device
             flushed = {}
             if cap.arch:
+                # the allocated peak is what the allocator needs with its cache released: its line
+                # through batch 1 and 2 says where the flushes stop helping
+                allocated = _linear_guess(lambda b, cap=cap: predicted(b, seq_len, cap).peak_bytes + cap.context_bytes,
+                                          cap, max_batch)
                 flushed = {"max_batch_size_with_flushes": _largest(lambda b, cap=cap: runs(b, seq_len, cap), max_batch,
-                                                                   max(best_batch, 1)),
-                           "max_seq_len_with_flushes": max((s for s in seq_lens if runs(batch_size, s, cap)), default=0)}
+                                                                   max(best_batch, allocated)),
+                           "max_seq_len_with_flushes": _largest_of(lambda s, cap=cap: runs(batch_size, s, cap),
+                                                                   seq_lens, best_seq)}
             rows.append({"model": workload.label, "policy": str(pol), "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
                          "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
                          "max_seq_len": best_seq,
@@ -292,12 +303,19 @@ def _linear_guess(held, capacity: Card, upper: int) -> int:
     return guess
 
 
+def _largest_of(fits, values: Sequence[int], guess: int) -> int:
+    """Largest of `values` (ascending) with fits(value), for a monotone predicate (0 if none),
+    searched as `_largest` searches, from the largest value at most `guess`."""
+    start = sum(1 for v in values if v <= guess)
+    at = _largest(lambda i: fits(values[i - 1]), len(values), start) if values else 0
+    return values[at - 1] if at else 0
+
+
 def _largest(fits, upper: int, guess: int = 1) -> int:
     """Largest x in 1..upper with fits(x), for a monotone predicate (0 if none): from `guess`,
     steps of 1, 2, 4, ... away from it until the answer is bracketed, then bisection. A guess
-    close to the answer costs a few evaluations; a guess of 1 is the plain doubling search."""
-    if not fits(1):
-        return 0
+    close to the answer costs a few evaluations; a guess of 1 is the plain doubling search. A
+    guess that fits says that 1 fits too, so fits(1) is asked only when it does not."""
     guess = min(max(guess, 1), upper)
     step = 1
     if fits(guess):
@@ -305,6 +323,8 @@ def _largest(fits, upper: int, guess: int = 1) -> int:
         while lo + step <= upper and fits(lo + step):
             lo, step = lo + step, step * 2
         hi = min(lo + step, upper + 1)  # fits(lo), not fits(hi) (or hi beyond the range)
+    elif guess == 1 or not fits(1):
+        return 0
     else:
         hi = guess
         while hi - step > 1 and not fits(hi - step):
