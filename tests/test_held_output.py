@@ -4,7 +4,6 @@ by hand from the output's shapes."""
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptlab
@@ -13,32 +12,9 @@ from ckptlab.core.loop import Loop
 from ckptlab.core.policy import as_policy
 from ckptlab.probe.measure import measure_policy
 
+from .tiny_lm import tiny_lm_factory
+
 VOCAB, WIDTH, BATCH, SEQ = 96, 16, 2, 8
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-class TinyLM(nn.Module):
-    """Returns a dict, as a transformers model does: the logits and the last hidden state."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return {"logits": self.head(h), "hidden": h}
 
 
 def next_token_loss(model, batch):
@@ -53,7 +29,7 @@ def head_only_loss(model, batch):   # never calls the model itself: nothing to h
 
 def tiny_lm(loss=next_token_loss):
     return ckptlab.Workload.custom(
-        "tiny-lm", TinyLM,
+        "tiny-lm", tiny_lm_factory(VOCAB, WIDTH, returns_dict=True),
         lambda b, s, gen: (torch.randint(0, VOCAB, (b, s), generator=gen), torch.randint(0, VOCAB, (b, s), generator=gen)),
         loss, blocks="blocks")
 

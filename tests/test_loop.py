@@ -7,7 +7,6 @@ import types
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptlab
@@ -17,30 +16,9 @@ from ckptlab.core.policy import as_policy
 from ckptlab.probe.measure import measure_policy
 from ckptlab.probe.step import make_optimizer, training_step
 
+from .tiny_lm import tiny_lm_factory
+
 VOCAB, WIDTH, BATCH, SEQ = 64, 16, 2, 8
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
 
 
 def next_token_loss(model, batch):
@@ -50,7 +28,7 @@ def next_token_loss(model, batch):
 
 def tiny_lm():
     return ckptlab.Workload.custom(
-        "tiny-loop", TinyLM,
+        "tiny-loop", tiny_lm_factory(VOCAB, WIDTH),
         lambda b, s, gen: (torch.randint(0, VOCAB, (b, s), generator=gen), torch.randint(0, VOCAB, (b, s), generator=gen)),
         next_token_loss, blocks="blocks")
 
