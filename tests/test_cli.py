@@ -135,7 +135,7 @@ def test_compare_as_json_and_csv_keeps_stdout_to_the_rows(capsys):
 
 @pytest.mark.parametrize("argv", [["measure", "--format", "xml"], ["compare", "--format", "xml"], ["measure", "--accum", "two"],
                                   ["measure", "--batch", "2,x"], ["measure", "--optimizer", "lion"],
-                                  ["bogus"]])
+                                  ["predict", "--attention", "fast"], ["predict", "--trace", "slow"], ["bogus"]])
 def test_usage_errors_exit_2(argv, capsys):
     try:
         code = main(argv)
@@ -144,6 +144,7 @@ def test_usage_errors_exit_2(argv, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "error" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and argv[-1] in err   # one line, naming the value
 
 
 def test_sweep_into_a_folder_in_use_exits_3(tmp_path, capsys):

@@ -244,7 +244,7 @@ def test_a_reserved_peak_past_the_card_is_answered_by_the_allocators_flush_and_r
     q = ckptlab.predict(tiny, 8, 128, "none", dtype="bf16", device="cuda", card=tight)
     assert (q.reserved_bytes, q.peak_bytes, q.margin_bytes) == (p.reserved_bytes, p.peak_bytes, -1)
     assert q.fit == "with cache flushes" and q.cache_flushes >= 1
-    assert "fits with cache flushes" in q.fit_reason and "passes the card less its margin by 1 B" in q.fit_reason
+    assert "fits with cache flushes" in q.fit_reason and "exceeds the card less its margin by 1 B" in q.fit_reason
     # A limit under the allocated peak: no release of cached blocks makes room (allocated <= reserved
     # at every moment), so "no".
     context = p.device_bytes - p.reserved_bytes

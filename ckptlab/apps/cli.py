@@ -656,8 +656,16 @@ def add_format_argument(p: argparse.ArgumentParser) -> None:
                    help="table: for reading (default); json, csv: every field of every row, for scripts")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own refusals (an unknown choice, a missing value) in one line and exit 2, as
+    ckptlab's checks give theirs; the usage stays one `--help` away. Subcommands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptlab", description="Measure what activation checkpointing saves and "
+    parser = OneLineParser(prog="ckptlab", description="Measure what activation checkpointing saves and "
                                      "costs in PyTorch, and choose what to recompute.", epilog=help_epilog(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ckptlab {__version__}")

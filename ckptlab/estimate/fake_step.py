@@ -86,7 +86,7 @@ class Prediction:
     # bytes). The CUDA peaks are each the worse of a loop's first two steps (`worse_step`: the one
     # that reached the reserved peak, 1 or 2),
     # and `fit` is core.cards.fit_answer ("yes", "with cache flushes", "no"), with the flushes
-    # per step when the reserved peak passes the card (`cache_flushes`). `alloc_conf` is the
+    # per step when the reserved peak exceeds the card (`cache_flushes`). `alloc_conf` is the
     # PYTORCH_CUDA_ALLOC_CONF the allocator is replayed with (`cuda_device.parse_alloc_conf`).
     device: str = "cpu"
     card: Optional[str] = None
@@ -147,11 +147,11 @@ class Prediction:
             return f"fits: {reserved}, {format_bytes(self.margin_bytes)} left beyond the card's margin"
         over = format_bytes(-self.margin_bytes)
         if self.fit == "with cache flushes":
-            return (f"fits with cache flushes: {reserved} passes the card less its margin by {over}, but allocated "
+            return (f"fits with cache flushes: {reserved} exceeds the card less its margin by {over}, but allocated "
                     f"{format_bytes(self.peak_bytes)} does not; releasing its cached segments and retrying, the "
                     f"allocator runs the step ({self.cache_flushes} cache flush(es) per step, each a synchronizing "
                     "cudaFree)")
-        return (f"does not fit: {reserved} passes the card less its margin by {over}, and with its cached segments "
+        return (f"does not fit: {reserved} exceeds the card less its margin by {over}, and with its cached segments "
                 f"released the allocator still runs out of memory (allocated {format_bytes(self.peak_bytes)})")
 
 
