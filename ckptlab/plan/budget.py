@@ -99,12 +99,15 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     card = as_card(card)
     predicted_for = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
     profile = profile_blocks(workload, batch_size, seq_len, dtype, loop, cost, **predicted_for)
-    budget_bytes = resolve_budget(budget, profile.peak["keep"])
-    target = budget_bytes
-    if device == "cuda":  # the profile counts tensors; the workspaces and the allocator's rounding come on top
-        keep = fake_memory(workload, batch_size, seq_len, plan_policy(["keep"] * profile.n_blocks), dtype, loop,
-                           **predicted_for, alloc_conf=alloc_conf)
-        target -= _peak(keep) - keep.report.peak_bytes
+    none_peak, full_peak, on_top = profile.peak["keep"], profile.peak["full"], 0
+    if device == "cuda":
+        # The profile counts tensors; the workspaces and the allocator's rounding come on top. A
+        # fraction is of the allocated peak without checkpointing, as `predict` reports it.
+        keep, full = (fake_memory(workload, batch_size, seq_len, plan_policy([option] * profile.n_blocks), dtype,
+                                  loop, **predicted_for, alloc_conf=alloc_conf) for option in ("keep", "full"))
+        none_peak, full_peak, on_top = _peak(keep), _peak(full), _peak(keep) - keep.report.peak_bytes
+    budget_bytes = resolve_budget(budget, none_peak)
+    target = budget_bytes - on_top
     for iteration in range(1, max_iterations + 1):
         options = solve(profile, target)
         if options is None:
@@ -130,8 +133,8 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     return Plan(
         options=options, budget_bytes=budget_bytes, predicted_peak_bytes=predicted,
         model_peak_bytes=model_peak(profile, options), recompute_ms=plan_cost(profile, options),
-        full_recompute_ms=plan_cost(profile, ["full"] * n), none_peak_bytes=profile.peak["keep"],
-        full_peak_bytes=profile.peak["full"], cost_basis=profile.cost_basis, iterations=iteration,
+        full_recompute_ms=plan_cost(profile, ["full"] * n), none_peak_bytes=none_peak,
+        full_peak_bytes=full_peak, cost_basis=profile.cost_basis, iterations=iteration,
         loss_fn=workload.loss_name, loop=loop,
         fit=chosen.device.fit if chosen.device is not None else None,
     )
