@@ -418,7 +418,7 @@ def cuda_predict_columns(card_name: str | None) -> list:
                       ("reserved" + on, "predicted_reserved_bytes", format_bytes)]
     if card_name:
         columns[at + 2:at + 2] = [("device" + on, "predicted_device_bytes", format_bytes),
-                                  ("margin" + on, "margin_bytes", format_bytes),
+                                  ("margin left" + on, "margin_bytes", format_bytes),
                                   ("fits", "fit", str), ("flushes/step", "cache_flushes", _count),
                                   ("reserved in step", "worse_step", _count)]
     columns.insert(at, ("attention", "attention_backend", str))

@@ -164,7 +164,7 @@ class DeviceMemory:
     host_bytes: int | None = None   # pinned host memory held by the host caching allocator, with offload
     worse_step: int = 2             # the step that reached the reserved peak: 1 (it creates the optimizer state) or 2
     fit: str | None = None          # on a card: core.cards.fit_answer
-    cache_flushes: int | None = None    # on a card whose limit the reserved peak passes: flushes per step
+    cache_flushes: int | None = None    # on a card whose limit the reserved peak passes, and that runs the step: flushes per step
     limited_reserved_bytes: int | None = None  # ... and the reserved peak the replay under the limit reached
 
 
@@ -252,7 +252,7 @@ def device_memory(trace: list[tuple[str, int, int]], start_bytes: int, tensor_pe
             limited = replay_steps(initial, steps, expandable_segments=expandable_segments,
                                    limit_bytes=max(card.budget_bytes, 0))
             runs = len(limited) == len(steps) and not limited[-1].out_of_memory
-            memory.cache_flushes = max(r.cache_flushes for r in limited)
+            memory.cache_flushes = max(r.cache_flushes for r in limited) if runs else None  # a step that never runs has none per step
             memory.limited_reserved_bytes = max(r.peak_reserved_bytes for r in limited)
         memory.fit = fit_answer(card, memory.device_bytes, runs)
     return memory

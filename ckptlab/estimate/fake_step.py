@@ -98,7 +98,7 @@ class Prediction:
     host_bytes: Optional[int] = None         # offload on CUDA: pinned host memory at its peak
     torch_version: Optional[str] = None      # on "cuda": the torch release whose rules it follows
     fit: Optional[str] = None                # on a card: "yes", "with cache flushes" or "no"
-    cache_flushes: Optional[int] = None      # on a card that the reserved peak passes: per step
+    cache_flushes: Optional[int] = None      # on a card that the reserved peak passes, where it runs: per step
     worse_step: Optional[int] = None         # on "cuda": the loop's step (1, 2) that reached the reserved peak
     alloc_conf: Optional[str] = None         # on "cuda": PYTORCH_CUDA_ALLOC_CONF as replayed (None: default)
     trace: str = "full"                      # which trace answered: "composed", or "full" (why, if fast was asked)
