@@ -4,6 +4,8 @@ import os
 import pytest
 import torch
 
+from ckptlab.estimate.fake_step import clear_prepared
+
 os.environ.setdefault("MPLBACKEND", "agg")
 # Two pytest workers share two cores: one intra-op thread each avoids oversubscription.
 torch.set_num_threads(1)
@@ -22,3 +24,11 @@ def _objects_so_far_frozen():
     gc.collect()
     gc.freeze()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_prepared_steps_across_tests():
+    """Each test predicts from models it prepares itself (a prepared step is reused within a test:
+    `estimate.fake_step.prepared_step`), so that what one test patches never reaches another's."""
+    yield
+    clear_prepared()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import ckptlab
 from ckptlab.core.policy import as_policy
-from ckptlab.estimate import compose
+from ckptlab.estimate import compose, fake_step
 from ckptlab.estimate.predict import predict_policy
 from ckptlab.workloads.registry import get_workload
 
@@ -26,11 +26,15 @@ def both_ways(workload, policy: str, batch: int = 2, seq: int = 16, **options):
 
 def assert_same(fast, full) -> None:
     """Every field but the wall time and the path is identical."""
-    theirs = dataclasses.asdict(full)
-    differ = {k: (v, theirs[k]) for k, v in dataclasses.asdict(fast).items()
+    assert_same_fields(fast, full)
+    assert full.trace == "full"
+
+
+def assert_same_fields(one, other) -> None:
+    theirs = dataclasses.asdict(other)
+    differ = {k: (v, theirs[k]) for k, v in dataclasses.asdict(one).items()
               if k not in ("predict_s", "trace") and v != theirs[k]}
     assert not differ, differ
-    assert full.trace == "full"
 
 
 @pytest.mark.parametrize("spec, overrides, policy, options", [
@@ -189,3 +193,26 @@ def test_measure_equals_the_fast_prediction_on_cpu():
 def test_trace_is_checked():
     with pytest.raises(ValueError, match="trace='quick' is invalid"):
         predict_policy("gpt-tiny", 1, 8, as_policy("none"), trace="quick")
+
+
+@pytest.mark.parametrize("trace", ["fast", "full"])
+@pytest.mark.parametrize("spec, overrides, policy, options", [
+    ("gpt-tiny", dict(n_layer=7), "none", {}),
+    ("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, loop="adamw,holds-output")),
+    ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16", loop="adamw,zero-grad=zeros,clip=1.0")),
+    ("gpt-tiny", dict(n_layer=7), "full+offload", CUDA),
+    ("gpt-tiny", dict(n_layer=7), "every=2", dict(dtype="fp16", loop="adamw-foreach,scaler,holds-output")),
+    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "none", dict(CUDA, dtype="bf16-weights")),
+])
+def test_a_reused_step_predicts_what_a_fresh_one_does(trace, spec, overrides, policy, options):
+    """Predictions of one model at several shapes, in turn, step one prepared model; each equals
+    the prediction of a model prepared for it alone."""
+    workload = get_workload(spec, **overrides)
+    shapes = [(2, 16), (1, 24), (3, 8), (2, 16)]
+    reused = [predict_policy(workload, b, s, as_policy(policy), trace=trace, **options) for b, s in shapes]
+    assert len(fake_step._PREPARED) == (1 if reused[0].trace in ("composed", "full") else 2)   # a fallback: both
+    for (b, s), prediction in zip(shapes, reused):
+        fake_step.clear_prepared()
+        fresh = predict_policy(workload, b, s, as_policy(policy), trace=trace, **options)
+        assert fresh.trace == prediction.trace
+        assert_same_fields(prediction, fresh)

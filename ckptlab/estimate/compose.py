@@ -63,9 +63,10 @@ from .fake_step import (
     FakeMemory,
     as_card,
     fake_memory,
-    fake_step_state,
     optimizer_event,
     optimizer_state_keys,
+    prepared_step,
+    stepped,
 )
 from .torch_versions import torch_rules
 
@@ -109,10 +110,10 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
         raise NotComposable("transformers' own checkpointing")
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
-    host = _MarkedHostOffload() if cuda and policy.offload else None
-    cut = _Cut()
-    with fake_step_state(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention, host,
-                         torch_version=torch_version, shorten=cut.shorten) as (model, handle, batch, opt, step, kernels):
+    prepared = prepared_step(workload, policy, dtype, loop, device, card, attention, torch_version=torch_version,
+                             host_type=_MarkedHostOffload if cuda and policy.offload else None, cut_type=_Cut)
+    host, cut = prepared.host, prepared.cut
+    with stepped(prepared, batch_size, seq_len) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks) as tracker, blas:

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import sys
 import warnings
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -244,41 +245,141 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
     device="cuda" the step runs as on `card`'s architecture (default sm80) under the rules of
     `torch_version` (default: the installed torch's), `attention` forcing the SDPA backend;
     `loop` as `probe.step.training_step`'s."""
-    with fake_step_state(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
-                         attention, torch_version=torch_version) as (model, handle, batch, opt, step, _):
+    prepared = PreparedStep(workload, policy, dtype, as_loop(loop), device, card, attention, torch_version=torch_version)
+    with prepared.at(batch_size, seq_len) as (model, handle, batch, opt, step, _):
         yield model, handle, batch, opt, step
 
 
+class PreparedStep:
+    """A prediction's model, built once under fake tensors with its policy applied, and its
+    optimizer, to be stepped at any batch size and sequence length (`at`): what a prediction
+    costs beyond the step itself is paid once per model, policy and loop, not once per shape.
+
+    With `host`, offload moves saved tensors to it as on CUDA. `cut`, if given, shortens the
+    model once the policy is applied (`compose`: `cut.shorten(model, handle)` may change which
+    blocks run, and returns what the warm-up's trained parameters become).
+
+    The first `at` warms the model up (`warm_up`: the state a first training step leaves). The
+    state a step leaves does not depend on its batch's shape (parameters, the optimizer state, a
+    grad scaler's scalars, gradients a loop zero-fills), except a held output: a later `at`
+    swaps the batch, and for a loop that holds its output runs the forward at the new shape,
+    whose output replaces the held one as in a warm-up. tests/test_fast_path.py checks that a
+    reused step predicts what a fresh one does, to the byte."""
+
+    def __init__(self, workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str,
+                 card: Optional[str | Card], attention: Optional[str], host: Optional[HostOffload] = None, *,
+                 torch_version: Optional[str] = None, cut=None):
+        self.card, self.device, self.dtype, self.loop = as_card(card), device, dtype, loop
+        self.attention, self.torch_version, self.host, self.cut = attention, torch_version, host, cut
+        self.fake_mode = fake_modes()
+        self.workload = with_dtype(workload, dtype)
+        self.model = fake_model(self.workload, self.fake_mode)  # as Workload.build, minus the device move
+        self.step = None
+        with self._modes():
+            self.model.train()
+            self.handle = apply_checkpointing(self.model, policy, offload_hooks=host.hooks if host else None)
+            self.trained = cut.shorten(self.model, self.handle) if cut else None
+            self.opt = make_optimizer(loop, self.model, device)
+
+    @contextlib.contextmanager
+    def _modes(self):
+        """The fake mode, and on "cuda" the CUDA semantics (yielded; None on "cpu")."""
+        semantics = None
+        if self.device == "cuda":
+            card = self.card
+            semantics = cuda_semantics(card.arch if card else DEFAULT_ARCH, self.attention,
+                                       (card.sm_count or None) if card else None, torch_version=self.torch_version)
+        with self.fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
+            yield kernels
+
+    @contextlib.contextmanager
+    def at(self, batch_size: int, seq_len: int):
+        """Inside the fake mode (and CUDA's semantics), the state a tracked step starts from at
+        this shape: yields (model, handle, batch, optimizer, step, kernels), kernels the CUDA
+        semantics (None on "cpu")."""
+        with self._modes() as kernels:
+            gen = torch.Generator().manual_seed(self.workload.seed + 1)
+            batch = self.workload.new_batch(batch_size, seq_len, gen)
+            if self.step is None:
+                self.step = training_step(self.model, self.workload, batch, self.opt, self.dtype, self.loop,
+                                          cuda_autocast if self.device == "cuda" else None)
+                if self.step.scaler is not None:
+                    assume_finite_gradients(self.step.scaler)
+                torch.manual_seed(self.workload.seed)
+                warm_up(self.step, self.model, self.opt, self.trained)
+            else:
+                self.step.batch = batch
+                if self.loop.holds_output:
+                    self.step.forward_loss()   # its output is held, the last one released
+            self.handle.reset_counts()
+            yield self.model, self.handle, batch, self.opt, self.step, kernels
+
+
+# Prepared steps kept for reuse, the most recently used last: a table of predictions (a search
+# over batch sizes, a widget's changes) steps one model at many shapes.
+_PREPARED: OrderedDict = OrderedDict()
+PREPARED_KEPT = 4
+
+
+def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str,
+                  card: Optional[Card], attention: Optional[str], *, torch_version: Optional[str] = None,
+                  host_type: Optional[type] = None, cut_type: Optional[type] = None) -> PreparedStep:
+    """The `PreparedStep` for these options, reused from an earlier prediction where one was made
+    (the last PREPARED_KEPT are kept). A model is the same when its workload object is, or for a
+    workload made from a spec, when its spec, its file's hash, overrides, seed and weights' dtype
+    are. On "cuda" the card matters only by what the step's kernels depend on (architecture and
+    SMs); the allocator's replay of a card happens per step. `host_type` (a `HostOffload`) is made
+    for offload on "cuda", `cut_type()`'s `shorten` shortens the model (`compose`). An exception
+    while preparing is raised again for the same options without preparing again."""
+    kernels = (card.arch, card.sm_count) if device == "cuda" and card is not None else None
+    key = (workload_key(workload), policy, dtype, loop, device, kernels, attention,
+           torch_rules(torch_version).version if device == "cuda" else None, host_type, cut_type)
+    if key in _PREPARED:
+        _PREPARED.move_to_end(key)
+        found = _PREPARED[key][1]
+        if isinstance(found, Exception):
+            raise found
+        return found
+    try:
+        found = PreparedStep(workload, policy, dtype, loop, device, card, attention,
+                             host_type() if host_type else None, torch_version=torch_version,
+                             cut=cut_type() if cut_type else None)
+    except Exception as exc:
+        found = exc
+    _PREPARED[key] = (workload, found)   # the workload kept alive: an object's key is its id
+    while len(_PREPARED) > PREPARED_KEPT:
+        _PREPARED.popitem(last=False)
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
 @contextlib.contextmanager
-def fake_step_state(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
-                    host: Optional[HostOffload] = None, *, torch_version: Optional[str] = None, shorten=None):
-    """fake_training_step's state, and the CUDA semantics it runs under (None on "cpu"); with
-    `host`, offload moves saved tensors to it as on CUDA. `shorten(model, handle)`, once the
-    policy is applied, may change which blocks run (`compose`); it returns what the warm-up's
-    trained parameters become."""
-    card = as_card(card)
-    fake_mode = fake_modes()
-    workload = with_dtype(workload, dtype)
-    model = fake_model(workload, fake_mode)  # as Workload.build, minus the device move
-    cuda = device == "cuda"
-    semantics = None
-    if cuda:
-        semantics = cuda_semantics(card.arch if card else DEFAULT_ARCH, attention, (card.sm_count or None) if card else None,
-                                   torch_version=torch_version)
-    with fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
-        model.train()
-        handle = apply_checkpointing(model, policy, offload_hooks=host.hooks if host else None)
-        trained = shorten(model, handle) if shorten else None
-        gen = torch.Generator().manual_seed(workload.seed + 1)
-        batch = workload.new_batch(batch_size, seq_len, gen)
-        opt = make_optimizer(loop, model, device)
-        step = training_step(model, workload, batch, opt, dtype, loop, cuda_autocast if cuda else None)
-        if step.scaler is not None:
-            assume_finite_gradients(step.scaler)
-        torch.manual_seed(workload.seed)
-        warm_up(step, model, opt, trained)
-        handle.reset_counts()
-        yield model, handle, batch, opt, step, kernels
+def stepped(prepared: PreparedStep, batch_size: int, seq_len: int):
+    """`prepared.at(batch_size, seq_len)`; a step that raises leaves its model in a state that is
+    not the warm-up's, so the prepared step is dropped from reuse."""
+    try:
+        with prepared.at(batch_size, seq_len) as state:
+            yield state
+    except BaseException:
+        for key, (_, found) in list(_PREPARED.items()):
+            if found is prepared:
+                del _PREPARED[key]
+        raise
+
+
+def clear_prepared() -> None:
+    """Forget every prepared step (a test that changes what a model builds into, say)."""
+    _PREPARED.clear()
+
+
+def workload_key(workload: Workload) -> tuple:
+    """What identifies a workload's model for reuse: its spec and what shapes the model built from
+    it, or the object itself for a workload made in Python (`Workload.custom`)."""
+    if workload.spec is None:
+        return ("object", id(workload))
+    return ("spec", workload.spec, workload.spec_hash, repr(sorted(workload.overrides.items())), workload.seed,
+            workload.weights_dtype, workload.block_paths, workload.seq_len_limit)
 
 
 def warm_up(step, model: nn.Module, opt, trained=None) -> None:
@@ -371,9 +472,10 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     `alloc_conf` through the loop's first two steps)."""
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
-    host = HostOffload() if cuda and policy.offload else None
-    with fake_step_state(workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card,
-                         attention, host, torch_version=torch_version) as (model, handle, batch, opt, step, kernels):
+    prepared = prepared_step(workload, policy, dtype, as_loop(loop), device, card, attention,
+                             torch_version=torch_version, host_type=HostOffload if cuda and policy.offload else None)
+    host = prepared.host
+    with stepped(prepared, batch_size, seq_len) as (model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
@@ -417,5 +519,6 @@ def optimizer_event(report: MemoryReport) -> Optional[int]:
     return next((first + i for i, phase in enumerate(step_events) if phase == "optimizer"), None)
 
 
-__all__ = ["DEVICES", "DEVICE_CATEGORIES", "FakeMemory", "Prediction", "as_card", "castable", "fake_memory", "fake_model", "fake_step_state",
-           "fake_modes", "fake_training_step", "sequences_unpacked"]
+__all__ = ["DEVICES", "DEVICE_CATEGORIES", "PREPARED_KEPT", "FakeMemory", "PreparedStep", "Prediction", "as_card", "castable",
+           "clear_prepared", "fake_memory", "fake_model", "fake_modes", "fake_training_step", "prepared_step",
+           "sequences_unpacked", "stepped", "workload_key"]

@@ -64,7 +64,7 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
 
     def forward_loss():
         with autocast(dtype=in_dtype) if in_dtype else contextlib.nullcontext():
-            return workload.loss(model, batch)
+            return workload.loss(model, step.batch)
 
     def step(tracker=None):
         for micro in range(accum_steps):
@@ -90,11 +90,13 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
         model.zero_grad(set_to_none=set_to_none)
         return loss.detach()
 
+    # The batch it steps on: a prediction sets another to step the same model at another shape.
+    step.batch = batch
     # The forward alone (a prediction's warm-up, `estimate.fake_step`), holding the output as the step does.
     step.forward_loss = forward_loss if held is None else functools.partial(held.forward, forward_loss)
     # What the step starts from beside the model and the optimizer: the batch, a held output, and
     # the scale and growth tracker a grad scaler keeps from step to step (torch/amp/grad_scaler.py).
-    step.inputs = lambda: (*batch, *(held.tensors if held is not None else ()), *scaler_state(scaler))
+    step.inputs = lambda: (*step.batch, *(held.tensors if held is not None else ()), *scaler_state(scaler))
     step.loop, step.scaler = loop, scaler
     return step
 
