@@ -205,14 +205,18 @@ def test_trace_is_checked():
     ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "none", dict(CUDA, dtype="bf16-weights")),
 ])
 def test_a_reused_step_predicts_what_a_fresh_one_does(trace, spec, overrides, policy, options):
-    """Predictions of one model at several shapes, in turn, step one prepared model; each equals
-    the prediction of a model prepared for it alone."""
+    """Predictions of one model at several shapes and, on CUDA, for several cards and torch
+    versions, in turn, step one prepared model; each equals the prediction of a model prepared
+    for it alone."""
     workload = get_workload(spec, **overrides)
-    shapes = [(2, 16), (1, 24), (3, 8), (2, 16)]
-    reused = [predict_policy(workload, b, s, as_policy(policy), trace=trace, **options) for b, s in shapes]
+    cases = [dict(batch_size=2, seq_len=16), dict(batch_size=1, seq_len=24), dict(batch_size=3, seq_len=8),
+             dict(batch_size=2, seq_len=16)]
+    if options.get("device") == "cuda":
+        cases[1]["card"], cases[2]["card"], cases[3]["torch_version"] = "h100-80", "a100-80", "2.4"
+    reused = [predict_policy(workload, policy=as_policy(policy), trace=trace, **{**options, **case}) for case in cases]
     assert len(fake_step._PREPARED) == (1 if reused[0].trace in ("composed", "full") else 2)   # a fallback: both
-    for (b, s), prediction in zip(shapes, reused):
+    for case, prediction in zip(cases, reused):
         fake_step.clear_prepared()
-        fresh = predict_policy(workload, b, s, as_policy(policy), trace=trace, **options)
+        fresh = predict_policy(workload, policy=as_policy(policy), trace=trace, **{**options, **case})
         assert fresh.trace == prediction.trace
         assert_same_fields(prediction, fresh)

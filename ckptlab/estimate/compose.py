@@ -110,10 +110,11 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
         raise NotComposable("transformers' own checkpointing")
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
-    prepared = prepared_step(workload, policy, dtype, loop, device, card, attention, torch_version=torch_version,
+    prepared = prepared_step(workload, policy, dtype, loop, device,
                              host_type=_MarkedHostOffload if cuda and policy.offload else None, cut_type=_Cut)
     host, cut = prepared.host, prepared.cut
-    with stepped(prepared, batch_size, seq_len) as (model, handle, batch, opt, step, kernels):
+    with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
+            model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks) as tracker, blas:

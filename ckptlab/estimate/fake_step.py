@@ -245,59 +245,54 @@ def fake_training_step(workload: Workload, batch_size: int, seq_len: int, policy
     device="cuda" the step runs as on `card`'s architecture (default sm80) under the rules of
     `torch_version` (default: the installed torch's), `attention` forcing the SDPA backend;
     `loop` as `probe.step.training_step`'s."""
-    prepared = PreparedStep(workload, policy, dtype, as_loop(loop), device, card, attention, torch_version=torch_version)
-    with prepared.at(batch_size, seq_len) as (model, handle, batch, opt, step, _):
+    prepared = PreparedStep(workload, policy, dtype, as_loop(loop), device)
+    with prepared.at(batch_size, seq_len, card, attention, torch_version=torch_version) as (model, handle, batch, opt, step, _):
         yield model, handle, batch, opt, step
 
 
 class PreparedStep:
     """A prediction's model, built once under fake tensors with its policy applied, and its
-    optimizer, to be stepped at any batch size and sequence length (`at`): what a prediction
-    costs beyond the step itself is paid once per model, policy and loop, not once per shape.
+    optimizer, to be stepped at any batch size and sequence length, and on "cuda" for any card,
+    attention backend and torch version (`at`): what a prediction costs beyond the step itself is
+    paid once per model, policy and loop, not once per shape or card.
 
     With `host`, offload moves saved tensors to it as on CUDA. `cut`, if given, shortens the
     model once the policy is applied (`compose`: `cut.shorten(model, handle)` may change which
     blocks run, and returns what the warm-up's trained parameters become).
 
-    The first `at` warms the model up (`warm_up`: the state a first training step leaves). The
-    state a step leaves does not depend on its batch's shape (parameters, the optimizer state, a
-    grad scaler's scalars, gradients a loop zero-fills), except a held output: a later `at`
-    swaps the batch, and for a loop that holds its output runs the forward at the new shape,
-    whose output replaces the held one as in a warm-up. tests/test_fast_path.py checks that a
-    reused step predicts what a fresh one does, to the byte."""
+    The first `at` warms the model up (`warm_up`: the state a first training step leaves). That
+    state does not depend on the batch's shape nor on the kernels the step runs (parameters, the
+    optimizer state, a grad scaler's scalars, gradients a loop zero-fills), except a held output:
+    a later `at` swaps the batch, and for a loop that holds its output runs the forward at the
+    new shape, whose output replaces the held one as in a warm-up. tests/test_fast_path.py checks
+    that a reused step predicts what a fresh one does, to the byte."""
 
     def __init__(self, workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str,
-                 card: Optional[str | Card], attention: Optional[str], host: Optional[HostOffload] = None, *,
-                 torch_version: Optional[str] = None, cut=None):
-        self.card, self.device, self.dtype, self.loop = as_card(card), device, dtype, loop
-        self.attention, self.torch_version, self.host, self.cut = attention, torch_version, host, cut
+                 host: Optional[HostOffload] = None, *, cut=None):
+        self.device, self.dtype, self.loop, self.host, self.cut = device, dtype, loop, host, cut
         self.fake_mode = fake_modes()
         self.workload = with_dtype(workload, dtype)
         self.model = fake_model(self.workload, self.fake_mode)  # as Workload.build, minus the device move
         self.step = None
-        with self._modes():
+        with self.fake_mode, sequences_unpacked():
             self.model.train()
             self.handle = apply_checkpointing(self.model, policy, offload_hooks=host.hooks if host else None)
             self.trained = cut.shorten(self.model, self.handle) if cut else None
             self.opt = make_optimizer(loop, self.model, device)
 
     @contextlib.contextmanager
-    def _modes(self):
-        """The fake mode, and on "cuda" the CUDA semantics (yielded; None on "cpu")."""
+    def at(self, batch_size: int, seq_len: int, card: Optional[str | Card] = None, attention: Optional[str] = None, *,
+           torch_version: Optional[str] = None):
+        """Inside the fake mode (and on "cuda" CUDA's semantics for `card`'s architecture, default
+        sm80, `attention` and `torch_version`, as `fake_training_step`'s), the state a tracked step
+        starts from at this shape: yields (model, handle, batch, optimizer, step, kernels), kernels
+        the CUDA semantics (None on "cpu")."""
         semantics = None
         if self.device == "cuda":
-            card = self.card
-            semantics = cuda_semantics(card.arch if card else DEFAULT_ARCH, self.attention,
-                                       (card.sm_count or None) if card else None, torch_version=self.torch_version)
+            card = as_card(card)
+            semantics = cuda_semantics(card.arch if card else DEFAULT_ARCH, attention,
+                                       (card.sm_count or None) if card else None, torch_version=torch_version)
         with self.fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
-            yield kernels
-
-    @contextlib.contextmanager
-    def at(self, batch_size: int, seq_len: int):
-        """Inside the fake mode (and CUDA's semantics), the state a tracked step starts from at
-        this shape: yields (model, handle, batch, optimizer, step, kernels), kernels the CUDA
-        semantics (None on "cpu")."""
-        with self._modes() as kernels:
             gen = torch.Generator().manual_seed(self.workload.seed + 1)
             batch = self.workload.new_batch(batch_size, seq_len, gen)
             if self.step is None:
@@ -321,19 +316,15 @@ _PREPARED: OrderedDict = OrderedDict()
 PREPARED_KEPT = 4
 
 
-def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str,
-                  card: Optional[Card], attention: Optional[str], *, torch_version: Optional[str] = None,
+def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str, *,
                   host_type: Optional[type] = None, cut_type: Optional[type] = None) -> PreparedStep:
     """The `PreparedStep` for these options, reused from an earlier prediction where one was made
     (the last PREPARED_KEPT are kept). A model is the same when its workload object is, or for a
     workload made from a spec, when its spec, its file's hash, overrides, seed and weights' dtype
-    are. On "cuda" the card matters only by what the step's kernels depend on (architecture and
-    SMs); the allocator's replay of a card happens per step. `host_type` (a `HostOffload`) is made
-    for offload on "cuda", `cut_type()`'s `shorten` shortens the model (`compose`). An exception
-    while preparing is raised again for the same options without preparing again."""
-    kernels = (card.arch, card.sm_count) if device == "cuda" and card is not None else None
-    key = (workload_key(workload), policy, dtype, loop, device, kernels, attention,
-           torch_rules(torch_version).version if device == "cuda" else None, host_type, cut_type)
+    are. `host_type` (a `HostOffload`) is made for offload on "cuda", `cut_type()`'s `shorten`
+    shortens the model (`compose`). An exception while preparing is raised again for the same
+    options without preparing again."""
+    key = (workload_key(workload), policy, dtype, loop, device, host_type, cut_type)
     if key in _PREPARED:
         _PREPARED.move_to_end(key)
         found = _PREPARED[key][1]
@@ -341,8 +332,7 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
             raise found
         return found
     try:
-        found = PreparedStep(workload, policy, dtype, loop, device, card, attention,
-                             host_type() if host_type else None, torch_version=torch_version,
+        found = PreparedStep(workload, policy, dtype, loop, device, host_type() if host_type else None,
                              cut=cut_type() if cut_type else None)
     except Exception as exc:
         found = exc
@@ -355,11 +345,11 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
 
 
 @contextlib.contextmanager
-def stepped(prepared: PreparedStep, batch_size: int, seq_len: int):
-    """`prepared.at(batch_size, seq_len)`; a step that raises leaves its model in a state that is
-    not the warm-up's, so the prepared step is dropped from reuse."""
+def stepped(prepared: PreparedStep, batch_size: int, seq_len: int, *kernels, **options):
+    """`prepared.at(batch_size, seq_len, ...)`; a step that raises leaves its model in a state
+    that is not the warm-up's, so the prepared step is dropped from reuse."""
     try:
-        with prepared.at(batch_size, seq_len) as state:
+        with prepared.at(batch_size, seq_len, *kernels, **options) as state:
             yield state
     except BaseException:
         for key, (_, found) in list(_PREPARED.items()):
@@ -472,10 +462,11 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     `alloc_conf` through the loop's first two steps)."""
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
-    prepared = prepared_step(workload, policy, dtype, as_loop(loop), device, card, attention,
-                             torch_version=torch_version, host_type=HostOffload if cuda and policy.offload else None)
+    prepared = prepared_step(workload, policy, dtype, as_loop(loop), device,
+                             host_type=HostOffload if cuda and policy.offload else None)
     host = prepared.host
-    with stepped(prepared, batch_size, seq_len) as (model, handle, batch, opt, step, kernels):
+    with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
+            model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
