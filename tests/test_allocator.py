@@ -189,9 +189,10 @@ def test_a_long_random_trace_keeps_the_allocators_invariants():
     assert e.end_allocated_bytes == 0 and e.segments == 2 and e.peak_allocated_bytes <= e.peak_reserved_bytes
 
 
-# Under a limit: DeviceCachingAllocator::malloc (CUDACachingAllocator.cpp): alloc_block fails past
-# the limit; release_available_cached_blocks returns false at once with the default
-# max_split_size; release_cached_blocks frees every wholly free segment; alloc_block is retried.
+# Under a limit: DeviceCachingAllocator::malloc (CUDACachingAllocator.cpp:1234-1242 at v2.6.0):
+# alloc_block fails past the limit; release_available_cached_blocks returns false at once with the
+# default max_split_size (:2814-2815); release_cached_blocks frees every wholly free segment
+# (:3045-3068 release_blocks); alloc_block is retried (:2705).
 
 def test_a_reserved_peak_over_the_limit_runs_with_a_cache_flush():
     # A (8 MiB) opens a 20 MiB segment (kLargeBuffer: under 10 MiB) and is freed: 20 MiB cached.

@@ -56,7 +56,8 @@ def test_flash_keeps_q_k_v_out_logsumexp_and_its_rng_state_by_hand():
     # Backward's peak: what forward kept, the loss's grad (a 0-d bf16 expanded), dout made
     # contiguous as [b, s, h, d], the output made so too (a copy: it has the [b, h, s, d] layout of
     # the cloned q), dq, dk, dv, softmax_d fp32 [b, h, s_q rounded to 128] and the fp32 dq
-    # accumulator [b, s_q rounded to 128, h, d rounded to 32].
+    # accumulator [b, s_q rounded to 128, h, d rounded to 32] (cuda/attention_backward.cu:82-83,
+    # cuda/flash_attn/flash_api.cpp:934, :939, :881-882 at v2.6.0).
     s128, d32 = 128, 32
     backward = (2 + 2 * B * S * H * D * 2 + 3 * B * H * S * D * 2 + B * H * s128 * 4
                 + B * s128 * H * d32 * 4)
@@ -72,7 +73,7 @@ def test_flash_backward_with_grouped_query_attention_expands_dk_dv_before_the_su
     kept = 2 * q_bytes + 2 * kv_bytes + B * H * S * 4 + 24 + 2     # q, out, k, v, lse, rng, loss
     assert report.saved_activation_bytes == kept
     # dout, the output made contiguous as [b, s, h, d] (a copy), dq, dk, dv, softmax_d, the dq
-    # accumulator, and dk, dv per query head
+    # accumulator, and dk, dv per query head (flash_api.cpp:950-951, summed at :1011-1012, v2.6.0)
     backward = 2 + 3 * q_bytes + 2 * kv_bytes + B * H * 128 * 4 + B * 128 * H * 32 * 4 + 2 * q_bytes
     assert report.peak_bytes == kept + backward
 
@@ -87,7 +88,8 @@ def test_flash_pads_a_head_dim_to_a_multiple_of_8_and_keeps_the_padded_copies():
 
 def test_flash_without_dropout_on_a_small_batch_splits_the_keys_in_fp32_buffers():
     # b*h*ceil(s/64) = 32 blocks fill 15% of an A100's 2 x 108 slots; the 4 blocks of 256 keys
-    # split 4 ways (num_splits_heuristic), into fp32 [4, b, h, s] and [4, b, h, s, d] buffers.
+    # split 4 ways (flash_api.cpp:262 num_splits_heuristic), into fp32 [4, b, h, s] and
+    # [4, b, h, s, d] buffers (:318-319, set_params_splitkv, at v2.6.0).
     b, h, s, d = 1, 2, 1024, 64
     report, _ = _attention_step(dropout_p=0.0, shape=(b, h, s, d))
     kept = 4 * b * h * s * d * 2 + b * h * s * 4 + 24
@@ -107,7 +109,9 @@ def test_efficient_keeps_a_logsumexp_padded_to_32_and_no_device_seed():
     # dq, dk, dv, delta fp32 [b, h, s_q] and the workspace. fp32 with
     # d <= 32 runs the 64 x 64 k32 kernel (kBlockSizeI = kBlockSizeJ = 64); fp32 stages no dk, dv,
     # so the workspace is the dq accumulator's tiles: per (b, h), ceil(s_q / I) x ceil(d / J)
-    # tiles of a 16-byte header and I x J fp32s, the (b, h) stride rounded up to 16 bytes.
+    # tiles of a 16-byte header and I x J fp32s, the (b, h) stride rounded up to 16 bytes
+    # (cuda/mem_eff_attention/kernel_backward.h:879-886 workspace_strideBH, workspace_size at v2.6.0).
+    # The seed and offset are CPU scalars outside graph capture (cuda/attention.cu:1098, :1125).
     I, J, header = 64, 64, 16
     tile = header + I * J * 4
     per_bh = round_up(math.ceil(s / I) * math.ceil(D / J) * tile, 16)   # 1 tile: 16400 bytes
@@ -126,9 +130,10 @@ def _efficient_backward_peak(dtype, shape, **semantics):
 
 def test_efficient_backward_bf16_head_dim_128_uses_128_x_128_dq_tiles():
     # bf16, dropout, max(d, d_v) = 128 on sm80: the first kernel of dispatch_cutlassB_bf16_sm80
-    # that fits is 128 x 128 k128 with dropout. kMaxK 128 <= kBlockSizeI 128: dk, dv stay in
-    # registers (kOutputInRF), so only dq's tiles: ceil(64 / 128) x ceil(128 / 128) = 1 tile of
-    # 16 + 128 * 128 * 4 = 65552 bytes per (b, h). (The 64 x 64 approximation said 2 x 16400.)
+    # (mem_eff_attention/kernels/cutlassB.h:227 at v2.6.0) that fits is 128 x 128 k128 with dropout.
+    # kMaxK 128 <= kBlockSizeI 128: dk, dv stay in registers (kOutputInRF), so only dq's tiles:
+    # ceil(64 / 128) x ceil(128 / 128) = 1 tile of 16 + 128 * 128 * 4 = 65552 bytes per (b, h). (The
+    # 64 x 64 approximation said 2 x 16400.)
     b, h, s, d = 2, 4, 64, 128
     I, J, header = 128, 128, 16
     per_bh = round_up(math.ceil(s / I) * math.ceil(d / J) * (header + I * J * 4), 16)
@@ -140,7 +145,8 @@ def test_efficient_backward_on_sm86_stages_dk_dv_and_splits_the_keys():
     # sm86 gives a block 99 KiB of shared memory: the 128 x 128 k128 dropout kernel (159 KiB)
     # does not fit, so bf16 d = 128 runs 64 x 64 k128. kMaxK 128 > kBlockSizeI 64: dk and dv
     # are staged in fp32 (kNeedsAccumGradK / V), num_splits_key times over. Keys split in
-    # ceil(256 / J) = 4, capped at 200 // (b * h) = 25: 4. Per (b, h), in fp32s:
+    # ceil(256 / J) = 4, capped at 200 // (b * h) = 25: 4 (cuda/attention_backward.cu:655-678 at
+    # v2.6.0). Per (b, h), in fp32s:
     #   dk: splits * J * round_up(d, I)  = 4 * 64 * 128 = 32768
     #   dv: splits * J * round_up(dv, I) = 4 * 64 * 128 = 32768
     #   dq: ceil(256 / 64) * ceil(128 / 64) tiles * (4 + 64 * 64) = 8 * 4100 = 32800
@@ -160,6 +166,7 @@ def test_math_on_cuda_materialises_fp32_scores_and_a_bool_dropout_mask():
     assert cuda.attention_backend == "math"
     # the bf16 q, k, v; their fp32 upcasts as matmul keeps them (q and k^T scaled, v); the fp32
     # probabilities softmax keeps, the bool dropout mask and the dropped probabilities; the loss
+    # (attention.cpp:792-881 _scaled_dot_product_attention_math, native/Dropout.cpp:132-139, v2.6.0)
     bhsd, bhss = B * H * S * D, B * H * S * S
     assert report.saved_activation_bytes == 3 * bhsd * 2 + 3 * bhsd * 4 + bhss * (4 + 1 + 4) + 2
 
@@ -167,7 +174,8 @@ def test_math_on_cuda_materialises_fp32_scores_and_a_bool_dropout_mask():
 def test_checkpoint_keeps_its_rng_states_off_the_device():
     # torch.utils.checkpoint stashes torch.get_rng_state() (CPU) and, on CUDA, the Philox state
     # from torch.cuda.get_rng_state(), a 16-byte CPU tensor: none of it is device memory, and
-    # the fake step counts none of it either.
+    # the fake step counts none of it either (torch/utils/checkpoint.py:247, :190 at v2.13.0;
+    # aten/src/ATen/cuda/CUDAGeneratorImpl.cpp:323-327 get_state at v2.6.0).
     with FakeTensorMode():
         (x,) = _leaves((4, 64), dtype=torch.float32)
         with cuda_semantics(), track_memory() as tracker:
@@ -344,11 +352,13 @@ def test_cudnn_keeps_q_k_v_out_logsumexp_and_philox_scalars_and_a_dq_accumulator
     assert cuda.attention_backend == "cudnn"
     bhsd = B * H * S * D
     # q, k, v, the output (in q's [b, h, s, d] layout), logsumexp fp32 [b, h, s_q, 1], the Philox
-    # seed and offset as two int64 scalars on the device, and the bf16 loss
+    # seed and offset as two int64 scalars on the device, and the bf16 loss (aten/src/ATen/native/
+    # cudnn/MHA.cpp:639, :644; cuda/attention.cu:790-791 at v2.6.0)
     kept = 4 * bhsd * 2 + B * H * S * 4 + 2 * 8 + 2
     assert report.saved_activation_bytes == kept
     # backward: the loss's grad (0-d bf16), dout copied in the output's layout (the grad of a sum
-    # has an innermost stride of 0: permute_to_matching_layout), dq, dk, dv, and the workspace:
+    # has an innermost stride of 0: permute_to_matching_layout, MHA.cpp:761-764 at v2.6.0), dq, dk,
+    # dv, and the workspace:
     # an fp32 dQ accumulator [b, s_q, h, d] and an fp32 softmax sum [b, h, s_q]
     backward = 2 + bhsd * 2 + 3 * bhsd * 2 + bhsd * 4 + B * H * S * 4
     assert report.peak_phase == "backward" and report.peak_bytes == kept + backward
@@ -356,7 +366,8 @@ def test_cudnn_keeps_q_k_v_out_logsumexp_and_philox_scalars_and_a_dq_accumulator
 
 def test_cudnn_refusals_per_torch_version_and_card():
     qkv = {n: _t(2, 4, 8, 64) for n in "qkv"}
-    # check_cudnn_dropout (from 2.12): 0.1 is not a multiple of 1/16; 2.11 takes it
+    # check_cudnn_dropout (from 2.12; sdp_utils.cpp, no tag source): 0.1 is not a multiple of
+    # 1/16; 2.11 takes it
     with pytest.raises(ValueError, match="dropout probability in sixteenths"):
         _backend(**qkv, dropout_p=0.1, arch="sm90", torch_version="2.12", attention="cudnn")
     assert _backend(**qkv, dropout_p=0.1, arch="sm90", torch_version="2.11") == "cudnn"
@@ -367,7 +378,8 @@ def test_cudnn_refusals_per_torch_version_and_card():
     assert _backend(**d256, arch="sm90", torch_version="2.13") == "cudnn"
     with pytest.raises(ValueError, match="at most 128"):
         _backend(**d256, arch="sm80", torch_version="2.13", attention="cudnn")
-    # torch 2.4 runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1: refused before any call
+    # torch 2.4 runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1 (#128539, no tag source):
+    # refused before any call
     with pytest.raises(ValueError, match=r"attention='cudnn' is invalid with torch_version='2.4'"):
         with cuda_semantics(attention="cudnn", torch_version="2.4"):
             pass
@@ -377,8 +389,9 @@ def test_cudnn_refusals_per_torch_version_and_card():
 
 
 def test_torch_2_4_has_no_enable_gqa_so_keys_and_values_are_repeated_first():
-    # transformers' repeat_kv for torch < 2.5: k and v expanded to the query's heads and copied,
-    # then flash attention without grouped-query attention (no per-query-head dk, dv expansion).
+    # transformers' repeat_kv for torch < 2.5 (no enable_gqa: native_functions.yaml:14677 at
+    # v2.4.0): k and v expanded to the query's heads and copied, then flash attention without
+    # grouped-query attention (no per-query-head dk, dv expansion).
     hk = 2
     report, cuda = _attention_step(kv_heads=hk, torch_version="2.4")
     assert cuda.attention_backend == "flash"
@@ -405,9 +418,10 @@ def _flash_step(q_layout: str):
 
 
 def test_flash_output_takes_the_layout_of_the_query():
-    # mha_fwd: out = empty_like(q) of the [b, s, h, d] view; _flash_attention_backward then makes
-    # out.contiguous() of that view: no copy when out is [b, s, h, d] memory, a copy of
-    # B*H*S*D bf16 elements when it is [b, h, s, d] memory.
+    # mha_fwd: out = empty_like(q) of the [b, s, h, d] view (flash_api.cpp:439 at v2.6.0);
+    # _flash_attention_backward then makes out.contiguous() of that view (attention_backward.cu:83):
+    # no copy when out is [b, s, h, d] memory, a copy of B*H*S*D bf16 elements when it is
+    # [b, h, s, d] memory.
     bshd, out_strides, q_strides = _flash_step("bshd")
     assert out_strides == q_strides == (S * H * D, D, H * D, 1)
     bhsd, out_strides, q_strides = _flash_step("bhsd")
@@ -421,6 +435,7 @@ def test_efficient_mask_is_padded_as_given_then_expanded_as_a_view():
     # additive mask of its own shape; its strides (s_k, s_k, s_k, 1) are not multiples of 8 for
     # s_k = 20, so pad_bias pads the last dim to 24 and slices it back, and the [b, h, s_q, s_k]
     # mask the kernel keeps is a view of those b * 24 floats. At s_k = 24 no padding is needed.
+    # (attention.cpp:574-589 preprocess_mask, :567 pad_bias, :557 aligned_tensor at v2.6.0.)
     def kept(s):
         with FakeTensorMode():
             q, k, v = _leaves((B, H, s, D), (B, H, s, D), (B, H, s, D), dtype=torch.float32)
@@ -441,7 +456,8 @@ def test_efficient_mask_is_padded_as_given_then_expanded_as_a_view():
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # 2.11's composite path, torch's own
 @pytest.mark.parametrize("torch_version, out_dtype", [("2.11", BF16), ("2.12", torch.float32), ("2.13", torch.float32)])
 def test_rms_norm_runs_in_fp32_under_cuda_autocast_from_torch_2_12(torch_version, out_dtype):
-    # autocast_mode.h AT_FORALL_FP32 lists rms_norm from 2.12: the bf16 activation is cast to an
+    # autocast_mode.h:876 (AT_FORALL_FP32) lists rms_norm at v2.12.0, not at v2.11.0 (:855): the
+    # bf16 activation is cast to an
     # fp32 copy and the norm's output stays fp32 (4 bytes an element, where 2.11's composite casts
     # its result back to the input's bf16).
     with FakeTensorMode():

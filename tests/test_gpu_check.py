@@ -387,7 +387,8 @@ def test_every_stage_is_skipped_with_its_reason_when_no_time_is_left(tmp_path):
     ("h200", "2.13", "cudnn"), ("h200", "2.10", "flash"), ("h100-80", "2.9", "cudnn"), ("a100-80", "2.13", "flash"),
     ("rtx4090", "2.13", "flash")])
 def test_the_kernel_the_check_names_is_the_cards_default(card_name, torch_version, kernel):
-    # sdp_utils.cpp check_prefer_cudnn_attention: sm90 with a runtime cuDNN > 9.15 (the wheels of
+    # sdp_utils.cpp check_prefer_cudnn_attention (no tag source; torch_versions.CUDNN_FIRST): sm90
+    # with a runtime cuDNN > 9.15 (the wheels of
     # 2.11 on) or, in 2.9, built against cuDNN >= 9.9: cuDNN first; other cards: flash first.
     from ckptlab.core.cards import card
     assert gpu_check.predicted_attention_kernel(card(card_name), torch_version) == kernel

@@ -40,8 +40,9 @@ def optimizer_step_growth(workload, optimizer: str, device: str = "cuda") -> tup
 
 
 def test_adamw_on_cuda_is_foreach_whose_temporary_is_one_state_at_the_optimizer_step(tiny):
-    # _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), a list as large as
-    # one state (4 B per trainable fp32 parameter), alive while the update runs.
+    # _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs) (torch/optim/adam.py:762
+    # at v2.13.0), a list as large as one state (4 B per trainable fp32 parameter), alive while the
+    # update runs.
     growth, trainable = optimizer_step_growth(tiny, "adamw")
     assert growth == trainable == optimizer_step_growth(tiny, "adamw-foreach")[0]
     p = ckptlab.predict(tiny, 1, 8, "full", loop="adamw", device="cuda")
@@ -87,7 +88,8 @@ def test_cublas_and_cublaslt_workspaces_per_torch_version(tiny, torch_version, l
 
 
 def test_cublaslt_workspace_per_call_before_torch_2_9_is_a_transient_of_the_matmul():
-    # CUDABlas.cpp gemm_and_bias (2.4 - 2.8) allocates its 1 MiB workspace for the call: the peak of
+    # CUDABlas.cpp:1291 (gemm_and_bias, at v2.6.0; 2.4 - 2.8) allocates its 1 MiB workspace (:194)
+    # for the call: the peak of
     # one Linear with bias is its output plus 1 MiB; from 2.9 the workspace is kept apart.
     def peak(torch_version):
         with FakeTensorMode():
@@ -220,10 +222,11 @@ def padded_encoder():
 
 
 def test_a_masked_encoder_at_500_keys_is_predicted_no_higher_than_at_512():
-    # fp32 with a mask: memory-efficient attention. preprocess_mask pads the [b, 1, 1, 500] mask to
-    # 504 and expands a view: nothing of [b, h, s_q, s_k] is materialised, so 500 keys hold less
-    # than 512. (Expanding first, then padding, kept a [b, h, 500, 504] fp32 copy per block:
-    # 2 * 2 * 500 * 504 * 4 B = 4 MB, more than the step's activations at 512.)
+    # fp32 with a mask: memory-efficient attention. preprocess_mask (attention.cpp:574-589 at v2.6.0)
+    # pads the [b, 1, 1, 500] mask to 504 and expands a view: nothing of [b, h, s_q, s_k] is
+    # materialised, so 500 keys hold less than 512. (Expanding first, then padding, kept a [b, h, 500,
+    # 504] fp32 copy per block: 2 * 2 * 500 * 504 * 4 B = 4 MB, more than the step's activations at
+    # 512.)
     encoder = padded_encoder()
     at = {s: ckptlab.predict(encoder, 2, s, "none", device="cuda", card="a100-80") for s in (500, 512)}
     assert {p.attention_backend for p in at.values()} == {"efficient"}
@@ -234,7 +237,8 @@ def test_a_reserved_peak_past_the_card_is_answered_by_the_allocators_flush_and_r
     # A card whose usable bytes are the device bytes + the margin - 1: the reserved peak passes what
     # the allocator may reserve by one byte (margin_left = usable - margin - device = -1), so the
     # answer is not "yes"; the replay under that limit releases the wholly free segments and
-    # retries (CUDACachingAllocator.cpp, malloc -> release_cached_blocks -> alloc_block). Whether
+    # retries (c10/cuda/CUDACachingAllocator.cpp:1234-1242, malloc -> release_cached_blocks ->
+    # alloc_block, at v2.6.0). Whether
     # the retry finds room depends on the layout (a wholly free segment at the limit): it does for
     # this step, whose free cache at that moment holds one.
     p = ckptlab.predict(tiny, 8, 128, "none", dtype="bf16", device="cuda", card="rtx4090")
@@ -273,8 +277,9 @@ def test_expandable_segments_are_an_allocator_option_of_the_prediction(tiny, cap
 
 def test_the_first_step_creates_the_optimizer_state_where_its_optimizer_phase_begins(tiny):
     # AdamW (foreach on CUDA) creates per trainable parameter `step` (a 0-dim fp32 tensor: 4 B),
-    # `exp_avg` and `exp_avg_sq` (each the parameter's bytes) at the first step() (adamw.py
-    # _init_group). So the state the tracked step starts with is 2 x trainable bytes + 4 B each.
+    # `exp_avg` and `exp_avg_sq` (each the parameter's bytes) at the first step() (torch/optim/
+    # adam.py:162-182, _init_group, which AdamW inherits, at v2.13.0). So the state the tracked step
+    # starts with is 2 x trainable bytes + 4 B each.
     from ckptlab.estimate import fake_step
     seen = {}
     replay = fake_step.device_memory
@@ -299,7 +304,8 @@ def test_the_first_step_creates_the_optimizer_state_where_its_optimizer_phase_be
 
 
 def test_pinned_host_memory_is_held_in_powers_of_two_per_size():
-    # CachingHostAllocator.h, allocate: roundSize = PowerOf2Ceil(size); a freed block serves only a
+    # CachingHostAllocator.h:302-309 (allocate: roundSize = PowerOf2Ceil(size)) at v2.13.0; a freed
+    # block (:312 get_free_block) serves only a
     # later request of the same rounded size. 3000 B -> 4096 B, 5000 B -> 8192 B; the first is
     # dropped and 3000 B more packed: its 4096 B block is reused. Held: 4096 + 8192 = 12,288 B
     # (the raw bytes peak at 8,000 B).

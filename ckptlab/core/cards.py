@@ -39,7 +39,7 @@ KERNEL_IMAGES_BYTES = 666_632_192 - 287_047_680
 
 # What torch's cuBLAS handle takes as workspace, through the caching allocator (so it is part of
 # reserved, not of the context): ":4096:2:16:8" by default, 32 MiB on Hopper
-# (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize).
+# (aten/src/ATen/cuda/CublasHandlePool.cpp:131-134, parseChosenWorkspaceSize, at v2.6.0).
 CUBLAS_WORKSPACE_BYTES = {8: 4096 * 1024 * 2 + 16 * 1024 * 8, 9: 4096 * 8 * 1024}
 
 # The margin a card keeps: what one card reports as total_memory differs between drivers by up to

@@ -79,7 +79,8 @@ class Loop:
     def check_dtype(self, dtype: str) -> None:
         """Refuse a loop that cannot run in `dtype` (a name of `core.dtypes.DTYPES`): the grad
         scaler unscales fp32 gradients of an fp16 autocast step; with fp16 weights the gradients
-        are fp16 and `GradScaler.unscale_` refuses them (torch/amp/grad_scaler.py, _unscale_grads_)."""
+        are fp16 and `GradScaler.unscale_` refuses them (torch/amp/grad_scaler.py:275, _unscale_grads_, at
+        v2.13.0)."""
         if self.grad_scaler and dtype != "fp16":
             raise ValueError(f"grad_scaler=True is invalid with dtype={dtype!r}: the grad scaler is for fp16 autocast; "
                              "allowed is dtype='fp16', or grad_scaler=False")

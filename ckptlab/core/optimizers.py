@@ -6,7 +6,8 @@ optimizer step: the for-loop (`foreach=False`: one parameter at a time, so its t
 the size of the largest parameter), foreach (`foreach=True`: `_foreach_sqrt` of every second
 moment at once, a temporary the size of the whole state) and fused (`fused=True`: one kernel,
 none). Left to choose, torch takes foreach when every parameter is a plain tensor on CUDA and
-the for-loop on CPU (`torch.optim.optimizer._default_to_fused_or_foreach`).
+the for-loop on CPU (torch/optim/optimizer.py:161 `_default_to_fused_or_foreach` at v2.13.0; its
+foreach devices, torch/utils/_foreach_utils.py:10, have no CPU).
 """
 
 from __future__ import annotations

@@ -8,27 +8,29 @@ allocations and frees through the same rules and reports the three numbers torch
 `max_memory_allocated` (rounded block sizes), `max_memory_reserved` (segments held) and the
 requested-bytes peak (raw sizes).
 
-The rules, with the names of the .cpp:
-- round_size: a request is rounded up to a multiple of 512 B (kMinBlockSize), at least 512 B.
-- get_pool: rounded sizes up to 1 MiB (kSmallSize) use the small pool, larger ones the large pool;
-  a block of one pool never serves the other.
-- get_allocation_size: a new segment is 2 MiB (kSmallBuffer) for the small pool, 20 MiB
+The rules, with the names and lines of the .cpp at v2.6.0 (constants at :51, :121-128):
+- round_size (:2063): a request is rounded up to a multiple of 512 B (kMinBlockSize), at least 512 B.
+- get_pool (:2507): rounded sizes up to 1 MiB (kSmallSize) use the small pool, larger ones the
+  large pool; a block of one pool never serves the other.
+- get_allocation_size (:2550): a new segment is 2 MiB (kSmallBuffer) for the small pool, 20 MiB
   (kLargeBuffer) for a request under 10 MiB (kMinLargeAlloc), else the request rounded up to
   2 MiB (kRoundLarge).
-- get_free_block: best fit, the smallest cached free block at least the size; among equal sizes
-  the lowest address (BlockComparatorSize).
-- should_split: the rest of the block becomes a free block if it is at least 512 B (small pool)
-  or more than 1 MiB (large pool); otherwise the whole block is handed out and counted allocated.
-- free_block / try_merge_blocks: a freed block merges with its free neighbours of the same segment.
+- get_free_block (:2560): best fit, the smallest cached free block at least the size; among equal
+  sizes the lowest address (BlockComparatorSize, :723).
+- should_split (:2540): the rest of the block becomes a free block if it is at least 512 B (small
+  pool) or more than 1 MiB (large pool); otherwise the whole block is handed out and counted allocated.
+- free_block (:2397) / try_merge_blocks (:2474): a freed block merges with its free neighbours of
+  the same segment.
 - Without a limit, segments are never released during a step: the replay has no `empty_cache()`.
   With `limit_bytes` (what the allocator may reserve on a card) it takes malloc's path under
-  memory pressure (`DeviceCachingAllocator::malloc`, the `block_found = alloc_block(...) ||
+  memory pressure (`DeviceCachingAllocator::malloc`, :1234-1242, the `block_found = alloc_block(...) ||
   (release_available_cached_blocks(...) && alloc_block(...)) || (release_cached_blocks(...) &&
   alloc_block(..., true, ...))` chain): a new segment that would pass the limit fails;
-  `release_available_cached_blocks` returns false at once with the default max_split_size (its
-  first test); `release_cached_blocks` -> `release_blocks` frees every wholly free segment of
-  both pools (a free block with no prev and no next: `release_block`); the allocation is tried
-  once more (a "cache flush", `num_alloc_retries`), and if that fails too the step runs out of
+  `release_available_cached_blocks` (:2811-2815) returns false at once with the default
+  max_split_size (its first test); `release_cached_blocks` (:2859) -> `release_blocks` (:3045-3068)
+  frees every wholly free segment of both pools (a free block with no prev and no next:
+  `release_block`, :2923); the allocation is tried once more (a "cache flush", `num_alloc_retries`,
+  :2705), and if that fails too the step runs out of
   memory. The retry does not search the cached blocks again, as malloc does not.
 
 Not modelled: one stream only (no cross-stream `record_stream` delays), default settings
@@ -38,23 +40,24 @@ addresses, so best fit breaks ties towards the oldest segment.
 
 `expandable_segments=True` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), as modelled here:
 each pool owns one segment (one stream) whose address space is reserved once and backed by pages
-as needed: 2 MiB pages for the small pool, 20 MiB for the large pool (`find_expandable_block`:
-`segment_size = pool->is_small ? kSmallBuffer : kLargeBuffer`). When no free block fits, the
-allocator maps pages at the lowest address where free and unmapped space together fit the
-request (`find_expandable_block`, `try_allocate_expandable_block`, `map_block`: the range is
-rounded out to whole pages, `ExpandableSegment::map`). Best fit is the same, except that a
+as needed: 2 MiB pages for the small pool, 20 MiB for the large pool (`find_expandable_block`,
+:2239: `segment_size = pool->is_small ? kSmallBuffer : kLargeBuffer`, :2272). When no free block
+fits, the allocator maps pages at the lowest address where free and unmapped space together fit
+the request (`find_expandable_block`, `try_allocate_expandable_block` :2363, `map_block` :2295:
+the range is rounded out to whole pages, `ExpandableSegment::map`). Best fit is the same, except that a
 block followed by unmapped space counts as its size plus that space, and the search moves on to
 the next larger block while that one's such size is smaller (`get_free_block`'s
-`expandable_size`). Splitting keeps any rest of at least 512 B in both pools (`should_split`).
+`expandable_size`, :2580-2589). Splitting keeps any rest of at least 512 B in both pools
+(`should_split`, :2542-2543).
 Blocks merge only with neighbours of the same mapped state (`try_merge_blocks`). Under a limit,
 `release_cached_blocks` unmaps every whole page inside a free block (`release_blocks` ->
-`unmap_block` -> `ExpandableSegment::unmap`), and the segment goes once nothing of it is mapped
-(`release_expandable_segment`). Reserved is the pages mapped; `segments` counts the pools in use.
+`unmap_block` :2974 -> `ExpandableSegment::unmap`), and the segment goes once nothing of it is
+mapped (`release_expandable_segment`, :2907). Reserved is the pages mapped; `segments` counts the pools in use.
 The segment's address space (1 1/8 of the card's memory) is taken as unbounded.
 
-Source: c10/cuda/CUDACachingAllocator.cpp of pytorch/pytorch as stored at commit 001074d25084
-(a snapshot of main newer than v2.9), by function name; no difference between torch versions is
-modelled here.
+Source: c10/cuda/CUDACachingAllocator.cpp at v2.6.0 (its release tarball), by function and line;
+the rules were first read at pytorch/pytorch commit 001074d25084, a snapshot of main newer than
+v2.9, and are the same in both. No difference between torch versions is modelled here.
 """
 
 from __future__ import annotations

@@ -8,13 +8,15 @@ and its per-op kernels (the AutocastCPU dispatch key) are replaced by CUDA's pol
 CUDA's lists get a kernel that casts as autocast_mode.h's WrapFunction does, the ops only CPU
 lists fall through. The casts happen above autograd, as real autocast's do, so autograd records
 them (ToCopyBackward0), and lower-precision casts of fp32 leaf tensors that require grad (the
-weights) are cached until the outermost `cuda_autocast` exits (autocast_mode.cpp cached_cast).
+weights) are cached until the outermost `cuda_autocast` exits (autocast_mode.cpp:120 cached_cast
+at v2.6.0).
 
-The lists are AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
-AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE and AT_FORALL_PROMOTE of aten/src/ATen/autocast_mode.h
-and the banned binary_cross_entropy of autocast_mode.cpp, copied from PyTorch's main branch in the
-torch 2.11 era; the lists of the torch version modelled add what that version adds
-(`FP32_FROM`: rms_norm from 2.12, `estimate.torch_versions`); an op the running torch does not
+The lists are AT_FORALL_LOWER_PRECISION_FP (:820), AT_FORALL_FP32 (:855),
+AT_FORALL_FP32_SET_OPT_DTYPE (:915), AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (:934) and
+AT_FORALL_PROMOTE (:961) of aten/src/ATen/autocast_mode.h at v2.11.0, the same at every tag from
+v2.4.0 to v2.11.0, and the banned binary_cross_entropy of autocast_mode.cpp:151 at v2.6.0; the
+lists of the torch version modelled add what that version adds (`FP32_FROM`: rms_norm from 2.12,
+autocast_mode.h:876 at v2.12.0, `estimate.torch_versions`); an op the running torch does not
 have is skipped. Known difference: for fp16,
 CUDA's softmax and log_softmax read fp16 input directly into an fp32 result, where the CPU
 kernel first copies the input to fp32 (an extra transient); for bf16 both copy.
@@ -131,7 +133,7 @@ def _cast(t, dtype: torch.dtype):
 
 
 def _kernel(op, policy: str):
-    """One op's autocast kernel (autocast_mode.h WrapFunction_ for `policy`): cast, then call the
+    """One op's autocast kernel (autocast_mode.h's WrapFunction_ for `policy`): cast, then call the
     op with autocast excluded, as the C++ kernels redispatch."""
     dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
 

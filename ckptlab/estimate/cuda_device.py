@@ -10,14 +10,15 @@ order (the tracker's trace). Added to them, as CUDA adds them:
   default, 32 MiB on Hopper (sm90) (`core.cards.CUBLAS_WORKSPACE_BYTES`). A matmul that goes
   through cuBLASLt (addmm with a bias vector: a Linear with bias) takes a cuBLASLt workspace as
   the torch version modelled gives it (`TorchRules.cublaslt_workspace`): 1 MiB allocated and
-  freed around each call (2.4 - 2.8, CUDABlas.cpp gemm_and_bias), 1 MiB kept per thread (2.9,
-  2.10, CublasHandlePool.cpp getCUDABlasLtWorkspace), or the thread's cuBLAS workspace itself
-  (2.11 on, unified_cublas_and_lt_workspaces). Sizes and rules: aten/src/ATen/cuda/
-  CublasHandlePool.cpp (`parseChosenWorkspaceSize`, `parseCUDABlasLtWorkspaceSize`,
-  `getCurrentCUDABlasHandle`), without CUBLAS_WORKSPACE_CONFIG or CUBLASLT_WORKSPACE_SIZE set. The forward runs on the caller's thread; autograd runs a CUDA
-  backward on its own device thread, so a step that multiplies matrices in both holds two of
-  each. They exist from the warm-up step on, so they are allocated before the step, after the
-  state it starts with.
+  freed around each call (2.4 - 2.8, CUDABlas.cpp:1213 gemm_and_bias at v2.6.0), 1 MiB kept per
+  thread (2.9, 2.10, CublasHandlePool.cpp getCUDABlasLtWorkspace: no tag source), or the thread's
+  cuBLAS workspace itself (2.11 on, unified_cublas_and_lt_workspaces: no tag source). Sizes and
+  rules: aten/src/ATen/cuda/CublasHandlePool.cpp:116-134 (parseChosenWorkspaceSize), :170
+  (getCurrentCUDABlasHandle) and CUDABlas.cpp:186-208 (_parseChosenWorkspaceSize, 1024 KiB) at
+  v2.6.0, without CUBLAS_WORKSPACE_CONFIG or CUBLASLT_WORKSPACE_SIZE set. The forward runs on
+  the caller's thread; autograd runs a CUDA backward on its own device thread, so a step that
+  multiplies matrices in both holds two of each. They exist from the warm-up step on, so they are
+  allocated before the step, after the state it starts with.
 - RNG states take no device memory in an eager step: checkpoint stashes the CUDA generator's
   state on the host (`torch.cuda.get_rng_state()` returns a CPU tensor), and a kernel that keeps
   its Philox seed and offset for backward (flash attention with dropout) keeps them as a saved
@@ -27,7 +28,8 @@ order (the tracker's trace). Added to them, as CUDA adds them:
   (`max_memory_reserved`); reserved minus allocated is fragmentation.
 - Offload (`P+offload`): `save_on_cpu(pin_memory=True)` copies each tensor saved inside a block
   to pinned host memory, so the device copy is freed when nothing else holds it, and backward
-  copies it back into a new device tensor (torch/autograd/graph.py). `HostOffload` does the same
+  copies it back into a new device tensor (torch/autograd/graph.py:350 save_on_cpu at v2.13.0).
+  `HostOffload` does the same
   on fake tensors: the host copy is a meta tensor (the tracker, counting the CPU device the fake
   step stands for, does not see it) and counts as pinned host bytes, as the host caching
   allocator holds them: rounded up to a power of two, cached per rounded size.
@@ -48,7 +50,7 @@ from .allocator import AllocEvent, replay_steps
 from .torch_versions import TorchRules, torch_rules
 
 DEFAULT_ARCH = "sm80"     # a prediction for CUDA without a card: an A100's architecture
-CUBLASLT_WORKSPACE_BYTES = 1024 * 1024                    # CublasHandlePool.cpp, CUBLASLT_WORKSPACE_SIZE default
+CUBLASLT_WORKSPACE_BYTES = 1024 * 1024                    # CUDABlas.cpp:194 at v2.6.0, CUBLASLT_WORKSPACE_SIZE default
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default, torch.ops.aten.addmv.default, torch.ops.aten.mv.default,
            torch.ops.aten.addbmm.default, torch.ops.aten.dot.default}
@@ -93,10 +95,10 @@ class HostOffload:
     `hooks()` for `apply_checkpointing(offload_hooks=...)`; `peak_bytes`, the pinned host memory
     the host caching allocator holds. It rounds each request up to a power of two and caches a
     freed block for a later request of that same rounded size (aten/src/ATen/core/
-    CachingHostAllocator.h, `CachingHostAllocatorImpl::allocate`: `roundSize` =
-    `c10::llvm::PowerOf2Ceil(size)` with the default pinned_max_round_threshold, then
-    `get_free_block(roundSize)` from the free list of that size's index, else
-    `allocate_host_memory(roundSize)`; lines 300-344 of torch 2.13.0's installed header), and
+    CachingHostAllocator.h at v2.13.0, `CachingHostAllocatorImpl::allocate`: :302-309 `roundSize` =
+    `c10::llvm::PowerOf2Ceil(size)` with the default pinned_max_round_threshold, then :312
+    `get_free_block(roundSize)` from the free list of that size's index, else :341
+    `allocate_host_memory(roundSize)`; :132 at v2.6.0), and
     keeps what it allocated until `empty_cache`: so per rounded size, the most blocks of it live
     at once."""
 
@@ -135,8 +137,9 @@ class HostOffload:
 
 
 # PYTORCH_CUDA_ALLOC_CONF values a prediction replays: the default allocator, or expandable
-# segments (c10/core/AllocatorConfig.cpp, AcceleratorAllocatorConfig::parseExpandableSegments; in
-# torch before 2.8 c10/cuda/CUDAAllocatorConfig.cpp's, which takes "True" or "False" only).
+# segments (c10/core/AllocatorConfig.h:302 AcceleratorAllocatorConfig::parseExpandableSegments at
+# v2.9.0, a header absent at v2.8.0; before, c10/cuda/CUDAAllocatorConfig.cpp:295-305 at v2.6.0,
+# which takes "True" or "False" only).
 ALLOC_CONFS = ("expandable_segments:True", "expandable_segments:False")
 
 
@@ -184,7 +187,8 @@ def first_two_steps(trace: list[tuple[str, int, int]], split: int, order: LoopOr
     first step starts without the optimizer state and without what a previous step left (start
     allocations the step frees: a held output); its optimizer state is allocated where its
     optimizer phase begins, as AdamW's `_init_group` creates `exp_avg`, `exp_avg_sq` lazily at
-    the first `step()` (torch/optim/adamw.py / adam.py), so into the cache that the freed
+    the first `step()` (torch/optim/adam.py:139, :162-182, which AdamW inherits, adamw.py:20, at
+    v2.13.0), so into the cache that the freed
     activations left. The second step is the tracked step again on that layout: new keys, and
     its frees of the previous step's leftovers free what the first step left of the same size
     (paired in order; one without a partner is not freed)."""

@@ -22,9 +22,10 @@ miss the recomputations that checkpointing runs inside backward. The fused kerne
 from the aten ops CUDA runs (`_scaled_dot_product_flash_attention`, `..._efficient_attention`,
 `..._cudnn_attention`), whose fake (Meta) kernels are replaced by ones with the CUDA layouts and
 RNG tensors: selective checkpointing, which saves those ops by name, sees them as on a GPU. Every
-rule names the PyTorch source it follows (aten/src/ATen/native/transformers/: attention.cpp,
-cuda/sdp_utils.cpp, cuda/attention.cu, cuda/flash_attn/flash_api.cpp; aten/src/ATen/native/cudnn/
-MHA.cpp); where torch versions differ, `estimate.torch_versions` says how. The model, and what it
+rule names the PyTorch source it follows as `path:line (function) at tag`, paths under
+aten/src/ATen/native/transformers/ (attention.cpp, cuda/sdp_utils.cpp, cuda/attention.cu,
+cuda/attention_backward.cu, cuda/flash_attn/flash_api.cpp) unless named whole; where torch
+versions differ, `estimate.torch_versions` says how. The model, its sources at tags and what it
 leaves out: docs/design.md, note "What a fake step cannot know".
 """
 
@@ -44,8 +45,8 @@ from ..core.validate import choice
 from .cuda_autocast import cuda_autocast_policies
 from .torch_versions import TorchRules, torch_rules
 
-# In PyTorch's default priority order (sdp_utils.cpp priority_order); a torch that prefers cuDNN
-# on the card puts "cudnn" first (`priority`).
+# In PyTorch's default priority order (sdp_utils.cpp:77 priority_order -> ATen/Context.h:391
+# sdp_priority_order at v2.6.0); a torch that prefers cuDNN on the card puts "cudnn" first (`priority`).
 ATTENTION_BACKENDS = ("flash", "efficient", "math", "cudnn")
 
 # Architectures by compute capability (sm86: 8.6), and the streaming multiprocessors of the card
@@ -107,7 +108,7 @@ def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
 def check_backend_available(attention: str, rules: TorchRules) -> None:
     """ValueError when the forced backend does not exist for this torch and card, whatever the
     inputs: cuDNN attention before torch 2.5 (opt-in there). Every backend exists on every card of
-    ARCHS (check_cudnn_hardware_support: [sm80, sm121])."""
+    ARCHS (sdp_utils.cpp:482 check_cudnn_hardware_support at v2.6.0: [sm80, sm90])."""
     if attention == "cudnn" and not rules.cudnn_attention:
         raise ValueError(f"attention='cudnn' is invalid with torch_version={rules.version!r}: torch {rules.version} "
                          "runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1, which ckptlab does not model; "
@@ -115,8 +116,9 @@ def check_backend_available(attention: str, rules: TorchRules) -> None:
 
 
 def priority(rules: TorchRules, arch: str) -> tuple[str, ...]:
-    """sdp_utils.cpp priority_order: cuDNN first where check_prefer_cudnn_attention holds for this
-    torch and card, else flash, efficient, math, cuDNN (which math, always possible, precedes)."""
+    """sdp_utils.cpp:77 priority_order (at v2.6.0): cuDNN first where check_prefer_cudnn_attention
+    holds for this torch and card (2.9 on: no tag source, `torch_versions.CUDNN_FIRST`), else flash,
+    efficient, math, cuDNN (which math, always possible, precedes)."""
     if rules.cudnn_first(arch):
         return ("cudnn", "flash", "efficient", "math")
     return ATTENTION_BACKENDS
@@ -124,9 +126,9 @@ def priority(rules: TorchRules, arch: str) -> tuple[str, ...]:
 
 def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                scale=None, enable_gqa=False):
-    """attention.cpp scaled_dot_product_attention with CUDA's choice (sdp_utils.cpp
-    select_sdp_backend: the first of flash, efficient, math whose checks pass). Under autocast
-    the inputs arrive cast: SDPA is on CUDA autocast's lower-precision list."""
+    """attention.cpp:696 (scaled_dot_product_attention) with CUDA's choice (sdp_utils.cpp:726
+    select_sdp_backend, at v2.6.0: the first of `priority` whose checks pass). Under autocast the
+    inputs arrive cast: SDPA is on CUDA autocast's lower-precision list."""
     if not is_fake(query):
         raise ValueError("cuda_semantics models what CUDA kernels keep, on fake tensors: scaled_dot_product_attention "
                          "got a real tensor; run the step under a FakeTensorMode")
@@ -161,9 +163,11 @@ def _repeat_heads(t, n: int):
 
 
 # ---------------------------------------------------------------------------- the backend choice
-# aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (select_sdp_backend, can_use_*) and
-# sdp_utils_cpp.h: the first backend of `priority` whose checks all pass. Each check returns why
-# it fails, or None.
+# aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:726 (select_sdp_backend), :550, :595, :647
+# (can_use_cudnn_attention, can_use_flash_attention, can_use_mem_efficient_attention) at v2.6.0,
+# and sdp_utils_cpp.h:323 (check_tensor_shapes), :398 (check_batch_size_and_num_heads_dense), :496
+# (check_nonzero_sequence_lengths_dense), :512 (check_last_dim_stride_equals_1_dense) at v2.13.0:
+# the first backend of `priority` whose checks all pass. Each check returns why it fails, or None.
 
 def _common_refusal(query, key, value) -> Optional[str]:
     if not (query.dim() == key.dim() == value.dim() == 4):
@@ -195,7 +199,9 @@ def cudnn_refusal(query, key, value, dropout_p, arch, rules: TorchRules) -> Opti
     heads, with or without enable_gqa), and check_cudnn_tensor_shapes' head dims (multiples of 8,
     at most 128, or 256 on sm90 with a cuDNN of 9.10 or later: `cudnn_version >= 91000 && major
     == 9 && !minor`, the wheels of 2.8 on), s_k > 1, no dropout with s_q = 1; from 2.12 a dropout
-    in sixteenths (check_cudnn_dropout)."""
+    in sixteenths (check_cudnn_dropout). At v2.6.0: sdp_utils.cpp:550 (can_use_cudnn_attention),
+    :354 (check_cudnn_tensor_shapes, a limit of 128); the head counts, the limit of 256, the s_q
+    rule and check_cudnn_dropout are of later releases: no tag source."""
     if not rules.cudnn_attention:
         return f"torch {rules.version} runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1"
     common = _common_refusal(query, key, value)
@@ -222,7 +228,9 @@ def cudnn_refusal(query, key, value, dropout_p, arch, rules: TorchRules) -> Opti
 
 
 def flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, arch) -> Optional[str]:
-    """can_use_flash_attention, check by check, in its order."""
+    """can_use_flash_attention, check by check, in its order: sdp_utils.cpp:595, with :110
+    (check_head_dim_size_flash), :286 (..._head_dim_gt192_constraints_on_sm86_89), :317
+    (check_flash_causal_non_square_seqlens) at v2.6.0."""
     common = _common_refusal(query, key, value)
     if common:
         return common
@@ -247,14 +255,16 @@ def flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
 
 
 def efficient_refusal(query, key, value, enable_gqa) -> Optional[str]:
-    """can_use_mem_efficient_attention on sm80+ (masks and dropout are supported)."""
+    """can_use_mem_efficient_attention on sm80+ (masks and dropout are supported): sdp_utils.cpp:647,
+    :165 (check_head_dim_size_mem_efficient) at v2.6.0."""
     common = _common_refusal(query, key, value)
     if common:
         return common
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not query.dtype == key.dtype == value.dtype:
         return f"memory-efficient attention needs fp16, bf16 or fp32 (got {query.dtype})"
-    # minimum_gemm_alignment on sm80+: 8 elements in fp16/bf16, 4 in fp32, for head dims and for
-    # the tensors' storage offsets (check_data_ptr_alignment_mem_efficient).
+    # minimum_gemm_alignment (sdp_utils.cpp:90 at v2.6.0) on sm80+: 8 elements in fp16/bf16, 4 in
+    # fp32, for head dims and for the tensors' storage offsets (check_data_ptr_alignment_mem_efficient:
+    # not in v2.6.0, no tag source).
     align = 8 if query.element_size() == 2 else 4
     dq, dv = query.size(-1), value.size(-1)
     if dq != key.size(-1) or dq % align or dv % align:
@@ -273,8 +283,8 @@ def _round_up(x: int, m: int) -> int:
 
 
 def flash_attention(query, key, value, dropout_p, sm_count):
-    """attention.cpp: the head dim is padded to a multiple of 8 (copies, which the kernel saves)
-    and the output sliced back."""
+    """attention.cpp:726-728 (pad_last_dim<8>) at v2.6.0: the head dim is padded to a multiple of 8
+    (copies, which the kernel saves) and the output sliced back."""
     d = query.size(-1)
     if d % 8:
         query, key, value = (F.pad(t, (0, 8 - d % 8)) for t in (query, key, value))
@@ -283,16 +293,17 @@ def flash_attention(query, key, value, dropout_p, sm_count):
 
 
 class _Flash(torch.autograd.Function):
-    """_scaled_dot_product_flash_attention_cuda -> flash_api.cpp mha_fwd / mha_bwd, whose tensors
-    are [b, s, h, d] views of the [b, h, s, d] inputs. derivatives.yaml: the backward keeps query,
-    key, value, output, logsumexp and the rng_state / unused pair (always on the device since the
-    flash-attention submodule: "[Note] BC breaking change to flash seed/offset")."""
+    """_scaled_dot_product_flash_attention_cuda -> flash_api.cpp:350 mha_fwd / :807 mha_bwd (at
+    v2.6.0), whose tensors are [b, s, h, d] views of the [b, h, s, d] inputs. derivatives.yaml:2923
+    at v2.13.0: the backward keeps query, key, value, output, logsumexp and the rng_state / unused
+    pair (named so from v2.7.0, :2877; always on the device since the flash-attention submodule:
+    "[Note] BC breaking change to flash seed/offset", no tag source)."""
 
     @staticmethod
     def forward(ctx, query, key, value, dropout_p, sm_count):
         b, hq, sq, d = query.shape
-        # set_params_splitkv: without dropout, a batch that leaves SMs idle splits the keys and
-        # accumulates in fp32 buffers for the length of the kernel.
+        # flash_api.cpp:297-326 (set_params_splitkv) at v2.6.0: without dropout, a batch that leaves
+        # SMs idle splits the keys and accumulates in fp32 buffers for the length of the kernel.
         splits = 1 if dropout_p else _flash_splits(b * hq * math.ceil(sq / 64), sm_count * 2,
                                                     math.ceil(key.size(-2) / (256 if d <= 64 else 128 if d <= 128 else 64)))
         accumulators = () if splits == 1 else (  # alive while the kernel runs
@@ -309,9 +320,10 @@ class _Flash(torch.autograd.Function):
         query, key, value, out = ctx.saved_tensors[:4]
         b, hq, sq, d = query.shape
         hk, sk = key.size(1), key.size(2)
-        # _flash_attention_backward: `grad_out.contiguous()` and `out.contiguous()` of their
-        # [b, s, h, d] views: copies unless they are [b, s, h, d] memory already (out is when the
-        # query was, flash_outputs), alive to the end.
+        # attention_backward.cu:82-83 (_flash_attention_backward) at v2.6.0: `grad_out.contiguous()`
+        # and `out.contiguous()` of their [b, s, h, d] views: copies unless they are [b, s, h, d]
+        # memory already (out is when the query was, flash_outputs), alive to the end. Then
+        # flash_api.cpp:934 (softmax_d), :939 (dq_accum), :950-951 (dk, dv expanded) at v2.6.0.
         dout = grad.transpose(1, 2).contiguous()
         out_t = out.transpose(1, 2).contiguous()
         dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (query, key, value))
@@ -328,7 +340,7 @@ class _Flash(torch.autograd.Function):
 
 def _flash_outputs(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     """_scaled_dot_product_flash_attention's outputs as CUDA allocates them: the output in the
-    layout of the query (flash_api.cpp mha_fwd: `out = at::empty_like(q_padded)`, q being the
+    layout of the query (flash_api.cpp:439 mha_fwd at v2.6.0: `out = at::empty_like(q_padded)`, q being the
     [b, s, h, d] view of the [b, h, s, d] query: [b, s, h, d] memory for a query projected and
     viewed, [b, h, s, d] memory for one made contiguous), logsumexp fp32 [b, h, s_q], rng_state
     uint64[2] and the unused uint64."""
@@ -341,7 +353,8 @@ def _flash_outputs(query, key, value, dropout_p=0.0, is_causal=False, return_deb
 
 
 def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int = 128) -> int:
-    """flash_api.cpp num_splits_heuristic: the fewest splits within 85% of the best SM occupancy."""
+    """flash_api.cpp:262 (num_splits_heuristic) at v2.6.0: the fewest splits within 85% of the best
+    SM occupancy."""
     if blocks >= 0.8 * sm_slots:
         return 1
     max_splits = min(max_splits, sm_slots, key_blocks)
@@ -357,8 +370,9 @@ def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int =
 # ---------------------------------------------------------------------------- memory-efficient attention
 
 def efficient_attention(query, key, value, attn_mask, dropout_p, arch):
-    """attention.cpp: a bool mask becomes an additive one in the query's dtype, of the mask's own
-    shape (convert_boolean_attn_mask); preprocess_mask then aligns the mask as given (pad_bias:
+    """attention.cpp at v2.6.0: a bool mask becomes an additive one in the query's dtype, of the
+    mask's own shape (:539 convert_boolean_attn_mask); :742 preprocess_mask (:574-589) then aligns
+    the mask as given (:567 pad_bias:
     the last dim padded to the next multiple of mem_eff_alignment = 8 and sliced back, unless
     every stride but the last is a multiple of 8 and the last is 1) and expands it, a view, to
     [b, h, s_q, s_k]. Dropout and the arch pick the backward's kernel, hence its workspace."""
@@ -373,22 +387,23 @@ def efficient_attention(query, key, value, attn_mask, dropout_p, arch):
 
 
 def _aligned(t, alignment: int) -> bool:
-    """attention.cpp aligned_tensor."""
+    """attention.cpp:557 (aligned_tensor) at v2.6.0."""
     return all(s % alignment == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1
 
 
 class _Efficient(torch.autograd.Function):
-    """attention.cu _efficient_attention_forward and attention_backward.cu
-    _efficient_attention_backward. Causality changes no allocation, dropout only the backward's
-    kernel; the seed and offset are CPU scalars outside CUDA-graph capture (Note [Seed and
-    Offset Device])."""
+    """attention.cu:1005 (_efficient_attention_forward) and attention_backward.cu:248
+    (_efficient_attention_backward) at v2.6.0. Causality changes no allocation, dropout only the
+    backward's kernel; the seed and offset are CPU scalars outside CUDA-graph capture
+    (attention.cu:1087-1126, Note [Seed and Offset Device])."""
 
     @staticmethod
     def forward(ctx, query, key, value, bias, keep_lse, dropout, arch):
         b, h, sq, _ = query.shape
         dv = value.size(-1)
         # Kernels for head dims > 128 keep the output in global memory: an fp32 accumulator
-        # (kNeedsOutputAccumulatorBuffer) when the output is fp16 / bf16, alive while they run.
+        # (kNeedsOutputAccumulatorBuffer, attention.cu:1282-1288 at v2.6.0) when the output is
+        # fp16 / bf16, alive while they run.
         accumulator = (torch.empty(b, sq, h, dv, dtype=torch.float32)
                        if query.element_size() == 2 and max(query.size(-1), dv) > 128 else None)
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, keep_lse)
@@ -402,31 +417,32 @@ class _Efficient(torch.autograd.Function):
         query, key, value, bias, out, _ = ctx.saved_tensors
         b, h, sq, d = query.shape
         sk, dv = key.size(2), value.size(-1)
-        # _efficient_attention_backward: grad_out made contiguous as [b, s, h, d_v] (a copy unless
-        # it is one already, as out is), alive to the end.
+        # attention_backward.cu:313 (_efficient_attention_backward) at v2.6.0: grad_out made
+        # contiguous as [b, s, h, d_v] (a copy unless it is one already, as out is), alive to the end.
         dout = grad.transpose(1, 2).contiguous()
-        # dq, dk, dv apart: the SDPA path leaves shared_storage_dqdkdv off (its one [b, s, 3, h, d]
-        # chunk is only for callers of _efficient_attention_backward that ask).
+        # dq, dk, dv apart (:377-379): the SDPA path leaves shared_storage_dqdkdv off (its one
+        # [b, s, 3, h, d] chunk is only for callers of _efficient_attention_backward that ask).
         dq = torch.empty(b, sq, h, d, dtype=query.dtype)
         dk = torch.empty(b, sk, h, d, dtype=key.dtype)
         dv_ = torch.empty(b, sk, h, dv, dtype=value.dtype)
         dbias = None
         if bias is not None and ctx.needs_input_grad[3]:
             dbias = torch.empty(*bias.shape[:-1], _round_up(bias.size(-1), 16), dtype=bias.dtype)[..., :bias.size(-1)]
-        # delta = rowsum(dout * out): written by the 16-bit kernels, made by torch ops for fp32.
+        # delta = rowsum(dout * out) (:541): written by the 16-bit kernels, made by torch ops for fp32.
         if query.element_size() == 2:
             delta = torch.empty(b, h, sq, dtype=torch.float32)
         else:
             delta = (dout.float() * out.transpose(1, 2).float()).sum(-1).transpose(-2, -1).contiguous()
-        # The dq accumulators and, for some 16-bit kernels, dk / dv staging: one buffer, alive
-        # while the kernel runs (zeroed in place when the keys are split).
+        # The dq accumulators and, for some 16-bit kernels, dk / dv staging: one buffer (:693-695),
+        # alive while the kernel runs (zeroed in place when the keys are split).
         workspace = torch.empty(_efficient_backward_workspace(b, h, sq, sk, d, dv, query.element_size() == 2,
                                                               ctx.dropout, ctx.arch), dtype=torch.uint8)
         del dout, delta, workspace
         return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None, None, None
 
 
-# kernels/cutlassB.h dispatch_cutlassB_{bf16,f16,f32}_sm80 (sm80 to sm90 share them): the
+# cuda/mem_eff_attention/kernels/cutlassB.h:227 dispatch_cutlassB_bf16_sm80 at v2.6.0 (and its f16,
+# f32 twins; sm80 to sm90 share them): the
 # backward kernels in dispatch order as (kBlockSizeI, kBlockSizeJ, kMaxK, sizeof(SharedStorage)
 # in KiB rounded up; fp16's, never below bf16's), the seqaligned twins left out (same shapes).
 # fp32 has the same kernels with dropout; fp16 / bf16 dispatch their k96 kernel on sm86 / sm89
@@ -446,7 +462,7 @@ SMEM_OPTIN_KIB = {"sm80": 163, "sm86": 99, "sm89": 99, "sm90": 227}
 
 
 def _efficient_backward_kernel(half: bool, dropout: bool, max_k: int, arch: str) -> tuple[int, int, int]:
-    """attention_backward.cu launchKernel: the first kernel whose kMaxK covers max(d, d_v), with
+    """attention_backward.cu:504 (launchKernel) at v2.6.0: the first kernel whose kMaxK covers max(d, d_v), with
     dropout when it is needed and shared memory the card can give. (kBlockSizeI, kBlockSizeJ, kMaxK)."""
     for i, j, k_max, smem_kib in _EFFICIENT_BW_KERNELS[(2, dropout) if half else (4, False)]:
         if k_max == 96 and arch not in ("sm86", "sm89"):
@@ -457,9 +473,10 @@ def _efficient_backward_kernel(half: bool, dropout: bool, max_k: int, arch: str)
 
 
 def _efficient_backward_workspace(b, h, sq, sk, d, dv, half: bool, dropout: bool, arch: str) -> int:
-    """The bytes of _efficient_attention_backward's workspace: kernel_backward.h workspace_size(),
-    b * h * workspace_strideBH() floats, for the kernel chosen and attention_backward.cu's
-    num_splits_key (the SDPA path passes none, so the heuristic decides; no SM count in it)."""
+    """The bytes of _efficient_attention_backward's workspace: mem_eff_attention/kernel_backward.h:886
+    (workspace_size), b * h * workspace_strideBH() (:879) floats, for the kernel chosen and
+    attention_backward.cu:655-678's num_splits_key (the SDPA path passes none, so the heuristic
+    decides; no SM count in it), at v2.6.0."""
     i, j, k_max = _efficient_backward_kernel(half, dropout, max(d, dv), arch)
     # kOutputInRF = 16-bit and kMaxK <= kBlockSizeI: dk, dv live in registers. Otherwise a 16-bit
     # kernel stages them in fp32 (kNeedsAccumGradK / V: output_t is not float); fp32 writes them.
@@ -483,8 +500,9 @@ def _efficient_backward_workspace(b, h, sq, sk, d, dv, half: bool, dropout: bool
 
 def _efficient_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
                        scale=None):
-    """_scaled_dot_product_efficient_attention's outputs as CUDA allocates them: the output in
-    [b, s, h, d] memory, logsumexp fp32 [b, h, s_q rounded up to 32] (kAlignLSE) when asked, and
+    """_scaled_dot_product_efficient_attention's outputs as CUDA allocates them (attention.cu:1261,
+    :1269-1273 at v2.6.0): the output in [b, s, h, d] memory, logsumexp fp32 [b, h, s_q rounded up
+    to 32] (kAlignLSE, mem_eff_attention/kernel_forward.h:113) when asked, and
     seed and offset, host scalars on CUDA, as empty tensors: no device bytes."""
     b, h, sq, _ = query.shape
     device = query.device
@@ -496,9 +514,9 @@ def _efficient_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout
 # ---------------------------------------------------------------------------- cuDNN attention
 
 def cudnn_attention(query, key, value, attn_mask, dropout_p, is_causal, rules: TorchRules):
-    """attention.cpp's cuDNN case: a bool mask made additive in the query's dtype
-    (convert_boolean_attn_mask_cudnn), then _scaled_dot_product_cudnn_attention with the logsumexp
-    computed when an input requires grad (should_compute_logsumexp)."""
+    """attention.cpp:717-721's cuDNN case at v2.6.0: a bool mask made additive in the query's dtype
+    (:545 convert_boolean_attn_mask_cudnn), then _scaled_dot_product_cudnn_attention with the
+    logsumexp computed when an input requires grad (:618 should_compute_logsumexp)."""
     if attn_mask is not None:
         attn_mask = _additive_mask(attn_mask, query.dtype)
     keep_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
@@ -506,9 +524,10 @@ def cudnn_attention(query, key, value, attn_mask, dropout_p, is_causal, rules: T
 
 
 class _Cudnn(torch.autograd.Function):
-    """_scaled_dot_product_cudnn_attention_cuda -> cudnn/MHA.cpp run_cudnn_SDP_fprop / _bprop.
-    derivatives.yaml: the backward (_scaled_dot_product_cudnn_attention_backward) keeps query,
-    key, value, output, logsumexp, philox_seed, philox_offset and attn_bias."""
+    """_scaled_dot_product_cudnn_attention_cuda (attention.cu:748) -> aten/src/ATen/native/cudnn/
+    MHA.cpp:617 run_cudnn_SDP_fprop / :717 run_cudnn_SDP_bprop at v2.6.0. derivatives.yaml:2943 at
+    v2.13.0: the backward (_scaled_dot_product_cudnn_attention_backward) keeps query, key, value,
+    output, logsumexp, philox_seed, philox_offset and attn_bias."""
 
     @staticmethod
     def forward(ctx, query, key, value, bias, keep_lse, dropout_p, is_causal, wheel_cudnn):
@@ -522,9 +541,10 @@ class _Cudnn(torch.autograd.Function):
     def backward(ctx, grad):
         query, key, value, out = ctx.saved_tensors[:4]
         b, h, sq, d = query.shape
-        # run_cudnn_SDP_bprop: a cuDNN older than 9.5.1 (CUDNN_VERSION < 90501, the wheels of
-        # torch 2.5 / 2.6) needs grad_output in the strides of the output, a newer one only a
-        # contiguous last dim; otherwise permute_to_matching_layout copies it in the output's layout.
+        # MHA.cpp:747-765 (run_cudnn_SDP_bprop) at v2.6.0: a cuDNN older than 9.5.1 (CUDNN_VERSION
+        # < 90501, the wheels of torch 2.5 / 2.6) needs grad_output in the strides of the output, a
+        # newer one only a contiguous last dim; otherwise permute_to_matching_layout (:328) copies
+        # it in the output's layout.
         same_strides = grad.stride() == out.stride()
         dout = (torch.empty_like(out) if (not same_strides if ctx.wheel_cudnn < 90501 else grad.stride(-1) != 1)
                 else grad)
@@ -541,9 +561,9 @@ class _Cudnn(torch.autograd.Function):
 
 def _cudnn_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                    return_debug_mask=False, *, scale=None):
-    """_scaled_dot_product_cudnn_attention's outputs as CUDA allocates them (MHA.cpp
-    run_cudnn_SDP_fprop): the output in the query's layout (alloc_with_matching_layout), the
-    logsumexp fp32 [b, h, s_q, 1] when asked (softmaxstats), and with dropout the Philox seed and
+    """_scaled_dot_product_cudnn_attention's outputs as CUDA allocates them (MHA.cpp:617
+    run_cudnn_SDP_fprop at v2.6.0): the output in the query's layout (:639 alloc_with_matching_layout),
+    the logsumexp fp32 [b, h, s_q, 1] when asked (:644 softmaxstats), and with dropout the Philox seed and
     offset as int64 scalars on the device (without: none on the device)."""
     b, h, sq, _ = query.shape
     device = query.device
@@ -556,7 +576,7 @@ def _cudnn_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0
 
 
 def _matching_strides(query, d_v: int) -> tuple[int, ...]:
-    """MHA.cpp alloc_with_matching_layout: dense strides for [b, h, s_q, d_v] in the dimension order
+    """MHA.cpp:296 (alloc_with_matching_layout) at v2.6.0: dense strides for [b, h, s_q, d_v] in the dimension order
     of the query's strides (largest stride outermost)."""
     order = sorted(range(4), key=lambda i: -query.stride(i))
     sizes = [*query.shape[:3], d_v]
@@ -570,17 +590,18 @@ def _matching_strides(query, d_v: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------- math
 
 def _additive_mask(mask, dtype):
-    """convert_boolean_attn_mask: a bool mask as 0 where kept, -inf where masked."""
+    """attention.cpp:525-541 (convert_boolean_attn_mask) at v2.6.0: a bool mask as 0 where kept,
+    -inf where masked."""
     if mask.dtype != torch.bool:
         return mask
     return torch.where(mask, torch.scalar_tensor(0.0, dtype=dtype), torch.scalar_tensor(-math.inf, dtype=dtype))
 
 
 def math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """attention.cpp _scaled_dot_product_attention_math, op by op: fp16 / bf16 inputs are upcast
-    to fp32 (allowFP16BF16ReductionMathSDP is off by default), the (s_q x s_k) scores and
-    probabilities are materialised, grouped-query keys and values repeated, and dropout is
-    at::dropout, which on CUDA is native_dropout with its bool mask."""
+    """attention.cpp:792 (_scaled_dot_product_attention_math) at v2.6.0, op by op: fp16 / bf16
+    inputs are upcast to fp32 (:808; allowFP16BF16ReductionMathSDP is off by default), the
+    (s_q x s_k) scores and probabilities are materialised, grouped-query keys and values repeated
+    (:858), and dropout is at::dropout (:877), which on CUDA is native_dropout with its bool mask."""
     origin = query.dtype
     if origin in (torch.float16, torch.bfloat16):
         query, key, value = query.float(), key.float(), value.float()
@@ -607,7 +628,7 @@ def math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, en
 # ---------------------------------------------------------------------------- dropout
 
 def dropout(input, p, train):
-    """aten::dropout as Dropout.cpp runs it on CUDA: for 0 < p < 1 the fused native_dropout,
+    """aten::dropout as native/Dropout.cpp:132-139 (at v2.6.0) runs it on CUDA: for 0 < p < 1 the fused native_dropout,
     whose backward keeps a bool mask; anything else as on CPU. (In-place dropout_ takes the
     unfused path on CUDA too: it is not replaced.)"""
     if not train or p == 0 or input.numel() == 0:

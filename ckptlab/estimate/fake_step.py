@@ -409,7 +409,7 @@ def warm_up(step, model: nn.Module, opt, trained=None) -> None:
 
 def assume_finite_gradients(scaler) -> None:
     """A grad scaler steps the optimizer only when the unscaled gradients hold no inf or NaN,
-    which it reads from a tensor (torch/amp/grad_scaler.py at v2.13.0, `GradScaler._maybe_opt_step`:
+    which it reads from a tensor (torch/amp/grad_scaler.py:371 at v2.13.0, `GradScaler._maybe_opt_step`:
     `.item()` on found_inf); a fake step cannot read it. The step is predicted as a healthy step runs: the
     optimizer steps."""
     def step_optimizer(optimizer, optimizer_state, *args, **kwargs):

@@ -4,11 +4,12 @@ A prediction for CUDA (`predict(device="cuda", torch_version="2.11")`) follows t
 torch release: which attention kernel SDPA tries first, which backends take grouped-query
 attention, what cuBLASLt's workspace is, which ops CUDA autocast runs in fp32. The default is the
 installed torch's major.minor (clamped to the versions modelled). Each rule names the PyTorch
-source it follows; where the stored sources carry commits rather than tags, a change is placed in
-the first release whose branch it reached (its pull request's number and merge date, against the
-release's branch cut: 2.8 2025-06-25, 2.10 2025-12-10, 2.11 2026-02-18, 2.12 2026-04-15, 2.13
-2026-06-08, by the releases' trackers), and docs/design.md, note "What a fake step cannot know",
-lists those.
+source it follows as `path:line (function) at tag`: every file of v2.6.0 and, for the other
+releases, the headers, Python and YAML their wheels ship. A `.cpp` change after 2.6 has no tag
+source here; it is placed in the first release whose branch it reached (its pull request's number
+and merge date, against the release's branch cut: 2.8 2025-06-25, 2.10 2025-12-10, 2.11
+2026-02-18, 2.12 2026-04-15, 2.13 2026-06-08, by the releases' trackers), and docs/design.md, note
+"What a fake step cannot know", lists those.
 
 cuDNN attention's choice depends on the cuDNN the wheel ships (`versionRuntimeCuDNN()`), so each
 release records the cuDNN of its default CUDA wheel (`nvidia-cudnn-cu12/cu13==` in
@@ -24,7 +25,11 @@ import torch
 TORCH_VERSIONS = ("2.4", "2.5", "2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13")
 
 # When cuDNN attention heads SDPA's priority order (sdp_utils.cpp check_prefer_cudnn_attention,
-# priority_order):
+# priority_order). The default order is ATen/Context.h's sdp_priority_order, flash, efficient, math,
+# cudnn: Context.h:391 at v2.6.0 (sdp_utils.cpp:77 priority_order returns it; :58
+# check_prefer_cudnn_attention is defined there but not called), :423 at v2.7.0 and v2.8.0, :440 at
+# v2.9.0, :459 at v2.10.0, :467 at v2.11.0 and v2.12.0, :481 at v2.13.0. What puts cuDNN first in
+# 2.9 on is in sdp_utils.cpp: no tag source, so by pull request:
 #   "opt-in"   2.4: cuDNN attention runs only with TORCH_CUDNN_SDPA_ENABLED=1 (pytorch PR #128539,
 #              the 2.4 cherry-pick reverting #125343); never by default.
 #   "last"     2.5 - 2.8: priority_order is the constexpr {flash, efficient, math, cudnn}
@@ -62,7 +67,8 @@ class TorchRules:
 
     @property
     def has_gqa(self) -> bool:
-        """scaled_dot_product_attention's `enable_gqa` exists (torch 2.5's signature)."""
+        """scaled_dot_product_attention's `enable_gqa` exists: native_functions.yaml:14734 at v2.5.0
+        (`bool enable_gqa=False`), :14677 without it at v2.4.0."""
         return self.minor >= 5
 
     @property
@@ -84,25 +90,27 @@ class TorchRules:
     def cudnn_dropout_in_sixteenths(self) -> bool:
         """can_use_cudnn_attention's check_cudnn_dropout: a dropout probability that is not a
         multiple of 1/16 is refused (#174245, merged 2026-02-26, after 2.11's branch cut of
-        2026-02-18: from 2.12)."""
+        2026-02-18: from 2.12; sdp_utils.cpp, no tag source)."""
         return self.minor >= 12
 
     @property
     def cublaslt_workspace(self) -> str:
         """Where an addmm with a bias vector (cuBLASLt) gets its workspace:
-        "per-call"   2.4 - 2.8: CUDABlas.cpp gemm_and_bias allocates _getWorkspaceSize(), 1 MiB
-                     (CUBLASLT_WORKSPACE_SIZE's default, #73328), per call, through the caching
-                     allocator, and frees it after the call;
+        "per-call"   2.4 - 2.8: CUDABlas.cpp:1213 (gemm_and_bias) allocates _getWorkspaceSize(),
+                     1 MiB (:194, CUBLASLT_WORKSPACE_SIZE's default, #73328), per call (:1277,
+                     :1291) at v2.6.0, through the caching allocator, and frees it after the call;
         "persistent" 2.9, 2.10: CublasHandlePool.cpp getCUDABlasLtWorkspace keeps 1 MiB per
-                     (handle, stream), for the life of the process (#156495, merged 2025-06-27);
+                     (handle, stream), for the life of the process (#156495, merged 2025-06-27;
+                     declared at CUDAContextLight.h:95 at v2.9.0, absent at v2.8.0);
         "unified"    2.11 on: unified_cublas_and_lt_workspaces() is on by default (#168175, merged
-                     2026-01): cuBLASLt uses the thread's cuBLAS workspace, allocating nothing more."""
+                     2026-01; no tag source): cuBLASLt uses the thread's cuBLAS workspace,
+                     allocating nothing more."""
         return "per-call" if self.minor <= 8 else "persistent" if self.minor <= 10 else "unified"
 
     @property
     def autocast_fp32_rms_norm(self) -> bool:
-        """CUDA autocast's fp32 list (autocast_mode.h AT_FORALL_FP32) has rms_norm from 2.12
-        (pytorch PR #174824; issue #188955: "rms_norm autocast fp32 policy (2.12)")."""
+        """CUDA autocast's fp32 list has rms_norm from 2.12: autocast_mode.h:876 (AT_FORALL_FP32)
+        at v2.12.0 and v2.13.0, absent from its list (:855) at v2.11.0 (pytorch PR #174824)."""
         return self.minor >= 12
 
 

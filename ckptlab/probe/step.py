@@ -43,7 +43,7 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
     accumulate, the loss scaled by 1/accum_steps; with `grad_scaler` the scaled loss backward);
     then, in the optimizer phase, with `clip_grad_norm` the gradients unscaled (a scaler's
     `unscale_`) and clipped (`clip_grad_norm_`, foreach where torch picks it for the batch's
-    device: torch/nn/utils/clip_grad.py _get_total_norm), the optimizer step (through the
+    device: torch/nn/utils/clip_grad.py:49 _get_total_norm at v2.13.0), the optimizer step (through the
     scaler's `step`, then its `update`), and `zero_grad` (gradients set to None, or zero-filled
     and kept). With `holds_output` the step keeps the model's output until the next forward has
     made its own (`HeldOutput`; `step.inputs()` includes it). `step.scaler` is the GradScaler
@@ -57,7 +57,7 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
     held = HeldOutput(model, workload.label) if loop.holds_output else None
     scaler = torch.amp.GradScaler(device_type) if loop.grad_scaler else None
     # torch picks foreach norms for plain tensors on a device that has them (CPU and CUDA); fake
-    # tensors fail its type check, so the choice is passed (clip_grad.py _get_total_norm, v2.13.0).
+    # tensors fail its type check, so the choice is passed (clip_grad.py:93 _get_total_norm at v2.13.0).
     clip_foreach = _device_has_foreach_support(batch[0].device)
     set_to_none = loop.zero_grad == "set_to_none"
     accum_steps = loop.accum_steps
@@ -95,7 +95,8 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
     # The forward alone (a prediction's warm-up, `estimate.fake_step`), holding the output as the step does.
     step.forward_loss = forward_loss if held is None else functools.partial(held.forward, forward_loss)
     # What the step starts from beside the model and the optimizer: the batch, a held output, and
-    # the scale and growth tracker a grad scaler keeps from step to step (torch/amp/grad_scaler.py).
+    # the scale and growth tracker a grad scaler keeps from step to step (torch/amp/grad_scaler.py:173
+    # _lazy_init_scale_growth_tracker at v2.13.0).
     step.inputs = lambda: (*step.batch, *(held.tensors if held is not None else ()), *scaler_state(scaler))
     step.loop, step.scaler = loop, scaler
     return step
@@ -103,7 +104,7 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
 
 def scaler_state(scaler) -> list[torch.Tensor]:
     """The tensors a GradScaler keeps between steps once its first `scale` made them: the scale
-    and the growth tracker (torch/amp/grad_scaler.py `_lazy_init_scale_growth_tracker`)."""
+    and the growth tracker (torch/amp/grad_scaler.py:173 `_lazy_init_scale_growth_tracker` at v2.13.0)."""
     if scaler is None:
         return []
     return [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
