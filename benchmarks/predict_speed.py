@@ -3,13 +3,18 @@ in one run, with the two predictions checked identical.
 
   1. one prediction per model and sequence length, on an RTX 4090 (CUDA semantics and the
      allocator replay): gpt2-small, hf-llama-1b, hf-llama-7b+lora=16 (bf16 weights), at s2048 and
-     s8192 (gpt2-small at its 1024 positions), policy none: the seconds each path takes, their
-     ratio, and whether every field of the two records is the same;
+     s8192 (gpt2-small at its 1024 positions), policy none, each path timed two ways:
+     - first: the model's first prediction in the process (it is built under fake tensors, its
+       policy applied and its optimizer warmed up: `estimate.fake_step.PreparedStep`);
+     - prepared: a prediction at a sequence length not predicted before in the process, the model
+       prepared by an earlier prediction (a table's search, a widget's change);
+     the seconds, the full / fast ratio of each, and whether every field of the two paths'
+     records is the same;
   2. predict_fits for hf-llama-7b+lora=16 over 3 policies and the default cards, fast path
      (with --full-fits, the full trace too: minutes), and how many predictions the table took.
 
-Each model is predicted once before it is timed (imports, first-call caches), so the times are
-those of a warm process; then each path runs `--repeats` rounds, in turns. Timings on a shared
+Imports and first-call caches are paid before anything is timed (a gpt-tiny prediction). Each
+path runs `--repeats` rounds, in turns, each round from no prepared model. Timings on a shared
 machine are noisy: compare the ratios of one run.
 
     python benchmarks/predict_speed.py [--quick] [--full-fits] [--out results/predict_speed]
@@ -29,6 +34,7 @@ from statistics import median
 from ckptlab import get_workload, predict, predict_fits
 from ckptlab.core.cards import DEFAULT_CARDS
 from ckptlab.estimate import predict as predict_module
+from ckptlab.estimate.fake_step import clear_prepared
 
 CARD = "rtx4090"
 CASES = [  # (model, its overrides, sequence lengths, dtype)
@@ -56,26 +62,33 @@ def same_prediction(fast, full) -> list[str]:
 
 
 def one_prediction(model: str, overrides: dict, seq: int, dtype: str, repeats: int) -> dict:
-    """Both paths, `repeats` rounds of each in turn (the first path of a round alternates); the
-    medians of their seconds, the median of the rounds' ratios."""
+    """Both paths, `repeats` rounds of each in turn (the first path of a round alternates), each
+    round from no prepared model: the first prediction at `seq`, then one at a sequence length
+    new to the process (`seq` - 8 x the round's number, in turn). The medians of their seconds,
+    the median of the rounds' ratios."""
     workload = get_workload(model, **overrides)
     options = dict(dtype=dtype, card=CARD, device="cuda")
-    seconds = {"fast": [], "full": []}
+    seconds = {(trace, when): [] for trace in ("fast", "full") for when in ("first", "prepared")}
+    predictions = {}
     for r in range(repeats):
         for trace in ("fast", "full") if r % 2 == 0 else ("full", "fast"):
-            prediction, s = timed(lambda: predict(workload, 1, seq, POLICY, **options, trace=trace))
-            seconds[trace].append(s)
-            if trace == "fast":
-                fast = prediction
-            else:
-                full = prediction
-    ratios = [a / b for a, b in zip(seconds["full"], seconds["fast"])]
-    full_s, fast_s = median(seconds["full"]), median(seconds["fast"])
-    return {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": POLICY,
-            "full_s": full_s, "fast_s": fast_s, "ratio": median(ratios), "rounds_full_s": seconds["full"],
-            "rounds_fast_s": seconds["fast"], "fast_trace": fast.trace,
-            "identical": not same_prediction(fast, full), "differing_fields": same_prediction(fast, full),
-            "peak_bytes": fast.peak_bytes, "device_bytes": fast.device_bytes}
+            clear_prepared()
+            predictions[trace], s = timed(lambda: predict(workload, 1, seq, POLICY, **options, trace=trace))
+            seconds[(trace, "first")].append(s)
+            _, s = timed(lambda: predict(workload, 1, seq - 8 * (r + 1), POLICY, **options, trace=trace))
+            seconds[(trace, "prepared")].append(s)
+    clear_prepared()
+    fast, full = predictions["fast"], predictions["full"]
+    result = {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": POLICY,
+              "fast_trace": fast.trace, "identical": not same_prediction(fast, full),
+              "differing_fields": same_prediction(fast, full), "peak_bytes": fast.peak_bytes,
+              "device_bytes": fast.device_bytes}
+    for when in ("first", "prepared"):
+        full_s, fast_s = seconds[("full", when)], seconds[("fast", when)]
+        result.update({f"{when}_full_s": median(full_s), f"{when}_fast_s": median(fast_s),
+                       f"{when}_ratio": median(a / b for a, b in zip(full_s, fast_s)),
+                       f"{when}_rounds_full_s": full_s, f"{when}_rounds_fast_s": fast_s})
+    return result
 
 
 def counting_predictions(fn):
@@ -96,22 +109,28 @@ def counting_predictions(fn):
 def fits_table(model: str, overrides: dict, policies: list[str], dtype: str, capacities: list[str], trace: str) -> dict:
     workload = get_workload(model, **overrides)
     seq = min(FITS_SEQ, workload.max_seq_len or FITS_SEQ)
+    clear_prepared()
     (rows, predictions), seconds = timed(lambda: counting_predictions(
         lambda: predict_fits(workload, policies, capacities, seq_len=seq, dtype=dtype, trace=trace)))
+    clear_prepared()
     return {"predictions": predictions, "model": workload.label, "policies": policies, "cards": capacities, "dtype": dtype, "trace": trace,
             "seconds": seconds, "rows": rows}
 
 
 def markdown(result: dict) -> str:
     lines = [f"# Prediction speed: full trace vs fast path ({result['machine']})", "",
-             f"One run; each model predicted once before it is timed, then {result['repeats']} rounds of each path "
-             "(medians; full / fast is the median of the rounds' ratios). Load average (1, 5, 15 min) at the end: "
+             f"One run, {result['repeats']} rounds of each path (medians; full / fast is the median of the rounds' "
+             "ratios). *First*: the model's first prediction in the process (built under fake tensors, policy "
+             "applied, optimizer warmed up); *prepared*: a prediction at a sequence length new to the process, the "
+             "model prepared by an earlier one. Load average (1, 5, 15 min) at the end: "
              f"{', '.join(f'{x:.1f}' for x in result['load_average'])}. The machine may be shared: compare ratios.", "",
-             "| model | seq | dtype | full s | fast s | full / fast | fast path | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | seq | dtype | first: full s | fast s | full / fast | prepared: full s | fast s | full / fast "
+             "| fast path | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["predictions"]:
-        lines.append(f"| {r['model']} | {r['seq_len']} | {r['dtype']} | {r['full_s']:.2f} | {r['fast_s']:.2f} | "
-                     f"{r['ratio']:.1f}x | {r['fast_trace']} | {'yes' if r['identical'] else 'NO'} |")
+        lines.append(f"| {r['model']} | {r['seq_len']} | {r['dtype']} | {r['first_full_s']:.2f} | {r['first_fast_s']:.2f} | "
+                     f"{r['first_ratio']:.1f}x | {r['prepared_full_s']:.2f} | {r['prepared_fast_s']:.2f} | "
+                     f"{r['prepared_ratio']:.1f}x | {r['fast_trace']} | {'yes' if r['identical'] else 'NO'} |")
     lines += ["", "| predict_fits | policies | cards | trace | predictions | seconds |", "|---|---|---|---|---|---|"]
     for f in result["fits"]:
         lines.append(f"| {f['model']} | {', '.join(f['policies'])} | {', '.join(f['cards'])} | {f['trace']} | "
@@ -128,13 +147,15 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     cases, fits = (QUICK_CASES, QUICK_FITS) if args.quick else (CASES, FITS)
     predictions = []
+    predict(get_workload("gpt-tiny"), 1, 16, POLICY, card=CARD, device="cuda")   # imports, first-call caches
     for model, overrides, seqs, dtype in cases:
-        predict(get_workload(model, **overrides), 1, seqs[0], POLICY, dtype=dtype, card=CARD, device="cuda")  # warm
         for seq in seqs:
             predictions.append(one_prediction(model, overrides, seq, dtype, args.repeats))
             r = predictions[-1]
-            print(f"{r['model']} s{seq} {dtype}: full {r['full_s']:.2f} s, fast {r['fast_s']:.2f} s "
-                  f"({r['ratio']:.1f}x, {r['fast_trace']}), identical: {r['identical']}", flush=True)
+            print(f"{r['model']} s{seq} {dtype}: first: full {r['first_full_s']:.2f} s, fast {r['first_fast_s']:.2f} s "
+                  f"({r['first_ratio']:.1f}x); prepared: full {r['prepared_full_s']:.2f} s, fast "
+                  f"{r['prepared_fast_s']:.2f} s ({r['prepared_ratio']:.1f}x); {r['fast_trace']}, identical: "
+                  f"{r['identical']}", flush=True)
     tables = [fits_table(*fits, trace="fast")]
     if args.full_fits:
         tables.append(fits_table(*fits, trace="full"))

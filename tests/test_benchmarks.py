@@ -184,6 +184,7 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
     result = json.loads((tmp_path / "predict_speed.json").read_text())
     (row,) = result["predictions"]
     assert row["identical"] and row["fast_trace"] == "composed"
-    assert row["ratio"] == pytest.approx(row["full_s"] / row["fast_s"])   # one round: its own ratio
+    for when in ("first", "prepared"):   # one round: its own ratio
+        assert row[f"{when}_ratio"] == pytest.approx(row[f"{when}_full_s"] / row[f"{when}_fast_s"])
     assert result["fits"][0]["trace"] == "fast" and result["fits"][0]["rows"]
     assert "| gpt-tiny | 64 |" in (tmp_path / "predict_speed.md").read_text()

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 MiB = 2**20
 MIN_BLOCK_BYTES = 512                  # kMinBlockSize: every size is rounded to a multiple of it
@@ -76,10 +76,10 @@ ROUND_LARGE_BYTES = 2 * MiB            # kRoundLarge: larger requests get their 
 EXPANDABLE_PAGE_BYTES = {True: SMALL_SEGMENT_BYTES, False: LARGE_SEGMENT_BYTES}  # per pool (small?)
 
 
-@dataclass(frozen=True)
-class AllocEvent:
+class AllocEvent(NamedTuple):
     """One event of a step's trace, in order: "alloc" or "free" of the allocation `key` (a free
-    names the key of its alloc and repeats its requested bytes)."""
+    names the key of its alloc and repeats its requested bytes). A tuple: a step's trace holds
+    tens of thousands."""
     action: str
     key: int
     size_bytes: int
