@@ -117,17 +117,27 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
             model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
-        with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks) as tracker, blas:
-            cut.tracker = tracker
-            if host:
-                host.tracker = tracker
-            try:
-                step(_Marks(tracker, cut))
-            finally:
-                cut.tracker = None
+        kernels_key = (card.arch, card.sm_count) if card else None, attention, torch_version
+        marks = None
+        try:
+            with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks) as tracker, blas:
+                cut.tracker = tracker
                 if host:
-                    host.tracker = None
-        events = list(tracker.events)
+                    host.tracker = tracker
+                marks = _Marks(tracker, cut, cut.optimizer_phases.get(kernels_key))
+                try:
+                    step(marks)
+                finally:
+                    cut.tracker = None
+                    if host:
+                        host.tracker = None
+        except _OptimizerPhaseKnown:
+            model.zero_grad(set_to_none=loop.zero_grad == "set_to_none")   # as the step's own zero_grad, untracked
+        if marks.spliced is not None:
+            events = marks.spliced
+        else:
+            events = list(tracker.events)
+            cut.optimizer_phases[kernels_key] = _OptimizerPhase.recorded(events)
         composed = compose(events, cut)
         counts = count_events(composed)
         report = counts.report(composed if cuda else None)
@@ -177,6 +187,7 @@ class _Cut:
     param_block: dict[int, int] = field(default_factory=dict)     # a cut block's parameter -> that block
     tracker: object = None
     params: list = field(default_factory=list)
+    optimizer_phases: dict = field(default_factory=dict)   # the kernels a step ran -> its `_OptimizerPhase`
 
     def shorten(self, model: nn.Module, handle) -> Callable[[list], list]:
         """Cut the stacks' middles out of `model` (called once the policy is applied); returns
@@ -265,10 +276,13 @@ class _Cut:
 
 
 class _Marks:
-    """The tracker handed to the step: when backward ends, the cut blocks' stand-in gradients."""
+    """The tracker handed to the step: when backward ends, the cut blocks' stand-in gradients.
+    With the events of an optimizer phase known (`_OptimizerPhase`), the step stops as that phase
+    begins (`_OptimizerPhaseKnown`), and `spliced` holds the step's events, that phase's put in."""
 
-    def __init__(self, tracker, cut: _Cut):
+    def __init__(self, tracker, cut: _Cut, optimizer_phase: Optional[_OptimizerPhase] = None):
         self.tracker, self.cut, self.phase_now = tracker, cut, "forward"
+        self.optimizer_phase, self.spliced = optimizer_phase, None
 
     def __getattr__(self, name: str):
         return getattr(self.tracker, name)
@@ -278,6 +292,92 @@ class _Marks:
             self.cut.stand_in_gradients(self.tracker)
         self.phase_now = name
         self.tracker.phase(name)
+        if name == "optimizer" and self.optimizer_phase is not None:
+            events = list(self.tracker.events)
+            self.spliced = self.optimizer_phase.spliced_into(events, self.tracker.live_bytes_by_number())
+            if self.spliced is not None:
+                raise _OptimizerPhaseKnown
+
+
+class _OptimizerPhaseKnown(Exception):
+    """Raised as a step's optimizer phase begins when its events are known: the step stops there."""
+
+
+@dataclass
+class _OptimizerPhase:
+    """A step's optimizer phase (clipping, the optimizer step, zero_grad, the loss released), as a
+    first step of a prepared model traced it. It allocates and frees the same in every step of
+    that model, whatever the batch's shape (the parameters, their gradients and the optimizer
+    state do not change), so a later step stops where it begins and takes these events, with the
+    storages they refer to from before the phase renamed to the later step's (`_alive_names`).
+    A later step whose storages alive at the phase's start do not line up with the first's runs
+    its optimizer phase (`spliced_into` says None)."""
+
+    events: list[tuple]              # from the phase's start to the step's end
+    names: dict                      # a storage alive at the phase's start that it refers to -> its name
+    first_new: int                   # the first number the phase itself allocated
+
+    @classmethod
+    def recorded(cls, events: list[tuple]) -> Optional[_OptimizerPhase]:
+        if ("phase", "optimizer") not in events:
+            return None
+        before = events[:events.index(("phase", "optimizer")) + 1]
+        live = {key: entry.nbytes for key, entry in count_events(before).live.items()}
+        phase = events[len(before):]
+        referred = {e[1] for e in phase if e[0] in ("free", "relabel", "grad")}
+        names = {key: name for key, name in _alive_names(before, live).items() if key in referred}
+        return cls(phase, names, _next_number(before))
+
+    def spliced_into(self, events: list[tuple], live: dict[int, int]) -> Optional[list[tuple]]:
+        """`events` (a later step's, to its optimizer phase's start; `live` its storages alive
+        then, number -> bytes) with this phase's events after them; None if they do not line up."""
+        theirs = {name: key for key, name in _alive_names(events, live).items()}
+        keys = {}
+        for key, name in self.names.items():
+            keys[key] = theirs.get(name)
+            if keys[key] is None:
+                return None
+        out, next_number = list(events), _next_number(events)
+        for e in self.events:
+            kind = e[0]
+            if kind == "alloc":
+                keys[e[1]] = next_number + e[1] - self.first_new
+                out.append(("alloc", keys[e[1]], *e[2:]))
+            elif kind in ("free", "relabel", "grad"):
+                key = keys[e[1]]
+                if kind == "free" and key in live:   # the later step's bytes: a loss of another shape, say
+                    out.append(("free", key, live[key]))
+                else:
+                    out.append((kind, key, *e[2:]))
+            else:
+                out.append(e)
+        return out
+
+
+def _alive_names(events: list[tuple], live: dict[int, int]) -> dict:
+    """The storages alive after a step's `events` (`live`: number -> bytes), named alike in every
+    step of a prepared model: the start's model state (parameters, gradients a loop keeps,
+    optimizer state: counted from the front) by its place; the start's inputs (the batch, a held
+    output, a grad scaler's state, whose count and bytes follow the batch's shape) by their place
+    from the end, with their bytes; a gradient by its parameter; any other storage the step
+    allocated (the loss) by its place among them."""
+    start = [e for e in events[:events.index(("start",))] if e[0] == "alloc"]
+    state = [e[1] for e in start if e[3] != "activations"]
+    inputs = [e[1] for e in start if e[3] == "activations"]
+    names = {key: ("state", i) for i, key in enumerate(state)}
+    names.update({key: ("input", len(inputs) - i, live.get(key)) for i, key in enumerate(inputs)})
+    last_grad = {}
+    for e in events:
+        if e[0] == "grad":
+            last_grad[e[2]] = e[1]
+    names.update({key: ("grad", param) for param, key in last_grad.items() if key in live and key not in names})
+    others = sorted(key for key in live if key not in names)
+    names.update({key: ("other", i) for i, key in enumerate(others)})
+    return {key: name for key, name in names.items() if key in live}
+
+
+def _next_number(events: list[tuple]) -> int:
+    return max((e[1] for e in events if e[0] == "alloc"), default=0) + 1
 
 
 def _skipping_class(cls: type, kept: list) -> type:

@@ -339,6 +339,10 @@ class MemoryTracker:
     def report(self) -> MemoryReport:
         return self._report if self._report is not None else self._tracker.report()
 
+    def live_bytes_by_number(self) -> dict[int, int]:
+        """The storages alive now, by their number in the events: number -> bytes."""
+        return {entry.number: entry.nbytes for entry in self._tracker.live.values()}
+
     def live_bytes(self) -> dict[int, int]:
         """The storages alive now: storage key -> bytes (a key stays the same while it lives)."""
         return {key: entry.nbytes for key, entry in self._tracker.live.items()}
