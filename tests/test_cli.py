@@ -28,11 +28,11 @@ def test_bad_input_exits_2_with_one_clear_line(capsys):
     assert main(["measure", "--policy", "density=2"]) == 2
     assert capsys.readouterr().err.strip() == "error: density=2 is invalid: allowed is a number in [0, 1]"
     assert main(["measure", "--set", "n_layers=2"]) == 2
-    assert "override n_layers=2 is invalid for model='gpt-tiny'" in capsys.readouterr().err
+    assert "override n_layers=2 is invalid for --model gpt-tiny" in capsys.readouterr().err
     assert main(["plan", "--compile", "--budget", "0.5", "--options", "fx"]) == 2
-    assert capsys.readouterr().err.startswith("error: options='fx' is invalid: allowed are plan letters k, s, f")
+    assert capsys.readouterr().err.startswith("error: --options fx is invalid: allowed are plan letters k, s, f")
     assert main(["plan", "--compile", "--budget", "lots"]) == 2
-    assert "budget=lots is invalid" in capsys.readouterr().err
+    assert "--budget lots is invalid" in capsys.readouterr().err
 
 
 def test_predict_and_plan(capsys):

@@ -140,7 +140,7 @@ def test_cli_predict_for_a_card_prints_allocated_reserved_device_backend_and_mar
     assert row["attention_backend"] == "math" and row["card"] == "rtx4090"
     assert row["margin_bytes"] == card("rtx4090").usable_bytes - card("rtx4090").required_margin_bytes - row["predicted_device_bytes"]
     assert cli_main(["predict", "--model", "gpt-tiny", "--card", "rtx5090"]) == 2
-    assert capsys.readouterr().err.startswith("error: card='rtx5090' is invalid")
+    assert capsys.readouterr().err.startswith("error: --card rtx5090 is invalid")
     assert cli_main(args[:-2] + ["--torch-version", "2.11", "--format", "json"]) == 0
     row, = json.loads(capsys.readouterr().out)
     assert row["torch_version"] == "2.11"
@@ -272,7 +272,7 @@ def test_expandable_segments_are_an_allocator_option_of_the_prediction(tiny, cap
         ckptlab.predict(tiny, 2, 32, "none", device="cuda", alloc_conf="max_split_size_mb:128")
     assert cli_main(["predict", "--model", "gpt-tiny", "--card", "rtx4090", "--alloc-conf", "expandable:1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: alloc_conf='expandable:1' is invalid") and err.count("\n") == 1
+    assert err.startswith("error: --alloc-conf expandable:1 is invalid") and err.count("\n") == 1
 
 
 def test_the_first_step_creates_the_optimizer_state_where_its_optimizer_phase_begins(tiny):
