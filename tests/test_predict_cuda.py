@@ -13,6 +13,7 @@ import ckptlab
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.core.cards import CUBLAS_WORKSPACE_BYTES, card, parse_capacity
 from ckptlab.core.policy import parse_policy
+from ckptlab.core.units import format_bytes
 from ckptlab.estimate.cuda_device import CUBLASLT_WORKSPACE_BYTES, BlasUse
 from ckptlab.estimate.fake_step import DEVICE_CATEGORIES, fake_memory
 from ckptlab.estimate.torch_versions import torch_rules
@@ -255,6 +256,25 @@ def test_a_reserved_peak_past_the_card_is_answered_by_the_allocators_flush_and_r
     short = parse_capacity("rtx4090", usable_bytes=p.peak_bytes + context + margin - 1)
     never = ckptlab.predict(tiny, 8, 128, "none", dtype="bf16", device="cuda", card=short)
     assert never.fit == "no" and never.cache_flushes is None   # a step that never runs has no flushes per step
+
+
+def test_cli_predict_says_how_far_a_row_passes_the_card_less_its_margin(capsys):
+    # gpt-tiny in bf16 on an L4: batch 3200 fits; at 3250 the reserved peak passes the card less its
+    # margin and the allocator's flush and retry runs the step; at 3450 nothing does.
+    args = ["predict", "--model", "gpt-tiny", "--card", "l4", "--batch", "3200,3250,3450", "--seq", "256",
+            "--policy", "none", "--dtype", "bf16", "--torch-version", "2.13"]
+    assert cli_main(args + ["--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["fit"] for r in rows] == ["yes", "with cache flushes", "no"]
+    assert [r["margin_bytes"] < 0 for r in rows] == [False, True, True]   # the records keep margin left as it is
+    assert cli_main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert " yes " in lines[3] and "over by" not in lines[3]
+    assert f"with cache flushes (over by {format_bytes(-rows[1]['margin_bytes'])})" in lines[4]
+    assert f"no (over by {format_bytes(-rows[2]['margin_bytes'])})" in lines[5]
+    l4 = card("l4")
+    assert lines[6].startswith(f"margin left: the L4's {format_bytes(l4.usable_bytes)} usable less its "
+                               f"{format_bytes(l4.required_margin_bytes)} margin less the device bytes; a row over by")
 
 
 def test_expandable_segments_are_an_allocator_option_of_the_prediction(tiny, capsys):

@@ -419,7 +419,7 @@ def cuda_predict_columns(card_name: str | None) -> list:
     if card_name:
         columns[at + 2:at + 2] = [("device" + on, "predicted_device_bytes", format_bytes),
                                   ("margin left" + on, "margin_bytes", format_bytes),
-                                  ("fits", "fit", str), ("flushes/step", "cache_flushes", _count),
+                                  ("fits", "fit_text", str), ("flushes/step", "cache_flushes", _count),
                                   ("reserved in step", "worse_step", _count)]
     columns.insert(at, ("attention", "attention_backend", str))
     columns.insert(at + 1, ("torch", "torch_version", str))
@@ -428,6 +428,23 @@ def cuda_predict_columns(card_name: str | None) -> list:
 
 def _count(value) -> str:
     return "-" if value is None else str(value)
+
+
+def fit_text(row: dict) -> str:
+    """A card's "fits" cell: the answer and, where the device bytes pass the card less its margin
+    (margin left below 0), by how much."""
+    if row["margin_bytes"] >= 0:
+        return row["fit"]
+    return f"{row['fit']} (over by {format_bytes(-row['margin_bytes'])})"
+
+
+def margin_note(card_name: str) -> str:
+    """What a margin left below 0 means on `card_name`, under a table that has one."""
+    c = card(card_name)
+    return (f"margin left: the {c.label}'s {format_bytes(c.usable_bytes)} usable less its "
+            f"{format_bytes(c.required_margin_bytes)} margin less the device bytes; a row over by some bytes (margin "
+            "left below 0) runs only with cache flushes, the allocator releasing its cached segments and retrying "
+            "(flushes/step, each a synchronizing cudaFree: slower), or, where that finds no room, not at all (no)")
 
 
 def device_options(args: argparse.Namespace) -> dict:
@@ -470,9 +487,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
                         pass
                 rows.append(row)
     columns = PREDICT_COLUMNS if on["device"] == "cpu" else cuda_predict_columns(on["card"])
-    print_rows(rows, columns, args.format,
+    shown = [dict(r, fit_text=fit_text(r)) for r in rows] if on["card"] and args.format == "table" else rows
+    print_rows(shown, columns, args.format,
                f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, loop {loop}: "
                f"{predicted_for(on)}, nothing allocated")
+    if args.format == "table" and on["card"] and any(r["margin_bytes"] < 0 for r in rows):
+        print(margin_note(on["card"]))
     return 0
 
 
