@@ -10,6 +10,7 @@ from ckptlab.apps.cli import HF_PRESET_NAMES, POLICY_EXAMPLES, main
 from ckptlab.core.parsing import split_list
 from ckptlab.core.policy import parse_policy
 from ckptlab.workloads.models import PRESETS
+from ckptlab.workloads.registry import get_workload
 
 TINY = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2"]
 
@@ -39,6 +40,8 @@ def test_predict_and_plan(capsys):
     assert main(["predict", *TINY, "--batch", "2", "--seq", "16", "--policy", "none,full"]) == 0
     out = capsys.readouterr().out
     assert "none" in out and "full" in out
+    n_params = get_workload("gpt-tiny", n_layer=2, n_embd=32, n_head=2).n_params
+    assert n_params < 10**6 and out.startswith(f"gpt-tiny ({n_params:,} parameters), fp32")   # a small model exactly
     assert main(["plan", *TINY, "--batch", "2", "--seq", "16", "--budget", "1.0"]) == 0
     assert "plan " in capsys.readouterr().out
 

@@ -27,7 +27,7 @@ from ..core.meta import __version__
 from ..core.optimizers import OPTIMIZER_HELP
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
 from ..core.policy import COMPOSITIONS, KINDS, Policy, parse_policies, policy_label
-from ..core.units import format_bytes, parse_bytes
+from ..core.units import format_bytes, format_count, parse_bytes
 from ..core.validate import choice, integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
 from ..estimate.cuda_device import ALLOC_CONFS
@@ -489,7 +489,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     columns = PREDICT_COLUMNS if on["device"] == "cpu" else cuda_predict_columns(on["card"])
     shown = [dict(r, fit_text=fit_text(r)) for r in rows] if on["card"] and args.format == "table" else rows
     print_rows(shown, columns, args.format,
-               f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, loop {loop}: "
+               f"{args.model} ({format_count(workload.n_params)} parameters), {args.dtype}, loop {loop}: "
                f"{predicted_for(on)}, nothing allocated")
     if args.format == "table" and on["card"] and any(r["margin_bytes"] < 0 for r in rows):
         print(margin_note(on["card"]))
