@@ -102,6 +102,15 @@ def test_measure_accum_and_optimizer_reach_the_record(capsys):
     assert row["status"] == "ok" and row["peak_bytes"] > 0
 
 
+def test_measure_with_accumulation_counts_recomputes_per_optimizer_step(capsys):
+    assert main(["measure", *TINY, "--batch", "2", "--seq", "16", "--policy", "full", "--steps", "1",
+                 "--warmup", "0", "--max-seconds", "1", "--accum", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    label = "recomputed blocks/step (2 micro-batches)"
+    end = lines[1].index(label) + len(label)            # cells are right-aligned under their header
+    assert lines[3][:end].split()[-1] == "4"   # 2 blocks, each recomputed in each micro-batch's backward
+
+
 def test_measure_csv_has_a_header_and_one_line_per_record(capsys):
     assert main(["measure", *TINY, "--batch", "2", "--seq", "16", "--policy", "none,full", "--steps", "1",
                  "--warmup", "0", "--max-seconds", "1", "--format", "csv"]) == 0

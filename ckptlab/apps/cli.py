@@ -137,6 +137,15 @@ MEASURE_COLUMNS = [
 ]
 
 
+def measure_columns(loop: Loop) -> list:
+    """MEASURE_COLUMNS for `loop`: with accumulation, the recompute count is of the optimizer step,
+    every micro-batch's together, and its header says so."""
+    if loop.accum_steps == 1:
+        return MEASURE_COLUMNS
+    header = f"recomputed blocks/step ({loop.accum_steps} micro-batches)"
+    return [(header, key, fmt) if key == "recompute_count" else (label, key, fmt) for label, key, fmt in MEASURE_COLUMNS]
+
+
 def cmd_measure(args: argparse.Namespace) -> int:
     policies = policy_list(args.policy)
     batches, seqs = int_list("--batch", args.batch), int_list("--seq", args.seq)
@@ -159,7 +168,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
             f"{r['time_ratio'] - 1:+.0%} [{r['time_ratio_low'] - 1:+.0%}, {r['time_ratio_high'] - 1:+.0%}]"
             + (" *" if r["significant"] else ""))
     timed = next((r for r in rows if r["rounds"]), rows[0])
-    print_rows(rows, MEASURE_COLUMNS, args.format,
+    print_rows(rows, measure_columns(loop), args.format,
                f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}, loop {loop}): "
                f"policies of one shape timed together, {timed['rounds']} interleaved rounds, {timed['threads']} threads; "
                f"medians with 95% intervals; overhead vs {policies[0]} (* = the interval excludes 0)")
