@@ -30,6 +30,7 @@ from ..core.policy import COMPOSITIONS, KINDS, Policy, parse_policies, policy_la
 from ..core.units import format_bytes, format_count, parse_bytes
 from ..core.validate import choice, integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
+from ..estimate.compose import fallback_reason
 from ..estimate.cuda_device import ALLOC_CONFS
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
 from ..estimate.predict import TRACES, check_device
@@ -478,6 +479,19 @@ def predicted_for(options: dict) -> str:
     return "predicted for a CPU"
 
 
+def fallback_notes(rows: list[dict]) -> list[str]:
+    """Under predict's table: why the fast path traced rows in full, one line per reason, naming
+    the rows where not all are."""
+    rows_by_reason: dict = {}
+    for r in rows:
+        reason = fallback_reason(r["trace"])
+        if reason is not None:
+            rows_by_reason.setdefault(reason, []).append(f"{policy_label(r['policy'])} b={r['batch_size']} "
+                                                         f"s={r['seq_len']}")
+    return [f"traced in full, not composed{'' if len(which) == len(rows) else ' (' + ', '.join(which) + ')'}: "
+            f"{reason}" for reason, which in rows_by_reason.items()]
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside."""
     on = device_options(args)
@@ -502,6 +516,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
                f"{predicted_for(on)}, nothing allocated")
     if args.format == "table" and on["card"] and any(r["margin_bytes"] < 0 for r in rows):
         print(margin_note(on["card"]))
+    for note in fallback_notes(rows) if args.format == "table" else []:
+        print(note)
     return 0
 
 
