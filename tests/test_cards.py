@@ -120,7 +120,7 @@ def test_notebook_parameters_and_the_command_line_take_card_names(capsys):
     assert all(name in out for name in NAMES) and "RTX 4090" in out and "23.6 GiB" in out
     assert cli_main(["explain", "--model", "gpt-tiny", "--capacity", "rtx5090"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: capacity='rtx5090' is invalid: allowed is a card (rtx3090")
+    assert len(err) == 1 and err[0].startswith("error: --capacity rtx5090 is invalid: allowed is a card (rtx3090")
 
 
 def test_lora_fits_takes_card_names_and_says_the_margin_at_the_longest_sequence():

@@ -10,6 +10,7 @@ from ckptlab.apps.cli import HF_PRESET_NAMES, POLICY_EXAMPLES, main
 from ckptlab.core.parsing import split_list
 from ckptlab.core.policy import parse_policy
 from ckptlab.workloads.models import PRESETS
+from ckptlab.workloads.registry import get_workload
 
 TINY = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2"]
 
@@ -28,17 +29,19 @@ def test_bad_input_exits_2_with_one_clear_line(capsys):
     assert main(["measure", "--policy", "density=2"]) == 2
     assert capsys.readouterr().err.strip() == "error: density=2 is invalid: allowed is a number in [0, 1]"
     assert main(["measure", "--set", "n_layers=2"]) == 2
-    assert "override n_layers=2 is invalid for model='gpt-tiny'" in capsys.readouterr().err
+    assert "override n_layers=2 is invalid for --model gpt-tiny" in capsys.readouterr().err
     assert main(["plan", "--compile", "--budget", "0.5", "--options", "fx"]) == 2
-    assert capsys.readouterr().err.startswith("error: options='fx' is invalid: allowed are plan letters k, s, f")
+    assert capsys.readouterr().err.startswith("error: --options fx is invalid: allowed are plan letters k, s, f")
     assert main(["plan", "--compile", "--budget", "lots"]) == 2
-    assert "budget=lots is invalid" in capsys.readouterr().err
+    assert "--budget lots is invalid" in capsys.readouterr().err
 
 
 def test_predict_and_plan(capsys):
     assert main(["predict", *TINY, "--batch", "2", "--seq", "16", "--policy", "none,full"]) == 0
     out = capsys.readouterr().out
     assert "none" in out and "full" in out
+    n_params = get_workload("gpt-tiny", n_layer=2, n_embd=32, n_head=2).n_params
+    assert n_params < 10**6 and out.startswith(f"gpt-tiny ({n_params:,} parameters), fp32")   # a small model exactly
     assert main(["plan", *TINY, "--batch", "2", "--seq", "16", "--budget", "1.0"]) == 0
     assert "plan " in capsys.readouterr().out
 
@@ -97,6 +100,15 @@ def test_measure_accum_and_optimizer_reach_the_record(capsys):
     (row,) = json.loads(capsys.readouterr().out)
     assert row["accum_steps"] == 2 and row["effective_batch_size"] == 4 and row["optimizer"] == "sgd"
     assert row["status"] == "ok" and row["peak_bytes"] > 0
+
+
+def test_measure_with_accumulation_counts_recomputes_per_optimizer_step(capsys):
+    assert main(["measure", *TINY, "--batch", "2", "--seq", "16", "--policy", "full", "--steps", "1",
+                 "--warmup", "0", "--max-seconds", "1", "--accum", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    label = "recomputed blocks/step (2 micro-batches)"
+    end = lines[1].index(label) + len(label)            # cells are right-aligned under their header
+    assert lines[3][:end].split()[-1] == "4"   # 2 blocks, each recomputed in each micro-batch's backward
 
 
 def test_measure_csv_has_a_header_and_one_line_per_record(capsys):

@@ -112,7 +112,7 @@ def test_the_cli_takes_a_spec_and_its_keyword_arguments(capsys):
     assert code == 0, out.err
     assert out.out.startswith(f"{SPEC} on ")
     assert cli_main(["measure", "--model", SPEC, "--set", "heads=2"]) == 2
-    assert "override heads=2 is invalid for model='tests/custom_model.py:factory': allowed overrides are " \
+    assert "override heads=2 is invalid for --model tests/custom_model.py:factory: allowed overrides are " \
            "the factory's keyword arguments: width, depth" in capsys.readouterr().err
 
 

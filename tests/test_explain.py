@@ -11,6 +11,8 @@ import torch
 from ckptlab import get_workload, predict
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.core.cards import card
+from ckptlab.core.policy import parse_policy
+from ckptlab.core.units import format_bytes
 from ckptlab.estimate.fsdp import fsdp_peak, fsdp_units
 from ckptlab.probe.distributed import measure_sharded
 from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, explain
@@ -37,6 +39,22 @@ def test_the_peak_in_the_optimizer_step_is_named_and_no_policy_lowers_it():
     assert "optimizer step" in e.cause and "no checkpoint policy can lower it" in e.cause
     assert e.checkpoint_floor_bytes == e.peak_bytes
     assert any(lv.name == "SGD" and lv.predicted_peak_bytes < e.peak_bytes for lv in e.levers)
+
+
+def test_no_lever_suggests_what_the_step_already_does():
+    # Weights bound, already in bf16 weights with SGD and every block fully recomputed (as a plan):
+    # the cause and the levers name only changes to the step.
+    e = explain(token_workload(**OPTIMIZER_BOUND), 1, 4, "plan=ff", dtype="bf16-weights", loop="sgd")
+    assert e.cause_kind == "weights"
+    assert e.cause.endswith(f"Checkpointing lowers only activations (to {format_bytes(e.checkpoint_floor_bytes)} at "
+                            "best); FSDP sharding lowers the rest.")
+    names = {lv.name for lv in e.levers}
+    assert not names & {"bf16 weights", "bf16 autocast", "SGD", "AdamW fused", "policy full", "plan with the lowest peak"}
+    applied = parse_policy("plan=ff")
+    assert not any(parse_policy(lv.policy).checkpoints_like(applied, 2) for lv in e.levers if lv.policy)
+    # the same step in fp32 with AdamW has those levers
+    e = explain(token_workload(**OPTIMIZER_BOUND), 1, 4, "plan=ff", loop="adamw")
+    assert {"bf16 weights", "SGD"} <= {lv.name for lv in e.levers}
 
 
 def test_logits_that_outweigh_the_blocks_are_named():

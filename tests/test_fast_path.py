@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptlab
+from ckptlab.apps.cli import main
 from ckptlab.core.policy import as_policy
 from ckptlab.estimate import compose, fake_step
 from ckptlab.estimate.predict import predict_policy
@@ -147,6 +148,19 @@ def test_what_cannot_be_composed_is_traced_in_full():
     assert fast.trace == "full (checkpoint regions span several blocks)"
     fast = predict_policy(workload("plain"), 2, 16, as_policy("none"), loop="adamw,accum=2")
     assert fast.trace == "full (accum=2 runs several forward passes)"
+
+
+def test_predict_on_the_command_line_says_why_a_row_was_traced_in_full(capsys):
+    small = ["predict", "--model", "gpt-tiny", "--set", "n_embd=32", "--set", "n_head=2", "--batch", "2", "--seq", "16"]
+    assert main([*small, "--set", "n_layer=8", "--policy", "none,segments=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "traced in full, not composed (segments=2 b=2 s=16): checkpoint regions span several blocks"
+    assert lines[-2].split()[0] == "segments=2"   # the table's last row, then the one note
+    assert main([*small, "--set", "n_layer=4", "--policy", "none,full"]) == 0   # every row: no rows named
+    assert capsys.readouterr().out.splitlines()[-1] == ("traced in full, not composed: no stack has repeated "
+                                                        "middle blocks to compose")
+    assert main([*small, "--set", "n_layer=4", "--policy", "none", "--trace", "full"]) == 0   # asked for: no note
+    assert capsys.readouterr().out.splitlines()[-1].split()[0] == "none"
 
 
 def test_broken_composition_is_caught(monkeypatch):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ckptlab import apply_checkpointing, get_workload, measure, predict, track_memory
-from ckptlab.core.units import format_bytes, parse_bytes
+from ckptlab.core.units import format_bytes, format_count, parse_bytes
 from ckptlab.probe.memory import _native_log_dropped, profiler_peak_bytes
 from ckptlab.probe.step import make_optimizer, training_step
 from ckptlab.workloads.models import mlp_chain_activation_bytes
@@ -121,6 +121,11 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects_with_a_clear_error(text):
     with pytest.raises(ValueError, match=r"memory_limit=.* is invalid: allowed is a positive size such as 24GiB"):
         parse_bytes(text)
+
+
+def test_format_count_is_exact_below_a_million():
+    assert [format_count(n) for n in (0, 512, 45_344, 999_999)] == ["0", "512", "45,344", "999,999"]
+    assert [format_count(n) for n in (10**6, 124_439_808, 6_738_415_616)] == ["1.0M", "124.4M", "6.7B"]
 
 
 def test_format_bytes():

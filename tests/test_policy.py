@@ -194,3 +194,15 @@ def test_a_budget_in_any_form_is_the_value_budget_holds():
     for bad, says in (("lots", "budget=lots is invalid"), (Policy("full"), "expected budget="), (0, "budget=0 is invalid")):
         with pytest.raises(ValueError, match=says):
             budget_value(bad)
+
+
+@pytest.mark.parametrize("a, b, alike", [
+    ("full", "plan=ffff", True), ("full", "density=1", True), ("none", "plan=kkkk", True),
+    ("selective", "plan=ssss", True), ("selective=attn", "plan=ssss", False),   # a plan's selective keeps mm
+    ("segments=sqrt", "plan=ffkk", False),          # one region of two blocks against two of one
+    ("full", "full+offload", False), ("full", "hf", False), ("budget=0.5", "budget=0.5", True),
+    ("budget=0.5", "full", False),
+])
+def test_policies_that_checkpoint_alike(a, b, alike):
+    assert parse_policy(a).checkpoints_like(parse_policy(b), 4) is alike
+    assert parse_policy(b).checkpoints_like(parse_policy(a), 4) is alike

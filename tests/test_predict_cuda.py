@@ -13,6 +13,7 @@ import ckptlab
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.core.cards import CUBLAS_WORKSPACE_BYTES, card, parse_capacity
 from ckptlab.core.policy import parse_policy
+from ckptlab.core.units import format_bytes
 from ckptlab.estimate.cuda_device import CUBLASLT_WORKSPACE_BYTES, BlasUse
 from ckptlab.estimate.fake_step import DEVICE_CATEGORIES, fake_memory
 from ckptlab.estimate.torch_versions import torch_rules
@@ -140,7 +141,7 @@ def test_cli_predict_for_a_card_prints_allocated_reserved_device_backend_and_mar
     assert row["attention_backend"] == "math" and row["card"] == "rtx4090"
     assert row["margin_bytes"] == card("rtx4090").usable_bytes - card("rtx4090").required_margin_bytes - row["predicted_device_bytes"]
     assert cli_main(["predict", "--model", "gpt-tiny", "--card", "rtx5090"]) == 2
-    assert capsys.readouterr().err.startswith("error: card='rtx5090' is invalid")
+    assert capsys.readouterr().err.startswith("error: --card rtx5090 is invalid")
     assert cli_main(args[:-2] + ["--torch-version", "2.11", "--format", "json"]) == 0
     row, = json.loads(capsys.readouterr().out)
     assert row["torch_version"] == "2.11"
@@ -257,6 +258,25 @@ def test_a_reserved_peak_past_the_card_is_answered_by_the_allocators_flush_and_r
     assert never.fit == "no" and never.cache_flushes is None   # a step that never runs has no flushes per step
 
 
+def test_cli_predict_says_how_far_a_row_passes_the_card_less_its_margin(capsys):
+    # gpt-tiny in bf16 on an L4: batch 3200 fits; at 3250 the reserved peak passes the card less its
+    # margin and the allocator's flush and retry runs the step; at 3450 nothing does.
+    args = ["predict", "--model", "gpt-tiny", "--card", "l4", "--batch", "3200,3250,3450", "--seq", "256",
+            "--policy", "none", "--dtype", "bf16", "--torch-version", "2.13"]
+    assert cli_main(args + ["--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["fit"] for r in rows] == ["yes", "with cache flushes", "no"]
+    assert [r["margin_bytes"] < 0 for r in rows] == [False, True, True]   # the records keep margin left as it is
+    assert cli_main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert " yes " in lines[3] and "over by" not in lines[3]
+    assert f"with cache flushes (over by {format_bytes(-rows[1]['margin_bytes'])})" in lines[4]
+    assert f"no (over by {format_bytes(-rows[2]['margin_bytes'])})" in lines[5]
+    l4 = card("l4")
+    assert lines[6].startswith(f"margin left: the L4's {format_bytes(l4.usable_bytes)} usable less its "
+                               f"{format_bytes(l4.required_margin_bytes)} margin less the device bytes; a row over by")
+
+
 def test_expandable_segments_are_an_allocator_option_of_the_prediction(tiny, capsys):
     default = ckptlab.predict(tiny, 8, 256, "none", device="cuda", card="rtx4090")
     expandable = ckptlab.predict(tiny, 8, 256, "none", device="cuda", card="rtx4090",
@@ -272,7 +292,7 @@ def test_expandable_segments_are_an_allocator_option_of_the_prediction(tiny, cap
         ckptlab.predict(tiny, 2, 32, "none", device="cuda", alloc_conf="max_split_size_mb:128")
     assert cli_main(["predict", "--model", "gpt-tiny", "--card", "rtx4090", "--alloc-conf", "expandable:1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: alloc_conf='expandable:1' is invalid") and err.count("\n") == 1
+    assert err.startswith("error: --alloc-conf expandable:1 is invalid") and err.count("\n") == 1
 
 
 def test_the_first_step_creates_the_optimizer_state_where_its_optimizer_phase_begins(tiny):

@@ -81,6 +81,8 @@ def test_yaml_file_and_flags_make_the_same_config(tmp_path):
     ("- 1\n- 2\n", "must hold a mapping"),
     ("policy: !!python/object/apply:os.system ['echo hi']\n", "is not plain YAML"),
     ("batch_sizes: [0]\n", "batch_sizes=[0] is invalid"),
+    ("policies: [bogus]\n", "policy='bogus' is invalid"),     # the file's key, not the flag, which was not typed
+    ("loop: sgd,scaler\n", "grad_scaler=True is invalid with --dtype fp32"),
 ])
 def test_a_bad_config_file_is_one_line_exit_2_nothing_written(tmp_path, capsys, monkeypatch, text, message):
     monkeypatch.chdir(tmp_path)

@@ -6,10 +6,13 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import dataclasses
 import json
 import math
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -24,9 +27,10 @@ from ..core.meta import __version__
 from ..core.optimizers import OPTIMIZER_HELP
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
 from ..core.policy import COMPOSITIONS, KINDS, Policy, parse_policies, policy_label
-from ..core.units import format_bytes, parse_bytes
-from ..core.validate import integer, integer_list, number, output_folder, run_name
+from ..core.units import format_bytes, format_count, parse_bytes
+from ..core.validate import choice, integer, integer_list, number, output_folder, run_name
 from ..estimate.closed_form import closed_form
+from ..estimate.compose import fallback_reason
 from ..estimate.cuda_device import ALLOC_CONFS
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
 from ..estimate.predict import TRACES, check_device
@@ -134,6 +138,15 @@ MEASURE_COLUMNS = [
 ]
 
 
+def measure_columns(loop: Loop) -> list:
+    """MEASURE_COLUMNS for `loop`: with accumulation, the recompute count is of the optimizer step,
+    every micro-batch's together, and its header says so."""
+    if loop.accum_steps == 1:
+        return MEASURE_COLUMNS
+    header = f"recomputed blocks/step ({loop.accum_steps} micro-batches)"
+    return [(header, key, fmt) if key == "recompute_count" else (label, key, fmt) for label, key, fmt in MEASURE_COLUMNS]
+
+
 def cmd_measure(args: argparse.Namespace) -> int:
     policies = policy_list(args.policy)
     batches, seqs = int_list("--batch", args.batch), int_list("--seq", args.seq)
@@ -141,8 +154,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     for policy in policies:  # every policy before the first measurement
         check_policy_applies(workload, policy)
     check_timing_options(0.02, args.max_seconds)
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype {args.dtype!r} is invalid: allowed is one of {', '.join(DTYPES)}")
+    choice("dtype", args.dtype, DTYPES)
     loop = loop_from_arguments(args, dtype=args.dtype)
     limit = parse_bytes(args.memory_limit)
     rows = []
@@ -157,7 +169,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
             f"{r['time_ratio'] - 1:+.0%} [{r['time_ratio_low'] - 1:+.0%}, {r['time_ratio_high'] - 1:+.0%}]"
             + (" *" if r["significant"] else ""))
     timed = next((r for r in rows if r["rounds"]), rows[0])
-    print_rows(rows, MEASURE_COLUMNS, args.format,
+    print_rows(rows, measure_columns(loop), args.format,
                f"{args.model} on {rows[0]['device_name']} ({rows[0]['device']}, {args.dtype}, loop {loop}): "
                f"policies of one shape timed together, {timed['rounds']} interleaved rounds, {timed['threads']} threads; "
                f"medians with 95% intervals; overhead vs {policies[0]} (* = the interval excludes 0)")
@@ -210,27 +222,26 @@ def add_config_arguments(p: argparse.ArgumentParser, config_class) -> None:
 
 
 def config_from_arguments(config_class, args: argparse.Namespace):
-    """The dataclass from --config's file and the flags given (ValueError naming the flag)."""
-    values = dict(yaml_mapping("--config", args.config)) if args.config else {}
-    flags = {}   # field name -> the flag it was given by
+    """The dataclass from --config's file and the flags given (ValueError otherwise). An error
+    names a value the file gave by its key there: the flag not typed leaves `args.flags`."""
+    from_file = dict(yaml_mapping("--config", args.config)) if args.config else {}
+    values, typed = dict(from_file), set(loop_flags_given(args))
     for f in dataclasses.fields(config_class):
         flag, raw = f.metadata.get("flag"), getattr(args, f.name, None)
         if not flag:
             continue
         if raw is not None:
-            values[f.name], flags[f.name] = _argument_value(_argument_kind(f), flag, raw), flag
+            values[f.name] = _argument_value(_argument_kind(f), flag, raw)
+            typed.add(flag)
         elif "cli_default" in f.metadata and f.name not in values:
             values[f.name] = f.metadata["cli_default"]
+    file_flags = {f.metadata.get("flag") for f in dataclasses.fields(config_class) if f.name in from_file}
+    if "loop" in from_file:
+        file_flags |= set(LOOP_FLAGS)
+    args.flags = {name: flag for name, flag in args.flags.items() if flag not in file_flags - typed}
     if "loop" in {f.name for f in dataclasses.fields(config_class)}:   # its flags are the loop's (`add_loop_arguments`)
         values["loop"] = loop_from_arguments(args, values.get("loop"))
-    try:
-        return config_class.from_dict(values, source=f"--config={args.config!r}" if args.config else "arguments")
-    except ValueError as exc:  # name the flag the user typed, not the field behind it
-        message = str(exc)
-        for name, flag in flags.items():
-            if message.startswith(f"{name}="):
-                message = flag + message[len(name):]
-        raise ValueError(message) from None
+    return config_class.from_dict(values, source=f"--config={args.config!r}" if args.config else "arguments")
 
 
 def _argument_kind(f: dataclasses.Field) -> str:
@@ -293,8 +304,7 @@ def format_compare(df: pd.DataFrame) -> str:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads} is invalid: allowed is an integer >= 1")
+        integer("--threads", args.threads, 1)
         torch.set_num_threads(args.threads)
     workload = get_workload(args.model, **_model_overrides(args.set))
     loop = loop_from_arguments(args, dtype=args.dtype)
@@ -389,7 +399,7 @@ def _model_overrides(pairs) -> dict:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise ValueError(f"--set {pair!r} is invalid: allowed is KEY=VALUE, e.g. n_layer=8")
+            raise ValueError(f"--set={pair!r} is invalid: allowed is KEY=VALUE, e.g. n_layer=8")
         out[key.strip()] = _literal(value.strip())
     return out
 
@@ -419,7 +429,7 @@ def cuda_predict_columns(card_name: str | None) -> list:
     if card_name:
         columns[at + 2:at + 2] = [("device" + on, "predicted_device_bytes", format_bytes),
                                   ("margin left" + on, "margin_bytes", format_bytes),
-                                  ("fits", "fit", str), ("flushes/step", "cache_flushes", _count),
+                                  ("fits", "fit_text", str), ("flushes/step", "cache_flushes", _count),
                                   ("reserved in step", "worse_step", _count)]
     columns.insert(at, ("attention", "attention_backend", str))
     columns.insert(at + 1, ("torch", "torch_version", str))
@@ -428,6 +438,23 @@ def cuda_predict_columns(card_name: str | None) -> list:
 
 def _count(value) -> str:
     return "-" if value is None else str(value)
+
+
+def fit_text(row: dict) -> str:
+    """A card's "fits" cell: the answer and, where the device bytes pass the card less its margin
+    (margin left below 0), by how much."""
+    if row["margin_bytes"] >= 0:
+        return row["fit"]
+    return f"{row['fit']} (over by {format_bytes(-row['margin_bytes'])})"
+
+
+def margin_note(card_name: str) -> str:
+    """What a margin left below 0 means on `card_name`, under a table that has one."""
+    c = card(card_name)
+    return (f"margin left: the {c.label}'s {format_bytes(c.usable_bytes)} usable less its "
+            f"{format_bytes(c.required_margin_bytes)} margin less the device bytes; a row over by some bytes (margin "
+            "left below 0) runs only with cache flushes, the allocator releasing its cached segments and retrying "
+            "(flushes/step, each a synchronizing cudaFree: slower), or, where that finds no room, not at all (no)")
 
 
 def device_options(args: argparse.Namespace) -> dict:
@@ -452,6 +479,19 @@ def predicted_for(options: dict) -> str:
     return "predicted for a CPU"
 
 
+def fallback_notes(rows: list[dict]) -> list[str]:
+    """Under predict's table: why the fast path traced rows in full, one line per reason, naming
+    the rows where not all are."""
+    rows_by_reason: dict = {}
+    for r in rows:
+        reason = fallback_reason(r["trace"])
+        if reason is not None:
+            rows_by_reason.setdefault(reason, []).append(f"{policy_label(r['policy'])} b={r['batch_size']} "
+                                                         f"s={r['seq_len']}")
+    return [f"traced in full, not composed{'' if len(which) == len(rows) else ' (' + ', '.join(which) + ')'}: "
+            f"{reason}" for reason, which in rows_by_reason.items()]
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside."""
     on = device_options(args)
@@ -470,9 +510,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
                         pass
                 rows.append(row)
     columns = PREDICT_COLUMNS if on["device"] == "cpu" else cuda_predict_columns(on["card"])
-    print_rows(rows, columns, args.format,
-               f"{args.model} ({workload.n_params / 1e6:,.1f}M parameters), {args.dtype}, loop {loop}: "
+    shown = [dict(r, fit_text=fit_text(r)) for r in rows] if on["card"] and args.format == "table" else rows
+    print_rows(shown, columns, args.format,
+               f"{args.model} ({format_count(workload.n_params)} parameters), {args.dtype}, loop {loop}: "
                f"{predicted_for(on)}, nothing allocated")
+    if args.format == "table" and on["card"] and any(r["margin_bytes"] < 0 for r in rows):
+        print(margin_note(on["card"]))
+    for note in fallback_notes(rows) if args.format == "table" else []:
+        print(note)
     return 0
 
 
@@ -602,34 +647,29 @@ def add_loop_arguments(p: argparse.ArgumentParser, accum: bool = True) -> None:
                    help="fp16's torch.amp.GradScaler: scale the loss, unscale and step (needs --dtype fp16)")
 
 
+def loop_flags_given(args: argparse.Namespace) -> dict:
+    """The loop's flags given (flag -> its text), of `LOOP_FLAGS` (a sweep's --accum is its grid's)."""
+    given = {flag: getattr(args, name if name != "accum_steps" else "accum", None)
+             for flag, (name, _) in LOOP_FLAGS.items()}
+    return {flag: raw for flag, raw in given.items() if raw is not None}
+
+
 def loop_from_arguments(args: argparse.Namespace, base: Loop | str | None = None, dtype: str | None = None) -> Loop:
     """The one Loop of the loop's flags given, over `base` (a --config file's loop; default: the
-    default loop); checked against `dtype` when given. ValueError naming the flag otherwise."""
-    base = as_loop(base)
-    values = dataclasses.asdict(base)
-    given = {}
-    for flag, (name, kind) in LOOP_FLAGS.items():
-        raw = getattr(args, name if name != "accum_steps" else "accum", None)
-        if raw is None:
-            continue
+    default loop); checked against `dtype` when given. ValueError otherwise (the error path names
+    the flags: `flag_message`)."""
+    values = dataclasses.asdict(as_loop(base))
+    for flag, raw in loop_flags_given(args).items():
+        name, kind = LOOP_FLAGS[flag]
         if kind == "int":
             try:
                 raw = int(raw)
             except ValueError:
-                raise ValueError(f"{flag} {raw!r} is invalid: allowed is an integer >= 1") from None
-        values[name], given[name] = raw, flag
-    try:
-        loop = Loop(**values)
-        if dtype is not None:
-            loop.check_dtype(dtype)
-    except ValueError as exc:  # name the flag the user typed, not the field behind it
-        message = str(exc)
-        for name, flag in given.items():
-            if message.startswith(f"{name}=True "):   # a flag that takes no value
-                message = flag + message[len(name) + 5:]
-            elif message.startswith(f"{name}="):
-                message = flag + " " + message[len(name) + 1:]
-        raise ValueError(message) from None
+                raise ValueError(f"{flag}={raw!r} is invalid: allowed is an integer >= 1") from None
+        values[name] = raw
+    loop = Loop(**values)
+    if dtype is not None:
+        loop.check_dtype(dtype)
     return loop
 
 
@@ -656,12 +696,70 @@ def add_format_argument(p: argparse.ArgumentParser) -> None:
                    help="table: for reading (default); json, csv: every field of every row, for scripts")
 
 
+# The flag of each parameter that the library's errors name: where a command has the flag, its
+# error path (`flag_message`) says `--torch-version 2.3` where the Python API says torch_version='2.3'.
+# A list's name and its items' name share a flag (a sweep's batch_sizes, a cell's batch_size).
+PARAMETER_FLAGS = {
+    "model": "--model", "batch_size": "--batch", "seq_len": "--seq", "policy": "--policy", "dtype": "--dtype",
+    "device": "--device", "card": "--card", "attention": "--attention", "torch_version": "--torch-version",
+    "alloc_conf": "--alloc-conf", "trace": "--trace", "budget": "--budget", "cost": "--cost", "options": "--options",
+    "capacity": "--capacity", "ranks": "--ranks", "measure": "--measure", "min_rounds": "--steps", "param_set": "-f",
+    **{name: flag for flag, (name, _) in LOOP_FLAGS.items()},
+    **{f.name: f.metadata["flag"] for f in dataclasses.fields(SweepConfig) if "flag" in f.metadata},
+}
+
+# A value as an error shows it: Python's repr of a text or a list, else a word (a trailing colon is the text's).
+_VALUE = r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|\[[^\]]*\]|[^\s,;)]*[^\s,;):]"""
+
+
+def flag_message(message: str, flags: dict[str, str]) -> str:
+    """An error in the command line's terms: each `name=value` of a parameter of `flags` (a
+    command's PARAMETER_FLAGS), and each `--flag=value` of the command line's own checks, as the
+    flag and the value one types: torch_version='2.3' -> --torch-version 2.3, grad_scaler=True ->
+    --grad-scaler, grad_scaler=False -> no --grad-scaler; and the API's "or None" (the parameter
+    left out) -> "or no" and the first flag named."""
+    names = "".join("|" + re.escape(name) for name in sorted(flags, key=len, reverse=True))
+    pattern = rf"(?<![\w:+=-])(?P<name>--[a-z][a-z0-9-]*{names})=(?P<value>{_VALUE})"
+    named = []
+
+    def typed(match: re.Match) -> str:
+        named.append(flags.get(match["name"], match["name"]))
+        return _typed(named[-1], match["value"])
+
+    text = re.sub(pattern, typed, message)
+    return re.sub(r"\bor None\b", f"or no {named[0]}", text) if named else text
+
+
+def _typed(flag: str, shown: str) -> str:
+    """`flag` with a value as an error shows it (repr, or a word), as one types it."""
+    value = shown
+    if shown[0] in "'\"[" or shown in ("True", "False", "None"):
+        try:
+            value = ast.literal_eval(shown)
+        except (ValueError, SyntaxError):
+            pass
+    if value is True:
+        return flag
+    if value is False or value is None:
+        return f"no {flag}"
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    text = str(value)
+    # quoted where a shell needs it, and where it is only punctuation ("--policy ','")
+    return f"{flag} {shlex.quote(text) if any(c.isalnum() for c in text) else repr(text)}"
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's own refusals (an unknown choice, a missing value) in one line and exit 2, as
     ckptlab's checks give theirs; the usage stays one `--help` away. Subcommands inherit it."""
 
     def error(self, message: str):
         self.exit(2, f"error: {self.prog}: {message}\n")
+
+    def command(self, func) -> None:
+        """This (sub)command runs `func`; its errors name the flags it has (PARAMETER_FLAGS)."""
+        own = {option for action in self._actions for option in action.option_strings}
+        self.set_defaults(func=func, flags={name: flag for name, flag in PARAMETER_FLAGS.items() if flag in own})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -680,14 +778,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds")
     p.add_argument("--max-seconds", type=float, default=10, help="timing budget per (batch, seq); stops earlier at ±2%%")
     p.add_argument("--memory-limit", default=None, help="e.g. 24GiB (emulated on CPU)")
-    p.set_defaults(func=cmd_measure)
+    p.command(cmd_measure)
 
     p = sub.add_parser("sweep", help="measure a grid into a run folder (OOM-safe, resumable); print a summary",
                        description="Lists take comma-separated values (--batch 1,2,4).")
     add_config_arguments(p, SweepConfig)
     add_loop_arguments(p, accum=False)
     p.add_argument("--no-plots", action="store_true", help="skip drawing figures")
-    p.set_defaults(func=cmd_sweep)
+    p.command(cmd_sweep)
 
     p = sub.add_parser("compare", help="policies (and, with --anchors, other frameworks' knobs) timed together, "
                                        "with 95%% intervals")
@@ -705,7 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for every configuration (default: PyTorch's; 1 is steadiest on a shared machine)")
     p.add_argument("--out", default=None, help="folder for compare.csv, compare.json and figures/compare.png")
     add_format_argument(p)
-    p.set_defaults(func=cmd_compare)
+    p.command(cmd_compare)
 
     p = sub.add_parser("predict", help="predict peak memory per policy without allocating (fake tensors), "
                                        "for a CPU or a CUDA card")
@@ -717,7 +815,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "same prediction); full: trace every block (default: fast; the record's trace says which "
                         "answered)")
     add_format_argument(p)
-    p.set_defaults(func=cmd_predict)
+    p.command(cmd_predict)
 
     p = sub.add_parser("plan", help="choose keep/selective/full per block to fit a memory budget")
     add_workload_arguments(p, batch="4", seq="64", policy="", lists=False)
@@ -734,7 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-ci", type=float, default=0.02, help="with --compile: stop timing at this interval half-width")
     p.add_argument("--threads", type=int, default=None, help="with --compile: CPU threads (default: PyTorch's)")
     add_format_argument(p)
-    p.set_defaults(func=cmd_plan)
+    p.command(cmd_plan)
 
     p = sub.add_parser("explain", help="why memory did not drop: the peak, what holds it, and what each lever "
                                        "would make it (predicted, nothing allocated)")
@@ -748,15 +846,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--figure", default=None, help="save the waterfall figure as FIGURE.png and FIGURE.svg")
     p.add_argument("--format", choices=("table", "json"), default="table",
                    help="table: the report (default); json: every field, for scripts")
-    p.set_defaults(func=cmd_explain)
+    p.command(cmd_explain)
 
     p = sub.add_parser("cards", help="the cards a capacity may name: usable bytes, context, margin")
     add_format_argument(p)
-    p.set_defaults(func=cmd_cards)
+    p.command(cmd_cards)
 
     p = sub.add_parser("plot", help="redraw every figure of a run folder from its data")
     p.add_argument("run_dir", help="run folder, e.g. results/my-sweep")
-    p.set_defaults(func=cmd_plot)
+    p.command(cmd_plot)
 
     p = sub.add_parser("notebooks", help="run the notebooks headless with papermill, or list their parameters")
     nb = p.add_subparsers(dest="notebooks_command", required=True)
@@ -770,10 +868,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--name", default=None, help="run folder name (default: the parameter set's)")
     q.add_argument("--timeout", type=float, default=900, help="seconds per notebook (default 900)")
     add_executor_arguments(q)
-    q.set_defaults(func=cmd_notebooks_run)
+    q.command(cmd_notebooks_run)
     q = nb.add_parser("params", help="list a notebook's parameters: types, defaults, help")
     q.add_argument("name", help="notebook by number or name, e.g. 02 or 02_density_sweep")
-    q.set_defaults(func=cmd_notebooks_params)
+    q.command(cmd_notebooks_params)
     return parser
 
 
@@ -781,8 +879,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:  # invalid input: one clear line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # invalid input: one clear line in the command line's terms, no traceback
+        print(f"error: {flag_message(str(exc), args.flags)}", file=sys.stderr)
         return 2
 
 

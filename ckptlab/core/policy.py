@@ -108,6 +108,20 @@ class Policy:
         """Indices of the blocks whose activations are recomputed."""
         return [i for start, stop in self.regions(n_blocks) for i in range(start, stop)]
 
+    def checkpoints_like(self, other: "Policy", n_blocks: int) -> bool:
+        """Whether `other` checkpoints a model of n_blocks blocks as this one does: the same
+        mechanism, regions, mode per block, selective variant, offload and compile (full,
+        density=1 and plan of all f are one policy). A policy that needs shapes (budget) is like
+        none but itself."""
+        def effect(policy: Policy):
+            modes = policy.modes(n_blocks)
+            variant = policy.selective_variant if "selective" in modes else None
+            return policy.mechanism, policy.regions(n_blocks), modes, variant, policy.offload, policy.compiled
+        try:
+            return effect(self) == effect(other)
+        except ValueError:
+            return self == other
+
     def effective_density(self, n_blocks: int) -> float:
         """Fraction of the n_blocks blocks that recompute: the common axis for every policy."""
         return len(self.checkpointed_blocks(n_blocks)) / n_blocks

@@ -63,5 +63,13 @@ def format_bytes(n: float | None, compact: bool = False) -> str:
     return text.rstrip("0").rstrip(".") + unit
 
 
-__all__ = ["BINARY_UNITS", "GiB", "SIZE_HELP", "SIZE_UNITS", "format_bytes", "parse_bytes", "size_bytes",
-           "size_label"]
+def format_count(n: int) -> str:
+    """A count for reading, as model sizes are told: exact below a million ("45,344"), else in
+    millions or billions to one decimal ("124.4M", "6.7B")."""
+    if abs(n) < 10**6:
+        return f"{n:,}"
+    return f"{n / 10**6:,.1f}M" if abs(n) < 10**9 else f"{n / 10**9:,.1f}B"
+
+
+__all__ = ["BINARY_UNITS", "GiB", "SIZE_HELP", "SIZE_UNITS", "format_bytes", "format_count", "parse_bytes",
+           "size_bytes", "size_label"]

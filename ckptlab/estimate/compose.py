@@ -97,6 +97,12 @@ def fast_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     return full
 
 
+def fallback_reason(trace: str) -> Optional[str]:
+    """Why the fast path traced a step in full, from its `trace` ("full (why)", `fast_memory`);
+    None where it composed the step or the full trace was asked for."""
+    return trace[len("full ("):-1] if trace.startswith("full (") else None
+
+
 def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                     loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
                     attention: Optional[str] = None, *, torch_version: Optional[str] = None,

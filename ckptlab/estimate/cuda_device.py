@@ -149,7 +149,8 @@ def parse_alloc_conf(value) -> bool:
     if value is None:
         return False
     if value not in ALLOC_CONFS:
-        raise ValueError(f"alloc_conf={value!r} is invalid: allowed are {', '.join(ALLOC_CONFS)} (or none)")
+        raise ValueError(f"alloc_conf={value!r} is invalid: allowed are {', '.join(ALLOC_CONFS)}, or None "
+                         "(the default allocator)")
     return value == "expandable_segments:True"
 
 

@@ -5,7 +5,8 @@ would lower its peak.
 live-tensor tracker that `measure` runs), reads where the peak falls and what holds it, names the
 cause in words, and predicts each lever -- another checkpoint policy, a plan at the capacity,
 bf16, a smaller micro-batch with gradient accumulation, a chunked loss, another optimizer -- by
-the same fake step with that one change (`Lever.change`, the settings it changes). FSDP2 over N
+the same fake step with that one change (`Lever.change`, the settings it changes); a lever the
+step already pulls (its own policy, as a plan too; its dtype; its optimizer) is not one. FSDP2 over N
 ranks is not a fake step: it is modelled per rank (`ckptlab.estimate.fsdp`). Offload moves saved
 activations to pinned host memory only on CUDA: predicted for a CUDA device, on the CPU it is a
 no-op, listed but not predicted.
@@ -54,6 +55,7 @@ POLICY_LEVERS = {
     "segments=sqrt": "checkpoint_sequential with sqrt(N) segments: keeps sqrt(N) segment inputs, recomputes the rest",
 }
 LOSS_CHUNKS = 8
+BF16_WEIGHTS_FROM = ("fp32", "bf16")   # the dtypes whose step keeps fp32 weights: the bf16 weights lever's
 PLAN_COST = "roofline"   # the planner's recompute cost from FLOPs and bytes: no real run, any shape
 
 
@@ -198,11 +200,13 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
     memo: dict = {}   # each setting predicted once: the waterfall's steps repeat levers' settings
     levers = policy_levers(workload, base, applied, on, memo)
-    floor_lever = floor_plan_lever(workload, base, levers, on) if base.n_blocks else None
+    floor_lever = floor_plan_lever(workload, base, applied, levers, on) if base.n_blocks else None
     if floor_lever is not None:
         levers.append(floor_lever)
     if capacity_bytes is not None and base.n_blocks:
-        levers.append(capacity_plan_lever(workload, base, capacity_bytes, on))
+        capacity_lever = capacity_plan_lever(workload, base, applied, capacity_bytes, on)
+        if capacity_lever is not None:
+            levers.append(capacity_lever)
     checkpoint_peaks = [(lv.predicted_peak_bytes, lv.policy) for lv in levers
                         if lv.policy and lv.policy != "none" and lv.predicted_peak_bytes is not None]
     if parsed.kind != "none":
@@ -300,39 +304,57 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
         return "logits", (
             f"The logits, the loss and their gradients hold the peak: {f(outside)} outside the blocks against "
             f"{f(blocks)} in them. The peak comes {where}. Checkpointing the blocks lowers it only to {f(floor)} ({floor_policy}); "
-            f"a chunked loss or a smaller micro-batch shrinks the logits.")
+            f"a chunked loss{' or a smaller micro-batch' if pred.batch_size > 1 else ''} shrinks the logits.")
     if blocks >= static:
         reach = (f"{floor_policy} brings the peak to {f(floor)}" if floor < pred.held_bytes else
                  f"{policy} already reaches the lowest peak checkpointing gets to, so only other levers can go below it")
         return "blocks", (
             f"Block activations hold the peak: {f(blocks)} of {f(pred.peak_bytes)}. The peak comes {where}. "
             f"Checkpointing is the lever: {reach}.")
+    # the levers on them that the step does not already pull
+    others = [name for name, open_ in (("bf16 weights", pred.dtype in BF16_WEIGHTS_FROM),
+                                       ("another optimizer", breakdown["optimizer_state"] > 0),
+                                       ("FSDP sharding", True)) if open_]
     return "weights", (
         f"Weights, gradients and optimizer state hold the peak: {f(static)} of {f(pred.peak_bytes)}. The peak "
         f"comes {where}. "
-        f"Checkpointing lowers only activations (to {f(floor)} at best); bf16 weights, another optimizer or "
-        f"FSDP sharding lower the rest.")
+        f"Checkpointing lowers only activations (to {f(floor)} at best); {_either(others)} "
+        f"{'lowers' if len(others) == 1 else 'lower'} the rest.")
+
+
+def _either(words: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b or c"."""
+    return " or ".join(filter(None, [", ".join(words[:-1]), words[-1]]))
 
 
 # --------------------------------------------------------------------------- levers
+
+def already_applied(policy: str, applied: str, n_blocks: int) -> bool:
+    """Whether the checkpoint policy `policy` does what the step's own, `applied`, does (a lever
+    never suggests it: full and plan=ffff are one)."""
+    return as_policy(policy).checkpoints_like(as_policy(applied), n_blocks)
+
 
 def policy_levers(workload: Workload, base: Prediction, applied: str, on: dict, memo: dict) -> list[Lever]:
     """Each checkpoint policy of POLICY_LEVERS other than the step's own, predicted."""
     if not base.n_blocks:
         return []
     return [predicted_lever(f"policy {policy}", workload, base, applied, {"policy": policy}, cost, on, memo)
-            for policy, cost in POLICY_LEVERS.items() if policy != applied]
+            for policy, cost in POLICY_LEVERS.items() if not already_applied(policy, applied, base.n_blocks)]
 
 
-def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever], on: dict) -> Lever:
+def floor_plan_lever(workload: Workload, base: Prediction, applied: str, levers: list[Lever],
+                     on: dict) -> Optional[Lever]:
     """The plan of keep/selective/full per block with the lowest peak (the planner's `min_peak`),
     its peak predicted by a fake run of that plan (or taken from `full`'s lever when it is full
-    everywhere: the same model)."""
+    everywhere: the same model); None when the step's own policy is that plan."""
     tensors_on = {k: v for k, v in on.items() if k != "alloc_conf"}   # the profile counts tensors, not blocks
     profile = profile_blocks(workload, base.batch_size, base.seq_len, base.dtype, base.loop, PLAN_COST,
                              **tensors_on)
     _, options = min_peak(profile)
     policy = str(plan_policy(options))
+    if already_applied(policy, applied, base.n_blocks):
+        return None
     full = next((lv.predicted_peak_bytes for lv in levers if lv.policy == "full"), None)
     if set(options) == {"full"} and full is not None:
         peak = full
@@ -344,16 +366,20 @@ def floor_plan_lever(workload: Workload, base: Prediction, levers: list[Lever], 
                  f"{options.count('keep')} kept blocks: the planner's lowest peak")
 
 
-def capacity_plan_lever(workload: Workload, base: Prediction, capacity: int, on: dict) -> Lever:
-    """The least-recompute plan that fits `capacity` (`plan_budget`), or why none does. On a card
-    the plan's budget is in allocated bytes: the capacity less what the step holds beyond them
-    (the context, and the fragmentation of today's step); the plan's device bytes are predicted."""
+def capacity_plan_lever(workload: Workload, base: Prediction, applied: str, capacity: int,
+                        on: dict) -> Optional[Lever]:
+    """The least-recompute plan that fits `capacity` (`plan_budget`), or why none does; None when
+    the step's own policy is that plan. On a card the plan's budget is in allocated bytes: the
+    capacity less what the step holds beyond them (the context, and the fragmentation of today's
+    step); the plan's device bytes are predicted."""
     budget = capacity - (base.held_bytes - base.peak_bytes)
     try:
         plan = plan_budget(workload, base.batch_size, base.seq_len, budget, base.dtype, base.loop, cost=PLAN_COST,
                            **on)
     except ValueError as exc:
         return Lever(f"plan at {format_bytes(capacity)}", None, {}, f"no plan fits: {exc}", "not predicted")
+    if already_applied(f"plan={plan.letters}", applied, base.n_blocks):
+        return None
     peak = plan.predicted_peak_bytes
     if base.card is not None:
         peak = (predict(workload, base.batch_size, base.seq_len, f"plan={plan.letters}", base.dtype,
@@ -373,7 +399,7 @@ def other_levers(workload: Workload, base: Prediction, applied: str, kind: str, 
         levers.append(predicted_lever("bf16 autocast", workload, base, applied, {"dtype": "bf16"},
                                       "matmuls in bf16: activations halve, weights stay fp32 (autocast keeps bf16 "
                                       "copies of them in the step)", on, memo))
-    if dtype in ("fp32", "bf16"):
+    if dtype in BF16_WEIGHTS_FROM:
         levers.append(predicted_lever("bf16 weights", workload, base, applied, {"dtype": "bf16-weights"},
                                       "weights, gradients and optimizer state in bf16: no fp32 master copy, so "
                                       "small updates round away without a compensated optimizer", on, memo))
