@@ -34,15 +34,17 @@ QUICK_CHANGES = [("seq_len", 128), ("seq_len", 256), ("batch_size", 2), ("policy
 
 
 def quietly(fn):
-    """(fn()'s seconds, what it printed): the view prints its summary; the benchmark prints its own lines."""
+    """(fn()'s wall seconds, its CPU seconds, what it printed): the view prints its summary; the
+    benchmark prints its own lines. On a shared machine the wall time grows with the load, the
+    CPU time much less."""
     printed = io.StringIO()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(printed):
         fn()
-    return time.perf_counter() - t0, printed.getvalue()
+    return time.perf_counter() - t0, time.process_time() - cpu0, printed.getvalue()
 
 
-def view_row(explorer: Explorer, seen: list, what: str, seconds: float, printed: str) -> dict:
+def view_row(explorer: Explorer, seen: list, what: str, seconds: float, cpu_s: float, printed: str) -> dict:
     """One timed step: its seconds, and per prediction shown its policy, its own seconds, whether
     this step made it (else the explorer kept it from an earlier step) and its answer."""
     if "error:" in printed:
@@ -51,36 +53,35 @@ def view_row(explorer: Explorer, seen: list, what: str, seconds: float, printed:
     predictions = [{"policy": p.policy, "predict_s": p.predict_s, "made_now": not any(p is s for s in seen),
                     "fit": p.fit, "device_bytes": p.device_bytes} for p in explorer.predictions]
     seen.extend(explorer.predictions)
-    return {"change": what, "seconds": seconds, "batch_size": c["batch_size"], "seq_len": c["seq_len"],
+    return {"change": what, "seconds": seconds, "cpu_s": cpu_s, "batch_size": c["batch_size"], "seq_len": c["seq_len"],
             "policy": c["policy"], "predictions": predictions}
 
 
 def measure_latency(start: dict, changes: list) -> dict:
     explorer = Explorer(**start)
-    first_s, printed = quietly(lambda: explorer.show(interactive=True))
     seen: list = []
-    first = view_row(explorer, seen, "first view", first_s, printed)
+    first = view_row(explorer, seen, "first view", *quietly(lambda: explorer.show(interactive=True)))
     rows = []
     for name, value in changes:
         control = explorer._widgets[name]
         what = f"{name.removesuffix('_choice')} {control.value} -> {value}"
-        seconds, printed = quietly(lambda: setattr(control, "value", value))
-        rows.append(view_row(explorer, seen, what, seconds, printed))
+        rows.append(view_row(explorer, seen, what, *quietly(lambda: setattr(control, "value", value))))
     return {"model": explorer.config["model"], "dtype": start["dtype"], "card": start["card"], "first": first,
-            "changes": rows, "median_s": median(r["seconds"] for r in rows)}
+            "changes": rows, "median_s": median(r["seconds"] for r in rows),
+            "median_cpu_s": median(r["cpu_s"] for r in rows)}
 
 
 def markdown(result: dict) -> str:
     lines = [f"# Explorer latency: {result['model']} ({result['dtype']}) on {result['card']} ({result['machine']})", "",
-             "Seconds from a widget change to the redrawn view (predictions, summary, figure); beside them each "
-             "prediction shown, its own seconds, and `kept` where the explorer had made it before. Load average "
-             f"(1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in result['load_average'])}.", "",
-             "| change | seconds | predictions |", "|---|---|---|"]
+             "Seconds from a widget change to the redrawn view (predictions, summary, figure), wall and CPU; "
+             "beside them each prediction shown, its own seconds, and `kept` where the explorer had made it "
+             f"before. Load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in result['load_average'])}.",
+             "", "| change | seconds | CPU seconds | predictions |", "|---|---|---|---|"]
     for r in [result["first"], *result["changes"]]:
         shown = ", ".join(f"{p['policy']} {p['predict_s']:.2f} s" + ("" if p["made_now"] else " (kept)")
                           for p in r["predictions"])
-        lines.append(f"| {r['change']} | {r['seconds']:.2f} | {shown} |")
-    lines += ["", f"Median of the changes: {result['median_s']:.2f} s."]
+        lines.append(f"| {r['change']} | {r['seconds']:.2f} | {r['cpu_s']:.2f} | {shown} |")
+    lines += ["", f"Median of the changes: {result['median_s']:.2f} s ({result['median_cpu_s']:.2f} s of CPU)."]
     return "\n".join(lines) + "\n"
 
 
@@ -94,8 +95,11 @@ def main(argv=None) -> None:
                   load_average=os.getloadavg())
     for r in [result["first"], *result["changes"]]:
         made = ", ".join(f"{p['policy']} {p['predict_s']:.2f} s" for p in r["predictions"] if p["made_now"])
-        print(f"{r['change']:>22}: {r['seconds']:.2f} s  (predicted: {made or 'nothing new'})", flush=True)
-    print(f"median change: {result['median_s']:.2f} s ({result['model']} {result['dtype']} on {result['card']})")
+        print(f"{r['change']:>22}: {r['seconds']:.2f} s, {r['cpu_s']:.2f} s CPU  (predicted: {made or 'nothing new'})",
+              flush=True)
+    print(f"median change: {result['median_s']:.2f} s, {result['median_cpu_s']:.2f} s CPU ({result['model']} "
+          f"{result['dtype']} on {result['card']}; load average {result['load_average'][0]:.1f} on "
+          f"{os.cpu_count()} CPUs)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "latency.json").write_text(json.dumps(result, indent=1, default=str))
