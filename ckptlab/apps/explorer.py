@@ -109,7 +109,7 @@ class Explorer:
         """Measure, or on a card predict, the chosen policy and the no-checkpointing baseline;
         returns both rows (records of `measure`, or `Prediction.record()`s)."""
         c = self.config
-        policies = list(dict.fromkeys(["none", str(parse_policy(c["policy"]))]))
+        policies = self._policies()
         if self.on_card:
             self.predictions = [self._prediction(p) for p in policies]
             self.records = pd.DataFrame([p.record() for p in self.predictions])
@@ -121,6 +121,10 @@ class Explorer:
             self.explanation = explain(self.workload, c["batch_size"], c["seq_len"], c["policy"], dtype=c["dtype"],
                                        loop=c["loop"], **where)
         return self.records
+
+    def _policies(self) -> list[str]:
+        """What a view shows: none, then the chosen policy (once, where it is none)."""
+        return list(dict.fromkeys(["none", str(parse_policy(self.config["policy"]))]))
 
     def _measured(self, policies: list[str]) -> list[dict]:
         """The records of the policies, measured here and timed together (paired rounds)."""
@@ -153,8 +157,7 @@ class Explorer:
         c = self.config
         if not self.on_card:
             raise ValueError("largest_batch is for an explorer with a card: allowed is Explorer(card=...)")
-        policies = list(dict.fromkeys(["none", str(parse_policy(c["policy"]))]))
-        self.fits = predict_fits(self.workload, policies, [c["card"]], seq_len=c["seq_len"], seq_lens=[c["seq_len"]],
+        self.fits = predict_fits(self.workload, self._policies(), [c["card"]], seq_len=c["seq_len"], seq_lens=[c["seq_len"]],
                                  dtype=c["dtype"], loop=c["loop"])
         return self.fits
 
