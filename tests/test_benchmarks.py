@@ -161,8 +161,9 @@ def test_frontier_findings_pair_rows_of_one_comparison():
 
 # Each benchmark's smallest setting: a run of every step at toy size, so that a rename in ckptlab
 # cannot break a benchmark silently. overhead.py and frontier.py run end to end above,
-# predict_speed.py below; published.py (and its table of rows) in tests/test_published.py, on a
-# stand-in row without its extra's packages.
+# predict_speed.py and explorer_latency.py below (they write their results: into a temporary
+# folder); published.py (and its table of rows) in tests/test_published.py, on a stand-in row
+# without its extra's packages.
 SMALLEST = {
     "predict_and_plan": ["--quick", "--skip-compile", "--max-seconds", "0.5", "--batch", "2", "--seq", "32"],
     "sweep_cost": ["--quick"],
@@ -171,8 +172,8 @@ SMALLEST = {
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py")
-                                         if p.stem not in ("overhead", "frontier", "predict_speed", "published",
-                                                           "published_rows")))
+                                         if p.stem not in ("overhead", "frontier", "predict_speed", "explorer_latency",
+                                                           "published", "published_rows")))
 def test_every_benchmark_runs_its_smallest_setting(name, capsys):
     assert name in SMALLEST, f"benchmarks/{name}.py: add its smallest setting to SMALLEST"
     load(name).main(SMALLEST[name])
@@ -188,3 +189,21 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
         assert row[f"{when}_ratio"] == pytest.approx(row[f"{when}_full_s"] / row[f"{when}_fast_s"])
     assert result["fits"][0]["trace"] == "fast" and result["fits"][0]["rows"]
     assert "| gpt-tiny | 64 |" in (tmp_path / "predict_speed.md").read_text()
+
+
+def test_explorer_latency_times_each_widget_change(tmp_path, capsys):
+    pytest.importorskip("ipywidgets")
+    latency = load("explorer_latency")
+    latency.main(["--quick", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "latency.json").read_text())
+    changes = result["changes"]
+    assert [r["change"] for r in changes] == ["seq_len 64 -> 128", "seq_len 128 -> 256", "batch_size 1 -> 2",
+                                              "policy none -> full", "seq_len 256 -> 128"]
+    assert result["median_s"] == sorted(r["seconds"] for r in changes)[len(changes) // 2]
+    assert result["median_cpu_s"] == sorted(r["cpu_s"] for r in changes)[len(changes) // 2]
+    assert all(r["seconds"] >= sum(p["predict_s"] for p in r["predictions"] if p["made_now"]) for r in changes)
+    # each change predicts what it changed: the policy change keeps none's prediction, a shape both
+    made = [[p["policy"] for p in r["predictions"] if p["made_now"]] for r in changes]
+    assert made == [["none"], ["none"], ["none"], ["full"], ["none", "full"]]
+    assert "| policy none -> full |" in (tmp_path / "latency.md").read_text()
+    assert "median change" in capsys.readouterr().out

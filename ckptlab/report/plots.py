@@ -8,6 +8,7 @@ returns the matplotlib Figure, and, given `path` (without extension), saves PNG 
     redraw_all(run_dir)          every figure above into run_dir/figures/, from the folder alone
     compare_plot(df)             a `ckptlab.compare` table: peak vs time ratio with 95% intervals
     waterfall_plot(steps)        an explanation's levers one after another, towards a capacity
+    prediction_breakdown(preds)  predictions for a CUDA card by category, up to its device bytes
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from matplotlib.transforms import Bbox
 
 from ..core.policy import Policy, policy_label, policy_of_label
 from ..core.records import CATEGORIES, PHASES
+from ..core.units import format_bytes
+from ..estimate.fake_step import DEVICE_CATEGORIES, Prediction
 from ..run.store import load_run
 from ..run.sweep import config_label
 from . import analysis
@@ -366,36 +369,79 @@ def peak_breakdown(df: pd.DataFrame, path=None, limit_bytes: Optional[int] = Non
     their policy's colour. Where a row recomputed blocks and peaked in backward, the legend says
     that its temporaries include the recomputed activations (the tracker counts them there:
     they are allocated in backward and held only until the block's gradient is done)."""
+    notes = []
+    if len(df):
+        lows = df["step_ms_low"] if "step_ms_low" in df else df["step_ms"]
+        highs = df["step_ms_high"] if "step_ms_high" in df else df["step_ms"]
+        notes = ["" if pd.isna(ms) else f"{ms:.0f} ms" + ("" if pd.isna(low) else f"\n[{low:.0f}, {high:.0f}]")
+                 for ms, low, high in zip(df["step_ms"], lows, highs)]
+    limit = (limit_bytes, f"limit {format_bytes(limit_bytes)}") if limit_bytes else None
+    return _breakdown(df, shown_categories(df), notes, "peak memory by category (step time, 95% interval, above)",
+                      limit, label, path)
+
+
+# What a prediction for a CUDA card stacks above the tensors' categories: the allocator's own
+# (reserved = allocated + fragmentation) and the card's context (device bytes = reserved + context).
+DEVICE_COLORS = {"workspaces": "#937860", "rounding": "#c9b79c", "fragmentation": "#dddddd", "context": "#555555"}
+FIT_WORDS = {"yes": "fits", "with cache flushes": "fits with\ncache flushes", "no": "does not fit"}
+
+
+def prediction_breakdown(predictions: list[Prediction], path=None):
+    """Stacked bars of predictions for one CUDA card (`ckptlab.predict(..., card=...)`), one bar
+    per prediction: the tensors' categories at the peak, then the allocator's workspaces, rounding
+    and fragmentation (up to the reserved bytes) and the card's context (up to the device bytes);
+    the fit answer above each bar and the card's usable bytes less its margin as a line (a bar
+    above it does not fit as reserved). A line more than four times the tallest bar is named in
+    the title instead, so that the bars stay readable."""
+    rows = [{"policy": p.policy, "recompute_count": p.recompute_count, "peak_phase": p.peak_phase,
+             **{f"peak_{c}_bytes": p.peak_by_category.get(c, 0) for c in (*CATEGORIES, *DEVICE_CATEGORIES)},
+             "peak_context_bytes": p.device_bytes - p.reserved_bytes} for p in predictions]
+    df = pd.DataFrame(rows)
+    notes = [f"{format_bytes(p.device_bytes)}\n{FIT_WORDS[p.fit]}" for p in predictions]
+    if not predictions:
+        return _breakdown(df, [], notes, "", None, "policy", path)
+    card = predictions[0].card
+    allowed = predictions[0].device_bytes + predictions[0].margin_bytes   # usable bytes less the margin
+    title = f"predicted peak on {card}"
+    limit = (allowed, f"{card} less its margin")
+    if allowed > 4 * max(p.device_bytes for p in predictions):
+        title, limit = f"{title} (it allows {format_bytes(allowed)})", None
+    return _breakdown(df, [*shown_categories(df), *DEVICE_COLORS], notes, title, limit, "policy", path)
+
+
+def _breakdown(df: pd.DataFrame, categories: list[str], notes: list[str], title: str,
+               limit: Optional[tuple[int, str]], label: str, path):
+    """peak_breakdown's and prediction_breakdown's figure: `categories` stacked per row of `df`
+    (columns `peak_<category>_bytes`), `notes` above the bars, `limit` (bytes, its name) a line."""
     fig, ax = plt.subplots(figsize=(3.2 + 1.3 * max(len(df), 1), 4.2))
     if not len(df):
         return _save(_empty(fig, ax, "no records"), path)
+    totals = sum(df[f"peak_{cat}_bytes"].fillna(0).to_numpy(dtype=float) for cat in categories)
+    scale, unit = (GiB, "GiB") if max(totals.max(), limit[0] if limit else 0) >= GiB else (MiB, "MiB")
     x = np.arange(len(df))
     bottom = np.zeros(len(df))
     recomputed = (df["recompute_count"].fillna(0) > 0) & (df["peak_phase"] == "backward") \
         if {"recompute_count", "peak_phase"} <= set(df) else pd.Series(False, index=df.index)
-    for cat in shown_categories(df):
-        values = df[f"peak_{cat}_bytes"].fillna(0).to_numpy(dtype=float) / MiB
+    for cat in categories:
+        values = df[f"peak_{cat}_bytes"].fillna(0).to_numpy(dtype=float) / scale
         name = cat.replace("_", " ")
         if cat == "temporaries" and recomputed.any():
             name += "\n(" + RECOMPUTE_NOTE.replace("include ", "include\n") + ")"
-        ax.bar(x, values, bottom=bottom, color=CATEGORY_COLORS[cat], label=name)
+        ax.bar(x, values, bottom=bottom, color=CATEGORY_COLORS.get(cat) or DEVICE_COLORS[cat], label=name)
         bottom += values
-    lows = df["step_ms_low"] if "step_ms_low" in df else df["step_ms"]
-    highs = df["step_ms_high"] if "step_ms_high" in df else df["step_ms"]
-    for xi, total, ms, low, high in zip(x, bottom, df["step_ms"], lows, highs):
-        text = "" if pd.isna(ms) else f"{ms:.0f} ms" + ("" if pd.isna(low) else f"\n[{low:.0f}, {high:.0f}]")
-        ax.text(xi, total, text, ha="center", va="bottom", fontsize=8)
-    if limit_bytes:
-        ax.axhline(limit_bytes / MiB, color="k", ls="--", lw=1, label=f"limit {limit_bytes / MiB:.0f} MiB")
+    for xi, total, note in zip(x, bottom, notes):
+        ax.text(xi, total, note, ha="center", va="bottom", fontsize=8)
+    if limit:
+        ax.axhline(limit[0] / scale, color="k", ls="--", lw=1, label=limit[1])
     names = df[label].astype(str)
     ax.set_xticks(x, [policy_label(n) for n in names] if label == "policy" else names, rotation=20, ha="right",
                   rotation_mode="anchor")
     if label == "policy":
         for tick, policy in zip(ax.get_xticklabels(), names):
             tick.set_color(policy_style(policy)["color"])
-    ax.set_ylabel("peak memory (MiB)")
-    ax.set_title("peak memory by category (step time, 95% interval, above)")
-    ax.margins(y=0.1)  # room for the step times above the bars
+    ax.set_ylabel(f"peak memory ({unit})")
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.1)  # room for the notes above the bars
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over a bar
     fig.tight_layout()
     return _save(fig, path)
@@ -552,5 +598,5 @@ def waterfall_plot(steps: list, capacity_bytes: Optional[int] = None, title: str
 
 
 __all__ = ["CATEGORY_COLORS", "FIGURES", "KIND_STYLES", "MiB", "compare_plot", "heatmaps", "memory_time_vs_density",
-           "memory_timeline", "pareto_plot", "peak_breakdown", "place_labels", "policy_style", "redraw_all",
+           "memory_timeline", "pareto_plot", "peak_breakdown", "place_labels", "prediction_breakdown", "policy_style", "redraw_all",
            "trainer_plot", "waterfall_plot", "what_fits_plot"]

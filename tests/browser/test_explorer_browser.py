@@ -232,7 +232,8 @@ def drive(page, lab: JupyterLab, deadline: Deadline, report: dict) -> None:
 
     # The batch SelectionSlider: focus its noUiSlider handle, one ArrowRight (4 -> 8); with
     # continuous_update=False the change reaches the kernel on the keyboard 'change' event.
-    batch = sliders.filter(has=page.locator("label.widget-label", has_text=re.compile(r"^batch$")))
+    # the first explorer's (the measuring one; the notebook's second predicts for a card)
+    batch = sliders.filter(has=page.locator("label.widget-label", has_text=re.compile(r"^batch$"))).first
     handle = batch.locator(".noUi-handle")
     handle.focus(timeout=deadline.left_ms(10))
     page.keyboard.press("ArrowRight")
@@ -246,7 +247,7 @@ def drive(page, lab: JupyterLab, deadline: Deadline, report: dict) -> None:
     report["output_after_slider"] = after.splitlines()
 
     policy = page.locator(".widget-dropdown").filter(
-        has=page.locator("label.widget-label", has_text=re.compile(r"^policy$"))).locator("select")
+        has=page.locator("label.widget-label", has_text=re.compile(r"^policy$"))).first.locator("select")
     policy.select_option("full", timeout=deadline.left_ms(10))
     final = wait_output(page, AFTER_POLICY, deadline, "the re-measurement with policy full")
     t["after_policy"] = deadline.elapsed()
