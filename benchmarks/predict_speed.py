@@ -10,8 +10,9 @@ in one run, with the two predictions checked identical.
        prepared by an earlier prediction (a table's search, a widget's change);
      the seconds, the full / fast ratio of each, and whether every field of the two paths'
      records is the same;
-  2. predict_fits for hf-llama-7b+lora=16 over 3 policies and the default cards, fast path
-     (with --full-fits, the full trace too: minutes), and how many predictions the table took.
+  2. predict_fits for hf-llama-7b+lora=16 over 3 policies and the default cards, fast path, in
+     this process and with 2 worker processes (the rows checked equal; with --full-fits, the full
+     trace too: minutes), and how many predictions the table took.
 
 Imports and first-call caches are paid before anything is timed (a gpt-tiny prediction). Each
 path runs `--repeats` rounds, in turns, each round from no prepared model. Timings on a shared
@@ -106,15 +107,18 @@ def counting_predictions(fn):
         predict_module.predict_policy = original
 
 
-def fits_table(model: str, overrides: dict, policies: list[str], dtype: str, capacities: list[str], trace: str) -> dict:
+def fits_table(model: str, overrides: dict, policies: list[str], dtype: str, capacities: list[str], trace: str,
+               workers: int = 1) -> dict:
+    """The table's seconds and rows; with one worker, how many predictions it made (those of
+    worker processes are not counted here)."""
     workload = get_workload(model, **overrides)
     seq = min(FITS_SEQ, workload.max_seq_len or FITS_SEQ)
     clear_prepared()
     (rows, predictions), seconds = timed(lambda: counting_predictions(
-        lambda: predict_fits(workload, policies, capacities, seq_len=seq, dtype=dtype, trace=trace)))
+        lambda: predict_fits(workload, policies, capacities, seq_len=seq, dtype=dtype, trace=trace, workers=workers)))
     clear_prepared()
-    return {"predictions": predictions, "model": workload.label, "policies": policies, "cards": capacities, "dtype": dtype, "trace": trace,
-            "seconds": seconds, "rows": rows}
+    return {"predictions": predictions if workers == 1 else None, "model": workload.label, "policies": policies,
+            "cards": capacities, "dtype": dtype, "trace": trace, "workers": workers, "seconds": seconds, "rows": rows}
 
 
 def markdown(result: dict) -> str:
@@ -131,10 +135,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['model']} | {r['seq_len']} | {r['dtype']} | {r['first_full_s']:.2f} | {r['first_fast_s']:.2f} | "
                      f"{r['first_ratio']:.1f}x | {r['prepared_full_s']:.2f} | {r['prepared_fast_s']:.2f} | "
                      f"{r['prepared_ratio']:.1f}x | {r['fast_trace']} | {'yes' if r['identical'] else 'NO'} |")
-    lines += ["", "| predict_fits | policies | cards | trace | predictions | seconds |", "|---|---|---|---|---|---|"]
+    lines += ["", "| predict_fits | policies | cards | trace | workers | predictions | seconds |",
+              "|---|---|---|---|---|---|---|"]
     for f in result["fits"]:
         lines.append(f"| {f['model']} | {', '.join(f['policies'])} | {', '.join(f['cards'])} | {f['trace']} | "
-                     f"{f['predictions']} | {f['seconds']:.1f} |")
+                     f"{f['workers']} | {f['predictions'] if f['predictions'] is not None else 'in workers'} | "
+                     f"{f['seconds']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -156,12 +162,14 @@ def main(argv=None) -> None:
                   f"({r['first_ratio']:.1f}x); prepared: full {r['prepared_full_s']:.2f} s, fast "
                   f"{r['prepared_fast_s']:.2f} s ({r['prepared_ratio']:.1f}x); {r['fast_trace']}, identical: "
                   f"{r['identical']}", flush=True)
-    tables = [fits_table(*fits, trace="fast")]
+    tables = [fits_table(*fits, trace="fast"), fits_table(*fits, trace="fast", workers=2)]
+    if tables[1]["rows"] != tables[0]["rows"]:
+        raise SystemExit("predict_fits with 2 workers answered other rows than with 1")
     if args.full_fits:
         tables.append(fits_table(*fits, trace="full"))
     for f in tables:
-        print(f"predict_fits {f['model']} x {len(f['policies'])} policies x {len(f['cards'])} cards, {f['trace']}: "
-              f"{f['predictions']} predictions, {f['seconds']:.1f} s")
+        print(f"predict_fits {f['model']} x {len(f['policies'])} policies x {len(f['cards'])} cards, {f['trace']}, "
+              f"{f['workers']} worker(s): {f['predictions'] or 'their'} predictions, {f['seconds']:.1f} s")
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "repeats": args.repeats,
               "load_average": os.getloadavg(), "predictions": predictions, "fits": tables}
     out = Path(args.out)

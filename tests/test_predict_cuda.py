@@ -160,6 +160,16 @@ def test_predict_fits_on_a_card_leaves_the_margin_predict_says(tiny):
     assert row["basis"] == "predicted for RTX 4090" and row["device"] == "cuda"
 
 
+def test_predict_fits_in_worker_processes_answers_the_same_rows(tiny):
+    """Two tasks (a policy on cards of two architectures) in two spawned processes, rows in order."""
+    options = dict(capacities=["a100-40", "rtx4090"], seq_len=16, batch_size=1, dtype="fp32", max_batch=4, seq_lens=[16])
+    here = ckptlab.predict_fits(tiny, ["full"], **options)
+    assert ckptlab.predict_fits(tiny, ["full"], **options, workers=2) == here
+    assert [r["capacity"] for r in here] == ["a100-40", "rtx4090"]
+    with pytest.raises(ValueError, match="workers=0 is invalid"):
+        ckptlab.predict_fits(tiny, ["full"], **options, workers=0)
+
+
 def test_a_budget_plan_on_cuda_fits_the_cuda_allocated_peak(tiny):
     none = ckptlab.predict(tiny, 4, 128, "none", device="cuda")
     full = ckptlab.predict(tiny, 4, 128, "full", device="cuda")

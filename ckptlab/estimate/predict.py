@@ -13,8 +13,12 @@ card" from predictions.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Iterable, Optional, Sequence
+
+import torch
 
 from ..core.cards import DEFAULT_CARDS, Card, fits, margin_left, parse_capacity
 from ..core.cards import card as find_card
@@ -180,6 +184,7 @@ def predict_fits(
     torch_version: Optional[str] = None,
     alloc_conf: Optional[str] = None,
     trace: str = "fast",
+    workers: int = 1,
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
@@ -198,7 +203,10 @@ def predict_fits(
     follows, and `alloc_conf` its allocator option, as `predict`'s. On a card,
     `max_batch_size_with_flushes` / `max_seq_len_with_flushes` are the largest that run at all
     (`fit` "yes" or "with cache flushes": the allocator releasing its cache and retrying each step).
-    `trace` is the way to trace each step, as `predict`'s.
+    `trace` is the way to trace each step, as `predict`'s. `workers` > 1 predicts in that many
+    processes, each a policy's rows on the cards that run the same kernels (for a workload made
+    from a spec; one made in Python is predicted here): on 2 idle cores, a 7B table in about half
+    the time (benchmarks/predict_speed.py).
     """
     workload = as_workload(workload)
     choice("trace", trace, TRACES)
@@ -214,71 +222,105 @@ def predict_fits(
     for s in [seq_len, *seq_lens]:
         workload.check_shape(batch_size, s)
     integer("max_batch", max_batch, 1)
+    integer("workers", workers, 1)
+    options = dict(seq_len=seq_len, batch_size=batch_size, dtype=dtype, loop=loop, max_batch=max_batch,
+                   seq_lens=seq_lens, device=device, attention=attention, torch_version=torch_version,
+                   alloc_conf=alloc_conf, trace=trace)
+    # A task: one policy on the capacities that share predictions (cards that run the same
+    # kernels; all sizes), in the order asked.
+    groups: dict = {}
+    for cap in caps:
+        groups.setdefault((cap.arch, cap.sm_count, cap.cublas_workspace_bytes) if cap.arch else None, []).append(cap)
+    tasks = [(pol, group) for pol in parse_policies(policies) for group in groups.values()]
+    if workers == 1 or len(tasks) == 1 or workload.spec is None or workload.weights_dtype is not None:
+        done = [_fit_rows(workload, pol, group, **options) for pol, group in tasks]
+    else:
+        made = (workload.spec, workload.seed, workload.overrides, workload.identity)
+        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            done = list(pool.map(_fit_rows_of_spec, [(made, pol, group, options) for pol, group in tasks]))
+    by_cap = {(str(pol), cap.name): row for (pol, _), rows in zip(tasks, done) for cap, row in rows}
+    return [by_cap[(str(pol), cap.name)] for pol in parse_policies(policies) for cap in caps]
+
+
+def _fit_rows_of_spec(task: tuple) -> list:
+    """`_fit_rows` in a worker process, for the workload its spec makes (the caller's, checked)."""
+    (spec, seed, overrides, identity), pol, caps, options = task
+    workload = get_workload(spec, seed=seed, **overrides)
+    if workload.identity != identity:
+        raise RuntimeError(f"model={spec!r} made again in a worker process differs from the caller's")
+    return _fit_rows(workload, pol, caps, **options)
+
+
+def _fit_rows(workload: Workload, pol: Policy, caps: list[Card], *, seq_len: int, batch_size: int, dtype: str,
+              loop: Loop, max_batch: int, seq_lens: list[int], device: str, attention: Optional[str],
+              torch_version: Optional[str], alloc_conf: Optional[str], trace: str) -> list[tuple[Card, dict]]:
+    """predict_fits' rows of one policy on `caps`, which share predictions: [(capacity, row)]."""
     rows = []
-    for pol in parse_policies(policies):
-        cache: dict[tuple, Prediction] = {}
+    cache: dict[tuple, Prediction] = {}
 
-        def predicted(b: int, s: int, cap: Card) -> Prediction:
-            """The prediction for cap. Cards that run the same kernels (arch, SMs, workspace) share
-            one, except for the answer "with cache flushes", which is the card's own limit's."""
-            key = (b, s, (cap.arch, cap.sm_count, cap.cublas_workspace_bytes) if cap.arch else None)
+    def predicted(b: int, s: int, cap: Card) -> Prediction:
+        """The prediction for cap. Cards that run the same kernels (arch, SMs, workspace) share
+        one, except for the answer "with cache flushes", which is the card's own limit's."""
+        key = (b, s, (cap.arch, cap.sm_count, cap.cublas_workspace_bytes) if cap.arch else None)
+        if key not in cache:
+            cuda = cap.arch is not None or device == "cuda"
+            cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, loop=loop,
+                                        device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
+                                        attention=attention if cuda else None,
+                                        torch_version=torch_version if cuda else None,
+                                        alloc_conf=alloc_conf if cuda else None, trace=trace)
+        return cache[key]
+
+    def held(b: int, s: int, cap: Card) -> int:
+        """What `fits` compares for cap: on a card its device bytes, reserved + its context."""
+        p = predicted(b, s, cap)
+        return p.reserved_bytes + cap.context_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
+
+    def runs(b: int, s: int, cap: Card) -> bool:
+        """On a card: the answer is not "no" (it fits, or runs with cache flushes)."""
+        if fits(cap, held(b, s, cap)):
+            return True
+        p = predicted(b, s, cap)
+        if p.card != cap.name or p.card is None:
+            key = (b, s, cap.name)
             if key not in cache:
-                cuda = cap.arch is not None or device == "cuda"
-                cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, loop=loop,
-                                            device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
-                                            attention=attention if cuda else None,
-                                            torch_version=torch_version if cuda else None,
-                                            alloc_conf=alloc_conf if cuda else None, trace=trace)
-            return cache[key]
+                cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, loop=loop, device="cuda",
+                                            card=cap, attention=attention, torch_version=torch_version,
+                                            alloc_conf=alloc_conf, trace=trace)
+            p = cache[key]
+        return p.fit != "no"
 
-        def held(b: int, s: int, cap: Card) -> int:
-            """What `fits` compares for cap: on a card its device bytes, reserved + its context."""
-            p = predicted(b, s, cap)
-            return p.reserved_bytes + cap.context_bytes if cap.arch else p.peak_bytes if device == "cpu" else p.reserved_bytes
-
-        def runs(b: int, s: int, cap: Card) -> bool:
-            """On a card: the answer is not "no" (it fits, or runs with cache flushes)."""
-            if fits(cap, held(b, s, cap)):
-                return True
-            p = predicted(b, s, cap)
-            if p.card != cap.name or p.card is None:
-                key = (b, s, cap.name)
-                if key not in cache:
-                    cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, loop=loop, device="cuda",
-                                                card=cap, attention=attention, torch_version=torch_version,
-                                                alloc_conf=alloc_conf, trace=trace)
-                p = cache[key]
-            return p.fit != "no"
-
-        for cap in caps:
-            best_batch = _largest(lambda b, cap=cap: fits(cap, held(b, seq_len, cap)), max_batch,
-                                  _linear_guess(lambda b, cap=cap: held(b, seq_len, cap), cap, max_batch))
-            # where the sequence search starts: the tokens of the largest batch at seq_len, or
-            # when not even batch 1 fits there, the sequence below it
-            best_seq = _largest_of(lambda s, cap=cap: fits(cap, held(batch_size, s, cap)), seq_lens,
-                                   seq_len * best_batch // batch_size if best_batch else seq_len - 1)
-            on_device = "cuda" if cap.arch else device
-            flushed = {}
-            if cap.arch:
-                # the allocated peak is what the allocator needs with its cache released: its line
-                # through batch 1 and 2 says where the flushes stop helping
-                allocated = _linear_guess(lambda b, cap=cap: predicted(b, seq_len, cap).peak_bytes + cap.context_bytes,
-                                          cap, max_batch)
-                flushed = {"max_batch_size_with_flushes": _largest(lambda b, cap=cap: runs(b, seq_len, cap), max_batch,
-                                                                   max(best_batch, allocated)),
-                           "max_seq_len_with_flushes": _largest_of(lambda s, cap=cap: runs(batch_size, s, cap),
-                                                                   seq_lens, best_seq)}
-            rows.append({"model": workload.label, "policy": str(pol), "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
-                         "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
-                         "max_seq_len": best_seq,
-                         "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len, cap)) if best_batch else None,
-                         "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq, cap)) if best_seq else None,
-                         "max_batch_size_with_flushes": None, "max_seq_len_with_flushes": None, **flushed,
-                         "device": on_device, "required_margin_bytes": cap.required_margin_bytes,
-                         **loop.record(),
-                         "torch_version": torch_rules(torch_version).version if on_device == "cuda" else None,
-                         "alloc_conf": alloc_conf if on_device == "cuda" else None,
-                         "basis": cap.basis if cap.arch or device == "cpu" else f"predicted for {device}"})
+    for cap in caps:
+        best_batch = _largest(lambda b, cap=cap: fits(cap, held(b, seq_len, cap)), max_batch,
+                              _linear_guess(lambda b, cap=cap: held(b, seq_len, cap), cap, max_batch))
+        # where the sequence search starts: the tokens of the largest batch at seq_len, or
+        # when not even batch 1 fits there, the sequence below it
+        best_seq = _largest_of(lambda s, cap=cap: fits(cap, held(batch_size, s, cap)), seq_lens,
+                               seq_len * best_batch // batch_size if best_batch else seq_len - 1)
+        on_device = "cuda" if cap.arch else device
+        flushed = {}
+        if cap.arch:
+            # the allocated peak is what the allocator needs with its cache released: its line
+            # through batch 1 and 2 says where the flushes stop helping
+            allocated = _linear_guess(lambda b, cap=cap: predicted(b, seq_len, cap).peak_bytes + cap.context_bytes,
+                                      cap, max_batch)
+            flushed = {"max_batch_size_with_flushes": _largest(lambda b, cap=cap: runs(b, seq_len, cap), max_batch,
+                                                               max(best_batch, allocated)),
+                       "max_seq_len_with_flushes": _largest_of(lambda s, cap=cap: runs(batch_size, s, cap),
+                                                               seq_lens, best_seq)}
+        rows.append((cap, {
+            "model": workload.label, "policy": str(pol), "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
+            "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
+            "max_seq_len": best_seq,
+            "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len, cap)) if best_batch else None,
+            "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq, cap)) if best_seq else None,
+            "max_batch_size_with_flushes": None, "max_seq_len_with_flushes": None, **flushed,
+            "device": on_device, "required_margin_bytes": cap.required_margin_bytes,
+            **loop.record(),
+            "torch_version": torch_rules(torch_version).version if on_device == "cuda" else None,
+            "alloc_conf": alloc_conf if on_device == "cuda" else None,
+            "basis": cap.basis if cap.arch or device == "cpu" else f"predicted for {device}"}))
     return rows
 
 
