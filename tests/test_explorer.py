@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 import ckptlab
+import ckptlab.apps.explorer as explorer_module
 from ckptlab import format_bytes, get_workload
 from ckptlab.apps.explorer import Explorer, prediction_table
 from ckptlab.core.cards import DEFAULT_MARGIN_BYTES, parse_capacity
@@ -155,6 +156,15 @@ def test_largest_batch_is_the_largest_that_fits():
     explorer.set(batch_size=2)
     explorer.run()
     assert "largest batch" not in explorer.summary()     # of another configuration: asked for again
+
+
+def test_largest_batch_at_the_search_limit_says_or_more(monkeypatch):
+    monkeypatch.setattr(explorer_module, "LARGEST_BATCH_SEARCHED", 2)
+    explorer = Explorer(get_workload("gpt-tiny", n_layer=2), batch_size=1, seq_len=16, policy="none", card="rtx4090")
+    explorer.run()
+    (row,) = explorer.largest_batch()
+    assert row["max_batch_size"] == 2
+    assert "none 2 or more (the search stops there) (2 or more (the search stops there) with cache flushes)" in explorer.summary()
 
 
 def test_card_view_refuses_bad_input_before_any_work():

@@ -60,6 +60,13 @@ CARD_SEQS = [2**k for k in range(7, 16)]          # predicted for a card: 128 ..
 PREDICTIONS_KEPT = 8   # the last predictions, by their arguments: a policy toggled back costs nothing
 
 
+LARGEST_BATCH_SEARCHED = 1024   # the largest batch tried: an answer of this size means "this or more"
+
+
+def _searched(batch: int) -> str:
+    return f"{batch} or more (the search stops there)" if batch == LARGEST_BATCH_SEARCHED else str(batch)
+
+
 class Explorer:
     def __init__(self, model: Union[str, Workload] = "gpt-tiny", batch_size: int = 4, seq_len: int = 64,
                  policy: str = "density=0.5", memory_limit: Optional[str] = None,
@@ -158,7 +165,7 @@ class Explorer:
         if not self.on_card:
             raise ValueError("largest_batch is for an explorer with a card: allowed is Explorer(card=...)")
         self.fits = predict_fits(self.workload, self._policies(), [c["card"]], seq_len=c["seq_len"], seq_lens=[c["seq_len"]],
-                                 dtype=c["dtype"], loop=c["loop"])
+                                 dtype=c["dtype"], loop=c["loop"], max_batch=LARGEST_BATCH_SEARCHED)
         return self.fits
 
     # ------------------------------------------------------------------ what is shown
@@ -203,8 +210,8 @@ class Explorer:
         lines += [f"{p.policy:>14}: {p.fit_reason}" for p in self.predictions]
         if self.fits is not None:
             lines.append(f"largest batch at seq {c['seq_len']} on {card.label}: " + ", ".join(
-                f"{r['policy']} {r['max_batch_size']} ({r['max_batch_size_with_flushes']} with cache flushes)"
-                for r in self.fits))
+                f"{r['policy']} {_searched(r['max_batch_size'])} ({_searched(r['max_batch_size_with_flushes'])} with "
+                "cache flushes)" for r in self.fits))
         return lines
 
     def _explanation_lines(self) -> list[str]:
