@@ -396,8 +396,9 @@ def test_torch_2_4_has_no_enable_gqa_so_keys_and_values_are_repeated_first():
     report, cuda = _attention_step(kv_heads=hk, torch_version="2.4")
     assert cuda.attention_backend == "flash"
     q_bytes, kv_bytes = B * H * S * D * 2, B * hk * S * D * 2
-    # q, out, the k, v clones (the test's locals), their repeated copies, lse, rng state, loss
-    assert report.saved_activation_bytes == 2 * q_bytes + 2 * kv_bytes + 2 * q_bytes + B * H * S * 4 + 24 + 2
+    # q, out, the k, v clones (the test's locals), their repeated copies, lse, loss; 2.4's
+    # philox_seed and philox_offset are host scalars (no device bytes, test_flash_rng_state_...)
+    assert report.saved_activation_bytes == 2 * q_bytes + 2 * kv_bytes + 2 * q_bytes + B * H * S * 4 + 2
 
 
 def _flash_step(q_layout: str):
@@ -468,3 +469,83 @@ def test_rms_norm_runs_in_fp32_under_cuda_autocast_from_torch_2_12(torch_version
     assert y.dtype == out_dtype and y.numel() * y.element_size() == 4 * 64 * (4 if out_dtype == torch.float32 else 2)
     first_cast = next(c for c in ops.calls if c[0] == "_to_copy.default")
     assert first_cast == ("_to_copy.default", torch.float32)
+
+
+# ---------------------------------------------------------------------------- v2.6.0 and later releases
+
+@pytest.mark.parametrize("torch_version, rng", [
+    ("2.6", 0),          # philox_seed, philox_offset: int64 host scalars (flash_api.cpp:491-521 at v2.6.0)
+    ("2.7", 2 * 8 + 8),  # rng_state uint64[2] and the unused uint64, on the device (derivatives.yaml:2877 at v2.7.0)
+])
+def test_flash_rng_state_is_on_the_device_from_torch_2_7(torch_version, rng):
+    report, cuda = _attention_step(torch_version=torch_version)
+    assert cuda.attention_backend == "flash"
+    # q, k, v and the output (bf16), logsumexp fp32 [b, h, s_q], the Philox state, the bf16 loss
+    assert report.saved_activation_bytes == 4 * B * H * S * D * 2 + B * H * S * 4 + rng + 2
+
+
+@pytest.mark.parametrize("torch_version, d_rounded", [("2.10", 160), ("2.11", 192)])
+def test_flash_rounds_a_head_dim_above_128_to_64_from_torch_2_11(torch_version, d_rounded):
+    # head_size_rounded: a multiple of 32 for every head dim to 2.10 (flash_api.cpp:881 mha_bwd at
+    # v2.6.0), of 64 above 128 from 2.11 (#174114): 160 stays 160, or becomes 192
+    d = 160
+    report, cuda = _attention_step(shape=(B, H, S, d), torch_version=torch_version)
+    assert cuda.attention_backend == "flash"
+    bhsd = B * H * S * d
+    kept = 4 * bhsd * 2 + B * H * S * 4 + 24 + 2      # q, k, v, out, logsumexp, rng state, loss
+    # backward: the loss's grad, dout and the output made contiguous, dq, dk, dv, softmax_d fp32
+    # [b, h, s_q rounded to 128] and the dq accumulator fp32 [b, s_q rounded to 128, h, d rounded]
+    backward = 2 + 2 * bhsd * 2 + 3 * bhsd * 2 + B * H * 128 * 4 + B * 128 * H * d_rounded * 4
+    assert report.saved_activation_bytes == kept
+    assert report.peak_phase == "backward" and report.peak_bytes == kept + backward
+
+
+def test_cudnn_keeps_its_philox_seed_and_offset_on_the_device_without_dropout():
+    # attention.cu:790-791 at v2.6.0 (and _cudnn_attention_forward in the newest source) allocate
+    # both 0-dim int64 tensors on the device before `if (use_dropout)`
+    report, cuda = _attention_step(dropout_p=0.0, arch="sm90", torch_version="2.13")
+    assert cuda.attention_backend == "cudnn"
+    # q, k, v, the output, logsumexp fp32 [b, h, s_q, 1], the seed and offset, the bf16 loss
+    assert report.saved_activation_bytes == 4 * B * H * S * D * 2 + B * H * S * 4 + 2 * 8 + 2
+
+
+def test_cudnn_refuses_a_query_of_length_1_to_torch_2_7_and_checks_heads_from_2_8():
+    # check_cudnn_tensor_shapes refuses s_q = 1 with or without dropout (sdp_utils.cpp:406 at
+    # v2.6.0) to 2.7; from 2.8, as the newest source, only with dropout
+    one_query = dict(q=_t(2, 4, 1, 64), k=_t(2, 4, 8, 64), v=_t(2, 4, 8, 64))
+    with pytest.raises(ValueError, match="query sequence of length 1 with torch 2.7"):
+        _backend(**one_query, arch="sm90", torch_version="2.7", attention="cudnn")
+    assert _backend(**one_query, arch="sm90", torch_version="2.8", attention="cudnn") == "cudnn"
+    # head counts: none checked to 2.7 (sdp_utils.cpp:550-589 at v2.6.0); from 2.8
+    # check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads=false>
+    # (sdp_utils_cpp.h:378 at v2.8.0): with enable_gqa key and value heads each dividing the
+    # query's, without all equal
+    grouped = dict(q=_t(2, 4, 8, 64), k=_t(2, 2, 8, 64), v=_t(2, 1, 8, 64))
+    assert _backend(**grouped, arch="sm90", torch_version="2.7", attention="cudnn") == "cudnn"
+    with pytest.raises(ValueError, match="query, key and value have 4, 2, 1 heads"):
+        _backend(**grouped, arch="sm90", torch_version="2.8", attention="cudnn")
+    assert _backend(**grouped, enable_gqa=True, arch="sm90", torch_version="2.13") == "cudnn"
+
+
+def test_efficient_attention_checks_storage_offsets_from_torch_2_13():
+    # fp32 runs memory-efficient attention; a query whose storage starts 1 element in is not
+    # aligned to fp32's 4 elements (minimum_gemm_alignment): 2.13 refuses it
+    # (check_data_ptr_alignment_mem_efficient, #184258), 2.12 has no such check (as
+    # sdp_utils.cpp:647-724 at v2.6.0), so math runs on 2.13
+    def offset_query():
+        return torch.randn(1 + 2 * 4 * 8 * 16)[1:].view(2, 4, 8, 16)
+    fp32 = dict(q=offset_query, k=_t(2, 4, 8, 16, dtype=torch.float32), v=_t(2, 4, 8, 16, dtype=torch.float32))
+    assert _backend(**fp32, torch_version="2.12") == "efficient"
+    assert _backend(**fp32, torch_version="2.13") == "math"
+
+
+def test_math_adds_the_mask_to_the_scores_in_place():
+    # attention.cpp:864 at v2.6.0 (so in the newest source): `attn.add_(*attn_mask)`. The forward
+    # allocates two fp32 [b, h, s_q, s_k] tensors of B * H * S * S * 4 bytes, the scores (matmul)
+    # and the probabilities (_safe_softmax), and none for the causal mask's add
+    with FakeTensorMode():
+        q, k, v = _leaves((B, H, S, D), (B, H, S, D), (B, H, S, D), dtype=torch.float32)
+        with cuda_semantics(attention="math"), track_memory(trace=True) as tracker:
+            F.scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), is_causal=True)
+    scores = [e for e in tracker.report().trace if e[0] == "alloc" and e[2] == B * H * S * S * 4]
+    assert len(scores) == 2

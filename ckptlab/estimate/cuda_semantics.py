@@ -39,7 +39,7 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 from ..core.validate import choice
 from .cuda_autocast import cuda_autocast_policies
@@ -95,14 +95,32 @@ def cuda_semantics(arch: str = "sm80", attention: Optional[str] = None,
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel", on purpose
         lib.impl("scaled_dot_product_attention", lambda *a, **k: _attention(semantics, *a, **k), "AutogradCPU")
         lib.impl("dropout", dropout, "AutogradCPU")
-        lib.impl("_scaled_dot_product_flash_attention", _flash_outputs, "Meta")
+        lib.impl("_scaled_dot_product_flash_attention", lambda *a, **k: _flash_outputs(rules, *a, **k), "Meta")
         lib.impl("_scaled_dot_product_efficient_attention", _efficient_outputs, "Meta")
         lib.impl("_scaled_dot_product_cudnn_attention", _cudnn_outputs, "Meta")
+    _forget_fused_outputs()
     try:
         with cuda_autocast_policies(rules.version):
             yield semantics
     finally:
         lib._destroy()
+        _forget_fused_outputs()
+
+
+_FUSED_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention")
+
+
+def _forget_fused_outputs() -> None:
+    """FakeTensorMode caches an op's fake outputs by the op and its inputs' metadata, for every mode
+    (FakeTensorMode.cache): the fused kernels registered here give other outputs than torch's own,
+    and flash attention's depend on the torch version modelled, so none of theirs may outlive the
+    registration or be reused by the next. (A cache key is a list whose first item is the op in
+    torch 2.4, an object whose tuple `key` starts with it from 2.5.)"""
+    ops = {getattr(torch.ops.aten, name).default for name in _FUSED_OPS}
+    cache = FakeTensorMode.cache
+    for key in [k for k in cache if getattr(k, "key", k)[0] in ops]:
+        del cache[key]
 
 
 def check_backend_available(attention: str, rules: TorchRules) -> None:
@@ -138,9 +156,9 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
         # repeat_kv does for torch < 2.5 (expand, then reshape: a copy of each).
         key, value = (_repeat_heads(t, query.size(-3) // t.size(-3)) for t in (key, value))
         enable_gqa = False
-    why_not = {"cudnn": cudnn_refusal(query, key, value, dropout_p, arch, rules),
+    why_not = {"cudnn": cudnn_refusal(query, key, value, dropout_p, enable_gqa, arch, rules),
                "flash": flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, arch),
-               "efficient": efficient_refusal(query, key, value, enable_gqa),
+               "efficient": efficient_refusal(query, key, value, enable_gqa, rules),
                "math": None}
     order = priority(rules, arch)
     backend = semantics.attention or next(b for b in order if why_not[b] is None)
@@ -151,7 +169,7 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
     if backend == "cudnn":
         return cudnn_attention(query, key, value, attn_mask, dropout_p, is_causal, rules)
     if backend == "flash":
-        return flash_attention(query, key, value, dropout_p, semantics.sm_count)
+        return flash_attention(query, key, value, dropout_p, semantics.sm_count, rules)
     if backend == "efficient":
         return efficient_attention(query, key, value, attn_mask, dropout_p, semantics.arch)
     return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -179,11 +197,16 @@ def _common_refusal(query, key, value) -> Optional[str]:
     return None
 
 
-def _heads_refusal(query, key, value, enable_gqa: bool, supports_gqa: bool) -> Optional[str]:
+def _heads_refusal(query, key, value, enable_gqa: bool, supports_gqa: bool,
+                   same_kv_heads: bool = True) -> Optional[str]:
+    """check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads> (sdp_utils_cpp.h:398
+    at v2.13.0) and its check_grouped_query_attention (:358): with enable_gqa, key and value heads
+    dividing the query's (and equal, unless `same_kv_heads` is off); without, all three equal."""
     hq, hk, hv = query.size(-3), key.size(-3), value.size(-3)
     if enable_gqa and supports_gqa:
-        if hk != hv or hq % hk:
-            return f"grouped-query attention needs key and value heads ({hk}, {hv}) equal and dividing {hq}"
+        if (same_kv_heads and hk != hv) or hq % hk or hq % hv:
+            return (f"grouped-query attention needs key and value heads ({hk}, {hv})"
+                    f"{' equal and' if same_kv_heads else ''} dividing {hq}")
         return None
     if not hq == hk == hv:
         return (f"query, key and value have {hq}, {hk}, {hv} heads"
@@ -191,17 +214,18 @@ def _heads_refusal(query, key, value, enable_gqa: bool, supports_gqa: bool) -> O
     return None
 
 
-def cudnn_refusal(query, key, value, dropout_p, arch, rules: TorchRules) -> Optional[str]:
+def cudnn_refusal(query, key, value, dropout_p, enable_gqa, arch, rules: TorchRules) -> Optional[str]:
     """can_use_cudnn_attention, check by check, for the torch of `rules` and the cuDNN its wheel
     ships (`rules.wheel_cudnn`): fp16 / bf16; masks of any broadcastable shape are taken
-    (check_attn_mask_shape); dense inputs need a contiguous last dim, head counts that group
-    (check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads=false>: grouped
-    heads, with or without enable_gqa), and check_cudnn_tensor_shapes' head dims (multiples of 8,
-    at most 128, or 256 on sm90 with a cuDNN of 9.10 or later: `cudnn_version >= 91000 && major
-    == 9 && !minor`, the wheels of 2.8 on), s_k > 1, no dropout with s_q = 1; from 2.12 a dropout
-    in sixteenths (check_cudnn_dropout). At v2.6.0: sdp_utils.cpp:550 (can_use_cudnn_attention),
-    :354 (check_cudnn_tensor_shapes, a limit of 128); the head counts, the limit of 256, the s_q
-    rule and check_cudnn_dropout are of later releases: no tag source."""
+    (check_attn_mask_shape); dense inputs need a contiguous last dim, from 2.8 head counts
+    (`rules.cudnn_checks_heads`: with enable_gqa, key and value heads each dividing the query's;
+    without, all equal), and check_cudnn_tensor_shapes' head dims (multiples of 8, at most 128, or
+    256 on sm90 with a cuDNN of 9.10 or later: `cudnn_version >= 91000 && major == 9 && !minor`,
+    the wheels of 2.8 on), s_k > 1 and s_q > 1 (to 2.7; later only with dropout:
+    `rules.cudnn_refuses_any_query_length_1`); from 2.12 a dropout in sixteenths
+    (check_cudnn_dropout). At v2.6.0: sdp_utils.cpp:550-589 (can_use_cudnn_attention: no head
+    check), :354 (check_cudnn_tensor_shapes, a limit of 128; :406 `s_q == 1 || s_k == 1`); the
+    limit of 256, the later s_q rule and check_cudnn_dropout are of later releases: no tag source."""
     if not rules.cudnn_attention:
         return f"torch {rules.version} runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1"
     common = _common_refusal(query, key, value)
@@ -213,16 +237,19 @@ def cudnn_refusal(query, key, value, dropout_p, arch, rules: TorchRules) -> Opti
         return f"cuDNN attention needs a dropout probability in sixteenths (got {dropout_p})"
     if not all(t.stride(-1) == 1 or t.size(-1) == 1 for t in (query, key, value)):
         return "the fused kernels need the last dimension contiguous"
-    hq, hk, hv = query.size(-3), key.size(-3), value.size(-3)
-    if hk != hv or hq % hk:
-        return f"cuDNN attention needs key and value heads ({hk}, {hv}) equal and dividing the query's {hq}"
+    if rules.cudnn_checks_heads:
+        heads = _heads_refusal(query, key, value, enable_gqa, supports_gqa=True, same_kv_heads=False)
+        if heads:
+            return heads
     d_qk, d_v = query.size(-1), value.size(-1)
     limit = 256 if arch == "sm90" and rules.wheel_cudnn >= 91000 else 128
     if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8:
         return f"cuDNN attention needs head dims that are multiples of 8, at most {limit} (got {d_qk}, {d_v})"
     if key.size(-2) == 1:
         return "cuDNN attention refuses a key sequence of length 1"
-    if dropout_p and query.size(-2) == 1:
+    if query.size(-2) == 1 and rules.cudnn_refuses_any_query_length_1:
+        return f"cuDNN attention refuses a query sequence of length 1 with torch {rules.version}"
+    if query.size(-2) == 1 and dropout_p:
         return "cuDNN attention refuses dropout with a query sequence of length 1"
     return None
 
@@ -254,22 +281,23 @@ def flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
     return None
 
 
-def efficient_refusal(query, key, value, enable_gqa) -> Optional[str]:
+def efficient_refusal(query, key, value, enable_gqa, rules: TorchRules) -> Optional[str]:
     """can_use_mem_efficient_attention on sm80+ (masks and dropout are supported): sdp_utils.cpp:647,
-    :165 (check_head_dim_size_mem_efficient) at v2.6.0."""
+    :165 (check_head_dim_size_mem_efficient) at v2.6.0; from 2.13 the storage offsets' alignment
+    (`rules.efficient_checks_storage_offsets`)."""
     common = _common_refusal(query, key, value)
     if common:
         return common
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not query.dtype == key.dtype == value.dtype:
         return f"memory-efficient attention needs fp16, bf16 or fp32 (got {query.dtype})"
     # minimum_gemm_alignment (sdp_utils.cpp:90 at v2.6.0) on sm80+: 8 elements in fp16/bf16, 4 in
-    # fp32, for head dims and for the tensors' storage offsets (check_data_ptr_alignment_mem_efficient:
-    # not in v2.6.0, no tag source).
+    # fp32, for head dims and, from 2.13, for the tensors' storage offsets
+    # (check_data_ptr_alignment_mem_efficient: not in v2.6.0's list, :647-724; #184258, no tag source).
     align = 8 if query.element_size() == 2 else 4
     dq, dv = query.size(-1), value.size(-1)
     if dq != key.size(-1) or dq % align or dv % align:
         return f"memory-efficient attention needs head dims divisible by {align} (got {dq}, {key.size(-1)}, {dv})"
-    if any(t.storage_offset() % align for t in (query, key, value)):
+    if rules.efficient_checks_storage_offsets and any(t.storage_offset() % align for t in (query, key, value)):
         return f"memory-efficient attention needs storage offsets aligned to {align} elements"
     if not all(t.stride(-1) == 1 for t in (query, key, value)):
         return "the fused kernels need the last dimension contiguous"
@@ -282,13 +310,13 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def flash_attention(query, key, value, dropout_p, sm_count):
+def flash_attention(query, key, value, dropout_p, sm_count, rules: TorchRules):
     """attention.cpp:726-728 (pad_last_dim<8>) at v2.6.0: the head dim is padded to a multiple of 8
     (copies, which the kernel saves) and the output sliced back."""
     d = query.size(-1)
     if d % 8:
         query, key, value = (F.pad(t, (0, 8 - d % 8)) for t in (query, key, value))
-    out = _Flash.apply(query, key, value, dropout_p, sm_count)
+    out = _Flash.apply(query, key, value, dropout_p, sm_count, rules)
     return out[..., :d] if d % 8 else out
 
 
@@ -296,19 +324,20 @@ class _Flash(torch.autograd.Function):
     """_scaled_dot_product_flash_attention_cuda -> flash_api.cpp:350 mha_fwd / :807 mha_bwd (at
     v2.6.0), whose tensors are [b, s, h, d] views of the [b, h, s, d] inputs. derivatives.yaml:2923
     at v2.13.0: the backward keeps query, key, value, output, logsumexp and the rng_state / unused
-    pair (named so from v2.7.0, :2877; always on the device since the flash-attention submodule:
-    "[Note] BC breaking change to flash seed/offset", no tag source)."""
+    pair (philox_seed / philox_offset to 2.6: `TorchRules.flash_rng_on_device`). The fp32 buffers'
+    head dim is rounded as the torch of `rules` rounds it (`TorchRules.flash_head_rounding`)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, dropout_p, sm_count):
+    def forward(ctx, query, key, value, dropout_p, sm_count, rules):
         b, hq, sq, d = query.shape
         # flash_api.cpp:297-326 (set_params_splitkv) at v2.6.0: without dropout, a batch that leaves
         # SMs idle splits the keys and accumulates in fp32 buffers for the length of the kernel.
         splits = 1 if dropout_p else _flash_splits(b * hq * math.ceil(sq / 64), sm_count * 2,
                                                     math.ceil(key.size(-2) / (256 if d <= 64 else 128 if d <= 128 else 64)))
+        ctx.head_rounding = rules.flash_head_rounding(d)
         accumulators = () if splits == 1 else (  # alive while the kernel runs
             torch.empty(splits, b, hq, sq, dtype=torch.float32),
-            torch.empty(splits, b, hq, sq, _round_up(d, 32 if d <= 128 else 64), dtype=torch.float32))
+            torch.empty(splits, b, hq, sq, _round_up(d, ctx.head_rounding), dtype=torch.float32))
         out, lse, _, _, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p)
         del accumulators
@@ -328,28 +357,35 @@ class _Flash(torch.autograd.Function):
         out_t = out.transpose(1, 2).contiguous()
         dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (query, key, value))
         softmax_d = torch.empty(b, hq, _round_up(sq, 128), dtype=torch.float32)
-        dq_accum = torch.empty(b, _round_up(sq, 128), hq, _round_up(d, 32 if d <= 128 else 64), dtype=torch.float32)
+        dq_accum = torch.empty(b, _round_up(sq, 128), hq, _round_up(d, ctx.head_rounding), dtype=torch.float32)
         if hk != hq:  # MQA / GQA: dk, dv per query head, summed over the groups afterwards
             dk_expanded = torch.empty(b, sk, hq, d, dtype=query.dtype)
             dv_expanded = torch.empty(b, sk, hq, d, dtype=query.dtype)
             torch.sum(dk_expanded.view(b, sk, hk, hq // hk, d), 3, out=dk)
             torch.sum(dv_expanded.view(b, sk, hk, hq // hk, d), 3, out=dv)
         del dout, out_t, softmax_d, dq_accum
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None
 
 
-def _flash_outputs(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+def _flash_outputs(rules: TorchRules, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                   scale=None):
     """_scaled_dot_product_flash_attention's outputs as CUDA allocates them: the output in the
     layout of the query (flash_api.cpp:439 mha_fwd at v2.6.0: `out = at::empty_like(q_padded)`, q being the
     [b, s, h, d] view of the [b, h, s, d] query: [b, s, h, d] memory for a query projected and
-    viewed, [b, h, s, d] memory for one made contiguous), logsumexp fp32 [b, h, s_q], rng_state
-    uint64[2] and the unused uint64."""
+    viewed, [b, h, s, d] memory for one made contiguous), logsumexp fp32 [b, h, s_q], and the
+    Philox state: from 2.7 rng_state uint64[2] and the unused uint64 on the device; to 2.6 the
+    philox_seed and philox_offset int64 host scalars (flash_api.cpp:491-521 at v2.6.0), as empty
+    tensors: no device bytes (`TorchRules.flash_rng_on_device`)."""
     b, h, sq, d = query.shape
     device = query.device
+    if rules.flash_rng_on_device:
+        seed, offset = (torch.empty(2, dtype=torch.uint64, device=device),
+                        torch.empty((), dtype=torch.uint64, device=device))
+    else:
+        seed, offset = (torch.empty(0, dtype=torch.long, device=device) for _ in range(2))
     return (torch.empty_like(query.transpose(1, 2)).transpose(1, 2),
             torch.empty(b, h, sq, dtype=torch.float32, device=device), None, None, sq, key.size(2),
-            torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device),
-            torch.empty(0, dtype=query.dtype, device=device))
+            seed, offset, torch.empty(0, dtype=query.dtype, device=device))
 
 
 def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int = 128) -> int:
@@ -563,15 +599,16 @@ def _cudnn_outputs(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0
                    return_debug_mask=False, *, scale=None):
     """_scaled_dot_product_cudnn_attention's outputs as CUDA allocates them (MHA.cpp:617
     run_cudnn_SDP_fprop at v2.6.0): the output in the query's layout (:639 alloc_with_matching_layout),
-    the logsumexp fp32 [b, h, s_q, 1] when asked (:644 softmaxstats), and with dropout the Philox seed and
-    offset as int64 scalars on the device (without: none on the device)."""
+    the logsumexp fp32 [b, h, s_q, 1] when asked (:644 softmaxstats), and the Philox seed and offset,
+    two 0-dim int64 tensors on the device with or without dropout (cuda/attention.cu:790-791
+    _scaled_dot_product_cudnn_attention_cuda at v2.6.0; so in the newest source's
+    _cudnn_attention_forward)."""
     b, h, sq, _ = query.shape
     device = query.device
     out = torch.empty_strided((b, h, sq, value.size(-1)), _matching_strides(query, value.size(-1)), dtype=query.dtype,
                               device=device)
     lse = torch.empty(b, h, sq if compute_log_sumexp else 0, 1, dtype=torch.float32, device=device)
-    rng = () if dropout_p else (0,)
-    seed, offset = (torch.empty(rng, dtype=torch.long, device=device) for _ in range(2))
+    seed, offset = (torch.empty((), dtype=torch.long, device=device) for _ in range(2))
     return out, lse, None, None, sq, key.size(2), seed, offset, torch.empty(0, dtype=query.dtype, device=device)
 
 
@@ -601,7 +638,9 @@ def math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     """attention.cpp:792 (_scaled_dot_product_attention_math) at v2.6.0, op by op: fp16 / bf16
     inputs are upcast to fp32 (:808; allowFP16BF16ReductionMathSDP is off by default), the
     (s_q x s_k) scores and probabilities are materialised, grouped-query keys and values repeated
-    (:858), and dropout is at::dropout (:877), which on CUDA is native_dropout with its bool mask."""
+    (:858), a mask added to the scores in place (:864 `attn.add_`, for tensors that are no
+    subclass; so in the newest source), and dropout is at::dropout (:877), which on CUDA is
+    native_dropout with its bool mask."""
     origin = query.dtype
     if origin in (torch.float16, torch.bfloat16):
         query, key, value = query.float(), key.float(), value.float()
@@ -616,7 +655,7 @@ def math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, en
         value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
     attn = query @ (key.transpose(-2, -1) * factor)
     if attn_mask is not None:
-        attn = attn + attn_mask
+        attn.add_(attn_mask)
     attn = torch.ops.aten._safe_softmax(attn, -1)
     if dropout_p > 0:
         attn = torch.native_dropout(attn, dropout_p, True)[0]

@@ -94,6 +94,51 @@ class TorchRules:
         return self.minor >= 12
 
     @property
+    def flash_rng_on_device(self) -> bool:
+        """Flash attention returns its Philox state on the device, an rng_state uint64[2] and an
+        unused uint64 scalar, with or without dropout (2.7 on: derivatives.yaml:2877 names them at
+        v2.7.0, torch/_meta_registrations.py:5546 "[Note] BC breaking change to flash seed/offset"
+        at v2.7.0; the flash-attention submodule, #146372, merged before 2.7's branch cut of
+        2025-03-12). Before: philox_seed and philox_offset (derivatives.yaml:2811 at v2.4.0, :2854
+        at v2.5.0, :2876 at v2.6.0), int64 scalars on the host outside CUDA-graph capture
+        (cuda/flash_attn/flash_api.cpp:491-521 mha_fwd at v2.6.0)."""
+        return self.minor >= 7
+
+    def flash_head_rounding(self, head_dim: int) -> int:
+        """The multiple flash attention rounds a head dim (already a multiple of 8) up to for its
+        fp32 buffers (head_size_rounded: the forward's split-key accumulators, the backward's dq
+        accumulator): 32 for every head dim to 2.10 (cuda/flash_attn/flash_api.cpp:444 mha_fwd,
+        :881 mha_bwd at v2.6.0); from 2.11, 64 above 128 (#174114, merged 2026-02-03, before 2.11's
+        branch cut of 2026-02-18: "still rounds the kernels by multiples of 32" before it;
+        flash_api.cpp, no tag source)."""
+        return 64 if self.minor >= 11 and head_dim > 128 else 32
+
+    @property
+    def cudnn_checks_heads(self) -> bool:
+        """can_use_cudnn_attention checks head counts, check_batch_size_and_num_heads_dense<
+        supports_gqa, requires_same_num_heads=false> (2.8 on: requires_same_num_heads, which only
+        cuDNN turns off, at sdp_utils_cpp.h:378 at v2.8.0, :398 at v2.13.0, absent at v2.7.0, :376;
+        #149976 merged 2025-03-29 and #150337, after 2.7's branch cut of 2025-03-12). Before: no
+        head check (cuda/sdp_utils.cpp:550-589 can_use_cudnn_attention at v2.6.0)."""
+        return self.minor >= 8
+
+    @property
+    def cudnn_refuses_any_query_length_1(self) -> bool:
+        """check_cudnn_tensor_shapes refuses s_q = 1 with or without dropout (cuda/sdp_utils.cpp:406
+        at v2.6.0, `s_q == 1 || s_k == 1`), to 2.7: #150318, which was to allow it, was opened after
+        2.7's branch cut and deferred on 2025-04-29. From 2.8, the newest source's rule: s_q = 1 only
+        with dropout (the release that relaxed it is not known; sdp_utils.cpp, no tag source)."""
+        return self.minor <= 7
+
+    @property
+    def efficient_checks_storage_offsets(self) -> bool:
+        """can_use_mem_efficient_attention refuses q, k, v whose storage offsets are not multiples
+        of the kernel's alignment (check_data_ptr_alignment_mem_efficient: #184258, merged
+        2026-05-18, before 2.13's branch cut of 2026-06-08; sdp_utils.cpp, no tag source). Absent
+        before (cuda/sdp_utils.cpp:647-724 at v2.6.0)."""
+        return self.minor >= 13
+
+    @property
     def cublaslt_workspace(self) -> str:
         """Where an addmm with a bias vector (cuBLASLt) gets its workspace:
         "per-call"   2.4 - 2.8: CUDABlas.cpp:1213 (gemm_and_bias) allocates _getWorkspaceSize(),
