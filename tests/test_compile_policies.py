@@ -115,7 +115,7 @@ def test_a_budget_per_block_compiles_each_block_and_never_silently_runs_eager():
     # 9 blocks of one class, each with a backend of its own: past dynamo's default recompile
     # limit (8), which would have run the 9th block eager without a word.
     workload = dropout_mlp(9)
-    rec = measure(workload, 2, 8, "plan=" + "k" * 8 + "5+compile", steps=1, warmup=0, max_seconds=0.1)
+    rec = measure(workload, BATCH, SEQ, "plan=" + "k" * 8 + "5+compile", steps=1, warmup=0, max_seconds=0.1)
     assert rec["status"] == "ok", rec["message"]
     assert rec["compiled_graphs"] == 9 and rec["recompute_count"] is None
     assert torch._dynamo.config.fail_on_recompile_limit_hit
@@ -170,7 +170,7 @@ def test_compare_adds_the_compiled_plan_at_an_anchors_peak_with_its_verdict():
 
 def test_a_compiled_budget_builds_each_options_uniform_plan_itself():
     # The uniform compiled plans are not among the policies given: compare makes and measures them.
-    df = compare(dropout_mlp(2), 8, 64, ["none", "budget=0.9+compile"], compiled_options="kf", max_seconds=0.2,
+    df = compare(dropout_mlp(2), BATCH, SEQ, ["none", "budget=0.9+compile"], compiled_options="kf", max_seconds=0.2,
                  progress=False).set_index("policy")
     assert (df.loc[["plan=kk+compile", "plan=ff+compile", "budget=0.9+compile"], "status"] == "ok").all(), df["message"]
     assert df.loc["budget=0.9+compile", "plan"] and df.loc["budget=0.9+compile", "gradients"] != "wrong"
