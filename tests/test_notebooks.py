@@ -86,8 +86,13 @@ def test_parameters_are_checked_before_running(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_papermill_run_reads_back_the_parameters_it_was_given(tmp_path):
-    runs = run_notebooks(["01"], overrides={"batch_size": 2, "seq_len": 16, "policy": "density=0.5"},
+def test_papermill_run_reads_back_the_parameters_it_was_given(tmp_path, monkeypatch):
+    # The model is a file of the user's own (a spec, relative to where they stand): the kernel,
+    # which runs in the project, loads the same file.
+    monkeypatch.chdir(ROOT)
+    spec = "tests/custom_model.py:factory"
+    runs = run_notebooks(["01"], overrides={"model": spec, "batch_size": 2, "seq_len": 16, "policy": "density=0.5",
+                                            "steps": 1, "warmup": 0},
                          out=tmp_path, run_name="small")
     assert [r.status for r in runs] == ["ok"], runs[0].error
     run_dir = tmp_path / "01_quickstart" / "small"
@@ -95,7 +100,8 @@ def test_papermill_run_reads_back_the_parameters_it_was_given(tmp_path):
     assert meta["parameters"]["batch_size"] == 2 and meta["status"] == "ok"
     assert meta["environment"]["torch"].startswith("2.13.0")
     records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
-    assert [(r["policy"], r["batch_size"], r["seq_len"]) for r in records] == [("none", 2, 16), ("density=0.5", 2, 16)]
+    assert [(r["model"], r["policy"], r["batch_size"], r["seq_len"], r["block_stacks"]) for r in records] == [
+        (spec, "none", 2, 16, "layers[4]"), (spec, "density=0.5", 2, 16, "layers[4]")]
     assert records[1]["effective_density"] == 0.5
     assert records[1]["saved_activation_bytes"] < records[0]["saved_activation_bytes"]
     headline = json.loads((run_dir / "headline.json").read_text())
