@@ -76,7 +76,7 @@ def test_killed_or_timed_out_job_is_an_error_the_rest_of_its_chunk_runs_resume_a
         time.sleep(600)
 
     monkeypatch.setattr(cluster, "JOB_FUNCTION", hanging_job)
-    sweep(policies=POLICIES + ["every=2"], out=out, executor="submitit", cluster="local", cell_timeout_s=5, **TINY)
+    sweep(policies=POLICIES + ["every=2"], out=out, executor="submitit", cluster="local", cell_timeout_s=2, **TINY)
     again = read_records(out)
     assert [r["cell_id"] for r in again[:3]] == [r["cell_id"] for r in records]
     assert len(again) == 4 and again[3]["policy"] == "every=2"
