@@ -426,7 +426,7 @@ def tiny_check(monkeypatch):
     measurements to claims runs here before it runs on a GPU."""
     monkeypatch.setattr(gpu_check, "MEMORY", dict(gpu_check.MEMORY, policies=(gpu_check.PLAN, "none", "full"), dropouts=(0.1,),
                                                   models=(("tiny", "hf-llama-tiny", {"num_hidden_layers": 2}, 2, 32),)))
-    monkeypatch.setattr(gpu_check, "prediction_workers", lambda: 2)
+    monkeypatch.setattr(gpu_check, "prediction_workers", lambda: 1)
     monkeypatch.setattr(gpu_check, "FRONTIER", dict(model="gpt-tiny", batch_size=2, seq_len=32, dtype="fp32"))
     monkeypatch.setattr(gpu_check, "GROUPS", (("tiny", ("none", "full"), ("torch.utils.checkpoint per block",)),))
     monkeypatch.setattr(gpu_check, "COMPARE_TIMING_S", 0.5)
