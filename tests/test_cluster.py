@@ -90,7 +90,8 @@ def test_leftover_records_of_an_interrupted_sweep_are_gathered_not_rerun(tmp_pat
     from ckptlab.run.config import SweepConfig
 
     out = tmp_path / "run"
-    config = SweepConfig(**{k: TINY[k] for k in ("model", "model_overrides", "batch_sizes", "seq_lens", "steps", "warmup")},
+    config = SweepConfig(**{k: TINY[k] for k in ("model", "model_overrides", "batch_sizes", "seq_lens", "steps", "warmup",
+                                                 "max_seconds")},
                          policies=["none"], out=out)
     cell = config.cells()[0]
     record = run_cell(config, cell)

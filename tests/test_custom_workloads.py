@@ -120,7 +120,7 @@ def test_isolated_cells_recreate_the_spec_and_a_changed_file_is_refused_on_resum
     model_file = tmp_path / "my_model.py"
     shutil.copy(ROOT / "tests/custom_model.py", model_file)
     spec = f"{model_file}:factory"
-    options = dict(model=spec, batch_sizes=[2], seq_lens=[8], policies=["full"], steps=1, warmup=0,
+    options = dict(model=spec, batch_sizes=[2], seq_lens=[8], policies=["full"], steps=1, warmup=0, max_seconds=0.2,
                    out=tmp_path / "run", progress=False, model_overrides={"depth": 2})
     df = ckptlab.sweep(isolate=True, **options)
     assert df.status.tolist() == ["ok"], df.message.tolist()
@@ -142,7 +142,7 @@ def test_fsdp_ranks_recreate_the_spec():
 
 def test_a_submitit_job_recreates_the_spec(tmp_path):
     pytest.importorskip("submitit")
-    df = ckptlab.sweep(model=SPEC, batch_sizes=[2], seq_lens=[8], policies=["full"], steps=1, warmup=0,
+    df = ckptlab.sweep(model=SPEC, batch_sizes=[2], seq_lens=[8], policies=["full"], steps=1, warmup=0, max_seconds=0.2,
                        progress=False, out=tmp_path / "run", executor="submitit", cluster="local")
     assert df.status.tolist() == ["ok"], df.message.tolist()
     assert (df.executor.tolist(), df.block_stacks.tolist()) == (["submitit"], ["layers[4]"])
