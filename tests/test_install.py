@@ -114,7 +114,9 @@ def test_wheel_with_only_core_dependencies_measures(tmp_path):
 
 
 def test_import_ckptlab_loads_no_pandas_plotting_or_notebook_stack():
+    # explain's report, imported too, draws only when asked: no plotting library either.
     code = ("import sys, ckptlab; heavy = [m for m in ('pandas', 'matplotlib', 'ipywidgets', 'papermill', "
             "'torch.distributed.fsdp') if m in sys.modules]; assert not heavy, heavy; "
+            "import ckptlab.report.explain; assert 'matplotlib' not in sys.modules; "
             "assert ckptlab.sweep.__module__ == 'ckptlab.run.sweep' and 'pandas' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
