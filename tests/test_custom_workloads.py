@@ -30,7 +30,7 @@ def test_a_file_spec_through_the_api():
     workload = get_workload(SPEC, depth=3)
     assert (workload.name, workload.label, workload.overrides) == ("tiny-net", SPEC, {"depth": 3})
     assert workload.spec_hash == file_hash(ROOT / "tests/custom_model.py")
-    none, full = (measure(workload, 2, 8, p, steps=1, warmup=0) for p in ("none", "full"))
+    none, full = (measure(workload, 2, 8, p, steps=1, warmup=0, max_seconds=0.1) for p in ("none", "full"))
     assert none["status"] == full["status"] == "ok", (none["message"], full["message"])
     assert (full["model"], full["model_hash"], full["block_stacks"]) == (SPEC, workload.spec_hash, "layers[3]")
     assert full["loss_fn"].endswith("classification_loss")
@@ -43,7 +43,7 @@ def test_a_file_spec_through_the_api():
 
 def test_the_documented_example_runs():
     workload = get_workload("docs/examples/my_model.py:factory", width=16, depth=2)
-    none, full = (measure(workload, 2, 8, p, steps=1, warmup=0) for p in ("none", "full"))
+    none, full = (measure(workload, 2, 8, p, steps=1, warmup=0, max_seconds=0.1) for p in ("none", "full"))
     assert (full["status"], full["block_stacks"]) == ("ok", "layers[2]")
     assert full["saved_activation_bytes"] < none["saved_activation_bytes"]
 
@@ -75,7 +75,8 @@ def test_a_model_that_reads_tensor_data_while_built_is_predicted_with_a_warning(
     workload = get_workload("tests/custom_model.py:scheduled")
     assert workload.n_params == sum(p.numel() for p in workload.build().parameters())
     assert ckptlab.SweepConfig("tests/custom_model.py:scheduled", policies=["layers=2"]).model_hash == workload.spec_hash
-    assert predicted.peak_bytes == measure("tests/custom_model.py:scheduled", 2, 8, "full", steps=1, warmup=0)["peak_bytes"]
+    measured = measure("tests/custom_model.py:scheduled", 2, 8, "full", steps=1, warmup=0, max_seconds=0.1)
+    assert predicted.peak_bytes == measured["peak_bytes"]
 
 
 def test_a_plan_for_a_custom_loss_holds_under_pytorchs_own_tracker():
@@ -178,7 +179,7 @@ def test_the_explorer_takes_a_spec_a_workload_and_shows_a_bad_one(capsys):
     ("hf:vit", 32, "vit.layers[2]"),   # seq_len: the image side in pixels (16 patches of 8x8)
 ])
 def test_transformers_architectures_none_vs_full(spec, seq_len, stacks):
-    none, full = (measure(spec, 2, seq_len, p, steps=1, warmup=0) for p in ("none", "full"))
+    none, full = (measure(spec, 2, seq_len, p, steps=1, warmup=0, max_seconds=0.1) for p in ("none", "full"))
     assert none["status"] == full["status"] == "ok", (none["message"], full["message"])
     assert full["block_stacks"] == stacks and full["effective_density"] == 1.0
     assert full["recompute_count"] == full["n_blocks"] == none["n_blocks"]

@@ -84,7 +84,8 @@ def test_a_budget_is_planned_for_the_loop_that_holds_the_output():
 def test_a_loss_that_never_calls_the_model_has_no_output_to_hold():
     with pytest.raises(ValueError, match="holds_output=True is invalid for model='tiny-lm'"):
         ckptlab.predict(tiny_lm(head_only_loss), BATCH, SEQ, "none", loop="holds-output")
-    record = ckptlab.measure(tiny_lm(head_only_loss), BATCH, SEQ, "none", loop="holds-output", steps=1, warmup=0)
+    record = ckptlab.measure(tiny_lm(head_only_loss), BATCH, SEQ, "none", loop="holds-output", steps=1, warmup=0,
+                             max_seconds=0.1)
     assert record["status"] == "error" and "holds_output=True is invalid" in record["message"]
     with pytest.raises(ValueError, match=r"holds_output=1 is invalid: allowed are True, False"):
         ckptlab.predict(tiny_lm(), BATCH, SEQ, "none", loop=Loop(holds_output=1))

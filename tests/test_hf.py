@@ -269,7 +269,7 @@ def test_hf_offload_on_a_cpu_only_machine_is_refused_before_any_work():
 @pytest.mark.parametrize("policy, density", [("none", 0.0), ("full", 1.0), ("hf", 1.0),
                                              ("hf:every_n_layers=2", 0.5), ("hf:offload", 1.0)])
 def test_measure_runs_on_hf_llama_tiny(policy, density):
-    record = measure("hf-llama-tiny", batch_size=2, seq_len=32, policy=policy, steps=1, warmup=0)
+    record = measure("hf-llama-tiny", batch_size=2, seq_len=32, policy=policy, steps=1, warmup=0, max_seconds=0.1)
     if policy == "hf:offload" and not HAS_ACCELERATOR:
         assert record["status"] == "error" and "no pinned-memory allocator" in record["message"]
         return

@@ -18,7 +18,7 @@ NET = "tests/lora_models.py:bf16_net"
 
 def _exact(workload, policy, dtype="fp32", batch=2, seq=16):
     predicted = predict(workload, batch, seq, policy, dtype=dtype)
-    measured = measure(workload, batch, seq, policy, dtype=dtype, steps=1, warmup=0)
+    measured = measure(workload, batch, seq, policy, dtype=dtype, steps=1, warmup=0, max_seconds=0.1)
     assert measured["status"] == "ok", measured["message"]
     assert predicted.peak_bytes == measured["peak_bytes"], (policy, dtype)
     assert predicted.peak_by_category == {c: measured[f"peak_{c}_bytes"] for c in predicted.peak_by_category}
@@ -63,9 +63,9 @@ def test_every_policy_on_lora_keeps_the_gradients(policy):
 def test_plan_on_lora_holds_its_budget():
     workload = get_workload(LORA)
     plan = plan_budget(workload, 2, 16, 0.8)
-    measured = measure(workload, 2, 16, plan.policy, steps=1, warmup=0)
+    measured = measure(workload, 2, 16, plan.policy, steps=1, warmup=0, max_seconds=0.1)
     assert measured["peak_bytes"] == plan.predicted_peak_bytes <= plan.budget_bytes
-    assert measure(workload, 2, 16, "budget=0.8", steps=1, warmup=0)["status"] == "ok"
+    assert measure(workload, 2, 16, "budget=0.8", steps=1, warmup=0, max_seconds=0.1)["status"] == "ok"
 
 
 def test_lora_spec_suffix():
@@ -102,7 +102,7 @@ def test_use_cache_under_checkpointing_is_refused():
     workload = get_workload(LORA, use_cache=True)
     with pytest.raises(ValueError, match="use_cache=True is invalid under checkpointing"):
         compare_gradients(workload, "selective")
-    record = measure(workload, 2, 16, "full", steps=1, warmup=0)
+    record = measure(workload, 2, 16, "full", steps=1, warmup=0, max_seconds=0.1)
     assert record["status"] == "error" and "model.config.use_cache = False" in record["message"]
 
 
@@ -129,7 +129,7 @@ def test_checkpointing_twice_is_refused():
     model = get_workload(LORA, hf_checkpointing=True).build()
     with pytest.raises(ValueError, match="transformers' own checkpointing is already on"):
         apply_checkpointing(model, "full")
-    record = measure(get_workload(LORA, hf_checkpointing=True), 2, 16, "none", steps=1, warmup=0)
+    record = measure(get_workload(LORA, hf_checkpointing=True), 2, 16, "none", steps=1, warmup=0, max_seconds=0.1)
     assert record["status"] == "error" and "gradient_checkpointing_disable" in record["message"]
 
 
@@ -200,6 +200,6 @@ def test_trainer_on_a_lora_model_logs_the_same_losses_with_and_without_checkpoin
 
 def test_a_model_that_cannot_be_built_on_fake_tensors_is_one_line():
     workload = get_workload("tests/lora_models.py:reads_numpy")
-    assert measure(workload, 2, 8, "full", steps=1, warmup=0)["status"] == "ok"
+    assert measure(workload, 2, 8, "full", steps=1, warmup=0, max_seconds=0.1)["status"] == "ok"
     with pytest.raises(ValueError, match=r"cannot be predicted: building it on fake tensors failed .*measure it instead"):
         predict(workload, 2, 8, "full")

@@ -25,20 +25,20 @@ def test_record_has_every_input_and_output():
 
 
 def test_every_policy_trains_the_same_loss():
-    losses = {p: measure("gpt-tiny", 2, 32, p, steps=1, warmup=0)["loss"]
+    losses = {p: measure("gpt-tiny", 2, 32, p, steps=1, warmup=0, max_seconds=0.1)["loss"]
               for p in ("none", "full", "every=2", "segments=2")}
     assert len(set(losses.values())) == 1, losses
 
 
 def test_bf16_autocast_runs_and_is_recorded():
-    record = measure("gpt-tiny", 2, 32, "full", dtype="bf16", steps=1, warmup=0)
+    record = measure("gpt-tiny", 2, 32, "full", dtype="bf16", steps=1, warmup=0, max_seconds=0.1)
     assert record["status"] == "ok" and record["dtype"] == "bf16"
 
 
 def test_emulated_memory_limit():
-    fits = measure("gpt-tiny", 2, 32, "none", steps=1, warmup=0, memory_limit="1GiB")
+    fits = measure("gpt-tiny", 2, 32, "none", steps=1, warmup=0, max_seconds=0.1, memory_limit="1GiB")
     assert fits["fits"] is True and fits["status"] == "ok" and fits["memory_limit_bytes"] == 2**30
-    over = measure("gpt-tiny", 2, 32, "none", steps=1, warmup=0, memory_limit="1MiB")
+    over = measure("gpt-tiny", 2, 32, "none", steps=1, warmup=0, max_seconds=0.1, memory_limit="1MiB")
     assert over["fits"] is False and over["status"] == "oom"
     assert "exceeds the emulated memory limit" in over["message"] and over["step_ms"] is None
 
@@ -50,7 +50,7 @@ def test_a_failure_during_work_becomes_an_error_record():
         raise RuntimeError("boom")
 
     workload.loss_fn = broken_loss
-    record = measure(workload, 2, 32, "full", steps=1, warmup=0)
+    record = measure(workload, 2, 32, "full", steps=1, warmup=0, max_seconds=0.1)
     assert record["status"] == "error" and record["message"] == "RuntimeError: boom"
     assert record["policy"] == "full" and record["batch_size"] == 2
 

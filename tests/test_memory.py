@@ -15,14 +15,14 @@ MLP = dict(n_layer=8, n_embd=32)
 @pytest.mark.parametrize("density, n_checkpointed", [(0, 0), (0.5, 4), (1, 8)])
 def test_mlp_chain_activation_bytes_equal_hand_count(density, n_checkpointed):
     workload = get_workload("mlp-chain", **MLP)
-    record = measure(workload, 4, 8, f"density={density}", steps=1, warmup=0, loop="none")
+    record = measure(workload, 4, 8, f"density={density}", steps=1, warmup=0, max_seconds=0.1, loop="none")
     expected = mlp_chain_activation_bytes(workload.config, 4, 8, n_checkpointed)
     assert record["saved_activation_bytes"] == expected
 
 
 def test_mlp_chain_parameter_and_optimizer_bytes_equal_hand_count():
     workload = get_workload("mlp-chain", **MLP)
-    record = measure(workload, 4, 8, "none", steps=1, warmup=0, loop="adamw")
+    record = measure(workload, 4, 8, "none", steps=1, warmup=0, max_seconds=0.1, loop="adamw")
     h, n = MLP["n_embd"], MLP["n_layer"]
     n_params = n * (h * 4 * h + 4 * h + 4 * h * h + h)
     assert record["peak_parameters_bytes"] == 4 * n_params
@@ -33,15 +33,15 @@ def test_mlp_chain_parameter_and_optimizer_bytes_equal_hand_count():
 
 def test_peak_falls_monotonically_with_density_on_gpt():
     workload = get_workload("gpt-tiny")
-    peaks = [measure(workload, 4, 64, f"density={d}", steps=1, warmup=0)["peak_bytes"]
+    peaks = [measure(workload, 4, 64, f"density={d}", steps=1, warmup=0, max_seconds=0.1)["peak_bytes"]
              for d in (0, 0.25, 0.5, 0.75, 1)]
     assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks
 
 
 def test_full_removes_at_least_60_percent_of_activation_memory_on_gpt_tiny():
     workload = get_workload("gpt-tiny")
-    none = measure(workload, 4, 64, "none", steps=1, warmup=0)
-    full = measure(workload, 4, 64, "full", steps=1, warmup=0)
+    none = measure(workload, 4, 64, "none", steps=1, warmup=0, max_seconds=0.1)
+    full = measure(workload, 4, 64, "full", steps=1, warmup=0, max_seconds=0.1)
     assert full["saved_activation_bytes"] <= 0.4 * none["saved_activation_bytes"]
     assert full["peak_activations_bytes"] <= 0.4 * none["peak_activations_bytes"]
 
@@ -64,7 +64,7 @@ def test_tracker_agrees_with_the_profilers_allocator_count(name, policy):
 
 
 def test_categories_add_up_and_phases_are_recorded():
-    record = measure("gpt-tiny", 2, 32, "density=0.5", steps=1, warmup=0)
+    record = measure("gpt-tiny", 2, 32, "density=0.5", steps=1, warmup=0, max_seconds=0.1)
     parts = sum(record[f"peak_{c}_bytes"] for c in
                 ("parameters", "gradients", "optimizer_state", "activations", "temporaries"))
     assert parts == record["peak_bytes"]
@@ -224,7 +224,7 @@ def test_selective_cache_counts_as_activations_in_blocks_at_a_forward_peak():
 
 def test_the_block_whose_backward_holds_the_peak_is_reported():
     workload = get_workload("gpt-tiny", n_layer=4)
-    record, report = measure(workload, 4, 64, "full", steps=1, warmup=0, loop="none", with_report=True)
+    record, report = measure(workload, 4, 64, "full", steps=1, warmup=0, max_seconds=0.1, loop="none", with_report=True)
     # Gradients accumulate as backward runs, so the first block's backward (the last to run) holds most.
     assert (report.peak_phase, report.peak_block) == ("backward", 0)
     assert report.block_calls_in_backward == 0   # ckptlab recomputes through the block's own forward

@@ -74,15 +74,15 @@ def test_selective_keeps_matmuls_and_recomputes_the_rest():
     none, sel, full = (_backward_flops(workload, p) for p in ("none", "selective", "full"))
     assert sel == none < full
     # ... and it does recompute pointwise ops: it keeps less than no checkpointing, more than full.
-    saved = {p: measure(workload, 2, 16, p, steps=1, warmup=0)["saved_activation_bytes"]
+    saved = {p: measure(workload, 2, 16, p, steps=1, warmup=0, max_seconds=0.1)["saved_activation_bytes"]
              for p in ("none", "selective", "full")}
     assert saved["full"] < saved["selective"] < saved["none"]
 
 
 def test_offload_on_cpu_changes_nothing_and_says_so():
     workload = get_workload("mlp-chain", n_layer=4, n_embd=16)
-    base = measure(workload, 2, 8, "density=0.5", steps=1, warmup=0)
-    off = measure(workload, 2, 8, "density=0.5+offload", steps=1, warmup=0)
+    base = measure(workload, 2, 8, "density=0.5", steps=1, warmup=0, max_seconds=0.1)
+    off = measure(workload, 2, 8, "density=0.5+offload", steps=1, warmup=0, max_seconds=0.1)
     assert off["status"] == "ok" and off["policy"] == "density=0.5+offload"
     assert off["peak_bytes"] == base["peak_bytes"]
     assert off["saved_activation_bytes"] == base["saved_activation_bytes"]
@@ -91,12 +91,12 @@ def test_offload_on_cpu_changes_nothing_and_says_so():
 
 def test_budget_policy_in_measure_records_its_plan_and_fits():
     workload = _gpt()
-    none = measure(workload, 2, 32, "none", steps=1, warmup=0)
-    rec = measure(workload, 2, 32, "budget=0.85", steps=1, warmup=0)
+    none = measure(workload, 2, 32, "none", steps=1, warmup=0, max_seconds=0.1)
+    rec = measure(workload, 2, 32, "budget=0.85", steps=1, warmup=0, max_seconds=0.1)
     assert rec["status"] == "ok", rec["message"]
     assert len(rec["plan"]) == 4 and set(rec["plan"]) <= set("ksf") and rec["plan"] != "kkkk"
     assert rec["peak_bytes"] <= 0.85 * none["peak_bytes"]
-    bad = measure(workload, 2, 32, "budget=0.1", steps=1, warmup=0)
+    bad = measure(workload, 2, 32, "budget=0.1", steps=1, warmup=0, max_seconds=0.1)
     assert bad["status"] == "error" and "minimum achievable peak" in bad["message"]
 
 
@@ -125,7 +125,7 @@ def test_compiled_budget_gradients_and_allocator_accounting(capfd):
     for name, g in eager.items():
         assert (compiled[name] - g).abs().max() <= 1e-5 * g.abs().max(), name
 
-    rec = measure(workload, 2, 16, "compile:budget=0.0", steps=1, warmup=0)
+    rec = measure(workload, 2, 16, "compile:budget=0.0", steps=1, warmup=0, max_seconds=0.1)
     assert rec["status"] == "ok", rec["message"]
     assert rec["allocator_peak_bytes"] == rec["peak_bytes"] > 0
     assert "allocator" in rec["note"]
@@ -139,7 +139,8 @@ def test_two_compile_budgets_timed_together_each_keep_their_own_graph():
 
     workload = get_workload("mlp-chain", n_layer=3, n_embd=16)
     policies = ["compile:budget=1.0", "compile:budget=0.0"]
-    alone = {p: measure(workload, 2, 16, p, steps=1, warmup=0)["saved_activation_bytes"] for p in policies}
+    alone = {p: measure(workload, 2, 16, p, steps=1, warmup=0, max_seconds=0.1)["saved_activation_bytes"]
+             for p in policies}
     assert alone["compile:budget=0.0"] < alone["compile:budget=1.0"]
     for order in (policies, policies[::-1]):
         together = measure_together(workload, 2, 16, order, steps=2, warmup=0, max_seconds=0.5)
