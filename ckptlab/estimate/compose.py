@@ -58,7 +58,16 @@ from ..core.policy import Policy
 from ..probe.memory import count_events, track_memory
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
-from .cuda_device import DEFAULT_ARCH, BlasUse, HostOffload, LoopOrder, device_memory, parse_alloc_conf
+from .batch_line import ON_LINE, BatchLine, ComposedStep
+from .cuda_device import (
+    DEFAULT_ARCH,
+    BlasUse,
+    HostOffload,
+    LoopOrder,
+    device_memory,
+    host_block_bytes,
+    parse_alloc_conf,
+)
 from .fake_step import (
     FakeMemory,
     as_card,
@@ -119,11 +128,17 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
     prepared = prepared_step(workload, policy, dtype, loop, device,
                              host_type=_MarkedHostOffload if cuda and policy.offload else None, cut_type=_Cut)
     host, cut = prepared.host, prepared.cut
+    kernels_key = ((card.arch, card.sm_count) if card else None, attention, torch_version)
+    line = cut.batch_lines.setdefault((seq_len, kernels_key), BatchLine())
+    composed = line.step_at(batch_size)
+    if composed is not None:
+        fake = _fake_memory(composed, prepared.handle, card if cuda else None, cuda, alloc_conf, bool(host))
+        fake.trace = f"{ON_LINE} (traced at batch sizes {', '.join(map(str, line.batch_sizes))})"
+        return fake
     with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
             model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
-        kernels_key = (card.arch, card.sm_count) if card else None, attention, torch_version
         marks = None
         try:
             with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks) as tracker, blas:
@@ -144,22 +159,35 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
         else:
             events = list(tracker.events)
             cut.optimizer_phases[kernels_key] = _OptimizerPhase.recorded(events)
-        composed = compose(events, cut)
-        counts = count_events(composed)
-        report = counts.report(composed if cuda else None)
-        report.param_bytes = tracker.report().param_bytes
-        recomputes = (sum(1 for e in composed if e[0] == "region_run")
-                      - sum(e[1] for e in composed if e[0] == "forward_runs"))
-        fake = FakeMemory(report, handle, recompute_count=recomputes, trace="composed")
-        if not cuda:
-            return fake
-        workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
-        order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
-        fake.device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card,
-                                    parse_alloc_conf(alloc_conf), loop_order=order)
-        fake.device.host_bytes = _host_peak(composed) if host else None
-        fake.attention_backend = kernels.attention_backend
+        events = compose(events, cut)
+        recomputes = (sum(1 for e in events if e[0] == "region_run")
+                      - sum(e[1] for e in events if e[0] == "forward_runs"))
+        composed = ComposedStep(events, tracker.report().param_bytes, recomputes, [], None,
+                                kernels.attention_backend if cuda else None)
+        if cuda:
+            composed.workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
+        report = count_events(events).report(events if cuda else None)
+        if cuda:
+            composed.loop_order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
+        line.add(batch_size, composed)
+        return _fake_memory(composed, handle, card, cuda, alloc_conf, bool(host), report)
+
+
+def _fake_memory(composed: ComposedStep, handle, card: Optional[Card], cuda: bool, alloc_conf: Optional[str],
+                 host: bool, report=None) -> FakeMemory:
+    """The prediction of a composed step: its events counted (unless `report` is their count),
+    and on CUDA replayed for `card`."""
+    if report is None:
+        report = count_events(composed.events).report(composed.events if cuda else None)
+    report.param_bytes = composed.param_bytes
+    fake = FakeMemory(report, handle, recompute_count=composed.recompute_count, trace="composed")
+    if not cuda:
         return fake
+    fake.device = device_memory(report.trace, report.start_bytes, report.peak_bytes, composed.workspaces, card,
+                                parse_alloc_conf(alloc_conf), loop_order=composed.loop_order)
+    fake.device.host_bytes = _host_peak(composed.events) if host else None
+    fake.attention_backend = composed.attention_backend
+    return fake
 
 
 # --------------------------------------------------------------------------- the cut
@@ -194,6 +222,7 @@ class _Cut:
     tracker: object = None
     params: list = field(default_factory=list)
     optimizer_phases: dict = field(default_factory=dict)   # the kernels a step ran -> its `_OptimizerPhase`
+    batch_lines: dict = field(default_factory=dict)        # (seq_len, the kernels) -> its `BatchLine`
 
     def shorten(self, model: nn.Module, handle) -> Callable[[list], list]:
         """Cut the stacks' middles out of `model` (called once the policy is applied); returns
@@ -733,13 +762,17 @@ def _numbered(events: list[tuple], units: _Units) -> list[tuple]:
 
 
 def _host_peak(events: list[tuple]) -> int:
-    """Pinned host bytes at their peak, from the offload's marks."""
-    live = peak = 0
+    """Pinned host bytes held at the end, from the offload's marks (+ bytes of a copy, - bytes of
+    its release), as `HostOffload.peak_bytes` counts them: per block size, the most blocks of it
+    in use at once."""
+    live: dict[int, int] = defaultdict(int)
+    held: dict[int, int] = defaultdict(int)
     for e in events:
         if e[0] == "host":
-            live += e[1]
-            peak = max(peak, live)
-    return peak
+            size = host_block_bytes(abs(e[1]))
+            live[size] += 1 if e[1] > 0 else -1
+            held[size] = max(held[size], live[size])
+    return sum(size * count for size, count in held.items())
 
 
 class _MarkedHostOffload(HostOffload):

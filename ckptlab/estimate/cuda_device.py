@@ -90,6 +90,11 @@ class BlasUse(TorchDispatchMode):
         return [cublas] * len(self.cublas) + [CUBLASLT_WORKSPACE_BYTES] * kept_lt
 
 
+def host_block_bytes(nbytes: int) -> int:
+    """The pinned block the host caching allocator gives a request of nbytes (> 0): PowerOf2Ceil."""
+    return 1 << (nbytes - 1).bit_length()
+
+
 class HostOffload:
     """`save_on_cpu(pin_memory=True)` as a CUDA step runs it, on fake tensors (module docstring):
     `hooks()` for `apply_checkpointing(offload_hooks=...)`; `peak_bytes`, the pinned host memory
@@ -121,14 +126,14 @@ class HostOffload:
         host = torch.empty(tensor.size(), dtype=tensor.dtype, device="meta")
         nbytes = host.numel() * host.element_size()
         if nbytes:
-            rounded = 1 << (nbytes - 1).bit_length()     # PowerOf2Ceil
+            rounded = host_block_bytes(nbytes)
             self.live[rounded] = self.live.get(rounded, 0) + 1
             self.held[rounded] = max(self.held.get(rounded, 0), self.live[rounded])
-            weakref.finalize(host, self._freed, rounded)
+            weakref.finalize(host, self._freed, nbytes)
         return tensor.device, host
 
-    def _freed(self, rounded: int) -> None:
-        self.live[rounded] -= 1
+    def _freed(self, nbytes: int) -> None:
+        self.live[host_block_bytes(nbytes)] -= 1
 
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
@@ -263,5 +268,5 @@ def device_memory(trace: list[tuple[str, int, int]], start_bytes: int, tensor_pe
     return memory
 
 
-__all__ = ["ALLOC_CONFS", "DEFAULT_ARCH", "BlasUse", "HostOffload", "CUBLASLT_WORKSPACE_BYTES", "DeviceMemory", "LoopOrder", "device_memory",
+__all__ = ["ALLOC_CONFS", "DEFAULT_ARCH", "BlasUse", "HostOffload", "host_block_bytes", "CUBLASLT_WORKSPACE_BYTES", "DeviceMemory", "LoopOrder", "device_memory",
            "first_two_steps", "parse_alloc_conf"]

@@ -28,6 +28,7 @@ from ..core.policy import Policy, parse_policies
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
+from .batch_line import batch_lines, lines_enabled, on_line
 from .compose import fast_memory
 from .cuda_device import parse_alloc_conf
 from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available
@@ -259,18 +260,24 @@ def _fit_rows(workload: Workload, pol: Policy, caps: list[Card], *, seq_len: int
     rows = []
     cache: dict[tuple, Prediction] = {}
 
+    def cached(key: tuple, make) -> Prediction:
+        """The prediction for key; one made from a batch line is made again, traced, outside a
+        batch search."""
+        found = cache.get(key)
+        if found is None or (on_line(found.trace) and not lines_enabled()):
+            cache[key] = found = make()
+        return found
+
     def predicted(b: int, s: int, cap: Card) -> Prediction:
         """The prediction for cap. Cards that run the same kernels (arch, SMs, workspace) share
         one, except for the answer "with cache flushes", which is the card's own limit's."""
-        key = (b, s, (cap.arch, cap.sm_count, cap.cublas_workspace_bytes) if cap.arch else None)
-        if key not in cache:
-            cuda = cap.arch is not None or device == "cuda"
-            cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, loop=loop,
-                                        device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
-                                        attention=attention if cuda else None,
-                                        torch_version=torch_version if cuda else None,
-                                        alloc_conf=alloc_conf if cuda else None, trace=trace)
-        return cache[key]
+        cuda = cap.arch is not None or device == "cuda"
+        return cached((b, s, (cap.arch, cap.sm_count, cap.cublas_workspace_bytes) if cap.arch else None),
+                      lambda: predict_policy(workload, b, s, pol, dtype=dtype, loop=loop,
+                                             device="cuda" if cuda else "cpu", card=cap if cap.arch else None,
+                                             attention=attention if cuda else None,
+                                             torch_version=torch_version if cuda else None,
+                                             alloc_conf=alloc_conf if cuda else None, trace=trace))
 
     def held(b: int, s: int, cap: Card) -> int:
         """What `fits` compares for cap: on a card its device bytes, reserved + its context."""
@@ -283,17 +290,24 @@ def _fit_rows(workload: Workload, pol: Policy, caps: list[Card], *, seq_len: int
             return True
         p = predicted(b, s, cap)
         if p.card != cap.name or p.card is None:
-            key = (b, s, cap.name)
-            if key not in cache:
-                cache[key] = predict_policy(workload, b, s, pol, dtype=dtype, loop=loop, device="cuda",
-                                            card=cap, attention=attention, torch_version=torch_version,
-                                            alloc_conf=alloc_conf, trace=trace)
-            p = cache[key]
+            p = cached((b, s, cap.name), lambda: predict_policy(
+                workload, b, s, pol, dtype=dtype, loop=loop, device="cuda", card=cap, attention=attention,
+                torch_version=torch_version, alloc_conf=alloc_conf, trace=trace))
         return p.fit != "no"
 
+    def largest_batch(holds, guess) -> int:
+        """`_largest` batch size with holds(b), from guess(): searched on the step's batch lines
+        (`estimate.batch_line`), then its answer's bounds (it holds, the next does not) traced;
+        where a traced bound disagrees, searched again traced."""
+        with batch_lines():
+            best = _largest(holds, max_batch, guess())
+        if (best == 0 or holds(best)) and (best == max_batch or not holds(best + 1)):
+            return best
+        return _largest(holds, max_batch, guess())
+
     for cap in caps:
-        best_batch = _largest(lambda b, cap=cap: fits(cap, held(b, seq_len, cap)), max_batch,
-                              _linear_guess(lambda b, cap=cap: held(b, seq_len, cap), cap, max_batch))
+        best_batch = largest_batch(lambda b, cap=cap: fits(cap, held(b, seq_len, cap)),
+                                   lambda cap=cap: _linear_guess(lambda b: held(b, seq_len, cap), cap, max_batch))
         # where the sequence search starts: the tokens of the largest batch at seq_len, or
         # when not even batch 1 fits there, the sequence below it
         best_seq = _largest_of(lambda s, cap=cap: fits(cap, held(batch_size, s, cap)), seq_lens,
@@ -303,10 +317,12 @@ def _fit_rows(workload: Workload, pol: Policy, caps: list[Card], *, seq_len: int
         if cap.arch:
             # the allocated peak is what the allocator needs with its cache released: its line
             # through batch 1 and 2 says where the flushes stop helping
-            allocated = _linear_guess(lambda b, cap=cap: predicted(b, seq_len, cap).peak_bytes + cap.context_bytes,
-                                      cap, max_batch)
-            flushed = {"max_batch_size_with_flushes": _largest(lambda b, cap=cap: runs(b, seq_len, cap), max_batch,
-                                                               max(best_batch, allocated)),
+            def allocated_guess(cap=cap, best_batch=best_batch) -> int:
+                allocated = _linear_guess(lambda b: predicted(b, seq_len, cap).peak_bytes + cap.context_bytes,
+                                          cap, max_batch)
+                return max(best_batch, allocated)
+            flushed = {"max_batch_size_with_flushes": largest_batch(lambda b, cap=cap: runs(b, seq_len, cap),
+                                                                    allocated_guess),
                        "max_seq_len_with_flushes": _largest_of(lambda s, cap=cap: runs(batch_size, s, cap),
                                                                seq_lens, best_seq)}
         rows.append((cap, {
