@@ -116,3 +116,22 @@ def test_a_table_searched_on_lines_is_the_traced_search(workload, capacities, dt
     traced = predict_fits(workload(), ["none", "full"], capacities, **options)
     assert on_lines == traced
     assert (from_lines > 0) == uses_lines
+
+
+def test_a_line_starts_where_flash_stops_splitting_the_keys():
+    """Flash attention without dropout splits the keys while b x heads x ceil(s / 64) blocks fill
+    less than 0.8 of the card's 2 x SMs slots: 4 heads, s 16, an RTX 4090's 128 SMs: below
+    b = ceil(0.8 x 256 / 4) = 52 (51 x 4 = 204 < 204.8). Its fp32 buffers are not on a line in b,
+    so a line starts at 52: below, every prediction is traced."""
+    workload = get_workload("hf-llama-tiny", num_hidden_layers=7, attention_dropout=0.0)
+    options = dict(CUDA, dtype="bf16")
+    with batch_lines():
+        for b in (52, 53, 60):
+            predict_policy(workload, b, 16, as_policy("none"), **options)
+        above = predict_policy(workload, 57, 16, as_policy("none"), **options)
+        below = [predict_policy(workload, b, 16, as_policy("none"), **options) for b in (2, 3, 5, 4, 51)]
+    assert below[0].attention_backend == "flash"
+    assert not any(on_line(p.trace) for p in below)
+    assert above.trace == "composed, on its batch line (traced at batch sizes 52, 53, 60)"
+    fake_step.clear_prepared()
+    assert_same_fields(above, predict_policy(workload, 57, 16, as_policy("none"), **options))

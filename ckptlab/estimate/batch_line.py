@@ -11,9 +11,10 @@ A line is used only once a third traced batch size lands on it (every field of e
 equal to the line's). A tensor whose bytes grow faster than the batch (b x b, say: every
 product of dimensions with nonnegative coefficients is convex in b) misses the line at any third
 point, and the line is dropped. What three points cannot rule out is a choice that jumps at some
-batch size (a kernel that a rule picks only above a size): none of the CUDA rules modelled
-(`cuda_semantics`) reads the batch size, and a search that uses lines predicts its answer's
-bounds by tracing them (`predict.predict_fits`).
+batch size: of the CUDA rules modelled, flash attention's split of the keys (without dropout)
+reads it, and is settled from a batch size that the step records (`CudaSemantics.settled_from_batch`):
+a line starts there. A search that uses lines still traces its answer's bounds
+(`predict.predict_fits`).
 
 Lines are used only inside `batch_lines()`; outside it every prediction is traced.
 """
@@ -64,10 +65,15 @@ class ComposedStep:
     workspaces: list[int]            # the cuBLAS workspaces the step used (CUDA)
     loop_order: object               # `cuda_device.LoopOrder` of the events (CUDA), else None
     attention_backend: Optional[str]
+    settled_from_batch: int = 1      # the batch size from which the kernels' choices stay (`CudaSemantics`)
 
     def same_but_events(self, other: "ComposedStep") -> bool:
-        return (self.param_bytes, self.recompute_count, self.workspaces, self.loop_order, self.attention_backend) == (
-            other.param_bytes, other.recompute_count, other.workspaces, other.loop_order, other.attention_backend)
+        return self.known() == other.known()
+
+    def known(self) -> tuple:
+        """Everything but the events, in the order of the fields."""
+        return (self.param_bytes, self.recompute_count, self.workspaces, self.loop_order, self.attention_backend,
+                self.settled_from_batch)
 
 
 @dataclass
@@ -81,8 +87,8 @@ class BatchLine:
 
     def add(self, batch_size: int, step: ComposedStep) -> None:
         """A traced step at `batch_size` (only within `batch_lines()`: lines are for searches)."""
-        if (not _enabled or self.broken or batch_size < SMALLEST_BATCH or batch_size in self.traced
-                or batch_size in self.on_line):
+        if (not _enabled or self.broken or batch_size < max(SMALLEST_BATCH, step.settled_from_batch)
+                or batch_size in self.traced or batch_size in self.on_line):
             return
         if self.traced and not next(iter(self.traced.values())).same_but_events(step):
             self.broken = True
@@ -101,15 +107,15 @@ class BatchLine:
     def step_at(self, batch_size: int) -> Optional[ComposedStep]:
         """The step at `batch_size` from the line, where a line with MIN_TRACED points holds and
         gives whole bytes there; else None."""
-        if (not _enabled or self.broken or batch_size < SMALLEST_BATCH
-                or len(self.traced) + len(self.on_line) < MIN_TRACED):
+        if not _enabled or self.broken or len(self.traced) + len(self.on_line) < MIN_TRACED:
+            return None
+        first = next(iter(self.traced.values()))
+        if batch_size < max(SMALLEST_BATCH, first.settled_from_batch):
             return None
         events = self._at(batch_size)
         if events is None:
             return None
-        first = next(iter(self.traced.values()))
-        return ComposedStep(events, first.param_bytes, first.recompute_count, first.workspaces, first.loop_order,
-                            first.attention_backend)
+        return ComposedStep(events, *first.known())
 
     def _at(self, batch_size: int) -> Optional[list[tuple]]:
         """The events at `batch_size` on the line through the first two traced steps: a field that

@@ -163,7 +163,8 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
         recomputes = (sum(1 for e in events if e[0] == "region_run")
                       - sum(e[1] for e in events if e[0] == "forward_runs"))
         composed = ComposedStep(events, tracker.report().param_bytes, recomputes, [], None,
-                                kernels.attention_backend if cuda else None)
+                                kernels.attention_backend if cuda else None,
+                                kernels.settled_from_batch if cuda else 1)
         if cuda:
             composed.workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
         report = count_events(events).report(events if cuda else None)

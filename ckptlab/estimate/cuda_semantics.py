@@ -65,6 +65,9 @@ class CudaSemantics:
     sm_count: int
     rules: TorchRules = field(default_factory=torch_rules)      # the torch version modelled
     backend_calls: dict[str, int] = field(default_factory=dict)  # per backend, recomputations included
+    # the smallest batch size from which the choices that read the batch size (flash's split of
+    # the keys) are those of every larger batch: a line in the batch size holds from there
+    settled_from_batch: int = 1
 
     @property
     def attention_backend(self) -> str:
@@ -169,6 +172,9 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
     if backend == "cudnn":
         return cudnn_attention(query, key, value, attn_mask, dropout_p, is_causal, rules)
     if backend == "flash":
+        if not dropout_p:
+            semantics.settled_from_batch = max(semantics.settled_from_batch, _flash_unsplit_batch(
+                query.size(1), query.size(2), semantics.sm_count))
         return flash_attention(query, key, value, dropout_p, semantics.sm_count, rules)
     if backend == "efficient":
         return efficient_attention(query, key, value, attn_mask, dropout_p, semantics.arch)
@@ -386,6 +392,13 @@ def _flash_outputs(rules: TorchRules, query, key, value, dropout_p=0.0, is_causa
     return (torch.empty_like(query.transpose(1, 2)).transpose(1, 2),
             torch.empty(b, h, sq, dtype=torch.float32, device=device), None, None, sq, key.size(2),
             seed, offset, torch.empty(0, dtype=query.dtype, device=device))
+
+
+def _flash_unsplit_batch(heads: int, seq_q: int, sm_count: int) -> int:
+    """The smallest batch size from which `_flash_splits` is 1 for these heads and queries:
+    b x heads x ceil(seq_q / 64) blocks >= 0.8 x (2 x sm_count) slots."""
+    blocks_per_sample = heads * math.ceil(seq_q / 64)
+    return max(1, -(-8 * sm_count // (5 * blocks_per_sample)))
 
 
 def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int = 128) -> int:

@@ -204,7 +204,9 @@ def predict_fits(
     follows, and `alloc_conf` its allocator option, as `predict`'s. On a card,
     `max_batch_size_with_flushes` / `max_seq_len_with_flushes` are the largest that run at all
     (`fit` "yes" or "with cache flushes": the allocator releasing its cache and retrying each step).
-    `trace` is the way to trace each step, as `predict`'s. `workers` > 1 predicts in that many
+    `trace` is the way to trace each step, as `predict`'s; on the fast path the batch searches
+    step on the composed step's batch line once three batch sizes are traced, and trace their
+    answers' bounds (`estimate.batch_line`). `workers` > 1 predicts in that many
     processes, each a policy's rows on the cards that run the same kernels (for a workload made
     from a spec; one made in Python is predicted here): on 2 idle cores, a 7B table in about half
     the time (benchmarks/predict_speed.py).
