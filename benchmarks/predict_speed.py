@@ -10,9 +10,11 @@ in one run, with the two predictions checked identical.
        prepared by an earlier prediction (a table's search, a widget's change);
      the seconds, the full / fast ratio of each, and whether every field of the two paths'
      records is the same;
-  2. predict_fits for hf-llama-7b+lora=16 over 3 policies and the default cards, fast path, in
-     this process and with 2 worker processes (the rows checked equal; with --full-fits, the full
-     trace too: minutes), and how many predictions the table took.
+  2. predict_fits over 3 policies and the default cards for hf-llama-7b+lora=16 (bf16 weights, s2048:
+     batches of tens) and gpt2-small (fp32, s1024: batches of hundreds), fast path: every
+     prediction traced, then the batch searches on batch lines (`estimate.batch_line`), in this
+     process and with 2 worker processes (the rows checked equal; with --full-fits, the full trace
+     too: minutes), and how many predictions each table traced and took from lines.
 
 Imports and first-call caches are paid before anything is timed (a gpt-tiny prediction). Each
 path runs `--repeats` rounds, in turns, each round from no prepared model. Timings on a shared
@@ -24,17 +26,22 @@ machine are noisy: compare the ratios of one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from statistics import median
+from unittest import mock
 
 from ckptlab import get_workload, predict, predict_fits
-from ckptlab.core.cards import DEFAULT_CARDS
+from ckptlab.core.cards import DEFAULT_CARDS, parse_capacity
+from ckptlab.estimate import batch_line
 from ckptlab.estimate import predict as predict_module
+from ckptlab.estimate.batch_line import on_line
 from ckptlab.estimate.fake_step import clear_prepared
 
 CARD = "rtx4090"
@@ -43,9 +50,11 @@ CASES = [  # (model, its overrides, sequence lengths, dtype)
     ("hf-llama-1b", {}, [2048, 8192], "bf16"),
     ("hf-llama-7b+lora=16", {}, [2048, 8192], "bf16-weights"),
 ]
-FITS = ("hf-llama-7b+lora=16", {}, ["none", "selective", "full"], "bf16-weights", list(DEFAULT_CARDS))
+FITS = [("hf-llama-7b+lora=16", {}, ["none", "selective", "full"], "bf16-weights", list(DEFAULT_CARDS)),
+        ("gpt2-small", {}, ["none", "selective", "full"], "fp32", list(DEFAULT_CARDS))]
 QUICK_CASES = [("gpt-tiny", {"n_layer": 8}, [64], "fp32")]
-QUICK_FITS = ("gpt-tiny", {"n_layer": 8}, ["full"], "fp32", ["24MiB"])   # a size: predicted for a CPU
+# an RTX 4090 with 64 MiB usable, no context nor margin: searches of tens of batch sizes through the allocator
+QUICK_FITS = [("gpt-tiny", {"n_layer": 8}, ["full"], "fp32", [parse_capacity("rtx4090", usable_bytes="64MiB", context_bytes=0, required_margin_bytes=0)])]
 POLICY = "none"
 FITS_SEQ = 2048   # the batch search's sequence length (or the model's limit)
 
@@ -93,32 +102,39 @@ def one_prediction(model: str, overrides: dict, seq: int, dtype: str, repeats: i
 
 
 def counting_predictions(fn):
-    """(fn(), how many predictions it made)."""
-    original, calls = predict_module.predict_policy, []
+    """(fn(), how many predictions it traced, how many it took from batch lines)."""
+    original, traces = predict_module.predict_policy, []
 
     def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+        prediction = original(*args, **kwargs)
+        traces.append(prediction.trace)
+        return prediction
 
     predict_module.predict_policy = counted
     try:
-        return fn(), len(calls)
+        result = fn()
     finally:
         predict_module.predict_policy = original
+    from_lines = sum(1 for t in traces if on_line(t))
+    return result, len(traces) - from_lines, from_lines
 
 
 def fits_table(model: str, overrides: dict, policies: list[str], dtype: str, capacities: list[str], trace: str,
-               workers: int = 1) -> dict:
-    """The table's seconds and rows; with one worker, how many predictions it made (those of
-    worker processes are not counted here)."""
+               workers: int = 1, lines: bool = True) -> dict:
+    """The table's seconds and rows; with one worker, how many predictions it traced and took from
+    batch lines (those of worker processes are not counted here). Without `lines`, no line is ever
+    long enough to stand in for a trace: every prediction is traced."""
     workload = get_workload(model, **overrides)
     seq = min(FITS_SEQ, workload.max_seq_len or FITS_SEQ)
     clear_prepared()
-    (rows, predictions), seconds = timed(lambda: counting_predictions(
-        lambda: predict_fits(workload, policies, capacities, seq_len=seq, dtype=dtype, trace=trace, workers=workers)))
+    with contextlib.nullcontext() if lines else mock.patch.object(batch_line, "MIN_TRACED", sys.maxsize):
+        (made, seconds) = timed(lambda: counting_predictions(lambda: predict_fits(
+            workload, policies, capacities, seq_len=seq, dtype=dtype, trace=trace, workers=workers)))
     clear_prepared()
-    return {"predictions": predictions if workers == 1 else None, "model": workload.label, "policies": policies,
-            "cards": capacities, "dtype": dtype, "trace": trace, "workers": workers, "seconds": seconds, "rows": rows}
+    rows, traced, from_lines = made
+    return {"traced": traced if workers == 1 else None, "from_lines": from_lines if workers == 1 else None,
+            "model": workload.label, "policies": policies, "cards": [parse_capacity(c).name for c in capacities], "dtype": dtype, "seq_len": seq,
+            "trace": trace, "lines": lines, "workers": workers, "seconds": seconds, "rows": rows}
 
 
 def markdown(result: dict) -> str:
@@ -135,11 +151,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['model']} | {r['seq_len']} | {r['dtype']} | {r['first_full_s']:.2f} | {r['first_fast_s']:.2f} | "
                      f"{r['first_ratio']:.1f}x | {r['prepared_full_s']:.2f} | {r['prepared_fast_s']:.2f} | "
                      f"{r['prepared_ratio']:.1f}x | {r['fast_trace']} | {'yes' if r['identical'] else 'NO'} |")
-    lines += ["", "| predict_fits | policies | cards | trace | workers | predictions | seconds |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| predict_fits | seq | policies | cards | trace | batch lines | workers | traced | from lines "
+              "| seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for f in result["fits"]:
-        lines.append(f"| {f['model']} | {', '.join(f['policies'])} | {', '.join(f['cards'])} | {f['trace']} | "
-                     f"{f['workers']} | {f['predictions'] if f['predictions'] is not None else 'in workers'} | "
+        counted = (f"{f['traced']} | {f['from_lines']}" if f["traced"] is not None else "in workers | in workers")
+        lines.append(f"| {f['model']} | {f['seq_len']} | {', '.join(f['policies'])} | {', '.join(f['cards'])} | "
+                     f"{f['trace']} | {'yes' if f['lines'] else 'no'} | {f['workers']} | {counted} | "
                      f"{f['seconds']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -162,14 +179,20 @@ def main(argv=None) -> None:
                   f"({r['first_ratio']:.1f}x); prepared: full {r['prepared_full_s']:.2f} s, fast "
                   f"{r['prepared_fast_s']:.2f} s ({r['prepared_ratio']:.1f}x); {r['fast_trace']}, identical: "
                   f"{r['identical']}", flush=True)
-    tables = [fits_table(*fits, trace="fast"), fits_table(*fits, trace="fast", workers=2)]
-    if tables[1]["rows"] != tables[0]["rows"]:
-        raise SystemExit("predict_fits with 2 workers answered other rows than with 1")
-    if args.full_fits:
-        tables.append(fits_table(*fits, trace="full"))
-    for f in tables:
-        print(f"predict_fits {f['model']} x {len(f['policies'])} policies x {len(f['cards'])} cards, {f['trace']}, "
-              f"{f['workers']} worker(s): {f['predictions'] or 'their'} predictions, {f['seconds']:.1f} s")
+    tables = []
+    for table in fits:
+        these = [fits_table(*table, trace="fast", lines=False), fits_table(*table, trace="fast"),
+                 fits_table(*table, trace="fast", workers=2)]
+        if args.full_fits:
+            these.append(fits_table(*table, trace="full"))
+        if any(t["rows"] != these[0]["rows"] for t in these[1:]):
+            raise SystemExit(f"predict_fits of {table[0]} answered other rows on batch lines, in workers or traced in full")
+        for f in these:
+            print(f"predict_fits {f['model']} x {len(f['policies'])} policies x {len(f['cards'])} cards, {f['trace']}, "
+                  f"batch lines {'yes' if f['lines'] else 'no'}, {f['workers']} worker(s): "
+                  + (f"{f['traced']} traced, {f['from_lines']} from lines, " if f["traced"] is not None else "")
+                  + f"{f['seconds']:.1f} s", flush=True)
+        tables += these
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "repeats": args.repeats,
               "load_average": os.getloadavg(), "predictions": predictions, "fits": tables}
     out = Path(args.out)

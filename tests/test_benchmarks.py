@@ -187,7 +187,9 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
     assert row["identical"] and row["fast_trace"] == "composed"
     for when in ("first", "prepared"):   # one round: its own ratio
         assert row[f"{when}_ratio"] == pytest.approx(row[f"{when}_full_s"] / row[f"{when}_fast_s"])
-    assert result["fits"][0]["trace"] == "fast" and result["fits"][0]["rows"]
+    traced, on_lines, in_workers = result["fits"]
+    assert traced["rows"] and traced["rows"] == on_lines["rows"] == in_workers["rows"]
+    assert traced["from_lines"] == 0 and on_lines["from_lines"] > 0 and on_lines["traced"] < traced["traced"]
     assert "| gpt-tiny | 64 |" in (tmp_path / "predict_speed.md").read_text()
 
 
