@@ -138,3 +138,13 @@ def test_lora_fits_takes_card_names_and_says_the_margin_at_the_longest_sequence(
     assert table["fit_h200"].iloc[0] == on_h200.fit == "yes" and "fit_1KiB" not in table
     assert longest.loc["h200", "longest_seq_len_with_flushes"] == 16
     assert pd.isna(longest.loc["1KiB", "longest_seq_len_with_flushes"])
+
+
+def test_lora_fits_in_worker_processes_answers_the_same_rows():
+    """Two policies in two spawned processes: the same table, rows in the order asked."""
+    options = dict(capacities=["h200", "1KiB"], policies=["full", "none"], dtype="fp32")
+    here = lora_fits("hf-llama-tiny", 4, [16], **options)
+    pd.testing.assert_frame_equal(lora_fits("hf-llama-tiny", 4, [16], **options, workers=2), here)
+    assert list(here["policy"]) == ["full", "none"]
+    with pytest.raises(ValueError, match="workers=0 is invalid"):
+        lora_fits("hf-llama-tiny", 4, [16], **options, workers=0)

@@ -168,7 +168,7 @@ def _value_checks() -> dict:
         "accum_steps": each(at_least(1)), "loop": lambda name, v: parse_loop(v), "policy": policy, "policies": each(policy, False),
         "densities": each(lambda name, v: number(name, v, 0.0, 1.0), False), "dtype": dtype, "dtypes": each(dtype),
         "memory_limit": size_bytes, "capacity": capacity, "fits_capacities": each(capacity, False),
-        "rank": at_least(1), "fits_seq_lens": each(at_least(1), False), "fits_dtype": dtype,
+        "rank": at_least(1), "fits_workers": at_least(1), "fits_seq_lens": each(at_least(1), False), "fits_dtype": dtype,
         "budget_fractions": each(lambda name, v: number(name, v, 0.0, 1.0, low_open=True), False),
     }
 
