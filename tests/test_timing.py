@@ -87,7 +87,7 @@ def test_pairing_cancels_drift_that_hits_every_configuration_alike():
     result = time_interleaved({"base": timed(2), "double": timed(4), "same": timed(2)}, min_rounds=8,
                               max_rounds=40, max_seconds=60, clock=clock)
     assert result.baseline == "base" and result.ratio["base"] == 1.0
-    assert result.stopped == "target" and result.rounds == 8
+    assert result.stopped == "target" and result.rounds == 15   # 5 complete cycles of the 3 configurations
     assert (result.ratio_low["double"], result.ratio_high["double"]) == pytest.approx((2.0, 2.0))
     assert (result.ratio_low["same"], result.ratio_high["same"]) == pytest.approx((1.0, 1.0))
     assert result.significant("double") and not result.significant("same")
@@ -211,7 +211,31 @@ def test_a_single_round_has_a_value_but_no_interval():
 def test_the_target_is_not_reached_on_fewer_rounds_than_an_interval_needs():
     clock = FakeClock()
     result = time_interleaved({"a": clock.step(3), "b": clock.step(3)}, min_rounds=1, max_rounds=100, clock=clock)
-    assert result.stopped == "target" and result.rounds == 5
+    assert result.stopped == "target" and result.rounds == 10   # 5 cycles of two rounds, one ratio each
+    alone = time_interleaved({"a": clock.step(3)}, min_rounds=1, max_rounds=100, clock=clock)
+    assert alone.stopped == "target" and alone.rounds == 5
+
+
+@pytest.mark.parametrize("configs", [2, 3])
+def test_a_slower_first_step_of_each_round_does_not_bias_an_a_a_ratio(configs):
+    """The step that opens a round runs after the protocol's own work (the interval computed
+    between rounds) and finds colder caches: here 10% slower. Identical steps must still have a
+    ratio of exactly 1, whatever the number of rounds (an odd one puts one order once more)."""
+    clock = FakeClock()
+    calls = [0]
+
+    def same_step():
+        clock.step(10 * (1.1 if calls[0] % configs == 0 else 1.0))()
+        calls[0] += 1
+
+    names = "abc"[:configs]
+    for rounds in (5 * configs, 5 * configs + 1):
+        calls[0] = 0
+        result = time_interleaved({n: same_step for n in names}, warmup=0, min_rounds=rounds, max_rounds=rounds,
+                                  clock=clock)
+        for name in names[1:]:
+            assert (result.ratio[name], result.ratio_low[name], result.ratio_high[name]) == pytest.approx((1, 1, 1))
+            assert not result.significant(name)
 
 
 def test_a_measured_step_time_carries_its_interval_threads_and_load():
