@@ -1,8 +1,8 @@
 """Policies composed with torch.compile (`P+compile`), their gradients verified against the eager
 un-checkpointed model, and the compile anchor whose gradients are wrong.
 
-Compilation takes seconds per graph on a 2-core CPU, and a fresh clone compiles every graph
-(inductor's on-disk cache misses): one tiny model of our own (residual MLP blocks with dropout,
+Compilation takes seconds per graph on a 2-core CPU where inductor's on-disk cache is empty (a
+machine's first run): one tiny model of our own (residual MLP blocks with dropout,
 width 32; two blocks where a claim needs no more, as inductor compiles each block's kernels on
 its own) and as few compiled models as the claims need."""
 
