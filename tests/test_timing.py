@@ -7,6 +7,7 @@ import torch
 
 from ckptlab.probe.timing import (
     bootstrap_median,
+    paired_ratio,
     time_interleaved,
     time_steps,
     unpaired_median_ratio,
@@ -106,6 +107,16 @@ def test_paired_ratio_of_known_durations_with_independent_noise():
     assert result.stopped == "target" and result.ci_half_width < 0.02
     assert result.ratio_low["slower"] <= 1.3 <= result.ratio_high["slower"]
     assert result.ratio_low["same"] <= 1.0 <= result.ratio_high["same"] and not result.significant("same")
+
+
+def test_paired_ratio_of_stored_rows_takes_the_cycles_their_timing_took():
+    """Two identical steps, the one opening each round 10% slower: rows that say they were timed
+    in cycles of two give exactly 1 (five rounds: two cycles, the fifth round left out)."""
+    base = [11.0, 10.0, 11.0, 10.0, 11.0]
+    other = [10.0, 11.0, 10.0, 11.0, 10.0]
+    ratio = paired_ratio({"round_ms": other, "timing_cycle": 2}, {"round_ms": base, "timing_cycle": 2})
+    assert ratio == pytest.approx((1.0, 1.0, 1.0))
+    assert paired_ratio({"round_ms": other}, {"round_ms": base})[0] == pytest.approx(10 / 11)   # per round
 
 
 def test_the_fastest_rival_at_no_more_memory_is_paired_round_by_round():

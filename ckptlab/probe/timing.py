@@ -56,15 +56,18 @@ def bootstrap_median(values, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES
 
 def paired_ratio(row, versus, seed: int = 0) -> tuple[float, float, float]:
     """(median, low, high): `row`'s time over `versus`'s from their per-round times (`round_ms`),
-    paired round by round; the two were timed in the same interleaved rounds (one `compare`, or
-    one timing group of a sweep). NaN where either has no round times."""
+    paired round by round and taken per rotation cycle as `time_interleaved` takes them (its rows'
+    `timing_cycle`; a row without it, per round); the two were timed in the same interleaved
+    rounds (one `compare`, or one timing group of a sweep). NaN where either has no round times."""
     import numpy as np  # noqa: PLC0415 - numpy is not torch's dependency: `import ckptlab` needs only torch
 
     a, b = (np.asarray(r.get("round_ms") if isinstance(r.get("round_ms"), list) else [], dtype=float)
             for r in (row, versus))
     if len(a) == 0 or len(a) != len(b):
         return math.nan, math.nan, math.nan
-    return bootstrap_median(a / b, seed)
+    cycle = row.get("timing_cycle")
+    cycle = int(cycle) if isinstance(cycle, (int, float)) and not isinstance(cycle, bool) and cycle >= 1 else 1
+    return bootstrap_median(_cycle_ratios(a / b, cycle), seed)
 
 
 def versus_fastest_at_no_more_memory(row, rivals: Sequence) -> tuple[Optional[Mapping], tuple[float, float, float]]:
@@ -168,7 +171,8 @@ class IntervalTiming:
             "time_ratio_low": None if alone else self.ratio_low[name],
             "time_ratio_high": None if alone else self.ratio_high[name],
             "significant": None if alone else self.significant(name),
-            "timing_baseline": None if alone else self.baseline, "rounds": self.rounds, "timing_target_ci": self.target_ci,
+            "timing_baseline": None if alone else self.baseline, "timing_cycle": len(self.names),
+            "rounds": self.rounds, "timing_target_ci": self.target_ci,
             "timing_ci_half_width": self.ci_half_width, "timing_stopped": self.stopped,
             "threads": self.threads, "load_before": self.load_before, "load_after": self.load_after,
             "busy": self.busy,
