@@ -56,7 +56,9 @@ def interval_contains_one(df) -> bool:
 def test_a_a_interval_contains_one(noisy_neighbour):
     """`none` and `density=0` run the same computation. A correct 95% interval misses 1 in about
     one A/A run in 20, so a miss is retried once: two misses in a row (1 in 400 for a correct
-    interval) fail, as does a protocol biased by order or by the neighbour."""
+    interval) fail, as does a protocol biased by order or by the neighbour (the step that opens a
+    round is a few percent slower here: per-round ratios put the median in one order's cluster,
+    which the per-cycle ratios of `ckptlab.probe.timing` cancel)."""
     with busy_core() if noisy_neighbour else contextlib.nullcontext():
         df = a_a()
         if not interval_contains_one(df):

@@ -1,8 +1,10 @@
 """Policies composed with torch.compile (`P+compile`), their gradients verified against the eager
 un-checkpointed model, and the compile anchor whose gradients are wrong.
 
-Compilation takes seconds per graph on a 2-core CPU: one tiny model of our own (3 residual MLP
-blocks with dropout, width 32) and as few compiled models as the claims need."""
+Compilation takes seconds per graph on a 2-core CPU where inductor's on-disk cache is empty (a
+machine's first run): one tiny model of our own (residual MLP blocks with dropout,
+width 32; two blocks where a claim needs no more, as inductor compiles each block's kernels on
+its own) and as few compiled models as the claims need."""
 
 import sys
 import types
@@ -89,7 +91,7 @@ def test_checkpointed_blocks_compile_into_one_graph_without_a_break():
 
 
 def test_compile_gradients_within_tolerance_and_budget_zero_wrong():
-    workload = dropout_mlp()
+    workload = dropout_mlp(2)
     right = compare_gradients(workload, "compile", BATCH, SEQ)
     assert right.verdict == "within tolerance" and 0 < right.max_rel_diff <= right.tolerance, right
     wrong = compare_gradients(workload, "compile:budget=0.0", BATCH, SEQ)
@@ -99,7 +101,7 @@ def test_compile_gradients_within_tolerance_and_budget_zero_wrong():
 
 
 def test_full_compile_holds_less_than_compile_with_right_gradients_and_the_wrong_anchor_is_marked():
-    workload = dropout_mlp()
+    workload = dropout_mlp(2)
     df = compare(workload, BATCH, SEQ, ["compile", "full+compile"], verify=True, max_seconds=0.5, compiled_options="",
                  anchors=["torch.compile activation_memory_budget=0.5", "torch.utils.checkpoint per block"])
     rows = df.set_index("policy")

@@ -133,15 +133,21 @@ def test_checkpointing_twice_is_refused():
     assert record["status"] == "error" and "gradient_checkpointing_disable" in record["message"]
 
 
-def test_cli_predicts_a_lora_model_and_a_cast_model():
-    # Both commands start at once: most of each is Python importing torch, which overlaps.
-    procs = [subprocess.Popen([sys.executable, "-m", "ckptlab.apps.cli", "predict", "--model", spec, "--batch", "2",
-                               "--seq", "16", "--policy", "none,selective", "--dtype", "bf16-weights"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for spec in (LORA, NET)]
-    for proc in procs:
-        _, err = proc.communicate()
-        assert proc.returncode == 0, err
-        assert "Traceback" not in err
+def test_cli_predicts_a_lora_model_and_a_cast_model(capsys):
+    # Both through the command's own entry in this process (no second import of torch, transformers
+    # and peft); the cast model also as `python -m ckptlab.apps.cli` in a fresh interpreter.
+    from ckptlab.apps.cli import main
+
+    argv = ["--batch", "2", "--seq", "16", "--policy", "none,selective", "--dtype", "bf16-weights"]
+    for spec in (LORA, NET):
+        code = main(["predict", "--model", spec, *argv])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "Traceback" not in err and "selective" in out
+    fresh = subprocess.run([sys.executable, "-m", "ckptlab.apps.cli", "predict", "--model", NET, *argv],
+                           capture_output=True, text=True)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "Traceback" not in fresh.stderr
 
 
 # ----------------------------------------------------------------------------- bad specs

@@ -7,6 +7,7 @@ import torch
 
 from ckptlab.probe.timing import (
     bootstrap_median,
+    paired_ratio,
     time_interleaved,
     time_steps,
     unpaired_median_ratio,
@@ -87,7 +88,7 @@ def test_pairing_cancels_drift_that_hits_every_configuration_alike():
     result = time_interleaved({"base": timed(2), "double": timed(4), "same": timed(2)}, min_rounds=8,
                               max_rounds=40, max_seconds=60, clock=clock)
     assert result.baseline == "base" and result.ratio["base"] == 1.0
-    assert result.stopped == "target" and result.rounds == 8
+    assert result.stopped == "target" and result.rounds == 15   # 5 complete cycles of the 3 configurations
     assert (result.ratio_low["double"], result.ratio_high["double"]) == pytest.approx((2.0, 2.0))
     assert (result.ratio_low["same"], result.ratio_high["same"]) == pytest.approx((1.0, 1.0))
     assert result.significant("double") and not result.significant("same")
@@ -106,6 +107,16 @@ def test_paired_ratio_of_known_durations_with_independent_noise():
     assert result.stopped == "target" and result.ci_half_width < 0.02
     assert result.ratio_low["slower"] <= 1.3 <= result.ratio_high["slower"]
     assert result.ratio_low["same"] <= 1.0 <= result.ratio_high["same"] and not result.significant("same")
+
+
+def test_paired_ratio_of_stored_rows_takes_the_cycles_their_timing_took():
+    """Two identical steps, the one opening each round 10% slower: rows that say they were timed
+    in cycles of two give exactly 1 (five rounds: two cycles, the fifth round left out)."""
+    base = [11.0, 10.0, 11.0, 10.0, 11.0]
+    other = [10.0, 11.0, 10.0, 11.0, 10.0]
+    ratio = paired_ratio({"round_ms": other, "timing_cycle": 2}, {"round_ms": base, "timing_cycle": 2})
+    assert ratio == pytest.approx((1.0, 1.0, 1.0))
+    assert paired_ratio({"round_ms": other}, {"round_ms": base})[0] == pytest.approx(10 / 11)   # per round
 
 
 def test_the_fastest_rival_at_no_more_memory_is_paired_round_by_round():
@@ -211,7 +222,31 @@ def test_a_single_round_has_a_value_but_no_interval():
 def test_the_target_is_not_reached_on_fewer_rounds_than_an_interval_needs():
     clock = FakeClock()
     result = time_interleaved({"a": clock.step(3), "b": clock.step(3)}, min_rounds=1, max_rounds=100, clock=clock)
-    assert result.stopped == "target" and result.rounds == 5
+    assert result.stopped == "target" and result.rounds == 10   # 5 cycles of two rounds, one ratio each
+    alone = time_interleaved({"a": clock.step(3)}, min_rounds=1, max_rounds=100, clock=clock)
+    assert alone.stopped == "target" and alone.rounds == 5
+
+
+@pytest.mark.parametrize("configs", [2, 3])
+def test_a_slower_first_step_of_each_round_does_not_bias_an_a_a_ratio(configs):
+    """The step that opens a round runs after the protocol's own work (the interval computed
+    between rounds) and finds colder caches: here 10% slower. Identical steps must still have a
+    ratio of exactly 1, whatever the number of rounds (an odd one puts one order once more)."""
+    clock = FakeClock()
+    calls = [0]
+
+    def same_step():
+        clock.step(10 * (1.1 if calls[0] % configs == 0 else 1.0))()
+        calls[0] += 1
+
+    names = "abc"[:configs]
+    for rounds in (5 * configs, 5 * configs + 1):
+        calls[0] = 0
+        result = time_interleaved({n: same_step for n in names}, warmup=0, min_rounds=rounds, max_rounds=rounds,
+                                  clock=clock)
+        for name in names[1:]:
+            assert (result.ratio[name], result.ratio_low[name], result.ratio_high[name]) == pytest.approx((1, 1, 1))
+            assert not result.significant(name)
 
 
 def test_a_measured_step_time_carries_its_interval_threads_and_load():

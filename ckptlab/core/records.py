@@ -68,6 +68,7 @@ FIELDS: dict[str, object] = {
     "time_ratio_high": None,
     "significant": None,              # the ratio's interval excludes 1
     "timing_baseline": None,
+    "timing_cycle": None,             # rounds per rotation cycle: the configurations timed together
     "rounds": None,
     "timing_target_ci": None,
     "timing_ci_half_width": None,     # the relative half-width reached

@@ -4,7 +4,8 @@
     result.ratio["full"], result.ratio_low["full"], result.ratio_high["full"]
 
 Every configuration runs once per round, in an order rotated each round; a time ratio to the
-first configuration is the median of per-round ratios with its 95% bootstrap interval, and rounds
+first configuration is the median of its ratios over complete rotations (a cycle: as many rounds
+as configurations, each one in every position once) with its 95% bootstrap interval, and cycles
 go on until the interval is narrow enough or the time budget ends. Why this and not
 `torch.utils.benchmark.Timer`: docs/design.md, note "The timing protocol".
 """
@@ -21,9 +22,10 @@ import torch
 
 CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 2000
-# Fewer rounds than this give a bootstrap interval too coarse to stop on (one round: a point),
-# so reaching the target needs at least this many; the time budget may stop earlier.
-MIN_ROUNDS_FOR_TARGET = 5
+# Fewer samples than this (rounds of one configuration timed alone, cycles of several) give a
+# bootstrap interval too coarse to stop on (one sample: a point), so reaching the target needs at
+# least this many; the time budget may stop earlier.
+MIN_SAMPLES_FOR_TARGET = 5
 
 
 def check_timing_options(target_ci, max_seconds) -> None:
@@ -54,15 +56,18 @@ def bootstrap_median(values, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES
 
 def paired_ratio(row, versus, seed: int = 0) -> tuple[float, float, float]:
     """(median, low, high): `row`'s time over `versus`'s from their per-round times (`round_ms`),
-    paired round by round; the two were timed in the same interleaved rounds (one `compare`, or
-    one timing group of a sweep). NaN where either has no round times."""
+    paired round by round and taken per rotation cycle as `time_interleaved` takes them (its rows'
+    `timing_cycle`; a row without it, per round); the two were timed in the same interleaved
+    rounds (one `compare`, or one timing group of a sweep). NaN where either has no round times."""
     import numpy as np  # noqa: PLC0415 - numpy is not torch's dependency: `import ckptlab` needs only torch
 
     a, b = (np.asarray(r.get("round_ms") if isinstance(r.get("round_ms"), list) else [], dtype=float)
             for r in (row, versus))
     if len(a) == 0 or len(a) != len(b):
         return math.nan, math.nan, math.nan
-    return bootstrap_median(a / b, seed)
+    cycle = row.get("timing_cycle")
+    cycle = int(cycle) if isinstance(cycle, (int, float)) and not isinstance(cycle, bool) and cycle >= 1 else 1
+    return bootstrap_median(_cycle_ratios(a / b, cycle), seed)
 
 
 def versus_fastest_at_no_more_memory(row, rivals: Sequence) -> tuple[Optional[Mapping], tuple[float, float, float]]:
@@ -166,7 +171,8 @@ class IntervalTiming:
             "time_ratio_low": None if alone else self.ratio_low[name],
             "time_ratio_high": None if alone else self.ratio_high[name],
             "significant": None if alone else self.significant(name),
-            "timing_baseline": None if alone else self.baseline, "rounds": self.rounds, "timing_target_ci": self.target_ci,
+            "timing_baseline": None if alone else self.baseline, "timing_cycle": len(self.names),
+            "rounds": self.rounds, "timing_target_ci": self.target_ci,
             "timing_ci_half_width": self.ci_half_width, "timing_stopped": self.stopped,
             "threads": self.threads, "load_before": self.load_before, "load_after": self.load_after,
             "busy": self.busy,
@@ -184,7 +190,8 @@ def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: tor
     time budget does not cut them short); at most `max_rounds`. `clock` (seconds) times CPU steps
     and the budget; a test can hand in a clock it controls. `on_round(rounds, half_width)` is called
     after every timed round with the widest relative interval half-width so far (inf before an
-    interval exists), for a progress bar."""
+    interval exists), for a progress bar. Between `min_rounds` and `max_rounds`, timing stops only
+    after a complete cycle (`_cycle_ratios`)."""
     names = list(configs)
     if not names:
         raise ValueError("configs={} is invalid: allowed is a mapping of at least one name to a step function")
@@ -206,26 +213,29 @@ def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: tor
     t0 = clock()
     times: dict[str, list[float]] = {n: [] for n in names}
     stopped, summary = "max_rounds", None
+    cycle = len(names)
     try:
         for r in range(warmup):
             for name in _rotated(names, r):
                 configs[name]()
         for r in range(max_rounds):
-            round_start = clock()
+            if r % cycle == 0:
+                cycle_start = clock()
             for name in _rotated(names, r):
                 times[name].append(timer(configs[name]))
             rounds = r + 1
-            if on_round is not None or rounds >= min_rounds:
+            may_stop = rounds >= min_rounds and rounds % cycle == 0
+            if on_round is not None or may_stop:
                 summary = _summarize(times, names, seed)
             if on_round is not None:
                 on_round(rounds, summary["half_width"])
-            if rounds < min_rounds:
+            if not may_stop:
                 continue
-            if rounds >= MIN_ROUNDS_FOR_TARGET and summary["half_width"] < target_ci:
+            if summary["samples"] >= MIN_SAMPLES_FOR_TARGET and summary["half_width"] < target_ci:
                 stopped = "target"
                 break
             now = clock()
-            if rounds < max_rounds and (now - t0) + (now - round_start) > max_seconds:
+            if rounds < max_rounds and (now - t0) + (now - cycle_start) > max_seconds:
                 stopped = "max_seconds"
                 break
     finally:
@@ -246,20 +256,41 @@ def _rotated(names: list[str], r: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def _cycle_ratios(ratios, cycle: int):
+    """Per-round ratios made into one ratio per complete cycle of `cycle` rounds: their geometric
+    mean. Within a cycle each configuration runs once in every position of the round, so an effect
+    of the position cancels: the first step of a round runs after the protocol's own work and
+    finds colder caches, and with two configurations the first also repeats the previous round's
+    last. Per round, such an effect splits the ratios of an A/A pair into two clusters, one per
+    order, and their median falls in the cluster of the order that ran once more; an interval
+    around it can exclude 1. Rounds past the last complete cycle are left out; with fewer than
+    two cycles, the per-round ratios as they are (no cancellation, an interval of few samples)."""
+    import numpy as np  # noqa: PLC0415 - numpy is not torch's dependency: `import ckptlab` needs only torch
+
+    cycles = len(ratios) // cycle
+    if cycle == 1 or cycles < 2:
+        return ratios
+    return np.exp(np.log(ratios[:cycles * cycle]).reshape(cycles, cycle).mean(axis=1))
+
+
 def _summarize(times: dict[str, list[float]], names: list[str], seed: int) -> dict:
-    """Medians and intervals; a single round has no interval (NaN), only a value."""
+    """Medians and intervals; a single round has no interval (NaN), only a value. `samples`: how
+    many values the widest interval rests on (rounds timed alone, else `_cycle_ratios`)."""
     import numpy as np  # noqa: PLC0415 - numpy is not torch's dependency: `import ckptlab` needs only torch
 
     base = np.asarray(times[names[0]])
     out = {k: {} for k in ("step", "step_low", "step_high", "ratio", "ratio_low", "ratio_high")}
     widths = []
+    out["samples"] = len(base)
     for name in names:
         t = np.asarray(times[name])
         out["step"][name], out["step_low"][name], out["step_high"][name] = _median_interval(t, seed)
         if name == names[0]:
             out["ratio"][name] = out["ratio_low"][name] = out["ratio_high"][name] = 1.0
             continue
-        ratio, low, high = _median_interval(t / base, seed)
+        ratios = _cycle_ratios(t / base, len(names))
+        out["samples"] = len(ratios)
+        ratio, low, high = _median_interval(ratios, seed)
         out["ratio"][name], out["ratio_low"][name], out["ratio_high"][name] = ratio, low, high
         widths.append((high - low) / 2 / ratio)
     if not widths:  # one configuration: how well its own median step time is known
