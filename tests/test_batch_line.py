@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptlab
+from ckptlab.core.cards import parse_capacity
 from ckptlab.core.policy import as_policy
 from ckptlab.estimate import batch_line, fake_step
 from ckptlab.estimate.batch_line import batch_lines, on_line
@@ -18,13 +19,10 @@ from .test_fast_path import CUDA, assert_same_fields
 
 
 @pytest.mark.parametrize("spec, overrides, policy, options", [
-    ("gpt-tiny", dict(n_layer=7), "none", {}),
     ("gpt-tiny", dict(n_layer=7), "full", CUDA),
-    ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16")),
-    ("gpt-tiny", dict(n_layer=7), "full+offload", CUDA),
-    ("gpt-tiny", dict(n_layer=7), "none", dict(CUDA, loop="adamw,holds-output")),
-    ("gpt-tiny", dict(n_layer=7), "none", dict(CUDA, alloc_conf="expandable_segments:True")),
-    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "none", dict(CUDA, dtype="bf16-weights")),
+    ("gpt-tiny", dict(n_layer=7), "full+offload", CUDA),                          # pinned host blocks
+    ("gpt-tiny", dict(n_layer=7), "none", dict(CUDA, loop="adamw,holds-output")),  # state between steps
+    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "selective", dict(CUDA, dtype="bf16-weights")),
 ])
 def test_a_prediction_from_the_line_is_the_traced_one(spec, overrides, policy, options):
     workload = get_workload(spec, **overrides)
@@ -93,13 +91,17 @@ def test_a_step_that_grows_faster_than_the_batch_is_traced():
     assert line.broken and list(line.traced) == [2, 3] and line.on_line == []
 
 
+# A card of 64 MiB without a context or margin: searches of tens of batch sizes through the allocator.
+SMALL_CARD = parse_capacity("rtx4090", usable_bytes="64MiB", context_bytes=0, required_margin_bytes=0)
+
+
 @pytest.mark.parametrize("workload, capacities, dtype, uses_lines", [
-    (lambda: get_workload("gpt-tiny", n_layer=7), ["rtx4090", "h200", "40MiB"], "fp32", True),
+    (lambda: get_workload("gpt-tiny", n_layer=7), [SMALL_CARD, "40MiB"], "fp32", True),
     (lambda: get_workload("gpt-tiny", n_layer=7), ["a100-40"], "bf16", False),   # batch 1024 fits: 3 predictions
     (pairwise_workload, ["48MiB"], "fp32", False),
 ])
 def test_a_table_searched_on_lines_is_the_traced_search(workload, capacities, dtype, uses_lines, monkeypatch):
-    options = dict(seq_len=64, seq_lens=[32, 64, 128], dtype=dtype)
+    options = dict(seq_len=64, seq_lens=[64], dtype=dtype, max_batch=64)
     made = []
     predicting = predict_policy
 
@@ -109,11 +111,11 @@ def test_a_table_searched_on_lines_is_the_traced_search(workload, capacities, dt
         return p
 
     monkeypatch.setattr("ckptlab.estimate.predict.predict_policy", counted)
-    on_lines = predict_fits(workload(), ["none", "full"], capacities, **options)
+    on_lines = predict_fits(workload(), ["full"], capacities, **options)
     from_lines = sum(made)
     fake_step.clear_prepared()
     monkeypatch.setattr(batch_line, "MIN_TRACED", 10**9)   # no line is ever long enough
-    traced = predict_fits(workload(), ["none", "full"], capacities, **options)
+    traced = predict_fits(workload(), ["full"], capacities, **options)
     assert on_lines == traced
     assert (from_lines > 0) == uses_lines
 
