@@ -187,9 +187,8 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
     assert row["identical"] and row["fast_trace"] == "composed"
     for when in ("first", "prepared"):   # one round: its own ratio
         assert row[f"{when}_ratio"] == pytest.approx(row[f"{when}_full_s"] / row[f"{when}_fast_s"])
-    traced, on_lines, in_workers = result["fits"]
-    assert traced["rows"] and traced["rows"] == on_lines["rows"] == in_workers["rows"]
-    assert traced["from_lines"] == 0 and on_lines["from_lines"] > 0 and on_lines["traced"] < traced["traced"]
+    on_lines, in_workers = result["fits"]   # --quick: no table traced without lines
+    assert on_lines["rows"] and on_lines["rows"] == in_workers["rows"] and on_lines["from_lines"] > 0
     assert "| gpt-tiny | 64 |" in (tmp_path / "predict_speed.md").read_text()
 
 
