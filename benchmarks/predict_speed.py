@@ -54,7 +54,7 @@ FITS = [("hf-llama-7b+lora=16", {}, ["none", "selective", "full"], "bf16-weights
         ("gpt2-small", {}, ["none", "selective", "full"], "fp32", list(DEFAULT_CARDS))]
 QUICK_CASES = [("gpt-tiny", {"n_layer": 8}, [64], "fp32")]
 # an RTX 4090 with 64 MiB usable, no context nor margin: searches of tens of batch sizes through the allocator
-QUICK_FITS = [("gpt-tiny", {"n_layer": 8}, ["full"], "fp32", [parse_capacity("rtx4090", usable_bytes="64MiB", context_bytes=0, required_margin_bytes=0)])]
+QUICK_FITS = [("gpt-tiny", {"n_layer": 8}, ["full"], "bf16", [parse_capacity("rtx4090", usable_bytes="64MiB", context_bytes=0, required_margin_bytes=0)])]
 POLICY = "none"
 FITS_SEQ = 2048   # the batch search's sequence length (or the model's limit)
 

@@ -19,9 +19,11 @@ from .test_fast_path import CUDA, assert_same_fields
 
 
 @pytest.mark.parametrize("spec, overrides, policy, options", [
-    ("gpt-tiny", dict(n_layer=7), "full", CUDA),
-    ("gpt-tiny", dict(n_layer=7), "full+offload", CUDA),                          # pinned host blocks
-    ("gpt-tiny", dict(n_layer=7), "none", dict(CUDA, loop="adamw,holds-output")),  # state between steps
+    # bf16: flash attention with dropout, whose kernels do not read the batch size (fp32 runs the
+    # memory-efficient backward, whose split of 16 keys settles from b x 4 heads >= 256)
+    ("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, dtype="bf16")),
+    ("gpt-tiny", dict(n_layer=7), "full+offload", dict(CUDA, dtype="bf16")),              # pinned host blocks
+    ("gpt-tiny", dict(n_layer=7), "none", dict(CUDA, dtype="bf16", loop="adamw,holds-output")),  # state between steps
     ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "selective", dict(CUDA, dtype="bf16-weights")),
 ])
 def test_a_prediction_from_the_line_is_the_traced_one(spec, overrides, policy, options):
@@ -96,7 +98,7 @@ SMALL_CARD = parse_capacity("rtx4090", usable_bytes="64MiB", context_bytes=0, re
 
 
 @pytest.mark.parametrize("workload, capacities, dtype, uses_lines", [
-    (lambda: get_workload("gpt-tiny", n_layer=7), [SMALL_CARD], "fp32", True),
+    (lambda: get_workload("gpt-tiny", n_layer=7), [SMALL_CARD], "bf16", True),
     (lambda: get_workload("gpt-tiny", n_layer=7), ["a100-40"], "bf16", False),   # batch 1024 fits: 3 predictions
     (pairwise_workload, ["48MiB"], "fp32", False),
 ])
@@ -137,3 +139,21 @@ def test_a_line_starts_where_flash_stops_splitting_the_keys():
     assert above.trace == "composed, on its batch line (traced at batch sizes 52, 53, 60)"
     fake_step.clear_prepared()
     assert_same_fields(above, predict_policy(workload, 57, 16, as_policy("none"), **options))
+
+
+def test_a_line_starts_where_the_efficient_backward_stops_splitting_the_keys():
+    """The memory-efficient backward on an RTX 4090 (sm89) in bf16 with head dim 128 stages dk / dv
+    in fp32 and splits the keys into at most 200 // (b x heads) parts: 2 heads, one split from
+    b x 2 > 100, b = 51. Below, its workspace is not on a line in b, so a line starts at 51."""
+    workload = get_workload("gpt-tiny", n_layer=7, n_head=2, n_embd=256, dropout=0.0)
+    options = dict(CUDA, dtype="bf16", attention="efficient")
+    with batch_lines():
+        for b in (51, 52, 60):
+            predict_policy(workload, b, 128, as_policy("none"), **options)
+        above = predict_policy(workload, 57, 128, as_policy("none"), **options)
+        below = [predict_policy(workload, b, 128, as_policy("none"), **options) for b in (2, 3, 5, 40)]
+    assert not any(on_line(p.trace) for p in below)
+    assert above.trace == "composed, on its batch line (traced at batch sizes 51, 52, 60)"
+    fake_step.clear_prepared()
+    for p in [above, below[-1]]:
+        assert_same_fields(p, predict_policy(workload, p.batch_size, 128, as_policy("none"), **options))

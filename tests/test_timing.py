@@ -117,6 +117,19 @@ def test_paired_ratio_of_stored_rows_takes_the_cycles_their_timing_took():
     ratio = paired_ratio({"round_ms": other, "timing_cycle": 2}, {"round_ms": base, "timing_cycle": 2})
     assert ratio == pytest.approx((1.0, 1.0, 1.0))
     assert paired_ratio({"round_ms": other}, {"round_ms": base})[0] == pytest.approx(10 / 11)   # per round
+    # a DataFrame row holds numpy integers
+    assert paired_ratio({"round_ms": other, "timing_cycle": np.int64(2)}, {"round_ms": base}) == pytest.approx((1, 1, 1))
+
+
+def test_the_summary_takes_every_round_timed_where_the_loop_stops_inside_a_cycle():
+    """Two configurations, rounds of 1, 2 and 9 ms for the first: three rounds end inside the
+    second cycle, and its step time is the median of all three, 2 ms, as `times_ms` holds them."""
+    clock = FakeClock()
+    a, b = iter([1, 2, 9]), iter([5, 5, 5])
+    result = time_interleaved({"a": lambda: clock.step(next(a))(), "b": lambda: clock.step(next(b))()},
+                              warmup=0, min_rounds=1, max_rounds=3, max_seconds=1e6, clock=clock)
+    assert result.rounds == 3 and result.times_ms["a"] == [1, 2, 9]
+    assert result.step_ms["a"] == pytest.approx(2.0)
 
 
 def test_the_fastest_rival_at_no_more_memory_is_paired_round_by_round():

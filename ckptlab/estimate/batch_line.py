@@ -12,8 +12,8 @@ equal to the line's). A tensor whose bytes grow faster than the batch (b x b, sa
 product of dimensions with nonnegative coefficients is convex in b) misses the line at any third
 point, and the line is dropped. What three points cannot rule out is a choice that jumps at some
 batch size: of the CUDA rules modelled, flash attention's split of the keys (without dropout)
-reads it, and is settled from a batch size that the step records (`CudaSemantics.settled_from_batch`):
-a line starts there. A search that uses lines still traces its answer's bounds
+and the memory-efficient backward's read it, and are settled from a batch size that the step
+records (`CudaSemantics.settled_from_batch`): a line starts there. A search that uses lines still traces its answer's bounds
 (`predict.predict_fits`).
 
 Lines are used only inside `batch_lines()`; outside it every prediction is traced.

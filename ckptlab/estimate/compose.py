@@ -784,8 +784,9 @@ class _MarkedHostOffload(HostOffload):
 
     def _pack(self, tensor: torch.Tensor):
         device, host = super()._pack(tensor)
-        if self.tracker is not None:
-            self.tracker.mark(("host", host.numel() * host.element_size()))
+        nbytes = host.numel() * host.element_size()
+        if self.tracker is not None and nbytes:   # an empty copy takes no pinned block (`HostOffload`)
+            self.tracker.mark(("host", nbytes))
         return device, host
 
     def _freed(self, nbytes: int) -> None:

@@ -65,8 +65,8 @@ class CudaSemantics:
     sm_count: int
     rules: TorchRules = field(default_factory=torch_rules)      # the torch version modelled
     backend_calls: dict[str, int] = field(default_factory=dict)  # per backend, recomputations included
-    # the smallest batch size from which the choices that read the batch size (flash's split of
-    # the keys) are those of every larger batch: a line in the batch size holds from there
+    # a batch size from which the choices that read the batch size (flash's split of the keys, the
+    # memory-efficient backward's) are those of every larger batch: a line in the batch size holds from there
     settled_from_batch: int = 1
 
     @property
@@ -177,6 +177,9 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
                 query.size(1), query.size(2), semantics.sm_count))
         return flash_attention(query, key, value, dropout_p, semantics.sm_count, rules)
     if backend == "efficient":
+        semantics.settled_from_batch = max(semantics.settled_from_batch, _efficient_settled_batch(
+            query.size(1), key.size(2), query.size(-1), value.size(-1), query.element_size() == 2, bool(dropout_p),
+            semantics.arch))
         return efficient_attention(query, key, value, attn_mask, dropout_p, semantics.arch)
     return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
@@ -519,6 +522,16 @@ def _efficient_backward_kernel(half: bool, dropout: bool, max_k: int, arch: str)
         if k_max >= max_k and smem_kib <= SMEM_OPTIN_KIB[arch]:
             return i, j, k_max
     raise AssertionError("cutlassB: no kernel found to launch")  # unreachable: k65536 always fits
+
+
+def _efficient_settled_batch(h, sk, d, dv, half: bool, dropout: bool, arch: str) -> int:
+    """A batch size from which `_efficient_backward_workspace`'s split of the keys no longer changes
+    with the batch: one split once b x h >= 256 (with few keys), or once b x h > 100 where
+    dk / dv are staged (200 // (b x h) <= 1)."""
+    i, j, k_max = _efficient_backward_kernel(half, dropout, max(d, dv), arch)
+    if half and k_max > i:
+        return -(-101 // h)
+    return -(-256 // h) if sk <= 2 * j else 1
 
 
 def _efficient_backward_workspace(b, h, sq, sk, d, dv, half: bool, dropout: bool, arch: str) -> int:

@@ -13,6 +13,7 @@ go on until the interval is narrow enough or the time budget ends. Why this and 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ def paired_ratio(row, versus, seed: int = 0) -> tuple[float, float, float]:
     if len(a) == 0 or len(a) != len(b):
         return math.nan, math.nan, math.nan
     cycle = row.get("timing_cycle")
-    cycle = int(cycle) if isinstance(cycle, (int, float)) and not isinstance(cycle, bool) and cycle >= 1 else 1
+    cycle = int(cycle) if isinstance(cycle, numbers.Real) and not isinstance(cycle, bool) and cycle >= 1 else 1
     return bootstrap_median(_cycle_ratios(a / b, cycle), seed)
 
 
@@ -231,7 +232,9 @@ def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: tor
                 on_round(rounds, summary["half_width"])
             if not may_stop:
                 continue
-            if summary["samples"] >= MIN_SAMPLES_FOR_TARGET and summary["half_width"] < target_ci:
+            # the target is judged on ratios per cycle: two cycles at least (one is per round)
+            if (cycle == 1 or rounds >= 2 * cycle) and summary["samples"] >= MIN_SAMPLES_FOR_TARGET \
+                    and summary["half_width"] < target_ci:
                 stopped = "target"
                 break
             now = clock()
@@ -241,7 +244,7 @@ def time_interleaved(configs: Mapping[str, Callable[[], object]], *, device: tor
     finally:
         torch.set_num_threads(previous_threads)
     load_after = os.getloadavg()[0]
-    summary = summary or _summarize(times, names, seed)
+    summary = _summarize(times, names, seed)   # of every round timed, whichever round the loop stopped at
     return IntervalTiming(
         names=names, times_ms=times, step_ms=summary["step"], step_ms_low=summary["step_low"],
         step_ms_high=summary["step_high"], ratio=summary["ratio"], ratio_low=summary["ratio_low"],

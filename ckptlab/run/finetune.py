@@ -59,7 +59,7 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
     get_workload(spec)   # a bad model or rank is reported here, not from a worker process
     caps = [parse_capacity(c, "capacities") for c in capacities]
     tasks = [(spec, policy, list(seq_lens), caps, batch_size, dtype) for policy in policies]
-    if workers == 1 or len(tasks) == 1:
+    if workers == 1 or len(tasks) <= 1:
         done = [_policy_rows(task) for task in tasks]
     else:
         with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
