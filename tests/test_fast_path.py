@@ -151,6 +151,17 @@ def test_a_short_stack_is_traced_in_full_and_says_why():
     assert fast.trace == "full (no stack has repeated middle blocks to compose)"
 
 
+def test_a_model_whose_blocks_cannot_be_cut_is_built_once(monkeypatch):
+    spec = get_workload("gpt-tiny", n_layer=3)
+    built = []
+    monkeypatch.setattr(type(spec), "new_model", lambda self, made=type(spec).new_model: built.append(1) or made(self))
+    fake_step.clear_prepared()
+    for b in (1, 2):
+        assert predict_policy(spec, b, 16, as_policy("none")).trace.startswith("full (no stack")
+        assert predict_policy(spec, b, 16, as_policy("none"), trace="full").trace == "full"
+    assert len(built) == 1
+
+
 def test_what_cannot_be_composed_is_traced_in_full():
     fast, full = both_ways(workload("plain"), "segments=2")
     assert_same(fast, full)

@@ -127,6 +127,8 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
     prepared = prepared_step(workload, policy, dtype, loop, device,
                              host_type=_MarkedHostOffload if cuda and policy.offload else None, cut_type=_Cut)
+    if prepared.refusal is not None:
+        raise prepared.refusal
     host, cut = prepared.host, prepared.cut
     kernels_key = ((card.arch, card.sm_count) if card else None, attention, torch_version)
     line = cut.batch_lines.setdefault((seq_len, kernels_key), BatchLine())
@@ -225,9 +227,12 @@ class _Cut:
     optimizer_phases: dict = field(default_factory=dict)   # the kernels a step ran -> its `_OptimizerPhase`
     batch_lines: dict = field(default_factory=dict)        # (seq_len, the kernels) -> its `BatchLine`
 
+    Refusal = NotComposable   # what `shorten` raises before it changes the model
+
     def shorten(self, model: nn.Module, handle) -> Callable[[list], list]:
         """Cut the stacks' middles out of `model` (called once the policy is applied); returns
-        what the warm-up's trained parameters become (the cut blocks' counterparts added)."""
+        what the warm-up's trained parameters become (the cut blocks' counterparts added).
+        NotComposable, before anything is changed, for a model whose blocks cannot be cut."""
         if not handle.stacks:
             raise NotComposable("the blocks were given, not found in stacks")
         if any(stop - start > 1 for start, stop in handle.regions):

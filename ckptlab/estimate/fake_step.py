@@ -258,7 +258,9 @@ class PreparedStep:
 
     With `host`, offload moves saved tensors to it as on CUDA. `cut`, if given, shortens the
     model once the policy is applied (`compose`: `cut.shorten(model, handle)` may change which
-    blocks run, and returns what the warm-up's trained parameters become).
+    blocks run, and returns what the warm-up's trained parameters become). A cut that refuses the
+    model raises its `Refusal` before it changes anything: the step then runs whole (`cut` None),
+    and `refusal` keeps why.
 
     The first `at` warms the model up (`warm_up`: the state a first training step leaves). That
     state does not depend on the batch's shape nor on the kernels the step runs (parameters, the
@@ -270,6 +272,7 @@ class PreparedStep:
     def __init__(self, workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str,
                  host: Optional[HostOffload] = None, *, cut=None):
         self.device, self.dtype, self.loop, self.host, self.cut = device, dtype, loop, host, cut
+        self.refusal: Optional[Exception] = None
         self.fake_mode = fake_modes()
         self.workload = with_dtype(workload, dtype)
         self.model = fake_model(self.workload, self.fake_mode)  # as Workload.build, minus the device move
@@ -277,7 +280,12 @@ class PreparedStep:
         with self.fake_mode, sequences_unpacked():
             self.model.train()
             self.handle = apply_checkpointing(self.model, policy, offload_hooks=host.hooks if host else None)
-            self.trained = cut.shorten(self.model, self.handle) if cut else None
+            self.trained = None
+            if cut is not None:
+                try:
+                    self.trained = cut.shorten(self.model, self.handle)
+                except cut.Refusal as why:
+                    self.cut, self.refusal = None, why
             self.opt = make_optimizer(loop, self.model, device)
 
     @contextlib.contextmanager
@@ -323,7 +331,8 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
     workload made from a spec, when its spec, its file's hash, overrides, seed and weights' dtype
     are. `host_type` (a `HostOffload`) is made for offload on "cuda", `cut_type()`'s `shorten`
     shortens the model (`compose`). An exception while preparing is raised again for the same
-    options without preparing again."""
+    options without preparing again. A step whose cut refused the model is the whole one, also
+    kept for these options without a cut (the full trace's), so that its model is built once."""
     key = (workload_key(workload), policy, dtype, loop, device, host_type, cut_type)
     if key in _PREPARED:
         _PREPARED.move_to_end(key)
@@ -337,6 +346,8 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
     except Exception as exc:
         found = exc
     _PREPARED[key] = (workload, found)   # the workload kept alive: an object's key is its id
+    if isinstance(found, PreparedStep) and found.refusal is not None and host_type is None:
+        _PREPARED.setdefault(key[:-1] + (None,), (workload, found))
     while len(_PREPARED) > PREPARED_KEPT:
         _PREPARED.popitem(last=False)
     if isinstance(found, Exception):
