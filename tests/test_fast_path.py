@@ -162,6 +162,21 @@ def test_a_model_whose_blocks_cannot_be_cut_is_built_once(monkeypatch):
     assert len(built) == 1
 
 
+def test_the_policies_of_one_model_step_copies_of_one_build(monkeypatch):
+    spec = get_workload("hf-llama-tiny+lora=4", num_hidden_layers=7)
+    built = []
+    monkeypatch.setattr(type(spec), "new_model", lambda self, made=type(spec).new_model: built.append(1) or made(self))
+    fake_step.clear_prepared()
+    copies = [predict_policy(spec, 2, 16, as_policy(policy), trace=trace)
+              for policy in ("none", "full", "selective") for trace in ("fast", "full")]
+    assert len(built) == 1 and [p.trace for p in copies[::2]] == ["composed"] * 3
+    fake_step.clear_prepared()
+    for policy, (fast, full) in zip(("none", "full", "selective"), zip(copies[::2], copies[1::2])):
+        assert_same(fast, full)
+        assert_same_fields(fast, predict_policy(spec, 2, 16, as_policy(policy)))   # built for it alone
+        fake_step.clear_prepared()
+
+
 def test_what_cannot_be_composed_is_traced_in_full():
     fast, full = both_ways(workload("plain"), "segments=2")
     assert_same(fast, full)
