@@ -40,6 +40,7 @@ from ..plan.budget import plan_budget, predict
 from ..plan.profile import profile_blocks
 from ..plan.solve import min_peak
 from ..probe.step import with_dtype
+from ..run.progress import Progress
 from ..workloads.base import Workload
 from ..workloads.models import GPTConfig, with_chunked_loss
 
@@ -166,7 +167,7 @@ class Explanation:
 def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str = "none", *, dtype: str = "fp32",
             loop: Loop | str | None = None, capacity=None, measure: bool = False, ranks: int = 8, device: str = "cpu",
             card=None, attention: Optional[str] = None, torch_version: Optional[str] = None,
-            alloc_conf: Optional[str] = None) -> Explanation:
+            alloc_conf: Optional[str] = None, progress: bool = True) -> Explanation:
     """Why the peak of one training step is what it is, and what each lever would make it.
 
     Everything comes from predictions (fake tensors), so any shape works on a laptop;
@@ -178,7 +179,8 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     margin. `loop` is the training loop (`core.loop`, `predict`'s): every prediction is for that
     loop, and levers change its fields (another optimizer, accumulation, releasing a held output);
     `torch_version` and the allocator's `alloc_conf` are `predict`'s too. Bad input raises
-    ValueError before any work."""
+    ValueError before any work. On a terminal a bar counts its stages (`progress=False`: none): a
+    7B's explanation takes tens of seconds on 2 cores, most of them in the plans' stages."""
     t0 = time.perf_counter()
     limit = parse_capacity(capacity) if capacity is not None else None
     on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
@@ -194,50 +196,62 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     if measure and device != "cpu":
         raise ValueError(f"measure=True is invalid with device={device!r}: the step is measured here, on the CPU; "
                          "allowed is measure=False for a prediction for CUDA")
-    base = predict(workload, batch_size, seq_len, parsed, dtype, loop, **on)
-    applied = f"plan={base.plan}" if base.plan else str(parsed)
-    breakdown = peak_breakdown(base)
+    stages = Progress("explain", progress)
+    stages.phase("stages", 6 + measure, "stage")
+    try:
+        base = predict(workload, batch_size, seq_len, parsed, dtype, loop, **on)
+        applied = f"plan={base.plan}" if base.plan else str(parsed)
+        breakdown = peak_breakdown(base)
+        stages.step("the step")
 
-    memo: dict = {}   # each setting predicted once: the waterfall's steps repeat levers' settings
-    levers = policy_levers(workload, base, applied, on, memo)
-    floor_lever = floor_plan_lever(workload, base, applied, levers, on) if base.n_blocks else None
-    if floor_lever is not None:
-        levers.append(floor_lever)
-    if capacity_bytes is not None and base.n_blocks:
-        capacity_lever = capacity_plan_lever(workload, base, applied, capacity_bytes, on)
-        if capacity_lever is not None:
-            levers.append(capacity_lever)
-    checkpoint_peaks = [(lv.predicted_peak_bytes, lv.policy) for lv in levers
-                        if lv.policy and lv.policy != "none" and lv.predicted_peak_bytes is not None]
-    if parsed.kind != "none":
-        checkpoint_peaks.append((base.held_bytes, applied))
-    # Ties go to the step's own policy: it already reaches that peak.
-    floor, floor_policy = min(checkpoint_peaks, default=(base.held_bytes, "none: the model has no blocks to checkpoint"),
-                              key=lambda x: (x[0], x[1] != applied))
+        memo: dict = {}   # each setting predicted once: the waterfall's steps repeat levers' settings
+        levers = policy_levers(workload, base, applied, on, memo)
+        stages.step("checkpoint policies")
+        floor_lever = floor_plan_lever(workload, base, applied, levers, on) if base.n_blocks else None
+        if floor_lever is not None:
+            levers.append(floor_lever)
+        stages.step("a plan at the floor")
+        if capacity_bytes is not None and base.n_blocks:
+            capacity_lever = capacity_plan_lever(workload, base, applied, capacity_bytes, on)
+            if capacity_lever is not None:
+                levers.append(capacity_lever)
+        stages.step("a plan at the capacity")
+        checkpoint_peaks = [(lv.predicted_peak_bytes, lv.policy) for lv in levers
+                            if lv.policy and lv.policy != "none" and lv.predicted_peak_bytes is not None]
+        if parsed.kind != "none":
+            checkpoint_peaks.append((base.held_bytes, applied))
+        # Ties go to the step's own policy: it already reaches that peak.
+        floor, floor_policy = min(checkpoint_peaks, default=(base.held_bytes, "none: the model has no blocks to checkpoint"),
+                                  key=lambda x: (x[0], x[1] != applied))
 
-    kind, cause = diagnose(base, breakdown, floor, floor_policy, parsed)
-    levers += other_levers(workload, base, applied, kind, breakdown, capacity_bytes, ranks, on, memo)
-    levers.sort(key=lambda lv: (lv.predicted_peak_bytes is None, lv.predicted_peak_bytes or 0, lv.name))
+        kind, cause = diagnose(base, breakdown, floor, floor_policy, parsed)
+        levers += other_levers(workload, base, applied, kind, breakdown, capacity_bytes, ranks, on, memo)
+        stages.step("other levers")
+        levers.sort(key=lambda lv: (lv.predicted_peak_bytes is None, lv.predicted_peak_bytes or 0, lv.name))
 
-    explanation = Explanation(
-        model=base.model, batch_size=batch_size, seq_len=seq_len, policy=str(parsed), dtype=dtype,
-        loop=loop, n_blocks=base.n_blocks, peak_bytes=base.peak_bytes, peak_phase=base.peak_phase,
-        peak_block=base.peak_block, breakdown=breakdown, checkpoint_floor_bytes=floor,
-        checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
-        capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count, device=device,
-        card=base.card, capacity_card=on_card.describe() if on_card else "", device_bytes=base.device_bytes,
-        margin_bytes=base.margin_bytes, fit=base.fit, fit_reason=base.fit_reason,
-    )
-    explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on, memo)
-    if measure:
-        record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, loop=loop, steps=1,
-                              warmup=0, max_seconds=0.5)
-        if record["status"] == "ok":
-            explanation.measured_peak_bytes = record["peak_bytes"]
-            error = prediction_error(base.peak_bytes, record["peak_bytes"])
-            explanation.measured_note = f"on {record['device']}: prediction error {error:+.1%}"
-        else:
-            explanation.measured_note = f"not measured here: {record['status']}: {record['message']}"
+        explanation = Explanation(
+            model=base.model, batch_size=batch_size, seq_len=seq_len, policy=str(parsed), dtype=dtype,
+            loop=loop, n_blocks=base.n_blocks, peak_bytes=base.peak_bytes, peak_phase=base.peak_phase,
+            peak_block=base.peak_block, breakdown=breakdown, checkpoint_floor_bytes=floor,
+            checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
+            capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count, device=device,
+            card=base.card, capacity_card=on_card.describe() if on_card else "", device_bytes=base.device_bytes,
+            margin_bytes=base.margin_bytes, fit=base.fit, fit_reason=base.fit_reason,
+        )
+        explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on, memo)
+        stages.step("the waterfall")
+        if measure:
+            record = measure_step(workload, batch_size, seq_len, parsed, dtype=dtype, loop=loop, steps=1,
+                                  warmup=0, max_seconds=0.5)
+            if record["status"] == "ok":
+                explanation.measured_peak_bytes = record["peak_bytes"]
+                error = prediction_error(base.peak_bytes, record["peak_bytes"])
+                explanation.measured_note = f"on {record['device']}: prediction error {error:+.1%}"
+            else:
+                explanation.measured_note = f"not measured here: {record['status']}: {record['message']}"
+            stages.step("measured")
+    finally:
+        stages.close()
     explanation.explain_s = time.perf_counter() - t0
     return explanation
 
