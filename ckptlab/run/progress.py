@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tqdm.auto import tqdm
 
-
-def progress_bar(total: Optional[int], desc: str, unit: str, enabled: bool = True) -> tqdm:
+def progress_bar(total: Optional[int], desc: str, unit: str, enabled: bool = True):
     """A tqdm bar shown only when `enabled` and stderr is a terminal."""
+    from tqdm.auto import tqdm  # noqa: PLC0415 - tqdm is not torch's dependency: `import ckptlab` needs only torch
     return tqdm(total=total, desc=desc, unit=unit, disable=None if enabled else True, dynamic_ncols=True)
 
 
