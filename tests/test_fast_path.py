@@ -282,3 +282,25 @@ def test_a_reused_step_predicts_what_a_fresh_one_does(trace, spec, overrides, po
     for prediction, alone in zip(reused, fresh):
         assert alone.trace == prediction.trace and "failed" not in prediction.trace
         assert_same_fields(prediction, alone)
+
+
+@pytest.mark.parametrize("spec, overrides, dtype, options", [
+    ("gpt-tiny", dict(n_layer=7), "fp32", {}),
+    ("hf-llama-tiny", dict(num_hidden_layers=7), "bf16", CUDA),
+    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "bf16-weights", dict(device="cuda", card="h100-80")),
+])
+def test_the_planners_block_profile_from_a_composed_step_is_the_full_steps(spec, overrides, dtype, options,
+                                                                          monkeypatch):
+    from ckptlab.estimate import block_profile
+
+    workload = get_workload(spec, **overrides)
+    composed = {o: block_profile.block_memory(workload, 2, 16, o, dtype, **options) for o in ("keep", "selective", "full")}
+
+    def refuse(*args, **kwargs):
+        raise compose.NotComposable("traced in full for the test")
+    monkeypatch.setattr(block_profile, "composed_step", refuse)
+    fake_step.clear_prepared()
+    for option, memory in composed.items():
+        assert memory == block_profile.block_memory(workload, 2, 16, option, dtype, **options), option
+        middle = memory.kept[1:-1]
+        assert len(set(middle)) == 1 and middle[0] > 0, memory   # alike blocks keep alike bytes

@@ -1,11 +1,11 @@
 """What each block keeps and what recomputing it costs, predicted on fake tensors (nothing
 allocated): the planner's memory profile and its roofline costs (`plan.profile` puts them together).
 
-- `block_memory`: one fake training step (`estimate.fake_step`) with every block at one option
-  (keep, selective, full), instrumented at block boundaries: for every block, the bytes its
-  forward leaves alive for backward and the peak of live bytes while its backward runs; the peak
-  before the first block's backward (forward + loss head) and after the last (embedding backward
-  + optimizer).
+- `block_memory`: one fake training step (`estimate.fake_step`, composed where it can be:
+  `estimate.compose`) with every block at one option (keep, selective, full), read at block
+  boundaries: for every block, the bytes its forward leaves alive for backward and the peak of
+  live bytes while its backward runs; the peak before the first block's backward (forward + loss
+  head) and after the last (embedding backward + optimizer).
 - `roofline_block_costs`: for shapes too large to time here, what an option recomputes priced by
   its ops' FLOPs and bytes on an assumed accelerator (`ROOFLINE_FLOPS`, `ROOFLINE_BYTES_PER_S`).
 """
@@ -21,17 +21,17 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
-from ..checkpoint.blocks import hidden_state
 from ..checkpoint.wrap import selective_policy_fn
 from ..core.cards import Card
 from ..core.loop import Loop, as_loop
 from ..core.policy import plan_policy
 from ..probe.block_timing import average_alike, block_inputs, cpu_autocast
-from ..probe.memory import track_memory
+from ..probe.memory import LiveCounts, track_memory
 from ..probe.step import with_dtype
 from ..workloads.base import Workload
 from ..workloads.stacks import find_blocks
-from .fake_step import fake_model, fake_modes, fake_training_step
+from .compose import NotComposable, composed_step
+from .fake_step import as_card, built_model, fake_model, fake_modes, prepared_step, stepped
 
 # Roofline for shapes too large to time here: a modern accelerator's realistic dense throughput
 # and memory bandwidth (stated assumptions, not measurements).
@@ -61,23 +61,9 @@ class BlockMemory:
     peak: int
 
 
-class _Marker(torch.autograd.Function):
-    """Identity whose backward calls `fn`: marks when a block's backward begins/ends."""
-
-    @staticmethod
-    def forward(ctx, x, fn):
-        ctx.fn = fn
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.fn()
-        return grad, None
-
-
 def block_count(workload: Workload) -> int:
     """How many blocks the workload's model runs (built on fake tensors)."""
-    return len(find_blocks(fake_model(workload, fake_modes())))
+    return len(find_blocks(built_model(workload)[1]))
 
 
 def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str, dtype: str = "fp32",
@@ -85,75 +71,68 @@ def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str,
                  attention: Optional[str] = None, *, torch_version: Optional[str] = None) -> BlockMemory:
     """The fake training step with every block at `option` (keep, selective, full), its memory at
     block boundaries (module docstring); `loop`, `device`, `card`, `attention` and `torch_version`
-    as `fake_training_step`'s. The loop runs one micro-batch (accum_steps=1): the markers are a
-    pass's."""
+    as `predict`'s. The loop runs one micro-batch (accum_steps=1): the boundaries are a pass's.
+    The step's events come from its composed trace where the step allows one (`compose`), else
+    from the full trace: both are the same events."""
     loop = as_loop(loop)
     if loop.accum_steps != 1:
         raise ValueError(f"loop={str(loop)!r} is invalid here: a block profile is one forward and backward; "
                          "allowed is a loop with accum_steps=1")
     n = block_count(workload)
     policy = plan_policy([option] * n)
-    with fake_training_step(workload, batch_size, seq_len, policy, dtype, loop, device=device, card=card,
-                            attention=attention, torch_version=torch_version) as (model, handle, batch, opt, step):
-        blocks = handle.blocks
-        marks = {"fwd_pre": [None] * n, "fwd_post": [None] * n, "bwd_start": [None] * n, "bwd_end": [None] * n}
-        state = {}
+    card = as_card(card)
+    try:
+        events = composed_step(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
+                               torch_version=torch_version)[0].events
+    except NotComposable:
+        prepared = prepared_step(workload, policy, dtype, loop, device)
+        with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
+                model, handle, batch, opt, step, _):
+            with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks) as tracker:
+                step(tracker)
+            events = tracker.events
+    return block_memory_of(events, n)
 
-        def pre_hook(j):
-            def hook(module, args):
-                marks["fwd_pre"][j] = set(state["t"].live_bytes()) if "t" in state else None
-                if j == 0 and torch.is_grad_enabled() and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                    end = lambda: marks["bwd_end"].__setitem__(0, len(state["t"].timeline))
-                    return (_Marker.apply(args[0], end),) + tuple(args[1:])
-            return hook
 
-        def post_hook(j):
-            def hook(module, args, out):
-                if "t" in state:
-                    marks["fwd_post"][j] = set(state["t"].live_bytes())
-                h = hidden_state(out)
-                if torch.is_grad_enabled() and h.requires_grad:
-                    start = lambda: marks["bwd_start"].__setitem__(j, len(state["t"].timeline))
-                    marked = _Marker.apply(h, start)
-                    return marked if isinstance(out, torch.Tensor) else (marked,) + tuple(out[1:])
-            return hook
-
-        hooks = [b.register_forward_pre_hook(pre_hook(j)) for j, b in enumerate(blocks)]
-        hooks += [b.register_forward_hook(post_hook(j)) for j, b in enumerate(blocks)]
-        try:
-            with track_memory(model, opt, inputs=step.inputs(), device="cpu") as tracker:
-                state["t"] = tracker
-                snapshot = {}
-
-                class _Phases:
-                    def phase(self, name):
-                        if name == "backward" and not snapshot:
-                            snapshot.update(tracker.live_bytes())
-                        tracker.phase(name)
-
-                step(_Phases())
-            timeline = tracker.timeline
-        finally:
-            for h in hooks:
-                h.remove()
-    if marks["bwd_end"][0] is None:  # the first block's input needs no grad: its backward ends the pass
-        marks["bwd_end"][0] = next((i for i, (ph, _) in enumerate(timeline) if ph == "optimizer"), len(timeline))
-    if any(v is None for v in marks["bwd_start"]):
-        raise RuntimeError("plan profile: block-boundary markers did not fire; the model must call its "
+def block_memory_of(events: list[tuple], n: int) -> BlockMemory:
+    """`BlockMemory` of a step of `n` blocks from its tracked or composed events
+    (`probe.memory.LiveCounts`): a block's forward runs from its "enter" to its "exit" (the last
+    call's, where the block runs again), its backward from its "backward_block" to the block
+    before's, the first block's ending at "backward_block" None (or, when the first block's input
+    needs no gradient, where the optimizer phase begins). Storages are told apart by their number
+    in the events, which no other storage takes."""
+    counts = LiveCounts()
+    entered, exited, starts = [None] * n, [None] * n, [None] * n
+    end, at_backward = None, None
+    for event in events:
+        kind = event[0]
+        if kind == "phase" and event[1] == "backward" and at_backward is None:
+            at_backward = {key: entry.nbytes for key, entry in counts.live.items()}
+        elif kind == "enter":
+            entered[event[1]] = set(counts.live)
+        elif kind == "backward_block":
+            if event[1] is None:
+                end = len(counts.timeline)
+            else:
+                starts[event[1]] = len(counts.timeline)
+        counts.apply(event)
+        if kind == "exit":
+            exited[event[1]] = set(counts.live)
+    if any(v is None for v in starts + entered + exited) or at_backward is None:
+        raise RuntimeError("plan profile: the blocks' boundaries were not all seen; the model must call its "
                            "blocks in order with the hidden state as first argument")
+    timeline = counts.timeline
+    if end is None:   # the first block's input needs no grad: its backward ends the pass
+        end = next((i for i, (phase, _) in enumerate(timeline) if phase == "optimizer"), len(timeline))
     totals = [t for _, t in timeline]
-    kept = []
-    for j in range(n):
-        new = marks["fwd_post"][j] - marks["fwd_pre"][j]
-        kept.append(sum(snapshot.get(k, 0) for k in new))
-    starts = marks["bwd_start"]
+    kept = [sum(at_backward.get(k, 0) for k in exited[j] - entered[j]) for j in range(n)]
     bwd_peak = []
     for j in range(n):
         lo = starts[j] - 1
-        hi = starts[j - 1] if j > 0 else marks["bwd_end"][0]
+        hi = starts[j - 1] if j > 0 else end
         bwd_peak.append(max(totals[max(lo, 0):max(hi, lo + 1)]))
     head = max(totals[:max(starts[n - 1], 1)])
-    tail = max(totals[max(marks["bwd_end"][0] - 1, 0):])
+    tail = max(totals[max(end - 1, 0):])
     return BlockMemory(kept=kept, bwd_peak=bwd_peak, head=head, tail=tail, peak=max(totals))
 
 
@@ -216,5 +195,5 @@ def roofline_block_costs(workload: Workload, batch_size: int, seq_len: int, dtyp
         return average_alike(blocks, costs)
 
 
-__all__ = ["BlockMemory", "ROOFLINE_BYTES_PER_S", "ROOFLINE_FLOPS", "block_count", "block_memory",
+__all__ = ["BlockMemory", "ROOFLINE_BYTES_PER_S", "ROOFLINE_FLOPS", "block_count", "block_memory", "block_memory_of",
            "roofline_block_costs", "roofline_ms"]

@@ -118,12 +118,27 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
                     alloc_conf: Optional[str] = None) -> FakeMemory:
     """One fake training step from a composed trace (module docstring); NotComposable if the step
     does not allow one."""
+    cuda, card = device == "cuda", as_card(card)
+    composed, on_line, prepared, report = composed_step(workload, batch_size, seq_len, policy, dtype, loop, device,
+                                                        card, attention, torch_version=torch_version)
+    fake = _fake_memory(composed, prepared.handle, card, cuda, alloc_conf, bool(prepared.host), report)
+    if on_line is not None:
+        fake.trace = on_line
+    return fake
+
+
+def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
+                  loop: Loop | str | None = None, device: str = "cpu", card: Optional[Card] = None,
+                  attention: Optional[str] = None, *, torch_version: Optional[str] = None) -> tuple:
+    """The composed step (module docstring): (its `ComposedStep`, the trace it came from when a
+    batch line made it (else None), its `fake_step.PreparedStep`, and the count of its events, or
+    None where they were not counted). NotComposable if the step does not allow one."""
     loop = as_loop(loop)
     if loop.accum_steps != 1:
         raise NotComposable(f"accum={loop.accum_steps} runs several forward passes")
     if policy.mechanism == "transformers":
         raise NotComposable("transformers' own checkpointing")
-    cuda, card = device == "cuda", as_card(card)
+    cuda = device == "cuda"
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
     prepared = prepared_step(workload, policy, dtype, loop, device,
                              host_type=_MarkedHostOffload if cuda and policy.offload else None, cut_type=_Cut)
@@ -134,9 +149,7 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
     line = cut.batch_lines.setdefault((seq_len, kernels_key), BatchLine())
     composed = line.step_at(batch_size)
     if composed is not None:
-        fake = _fake_memory(composed, prepared.handle, card if cuda else None, cuda, alloc_conf, bool(host))
-        fake.trace = f"{ON_LINE} (traced at batch sizes {', '.join(map(str, line.batch_sizes))})"
-        return fake
+        return composed, f"{ON_LINE} (traced at batch sizes {', '.join(map(str, line.batch_sizes))})", prepared, None
     with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
             model, handle, batch, opt, step, kernels):
         if host:
@@ -173,7 +186,7 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
         if cuda:
             composed.loop_order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
         line.add(batch_size, composed)
-        return _fake_memory(composed, handle, card, cuda, alloc_conf, bool(host), report)
+        return composed, None, prepared, report
 
 
 def _fake_memory(composed: ComposedStep, handle, card: Optional[Card], cuda: bool, alloc_conf: Optional[str],
@@ -800,4 +813,4 @@ class _MarkedHostOffload(HostOffload):
             self.tracker.mark(("host", -nbytes))
 
 
-__all__ = ["NotComposable", "compose", "composed_memory", "fast_memory"]
+__all__ = ["NotComposable", "compose", "composed_memory", "composed_step", "fast_memory"]
