@@ -46,6 +46,10 @@ def assert_same_fields(one, other) -> None:
     ("gpt-tiny", dict(n_layer=7), "full+offload", {}),
     ("gpt-tiny", dict(n_layer=11), "every=2", {}),
     ("gpt-tiny", dict(n_layer=7), "plan=kkkkkks", CUDA),
+    ("gpt-tiny", dict(n_layer=11), "plan=kfffkkkkkkf", {}),              # a run of one kind, cut
+    ("gpt-tiny", dict(n_layer=11), "plan=kfkkkkkksfs", CUDA),
+    ("gpt-tiny", dict(n_layer=12), "plan=ksssssskfkff", dict(CUDA, dtype="bf16")),
+    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=11), "plan=kffkkkkkkkf", dict(CUDA, dtype="bf16-weights")),
     ("gpt-tiny", dict(n_layer=7), "none", dict(dtype="bf16")),          # autocast's cache of weight casts
     ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16")),
     ("gpt-tiny", dict(n_layer=7), "full", dict(loop="adamw,holds-output")),

@@ -15,7 +15,11 @@ step. What the cut blocks would have done is put back into the events:
   multiple of P on (the tail); the cut blocks in between are copies of the head's third period
   (their `template`), whose neighbours all ran. The kept middle blocks of the tail must trace as
   their templates do (`_Units._check_alike`): the first block's influence (a tensor it makes
-  that the next blocks keep) has died out by then.
+  that the next blocks keep) has died out by then. A middle whose kinds do not repeat (a plan
+  that checkpoints some blocks, say) is cut in its longest run of one kind instead, as if that
+  run were the middle: its first three blocks and its last two kept, and the blocks before and
+  after it. The last of the run traces as the kind after it makes it, so the one before it is
+  the one checked.
 - The events are split into units: a block's forward unit runs from its predecessor's return to
   its own return, its backward unit from the gradient of its output to the next block's. A cut
   block's units are its template's, inserted in the forward after the head's last block and in
@@ -216,10 +220,12 @@ class _Stack:
     length: int
     period: int = 1
     cut: range = range(0)      # the blocks that do not run
+    run: range = range(0)      # the middle blocks whose kinds repeat with the period, the cut among them
+    alike: range = range(0)    # the kept blocks of the run after the cut that must trace as their templates
 
     def template(self, block: int) -> int:
-        """The head block whose units a cut block's are: one of its third period."""
-        third_period = self.first + 1 + 2 * self.period
+        """The head block whose units a cut block's are: one of the run's third period."""
+        third_period = self.run.start + 2 * self.period
         return third_period + (block - third_period) % self.period
 
     @property
@@ -454,15 +460,24 @@ def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
     middle = kinds[1:-1]
     period = next((p for p in range(1, LONGEST_PERIOD + 1)
                    if all(middle[i] == middle[i + p] for i in range(len(middle) - p))), None)
-    if period is None:
-        return stack
-    # Kept: the first block and three periods, then from the first block after a whole number of
-    # periods that leaves one middle block and the last block.
-    cut = (len(blocks) - 3 - 3 * period) // period * period
+    run, unchecked = range(first + 1, first + len(blocks) - 1), 0
+    if period is None:   # the longest run of one kind in the middle; its last block borders another kind
+        period, start, length, unchecked = 1, 0, 0, 1
+        for i in range(len(middle)):
+            if i == 0 or middle[i] != middle[i - 1]:
+                here = i
+            if i + 1 - here > length:
+                start, length = here, i + 1 - here
+        run = range(first + 1 + start, first + 1 + start + length)
+    # Kept: the run's first three periods, then from the first block after a whole number of
+    # periods that leaves one block of the run to check (and its last one where it borders
+    # another kind); and every block outside the run.
+    cut = (len(run) - 1 - unchecked - 3 * period) // period * period
     if cut <= 0:
         return stack
-    stack.period = period
-    stack.cut = range(first + 1 + 3 * period, first + 1 + 3 * period + cut)
+    stack.period, stack.run = period, run
+    stack.cut = range(run.start + 3 * period, run.start + 3 * period + cut)
+    stack.alike = range(stack.cut.stop, run.stop - unchecked)
     return stack
 
 
@@ -573,7 +588,7 @@ class _Units:
         to storages at the same places of the same neighbours. Else the template is not what the
         cut blocks are (the first blocks' influence reaches it): NotComposable."""
         for s in self.cut.stacks:
-            for block in range(s.cut.stop, s.first + s.length - 1):
+            for block in s.alike:
                 template = s.template(block)
                 for role in ("fwd", "bwd"):
                     ours, theirs = self._signature((role, block)), self._signature((role, template))
