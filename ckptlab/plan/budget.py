@@ -18,7 +18,8 @@ from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..core.policy import Policy, as_policy, budget_value, plan_policy
 from ..core.units import format_bytes
 from ..core.validate import choice
-from ..estimate.fake_step import FakeMemory, Prediction, as_card, fake_memory
+from ..estimate.compose import fast_memory
+from ..estimate.fake_step import FakeMemory, Prediction, as_card
 from ..estimate.predict import TRACES, check_prediction, predict_policy
 from ..probe.measure import measure_policy, measurement_record
 from ..workloads.base import Workload
@@ -104,7 +105,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     if device == "cuda":
         # The profile counts tensors; the workspaces and the allocator's rounding come on top. A
         # fraction is of the allocated peak without checkpointing, as `predict` reports it.
-        keep, full = (fake_memory(workload, batch_size, seq_len, plan_policy([option] * profile.n_blocks), dtype,
+        keep, full = (fast_memory(workload, batch_size, seq_len, plan_policy([option] * profile.n_blocks), dtype,
                                   loop, **predicted_for, alloc_conf=alloc_conf) for option in ("keep", "full"))
         none_peak, full_peak, on_top = _peak(keep), _peak(full), _peak(keep) - keep.report.peak_bytes
     budget_bytes = resolve_budget(budget, none_peak)
@@ -113,7 +114,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
         options = solve(profile, target)
         if options is None:
             lowest, lowest_plan = min_peak(profile)
-            verified = _peak(fake_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
+            verified = _peak(fast_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
                                          loop, **predicted_for, alloc_conf=alloc_conf))
             raise ValueError(
                 f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
@@ -121,7 +122,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
                 f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
                 f"{plan_policy(lowest_plan).value}); allowed is a budget >= that"
             )
-        chosen = fake_memory(workload, batch_size, seq_len, plan_policy(options), dtype, loop, **predicted_for,
+        chosen = fast_memory(workload, batch_size, seq_len, plan_policy(options), dtype, loop, **predicted_for,
                              alloc_conf=alloc_conf)
         predicted = _peak(chosen)
         if predicted <= budget_bytes:
