@@ -3,7 +3,8 @@ in one run, with the two predictions checked identical.
 
   1. one prediction per model and sequence length, on an RTX 4090 (CUDA semantics and the
      allocator replay): gpt2-small, hf-llama-1b, hf-llama-7b+lora=16 (bf16 weights), at s2048 and
-     s8192 (gpt2-small at its 1024 positions), policy none, each path timed two ways:
+     s8192 (gpt2-small at its 1024 positions), policy none, and the 7B at s2048 with a plan (a run
+     of full, then keep, as the planner makes them), each path timed two ways:
      - first: the model's first prediction in the process (it is built under fake tensors, its
        policy applied and its optimizer warmed up: `estimate.fake_step.PreparedStep`);
      - prepared: a prediction at a sequence length not predicted before in the process, the model
@@ -45,17 +46,18 @@ from ckptlab.estimate.batch_line import on_line
 from ckptlab.estimate.fake_step import clear_prepared
 
 CARD = "rtx4090"
-CASES = [  # (model, its overrides, sequence lengths, dtype)
-    ("gpt2-small", {}, [1024], "bf16"),
-    ("hf-llama-1b", {}, [2048, 8192], "bf16"),
-    ("hf-llama-7b+lora=16", {}, [2048, 8192], "bf16-weights"),
+PLAN_7B = "plan=k" + "f" * 5 + "k" * 25 + "f"   # the planner's plan for a 7B LoRA at s2048 on an RTX 4090's capacity
+CASES = [  # (model, its overrides, sequence lengths, dtype, policy)
+    ("gpt2-small", {}, [1024], "bf16", "none"),
+    ("hf-llama-1b", {}, [2048, 8192], "bf16", "none"),
+    ("hf-llama-7b+lora=16", {}, [2048, 8192], "bf16-weights", "none"),
+    ("hf-llama-7b+lora=16", {}, [2048], "bf16-weights", PLAN_7B),
 ]
 FITS = [("hf-llama-7b+lora=16", {}, ["none", "selective", "full"], "bf16-weights", list(DEFAULT_CARDS)),
         ("gpt2-small", {}, ["none", "selective", "full"], "fp32", list(DEFAULT_CARDS))]
-QUICK_CASES = [("gpt-tiny", {"n_layer": 8}, [64], "fp32")]
+QUICK_CASES = [("gpt-tiny", {"n_layer": 8}, [64], "fp32", "none"), ("gpt-tiny", {"n_layer": 12}, [64], "fp32", "plan=kffkkkkkkkkf")]
 # an RTX 4090 with 64 MiB usable, no context nor margin: searches of tens of batch sizes through the allocator
 QUICK_FITS = [("gpt-tiny", {"n_layer": 8}, ["full"], "bf16", [parse_capacity("rtx4090", usable_bytes="64MiB", context_bytes=0, required_margin_bytes=0)])]
-POLICY = "none"
 FITS_SEQ = 2048   # the batch search's sequence length (or the model's limit)
 
 
@@ -71,7 +73,7 @@ def same_prediction(fast, full) -> list[str]:
     return [k for k in a if k not in ("predict_s", "trace") and a[k] != b[k]]
 
 
-def one_prediction(model: str, overrides: dict, seq: int, dtype: str, repeats: int) -> dict:
+def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: str, repeats: int) -> dict:
     """Both paths, `repeats` rounds of each in turn (the first path of a round alternates), each
     round from no prepared model: the first prediction at `seq`, then one at a sequence length
     new to the process (`seq` - 8 x the round's number, in turn). The medians of their seconds,
@@ -83,13 +85,13 @@ def one_prediction(model: str, overrides: dict, seq: int, dtype: str, repeats: i
     for r in range(repeats):
         for trace in ("fast", "full") if r % 2 == 0 else ("full", "fast"):
             clear_prepared()
-            predictions[trace], s = timed(lambda: predict(workload, 1, seq, POLICY, **options, trace=trace))
+            predictions[trace], s = timed(lambda: predict(workload, 1, seq, policy, **options, trace=trace))
             seconds[(trace, "first")].append(s)
-            _, s = timed(lambda: predict(workload, 1, seq - 8 * (r + 1), POLICY, **options, trace=trace))
+            _, s = timed(lambda: predict(workload, 1, seq - 8 * (r + 1), policy, **options, trace=trace))
             seconds[(trace, "prepared")].append(s)
     clear_prepared()
     fast, full = predictions["fast"], predictions["full"]
-    result = {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": POLICY,
+    result = {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": policy,
               "fast_trace": fast.trace, "identical": not same_prediction(fast, full),
               "differing_fields": same_prediction(fast, full), "peak_bytes": fast.peak_bytes,
               "device_bytes": fast.device_bytes}
@@ -144,11 +146,12 @@ def markdown(result: dict) -> str:
              "applied, optimizer warmed up); *prepared*: a prediction at a sequence length new to the process, the "
              "model prepared by an earlier one. Load average (1, 5, 15 min) at the end: "
              f"{', '.join(f'{x:.1f}' for x in result['load_average'])}. The machine may be shared: compare ratios.", "",
-             "| model | seq | dtype | first: full s | fast s | full / fast | prepared: full s | fast s | full / fast "
-             "| fast path | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | seq | dtype | policy | first: full s | fast s | full / fast | prepared: full s | fast s "
+             "| full / fast | fast path | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["predictions"]:
-        lines.append(f"| {r['model']} | {r['seq_len']} | {r['dtype']} | {r['first_full_s']:.2f} | {r['first_fast_s']:.2f} | "
+        lines.append(f"| {r['model']} | {r['seq_len']} | {r['dtype']} | {r['policy']} | {r['first_full_s']:.2f} | "
+                     f"{r['first_fast_s']:.2f} | "
                      f"{r['first_ratio']:.1f}x | {r['prepared_full_s']:.2f} | {r['prepared_fast_s']:.2f} | "
                      f"{r['prepared_ratio']:.1f}x | {r['fast_trace']} | {'yes' if r['identical'] else 'NO'} |")
     lines += ["", "| predict_fits | seq | policies | cards | trace | batch lines | workers | traced | from lines "
@@ -170,12 +173,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     cases, fits = (QUICK_CASES, QUICK_FITS) if args.quick else (CASES, FITS)
     predictions = []
-    predict(get_workload("gpt-tiny"), 1, 16, POLICY, card=CARD, device="cuda")   # imports, first-call caches
-    for model, overrides, seqs, dtype in cases:
+    predict(get_workload("gpt-tiny"), 1, 16, "none", card=CARD, device="cuda")   # imports, first-call caches
+    for model, overrides, seqs, dtype, policy in cases:
         for seq in seqs:
-            predictions.append(one_prediction(model, overrides, seq, dtype, args.repeats))
+            predictions.append(one_prediction(model, overrides, seq, dtype, policy, args.repeats))
             r = predictions[-1]
-            print(f"{r['model']} s{seq} {dtype}: first: full {r['first_full_s']:.2f} s, fast {r['first_fast_s']:.2f} s "
+            print(f"{r['model']} s{seq} {dtype} {policy}: first: full {r['first_full_s']:.2f} s, fast {r['first_fast_s']:.2f} s "
                   f"({r['first_ratio']:.1f}x); prepared: full {r['prepared_full_s']:.2f} s, fast "
                   f"{r['prepared_fast_s']:.2f} s ({r['prepared_ratio']:.1f}x); {r['fast_trace']}, identical: "
                   f"{r['identical']}", flush=True)

@@ -183,13 +183,14 @@ def test_every_benchmark_runs_its_smallest_setting(name, capsys):
 def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, capsys):
     load("predict_speed").main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "predict_speed.json").read_text())
-    (row,) = result["predictions"]
-    assert row["identical"] and row["fast_trace"] == "composed"
-    for when in ("first", "prepared"):   # one round: its own ratio
-        assert row[f"{when}_ratio"] == pytest.approx(row[f"{when}_full_s"] / row[f"{when}_fast_s"])
+    assert [row["policy"] for row in result["predictions"]] == ["none", "plan=kffkkkkkkkkf"]
+    for row in result["predictions"]:
+        assert row["identical"] and row["fast_trace"] == "composed"
+        for when in ("first", "prepared"):   # one round: its own ratio
+            assert row[f"{when}_ratio"] == pytest.approx(row[f"{when}_full_s"] / row[f"{when}_fast_s"])
     on_lines, in_workers = result["fits"]   # --quick: no table traced without lines
     assert on_lines["rows"] and on_lines["rows"] == in_workers["rows"] and on_lines["from_lines"] > 0
-    assert "| gpt-tiny | 64 |" in (tmp_path / "predict_speed.md").read_text()
+    assert "| gpt-tiny | 64 | fp32 | plan=kffkkkkkkkkf |" in (tmp_path / "predict_speed.md").read_text()
 
 
 def test_explorer_latency_times_each_widget_change(tmp_path, capsys):
