@@ -15,7 +15,9 @@ in one run, with the two predictions checked identical.
      batches of tens) and gpt2-small (fp32, s1024: batches of hundreds), fast path: every
      prediction traced, then the batch searches on batch lines (`estimate.batch_line`), in this
      process and with 2 worker processes (the rows checked equal; with --full-fits, the full trace
-     too: minutes), and how many predictions each table traced and took from lines.
+     too: minutes), and how many predictions each table traced and took from lines;
+  3. `explain` of the 7B LoRA at s2048 on an RTX 4090 (every lever predicted, its plans made), from
+     no prepared model, `--repeats` times.
 
 Imports and first-call caches are paid before anything is timed (a gpt-tiny prediction). Each
 path runs `--repeats` rounds, in turns, each round from no prepared model. Timings on a shared
@@ -38,7 +40,7 @@ from pathlib import Path
 from statistics import median
 from unittest import mock
 
-from ckptlab import get_workload, predict, predict_fits
+from ckptlab import explain, get_workload, predict, predict_fits
 from ckptlab.core.cards import DEFAULT_CARDS, parse_capacity
 from ckptlab.estimate import batch_line
 from ckptlab.estimate import predict as predict_module
@@ -59,6 +61,8 @@ QUICK_CASES = [("gpt-tiny", {"n_layer": 8}, [64], "fp32", "none"), ("gpt-tiny", 
 # an RTX 4090 with 64 MiB usable, no context nor margin: searches of tens of batch sizes through the allocator
 QUICK_FITS = [("gpt-tiny", {"n_layer": 8}, ["full"], "bf16", [parse_capacity("rtx4090", usable_bytes="64MiB", context_bytes=0, required_margin_bytes=0)])]
 FITS_SEQ = 2048   # the batch search's sequence length (or the model's limit)
+EXPLAIN = ("hf-llama-7b+lora=16", {}, 1, 2048, "bf16-weights")   # (model, overrides, batch, seq, dtype) on CARD
+QUICK_EXPLAIN = ("gpt-tiny", {}, 2, 16, "fp32")
 
 
 def timed(fn):
@@ -139,6 +143,19 @@ def fits_table(model: str, overrides: dict, policies: list[str], dtype: str, cap
             "trace": trace, "lines": lines, "workers": workers, "seconds": seconds, "rows": rows}
 
 
+def explained(model: str, overrides: dict, batch: int, seq: int, dtype: str, repeats: int) -> dict:
+    """`explain`'s seconds, each from no prepared model, and how many levers it predicted."""
+    workload = get_workload(model, **overrides)
+    seconds = []
+    for _ in range(repeats):
+        clear_prepared()
+        explanation, s = timed(lambda: explain(workload, batch, seq, "none", dtype=dtype, card=CARD, progress=False))
+        seconds.append(s)
+    clear_prepared()
+    return {"model": workload.label, "batch_size": batch, "seq_len": seq, "dtype": dtype, "card": CARD,
+            "levers": len(explanation.levers), "seconds": median(seconds), "rounds_s": seconds}
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Prediction speed: full trace vs fast path ({result['machine']})", "",
              f"One run, {result['repeats']} rounds of each path (medians; full / fast is the median of the rounds' "
@@ -161,6 +178,10 @@ def markdown(result: dict) -> str:
         lines.append(f"| {f['model']} | {f['seq_len']} | {', '.join(f['policies'])} | {', '.join(f['cards'])} | "
                      f"{f['trace']} | {'yes' if f['lines'] else 'no'} | {f['workers']} | {counted} | "
                      f"{f['seconds']:.1f} |")
+    e = result["explain"]
+    lines += ["", "| explain | batch | seq | dtype | card | levers | seconds (median) |", "|---|---|---|---|---|---|---|",
+              f"| {e['model']} | {e['batch_size']} | {e['seq_len']} | {e['dtype']} | {e['card']} | {e['levers']} | "
+              f"{e['seconds']:.1f} |"]
     return "\n".join(lines) + "\n"
 
 
@@ -196,8 +217,11 @@ def main(argv=None) -> None:
                   + (f"{f['traced']} traced, {f['from_lines']} from lines, " if f["traced"] is not None else "")
                   + f"{f['seconds']:.1f} s", flush=True)
         tables += these
+    explanation = explained(*(QUICK_EXPLAIN if args.quick else EXPLAIN), args.repeats)
+    print(f"explain {explanation['model']} s{explanation['seq_len']} on {CARD}: {explanation['levers']} levers, "
+          f"{explanation['seconds']:.1f} s", flush=True)
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "repeats": args.repeats,
-              "load_average": os.getloadavg(), "predictions": predictions, "fits": tables}
+              "load_average": os.getloadavg(), "predictions": predictions, "fits": tables, "explain": explanation}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "predict_speed.json").write_text(json.dumps(result, indent=1, default=str))

@@ -190,6 +190,7 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
             assert row[f"{when}_ratio"] == pytest.approx(row[f"{when}_full_s"] / row[f"{when}_fast_s"])
     on_lines, in_workers = result["fits"]   # --quick: no table traced without lines
     assert on_lines["rows"] and on_lines["rows"] == in_workers["rows"] and on_lines["from_lines"] > 0
+    assert result["explain"]["levers"] > 0 and result["explain"]["seconds"] > 0
     assert "| gpt-tiny | 64 | fp32 | plan=kffkkkkkkkkf |" in (tmp_path / "predict_speed.md").read_text()
 
 
