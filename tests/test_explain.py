@@ -16,6 +16,8 @@ from ckptlab.probe.distributed import measure_sharded
 from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, explain
 from ckptlab.workloads.models import with_chunked_loss
 
+from .test_progress import Terminal
+
 SPEC = "tests/explain_models.py:factory"
 
 
@@ -31,8 +33,11 @@ LOGITS_BOUND = dict(width=32, depth=2, vocab=8192)
 BLOCKS_BOUND = dict(width=32, depth=8, vocab=16)
 
 
-def test_the_peak_in_the_optimizer_step_is_named_and_no_policy_lowers_it():
-    e = explain(token_workload(**OPTIMIZER_BOUND), 1, 4)
+def test_the_peak_in_the_optimizer_step_is_named_and_no_policy_lowers_it(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    e = explain(token_workload(**OPTIMIZER_BOUND), 1, 4, progress=False)
+    assert terminal.getvalue() == ""   # a bar switched off stays off on a terminal
     assert (e.cause_kind, e.peak_phase, e.peak_block) == ("optimizer", "optimizer", None)
     assert "optimizer step" in e.cause and "no checkpoint policy can lower it" in e.cause
     assert e.checkpoint_floor_bytes == e.peak_bytes
