@@ -149,6 +149,15 @@ def test_blocks_that_differ_compose_or_fall_back_exactly(kind, policy, options):
     assert fast.trace == "composed"
 
 
+def test_a_plan_whose_kinds_change_composes_blocks_that_read_an_earlier_blocks_tensor():
+    """The first kept block after the selective ones has as many events as the selective one
+    before it, a recompute's mark among them: its fixed references are found by event, not by
+    position alone."""
+    fast, full = both_ways(workload("reads-before", depth=13), "plan=kssskkkkkkkff", batch=1)
+    assert_same(fast, full)
+    assert fast.trace == "composed"
+
+
 def test_a_short_stack_is_traced_in_full_and_says_why():
     fast, full = both_ways(workload("plain", depth=4), "none")
     assert_same(fast, full)

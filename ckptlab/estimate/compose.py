@@ -635,8 +635,8 @@ class _Units:
             if before is None or len(before) != len(members):
                 continue
             for i, i_before in zip(members, before):
-                event = self.events[i]
-                if event[0] in ("free", "relabel", "grad") and event[1] == self.events[i_before][1]:
+                event, theirs = self.events[i], self.events[i_before]
+                if event[0] in ("free", "relabel", "grad") and theirs[:2] == event[:2]:
                     self.fixed.add(i)
 
     def _is_first(self, block: int) -> bool:
