@@ -158,6 +158,12 @@ def test_a_plan_whose_kinds_change_composes_blocks_that_read_an_earlier_blocks_t
     assert fast.trace == "composed"
 
 
+def test_a_block_after_a_cut_run_that_reads_a_block_before_the_cut_is_traced_in_full():
+    fast, full = both_ways(workload("reads-first", depth=13), "plan=kkkkkkkkkfkff", batch=1)
+    assert_same(fast, full)
+    assert fast.trace == "full (block 9 refers to block 0 across the cut of a run)"
+
+
 def test_a_short_stack_is_traced_in_full_and_says_why():
     fast, full = both_ways(workload("plain", depth=4), "none")
     assert_same(fast, full)

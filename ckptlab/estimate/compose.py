@@ -19,7 +19,8 @@ step. What the cut blocks would have done is put back into the events:
   that checkpoints some blocks, say) is cut in its longest run of one kind instead, as if that
   run were the middle: its first three blocks and its last two kept, and the blocks before and
   after it. The last of the run traces as the kind after it makes it, so the one before it is
-  the one checked.
+  the one checked; a block after the run that refers to a block before the cut is refused
+  (`_Units._check_references_across_runs`).
 - The events are split into units: a block's forward unit runs from its predecessor's return to
   its own return, its backward unit from the gradient of its output to the next block's. A cut
   block's units are its template's, inserted in the forward after the head's last block and in
@@ -582,6 +583,26 @@ class _Units:
                 raise NotComposable("the blocks' backward units differ from their templates'")
         self._find_fixed_references()
         self._check_alike()
+        self._check_references_across_runs()
+
+    def _check_references_across_runs(self) -> None:
+        """Where a stack is cut inside a run, the blocks after the run follow a block of another
+        kind, whose unit cannot show whether their reference to a block before the cut is to a
+        storage every block reads (fixed) or to the block at that distance: NotComposable."""
+        for s in self.cut.stacks:
+            if not s.cut or s.run == range(s.first + 1, s.first + s.length - 1):
+                continue
+            head_last = self.order[s.head_last]
+            for j in range(s.run.stop, s.first + s.length):
+                for role in ("fwd", "bwd"):
+                    for i in self.members.get((role, j), ()):
+                        event = self.events[i]
+                        if event[0] not in ("free", "relabel", "grad") or i in self.fixed:
+                            continue
+                        (_, block), _ = self.owner.get(event[1], ((None, None), None))
+                        if (block is not None and self.cut.stack_of.get(block) is s
+                                and self.order[block] <= head_last and self.order[j] - self.order[block] > 1):
+                            raise NotComposable(f"block {j} refers to block {block} across the cut of a run")
 
     def _check_alike(self) -> None:
         """Each kept middle block after the cut traces as its template: same events, referring
