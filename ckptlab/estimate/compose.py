@@ -600,8 +600,7 @@ class _Units:
                         if event[0] not in ("free", "relabel", "grad") or i in self.fixed:
                             continue
                         (_, block), _ = self.owner.get(event[1], ((None, None), None))
-                        if (block is not None and self.cut.stack_of.get(block) is s
-                                and self.order[block] <= head_last and self.order[j] - self.order[block] > 1):
+                        if block is not None and self.cut.stack_of.get(block) is s and self.order[block] <= head_last:
                             raise NotComposable(f"block {j} refers to block {block} across the cut of a run")
 
     def _check_alike(self) -> None:
