@@ -258,6 +258,37 @@ def test_measure_equals_the_fast_prediction_on_cpu():
     assert fast.saved_activation_bytes == measured["saved_activation_bytes"]
 
 
+@pytest.mark.parametrize("trace", ["fast", "full"])
+def test_no_cycle_collection_runs_inside_a_prediction_and_the_collector_is_left_as_found(trace):
+    import gc
+    import sys
+    inside = []   # collections that started while a prediction was on the stack
+
+    def count(phase, info):
+        frame = sys._getframe()
+        while frame is not None and phase == "start":
+            if frame.f_code.co_name == "predict_policy":
+                inside.append(info["generation"])
+                return
+            frame = frame.f_back
+
+    net = get_workload("gpt-tiny", n_layer=7)
+    threshold = gc.get_threshold()
+    gc.callbacks.append(count)
+    gc.set_threshold(1)   # without the pause, a collection would start every few allocations
+    try:
+        predict_policy(net, 2, 16, as_policy("full"), trace=trace, **CUDA)
+        assert gc.isenabled()
+        gc.disable()
+        predict_policy(net, 2, 24, as_policy("full"), trace=trace, **CUDA)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(count)
+    assert inside == []
+
+
 def test_trace_is_checked():
     with pytest.raises(ValueError, match="trace='quick' is invalid"):
         predict_policy("gpt-tiny", 1, 8, as_policy("none"), trace="quick")

@@ -31,7 +31,7 @@ from ..probe.step import with_dtype
 from ..workloads.base import Workload
 from ..workloads.stacks import find_blocks
 from .compose import NotComposable, composed_step
-from .fake_step import as_card, built_model, fake_model, fake_modes, prepared_step, stepped
+from .fake_step import as_card, built_model, fake_model, fake_modes, gc_paused, prepared_step, stepped
 
 # Roofline for shapes too large to time here: a modern accelerator's realistic dense throughput
 # and memory bandwidth (stated assumptions, not measurements).
@@ -66,6 +66,7 @@ def block_count(workload: Workload) -> int:
     return len(find_blocks(built_model(workload)[1]))
 
 
+@gc_paused()
 def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str, dtype: str = "fp32",
                  loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
                  attention: Optional[str] = None, *, torch_version: Optional[str] = None) -> BlockMemory:

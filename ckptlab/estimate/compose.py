@@ -77,6 +77,7 @@ from .fake_step import (
     FakeMemory,
     as_card,
     fake_memory,
+    gc_paused,
     optimizer_event,
     optimizer_state_keys,
     prepared_step,
@@ -91,6 +92,7 @@ class NotComposable(Exception):
     """Why a step's events cannot be composed: the prediction runs the full trace instead."""
 
 
+@gc_paused()
 def fast_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                 loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
                 attention: Optional[str] = None, *, torch_version: Optional[str] = None,

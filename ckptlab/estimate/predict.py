@@ -32,12 +32,13 @@ from .batch_line import batch_lines, lines_enabled, on_line
 from .compose import fast_memory
 from .cuda_device import parse_alloc_conf
 from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available
-from .fake_step import DEVICES, Prediction, as_card, fake_memory
+from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused
 from .torch_versions import check_torch_version, torch_rules
 
 TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
 
 
+@gc_paused()
 def predict_policy(
     workload: Workload | str,
     batch_size: int,
