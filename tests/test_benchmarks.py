@@ -194,6 +194,18 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
     assert "| gpt-tiny | 64 | fp32 | plan=kffkkkkkkkkf |" in (tmp_path / "predict_speed.md").read_text()
 
 
+def test_predict_speed_says_which_goals_a_run_meets():
+    speed = load("predict_speed")
+    row = dict(model=speed.GOAL_MODEL, seq_len=speed.GOAL_SEQ, policy="none", first_fast_s=1.3, prepared_fast_s=0.4,
+               first_ratio=2.7, prepared_ratio=5.0)
+    table = dict(model=speed.GOAL_MODEL, trace="fast", policies=["none", "full"], cards=["rtx4090"], workers=2)
+    result = {"predictions": [dict(row, seq_len=2048, prepared_fast_s=9.0), row],
+              "fits": [dict(table, seconds=26.0, workers=1), dict(table, seconds=19.5)]}
+    assert [met for _, _, met in speed.goals(result)] == ["no / yes", "no / yes", "yes"]
+    assert "19.5 s (2 worker(s))" in speed.goals(result)[2][1]
+    assert speed.goals({"predictions": [], "fits": []}) == []   # --quick measures none of them
+
+
 def test_explorer_latency_times_each_widget_change(tmp_path, capsys):
     pytest.importorskip("ipywidgets")
     latency = load("explorer_latency")
