@@ -560,5 +560,5 @@ def optimizer_event(report: MemoryReport) -> Optional[int]:
 
 
 __all__ = ["BUILT_KEPT", "DEVICES", "DEVICE_CATEGORIES", "PREPARED_KEPT", "FakeMemory", "PreparedStep", "Prediction", "as_card", "built_model", "castable",
-           "clear_prepared", "fake_memory", "gc_paused", "fake_model", "fake_modes", "fake_training_step", "prepared_step",
+           "clear_prepared", "fake_memory", "fake_model", "fake_modes", "fake_training_step", "gc_paused", "prepared_step",
            "sequences_unpacked", "stepped", "workload_key"]
