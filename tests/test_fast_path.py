@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import ckptlab
 from ckptlab.apps.cli import main
-from ckptlab.core.policy import as_policy
-from ckptlab.estimate import compose, fake_step
+from ckptlab.core.policy import as_policy, plan_policy
+from ckptlab.estimate import block_profile, compose, fake_step
 from ckptlab.estimate.predict import predict_policy
 from ckptlab.workloads.registry import get_workload
 
@@ -289,6 +289,26 @@ def test_no_cycle_collection_runs_inside_a_prediction_and_the_collector_is_left_
     assert inside == []
 
 
+def test_a_step_traced_before_at_that_shape_and_on_those_kernels_is_taken_not_traced_again(monkeypatch):
+    net = get_workload("gpt-tiny", n_layer=7)
+    shapes = []
+    stepped = compose.stepped
+    monkeypatch.setattr(compose, "stepped", lambda prepared, b, s, *a, **k: (shapes.append((b, s)), stepped(
+        prepared, b, s, *a, **k))[1])
+    first = predict_policy(net, 2, 16, as_policy("full"), **CUDA)
+    again = predict_policy(net, 2, 16, as_policy("full"), **CUDA)
+    assert_same_fields(first, again)
+    assert again.trace == "composed"
+    predict_policy(net, 2, 16, as_policy("full"), device="cuda", card="h100-80")   # other kernels: traced
+    predict_policy(net, 2, 24, as_policy("full"), **CUDA)                          # another shape: traced
+    assert shapes == [(2, 16), (2, 16), (2, 24)]
+    # the planner's profile of a uniform option and its prediction of that plan share one trace
+    profile = block_profile.block_memory(net, 2, 32, "keep", **CUDA)
+    keep = compose.fast_memory(net, 2, 32, plan_policy(["keep"] * 7), **CUDA)
+    assert shapes[3:] == [(2, 32)]
+    assert len(profile.kept) == 7 and keep.trace == "composed"
+
+
 def test_trace_is_checked():
     with pytest.raises(ValueError, match="trace='quick' is invalid"):
         predict_policy("gpt-tiny", 1, 8, as_policy("none"), trace="quick")
@@ -319,9 +339,11 @@ def test_a_reused_step_predicts_what_a_fresh_one_does(trace, spec, overrides, po
     fake_step.clear_prepared()
     reused = [predict_policy(workload, policy=as_policy(policy), trace=trace, **{**options, **case}) for case in cases]
     assert len(fake_step._PREPARED) == (1 if reused[0].trace in ("composed", "full") else 2)   # a fallback: both
-    if reused[0].trace == "composed":   # the first step per card and torch traces its optimizer phase, the others take it
+    if reused[0].trace == "composed":   # the first step per card and torch traces its optimizer phase, the others
+        # take it; a case seen before (on the CPU, the last) is the step traced then (`compose.TRACED_KEPT`)
         kernels = {(case.get("card"), case.get("torch_version")) for case in cases}
-        assert sum(s is not None for s in spliced) == len(cases) - len(kernels) > 0
+        stepped = [case for k, case in enumerate(cases) if case not in cases[:k]]
+        assert sum(s is not None for s in spliced) == len(stepped) - len(kernels) > 0
     fresh = [reused[0]]   # the first prediction prepared its model for itself: nothing was kept
     for k, case in enumerate(cases[1:], 1):
         if case in cases[:k]:

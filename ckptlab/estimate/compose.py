@@ -38,7 +38,8 @@ step. What the cut blocks would have done is put back into the events:
   the copies' gradients.
 
 The composed events are counted by `probe.memory.LiveCounts`, as a tracked step's own events are,
-and on CUDA replayed through the caching allocator. What a composed trace cannot know is refused
+and on CUDA replayed through the caching allocator. A prepared model keeps its last composed
+steps by shape and kernels (`TRACED_KEPT`): a step asked for again is not traced again. What a composed trace cannot know is refused
 before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
 policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
 that is not one forward, backward and optimizer step, a model that indexes its blocks, blocks
@@ -50,7 +51,7 @@ and blocks that read an earlier block's tensor.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -85,6 +86,7 @@ from .fake_step import (
 )
 from .torch_versions import torch_rules
 
+TRACED_KEPT = 4      # composed steps kept per prepared model, by shape and kernels (the last traced)
 LONGEST_PERIOD = 4   # of the block kinds in a stack's middle; a longer one is traced in full
 
 
@@ -157,6 +159,12 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
     composed = line.step_at(batch_size)
     if composed is not None:
         return composed, f"{ON_LINE} (traced at batch sizes {', '.join(map(str, line.batch_sizes))})", prepared, None
+    # A step traced before at this shape and on these kernels is the same step: a planner's
+    # profile and its verification, or a lever and a waterfall's step, trace it once.
+    if (batch_size, seq_len, kernels_key) in cut.traced:
+        cut.traced.move_to_end((batch_size, seq_len, kernels_key))
+        return (*cut.traced[(batch_size, seq_len, kernels_key)][:1], None, prepared,
+                cut.traced[(batch_size, seq_len, kernels_key)][1])
     with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
             model, handle, batch, opt, step, kernels):
         if host:
@@ -193,6 +201,9 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
         if cuda:
             composed.loop_order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
         line.add(batch_size, composed)
+        cut.traced[(batch_size, seq_len, kernels_key)] = (composed, report)
+        while len(cut.traced) > TRACED_KEPT:
+            cut.traced.popitem(last=False)
         return composed, None, prepared, report
 
 
@@ -248,6 +259,7 @@ class _Cut:
     params: list = field(default_factory=list)
     optimizer_phases: dict = field(default_factory=dict)   # the kernels a step ran -> its `_OptimizerPhase`
     batch_lines: dict = field(default_factory=dict)        # (seq_len, the kernels) -> its `BatchLine`
+    traced: OrderedDict = field(default_factory=OrderedDict)  # (batch, seq, the kernels) -> (ComposedStep, its count)
 
     Refusal = NotComposable   # what `shorten` raises before it changes the model
 
