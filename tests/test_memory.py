@@ -1,11 +1,17 @@
+import collections
+import contextlib
 import os
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlab import apply_checkpointing, get_workload, measure, predict, track_memory
 from ckptlab.core.units import format_bytes, format_count, parse_bytes
-from ckptlab.probe.memory import _native_log_dropped, profiler_peak_bytes
+from ckptlab.estimate.cuda_device import BlasUse
+from ckptlab.probe import memory
+from ckptlab.probe.memory import _native_log_dropped, fake_device, profiler_peak_bytes
 from ckptlab.probe.step import make_optimizer, training_step
 from ckptlab.workloads.models import mlp_chain_activation_bytes
 
@@ -228,3 +234,48 @@ def test_the_block_whose_backward_holds_the_peak_is_reported():
     # Gradients accumulate as backward runs, so the first block's backward (the last to run) holds most.
     assert (report.peak_phase, report.peak_block) == ("backward", 0)
     assert report.block_calls_in_backward == 0   # ckptlab recomputes through the block's own forward
+
+
+class _Dispatched(TorchDispatchMode):
+    """Counts the ops that reach it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _fake_backward(*modes_above) -> tuple[collections.Counter, list]:
+    """A fake step's forward and backward, with `modes_above` over a counting mode: (the ops that
+    reached the counting mode, the modes as entered)."""
+    with FakeTensorMode():
+        weight, x = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8)
+        with _Dispatched() as below, contextlib.ExitStack() as stack:
+            entered = [stack.enter_context(mode) for mode in modes_above]
+            (x @ weight).relu().sum().backward()
+    return below.ops, entered
+
+
+def test_the_tracker_and_blas_use_answer_a_fake_tensors_device_without_passing_it_down(monkeypatch):
+    """Autograd's engine asks the device of the tensors each backward node takes and gives (most
+    of a fake backward's dispatches); the modes above the fake mode answer it, every other op
+    reaches the modes below, and the step is tracked as when the question is passed down."""
+    device_of = torch.ops.prim.device.default
+    plain, _ = _fake_backward()
+    assert plain[device_of] > 0
+    reached, (tracker,) = _fake_backward(track_memory(detect_backward=True))
+    assert set(reached) == set(plain) - {device_of}
+    with_blas, _ = _fake_backward(BlasUse())
+    assert set(with_blas) == set(plain) - {device_of}
+    monkeypatch.setattr(memory, "fake_device", lambda func, args: None)
+    passed_down, (untouched,) = _fake_backward(track_memory(detect_backward=True))
+    assert passed_down[device_of] == plain[device_of]
+    assert untouched.events == tracker.events and tracker.report().peak_bytes > 0
+    with FakeTensorMode():
+        t = torch.empty(2)
+    assert fake_device(device_of, (t,)) == torch.device("cpu")
+    assert fake_device(torch.ops.aten.add.Tensor, (t, t)) is None
+    assert fake_device(device_of, (torch.empty(2),)) is None   # a real tensor's device is not a fake one

@@ -46,6 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.cards import CUBLAS_WORKSPACE_BYTES, Card, fit_answer, fits
+from ..probe.memory import fake_device
 from .allocator import AllocEvent, replay_steps
 from .torch_versions import TorchRules, torch_rules
 
@@ -69,6 +70,9 @@ class BlasUse(TorchDispatchMode):
         self.cublaslt: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        device = fake_device(func, args)
+        if device is not None:
+            return device
         if func in MATMULS:
             thread = "autograd" if torch._C._current_graph_task_id() != -1 else "caller"
             self.cublas.add(thread)

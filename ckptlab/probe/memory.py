@@ -20,11 +20,24 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..core.records import CATEGORIES, PHASES
+
+_DEVICE_OF = torch.ops.prim.device.default
+
+
+def fake_device(func, args: tuple):
+    """A fake tensor's device where `func` asks for it (prim.device), else None. Autograd's engine
+    asks it of the tensors every backward node takes and gives (most of a fake backward's
+    dispatches); a dispatch mode above the fake mode answers as the fake mode would (the tensor's
+    `device`), without passing the question down the stack of modes."""
+    if func is _DEVICE_OF and type(args[0]) is FakeTensor:
+        return args[0].device
+    return None
 
 
 @dataclass
@@ -271,6 +284,9 @@ class _Tracker(TorchDispatchMode):
         self.emit(("free", entry.number, entry.nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        device = fake_device(func, args)
+        if device is not None:
+            return device
         # Autograd's engine runs every backward op inside a graph task: a loop ckptlab does not
         # drive (transformers' Trainer) needs no explicit phase("backward") call.
         if self.detect_backward and self.phase == "forward" and torch._C._current_graph_task_id() != -1:
