@@ -1,6 +1,7 @@
 """Predictions for a CUDA card from this CPU-only machine: the optimizer's implementation, the
 allocator's numbers, the card's device bytes and margin, and the command line that prints them."""
 
+import dataclasses
 import json
 
 import pytest
@@ -359,3 +360,26 @@ def test_predict_fits_says_how_far_cache_flushes_reach(tiny):
                                 max_batch=8, seq_lens=[128])
     assert row["max_batch_size"] < 8 == row["max_batch_size_with_flushes"]
     assert row["max_seq_len"] == 0 and row["max_seq_len_with_flushes"] == 128
+
+
+@pytest.mark.parametrize("model, attention, on_card, dtype", [
+    (("gpt-tiny", TINY), "flash", "rtx4090", "bf16"), (("gpt-tiny", TINY), "efficient", "a100-40", "fp32"),
+    (("hf-llama-tiny", dict(num_hidden_layers=2, attention_dropout=0.0)), "cudnn", "h100-80", "bf16")])   # cuDNN: no dropout
+def test_the_warm_up_sees_past_the_attention_kernels_and_leaves_what_a_backward_would(monkeypatch, model, attention,
+                                                                                      on_card, dtype):
+    """The warm-up finds the parameters a step trains from its forward's graph, through the attention
+    kernels' autograd Functions (their backward reaches only their inputs), without a backward:
+    the prediction is the one a warm-up running the backward gives."""
+    from ckptlab.estimate import fake_step
+    backwards = []
+    run_backward = torch.Tensor.backward
+    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *a, **k: backwards.append(1) or run_backward(self, *a, **k))
+    options = dict(dtype=dtype, device="cuda", card=on_card, attention=attention)
+    tiny = ckptlab.get_workload(model[0], **model[1])
+    walked = ckptlab.predict(tiny, 2, 64, "none", **options)
+    assert walked.attention_backend == attention and len(backwards) == 1   # the tracked step's own
+    fake_step.clear_prepared()
+    monkeypatch.setattr(fake_step, "KERNEL_FUNCTIONS", ())
+    ran = ckptlab.predict(tiny, 2, 64, "none", **options)
+    assert len(backwards) == 3   # the warm-up's and the tracked step's
+    assert {**dataclasses.asdict(walked), "predict_s": 0} == {**dataclasses.asdict(ran), "predict_s": 0}

@@ -703,5 +703,9 @@ def dropout(input, p, train):
     return torch.native_dropout(input, p, True)[0]
 
 
-__all__ = ["ARCHS", "ATTENTION_BACKENDS", "CudaSemantics", "SM_COUNTS", "check_backend_available", "cuda_semantics",
-           "cudnn_refusal", "efficient_refusal", "flash_refusal", "priority"]
+# The attention kernels' autograd Functions: each one's backward gives gradients to its inputs and
+# runs nothing else (no parameters of its own, no backward of another graph inside it).
+KERNEL_FUNCTIONS = (_Flash, _Efficient, _Cudnn)
+
+__all__ = ["ARCHS", "ATTENTION_BACKENDS", "CudaSemantics", "KERNEL_FUNCTIONS", "SM_COUNTS", "check_backend_available",
+           "cuda_semantics", "cudnn_refusal", "efficient_refusal", "flash_refusal", "priority"]

@@ -51,7 +51,7 @@ from ..workloads.base import Workload
 from ..workloads.specs import one_line
 from .cuda_autocast import cuda_autocast
 from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, LoopOrder, device_memory, parse_alloc_conf
-from .cuda_semantics import cuda_semantics
+from .cuda_semantics import KERNEL_FUNCTIONS, cuda_semantics
 from .torch_versions import torch_rules
 
 
@@ -453,14 +453,15 @@ def assume_finite_gradients(scaler) -> None:
 
 def reached_parameters(loss: torch.Tensor) -> Optional[list[torch.Tensor]]:
     """The leaf tensors `loss.backward()` would accumulate gradients into; None when the graph
-    holds a custom autograd Function, whose backward may reach more."""
+    holds a custom autograd Function, whose backward may reach more, other than the CUDA
+    attention kernels' (`cuda_semantics.KERNEL_FUNCTIONS`: their backward reaches their inputs)."""
     leaves, seen, todo = [], set(), [loss.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and node._forward_cls not in KERNEL_FUNCTIONS:
             return None
         variable = getattr(node, "variable", None)   # AccumulateGrad: a leaf's gradient sink
         if variable is not None:
