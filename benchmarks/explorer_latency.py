@@ -25,6 +25,7 @@ from pathlib import Path
 from statistics import median
 
 from ckptlab.apps.explorer import Explorer
+from ckptlab.estimate import answers
 
 START = dict(model="hf-llama-7b+lora=16", dtype="bf16-weights", card="rtx4090", batch_size=1, seq_len=2048,
              policy="none")
@@ -108,4 +109,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with answers.off():   # every timed prediction is made, none taken from the answers kept on disk
+        main()

@@ -37,6 +37,7 @@ from published_rows import MODELS, NOT_RUN, QUANTITIES, ROWS, Row, card_for, pac
 import ckptlab  # noqa: E402
 from ckptlab.core.loop import Loop  # noqa: E402
 from ckptlab.core.policy import parse_policy  # noqa: E402
+from ckptlab.estimate import answers  # noqa: E402
 from ckptlab.estimate.fake_step import fake_training_step  # noqa: E402
 
 ESTIMATORS = ("pytorch-memtracker", "16-bytes-per-parameter", "accelerate-estimate-memory")
@@ -432,4 +433,5 @@ def main(argv=None) -> int:
 __all__ = ["ESTIMATORS", "build_report", "main", "parse_args", "render_page", "rows_module", "run_row", "summary"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with answers.off():   # every timed prediction is made, none taken from the answers kept on disk
+        sys.exit(main())

@@ -7,6 +7,10 @@ import torch
 from ckptlab.estimate.fake_step import clear_prepared
 
 os.environ.setdefault("MPLBACKEND", "agg")
+# Every prediction is made, none taken from the predictions a user's runs kept on disk
+# (`estimate.answers`); the notebooks' kernels and papermill's inherit it. The cache's own tests
+# point it at a folder of their own.
+os.environ["CKPTLAB_CACHE"] = "off"
 # Two pytest workers share two cores: one intra-op thread each avoids oversubscription.
 torch.set_num_threads(1)
 

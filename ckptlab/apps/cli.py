@@ -29,6 +29,7 @@ from ..core.parsing import attribute_docs, split_list, yaml_mapping
 from ..core.policy import COMPOSITIONS, KINDS, Policy, parse_policies, policy_label
 from ..core.units import format_bytes, format_count, parse_bytes
 from ..core.validate import choice, integer, integer_list, number, output_folder, run_name
+from ..estimate import answers
 from ..estimate.closed_form import closed_form
 from ..estimate.compose import fallback_reason
 from ..estimate.cuda_device import ALLOC_CONFS
@@ -518,6 +519,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(margin_note(on["card"]))
     for note in fallback_notes(rows) if args.format == "table" else []:
         print(note)
+    kept = sum(1 for r in rows if r["answered_from_cache"])
+    if kept and args.format == "table":
+        print(f"{kept} of {len(rows)} rows answered from the predictions kept in {answers.folder()} (made before by "
+              "this code); CKPTLAB_CACHE=off predicts them again")
     return 0
 
 

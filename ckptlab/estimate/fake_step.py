@@ -104,6 +104,7 @@ class Prediction:
     worse_step: Optional[int] = None         # on "cuda": the loop's step (1, 2) that reached the reserved peak
     alloc_conf: Optional[str] = None         # on "cuda": PYTORCH_CUDA_ALLOC_CONF as replayed (None: default)
     trace: str = "full"                      # which trace answered: "composed", or "full" (why, if fast was asked)
+    answered_from_cache: bool = False        # taken from the predictions kept on disk (`estimate.answers`)
 
     @property
     def held_bytes(self) -> int:

@@ -12,6 +12,7 @@ card" from predictions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import time
@@ -28,11 +29,12 @@ from ..core.policy import Policy, parse_policies
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
+from . import answers
 from .batch_line import batch_lines, lines_enabled, on_line
 from .compose import fast_memory
 from .cuda_device import parse_alloc_conf
 from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available
-from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused
+from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused, workload_key
 from .torch_versions import check_torch_version, torch_rules
 
 TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
@@ -83,6 +85,9 @@ def predict_policy(
     `trace="fast"` (default) traces a few of each stack's repeated blocks and composes the step
     from them (`estimate.compose`), where the step allows it, else the whole step; `"full"`
     traces every block. Both give the same prediction; `Prediction.trace` says which answered.
+    A prediction for a workload made from a spec is kept on disk, and the same question asked
+    again is answered from there (`estimate.answers`: `answered_from_cache`; `CKPTLAB_CACHE=off`
+    turns it off).
     """
     choice("trace", trace, TRACES)
     workload, policy, loop = check_prediction(workload, batch_size, seq_len, policy, dtype, loop, device, card,
@@ -92,6 +97,13 @@ def predict_policy(
                          "resolves a budget to its plan first")
     t0 = time.perf_counter()
     on_card = as_card(card)
+    kept_as = None
+    if workload.spec is not None and answers.folder() is not None:
+        kept_as = answers.key(workload_key(workload), batch_size, seq_len, policy, dtype, loop, device, on_card,
+                              attention, torch_version, alloc_conf, trace)
+        kept = answers.fetch(kept_as)
+        if kept is not None:
+            return dataclasses.replace(kept, predict_s=time.perf_counter() - t0, answered_from_cache=True)
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
     trace_step = fast_memory if trace == "fast" else fake_memory
     fake = trace_step(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention,
@@ -110,7 +122,7 @@ def predict_policy(
         if on_card is not None:
             cuda.update(card=on_card.name, margin_bytes=margin_left(on_card, dm.device_bytes), fit=dm.fit,
                         cache_flushes=dm.cache_flushes)
-    return Prediction(
+    prediction = Prediction(
         model=workload.label, batch_size=batch_size, seq_len=seq_len, policy=str(policy), dtype=dtype,
         loop=loop, n_blocks=handle.n_blocks, effective_density=handle.effective_density,
         peak_bytes=peak, peak_by_category=by_category,
@@ -120,6 +132,9 @@ def predict_policy(
         recompute_count=fake.recompute_count, block_calls_in_backward=report.block_calls_in_backward,
         device=device, attention=attention, trace=fake.trace, **{**report.param_bytes, **cuda},
     )
+    if kept_as is not None and not on_line(prediction.trace):   # a line's answer holds inside a batch search only
+        answers.keep(kept_as, prediction)
+    return prediction
 
 
 def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
