@@ -19,7 +19,11 @@ in one run, with the two predictions checked identical.
   3. `explain` of the 7B LoRA at s2048 on an RTX 4090 (every lever predicted, its plans made), from
      no prepared model, `--repeats` times.
 
-Imports and first-call caches are paid before anything is timed (a gpt-tiny prediction). Each
+Imports and first-call caches are paid before anything is timed (a gpt-tiny prediction, and an
+hf-llama-tiny one, which builds transformers' table of checkpoint conversions, made once per
+process at its first model). The report says how fast the machine ran plain Python at the start
+and the end of the run (`python_loop_s`): the predictions are Python-bound, and machines here
+differ by 2-3x from one day to the next. Each
 path runs `--repeats` rounds, in turns, each round from no prepared model. Timings on a shared
 machine are noisy: compare the ratios of one run.
 
@@ -70,6 +74,16 @@ GOAL_PREDICTION_S = 1.0
 GOAL_RATIO = 5.0
 GOAL_TABLE_S = 20.0
 QUICK_EXPLAIN = ("gpt-tiny", {}, 2, 16, "fp32")
+
+
+def python_loop_s(additions: int = 10**7) -> float:
+    """CPU seconds of a Python loop of `additions` integer additions: this machine's speed at
+    plain Python, to read the run's seconds beside another run's."""
+    t0 = time.process_time()
+    total = 0
+    for i in range(additions):
+        total += i
+    return time.process_time() - t0
 
 
 def timed(fn):
@@ -192,7 +206,10 @@ def markdown(result: dict) -> str:
              "ratios). *First*: the model's first prediction in the process (built under fake tensors, policy "
              "applied, optimizer warmed up); *prepared*: a prediction at a sequence length new to the process, the "
              "model prepared by an earlier one. Load average (1, 5, 15 min) at the end: "
-             f"{', '.join(f'{x:.1f}' for x in result['load_average'])}. The machine may be shared: compare ratios.", "",
+             f"{', '.join(f'{x:.1f}' for x in result['load_average'])}. This machine ran 10^7 additions in a "
+             f"Python loop in {result['python_loop_s'][0]:.2f} s of CPU at the start and "
+             f"{result['python_loop_s'][1]:.2f} s at the end (`python_loop_s`: the seconds below scale with it). "
+             "The machine may be shared: compare ratios.", "",
              "| model | seq | dtype | policy | first: full s | fast s | full / fast | prepared: full s | fast s "
              "| full / fast | fast path | identical |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -227,7 +244,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     cases, fits = (QUICK_CASES, QUICK_FITS) if args.quick else (CASES, FITS)
     predictions = []
+    loop_before = python_loop_s()
     predict(get_workload("gpt-tiny"), 1, 16, "none", card=CARD, device="cuda")   # imports, first-call caches
+    if not args.quick:
+        predict(get_workload("hf-llama-tiny"), 1, 16, "none", card=CARD, device="cuda")
     for model, overrides, seqs, dtype, policy in cases:
         for seq in seqs:
             predictions.append(one_prediction(model, overrides, seq, dtype, policy, args.repeats))
@@ -254,7 +274,8 @@ def main(argv=None) -> None:
     print(f"explain {explanation['model']} s{explanation['seq_len']} on {CARD}: {explanation['levers']} levers, "
           f"{explanation['seconds']:.1f} s", flush=True)
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "repeats": args.repeats,
-              "load_average": os.getloadavg(), "predictions": predictions, "fits": tables, "explain": explanation}
+              "load_average": os.getloadavg(), "python_loop_s": [loop_before, python_loop_s()],
+              "predictions": predictions, "fits": tables, "explain": explanation}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "predict_speed.json").write_text(json.dumps(result, indent=1, default=str))
