@@ -95,6 +95,9 @@ def test_card_view_shows_what_predict_answers_side_by_side():
             f"{format_bytes(direct.peak_bytes)} / {format_bytes(direct.reserved_bytes)}"
         assert table[p.policy]["attention"] == direct.attention_backend
         assert table[p.policy]["peak in"] == direct.peak_phase
+        assert table[p.policy]["predicted in"] == f"{p.predict_s:.2f} s"
+    kept = dataclasses.replace(explorer.predictions[0], answered_from_cache=True)
+    assert prediction_table([kept])[kept.policy]["predicted in"] == f"{kept.predict_s:.2f} s (kept on disk)"
     summary = explorer.summary()
     assert summary.startswith("hf-llama-tiny  batch 2 x seq 64  bf16-weights, loop adamw-fused,accum=2  predicted "
                               "for RTX 4090")

@@ -347,7 +347,7 @@ def prediction_table(predictions: list[Prediction]) -> pd.DataFrame:
         "allocated / reserved": f"{format_bytes(p.peak_bytes)} / {format_bytes(p.reserved_bytes)}",
         "attention": p.attention_backend or "-",
         "peak in": p.peak_phase,
-        "predicted in": f"{p.predict_s:.2f} s",
+        "predicted in": f"{p.predict_s:.2f} s" + (" (kept on disk)" if p.answered_from_cache else ""),
     } for p in predictions})
 
 
