@@ -10,7 +10,8 @@ in one run, with the two predictions checked identical.
      - prepared: a prediction at a sequence length not predicted before in the process, the model
        prepared by an earlier prediction (a table's search, a widget's change);
      the seconds, the full / fast ratio of each, and whether every field of the two paths'
-     records is the same;
+     records is the same; and the seconds of the same question asked again, answered from the
+     predictions kept on disk (a folder of the run's own: the run otherwise keeps nothing);
   2. predict_fits over 3 policies and the default cards for hf-llama-7b+lora=16 (bf16 weights, s2048:
      batches of tens) and gpt2-small (fp32, s1024: batches of hundreds), fast path: every
      prediction traced, then the batch searches on batch lines (`estimate.batch_line`), in this
@@ -39,6 +40,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from statistics import median
@@ -95,7 +97,7 @@ def timed(fn):
 def same_prediction(fast, full) -> list[str]:
     """The fields in which two predictions differ, wall time and path aside."""
     a, b = dataclasses.asdict(fast), dataclasses.asdict(full)
-    return [k for k in a if k not in ("predict_s", "trace") and a[k] != b[k]]
+    return [k for k in a if k not in ("predict_s", "trace", "answered_from_cache") and a[k] != b[k]]
 
 
 def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: str, repeats: int) -> dict:
@@ -114,12 +116,18 @@ def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: st
             seconds[(trace, "first")].append(s)
             _, s = timed(lambda: predict(workload, 1, seq - 8 * (r + 1), policy, **options, trace=trace))
             seconds[(trace, "prepared")].append(s)
+    with tempfile.TemporaryDirectory() as folder, mock.patch.dict(os.environ, {"CKPTLAB_CACHE": folder}):
+        predict(workload, 1, seq, policy, **options)   # made and kept on disk
+        clear_prepared()
+        kept, kept_s = timed(lambda: predict(workload, 1, seq, policy, **options))
+    if not kept.answered_from_cache or same_prediction(kept, predictions["fast"]):
+        raise SystemExit(f"{model} s{seq}: the prediction kept on disk was not the one answered again")
     clear_prepared()
     fast, full = predictions["fast"], predictions["full"]
     result = {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": policy,
               "fast_trace": fast.trace, "identical": not same_prediction(fast, full),
               "differing_fields": same_prediction(fast, full), "peak_bytes": fast.peak_bytes,
-              "device_bytes": fast.device_bytes}
+              "device_bytes": fast.device_bytes, "kept_s": kept_s}
     for when in ("first", "prepared"):
         full_s, fast_s = seconds[("full", when)], seconds[("fast", when)]
         result.update({f"{when}_full_s": median(full_s), f"{when}_fast_s": median(fast_s),
@@ -205,19 +213,21 @@ def markdown(result: dict) -> str:
              f"One run, {result['repeats']} rounds of each path (medians; full / fast is the median of the rounds' "
              "ratios). *First*: the model's first prediction in the process (built under fake tensors, policy "
              "applied, optimizer warmed up); *prepared*: a prediction at a sequence length new to the process, the "
-             "model prepared by an earlier one. Load average (1, 5, 15 min) at the end: "
+             "model prepared by an earlier one; *asked again*: the same question in a process that has not "
+             "prepared the model, answered from the predictions kept on disk (`estimate.answers`). Load average (1, 5, 15 min) at the end: "
              f"{', '.join(f'{x:.1f}' for x in result['load_average'])}. This machine ran 10^7 additions in a "
              f"Python loop in {result['python_loop_s'][0]:.2f} s of CPU at the start and "
              f"{result['python_loop_s'][1]:.2f} s at the end (`python_loop_s`: the seconds below scale with it). "
              "The machine may be shared: compare ratios.", "",
              "| model | seq | dtype | policy | first: full s | fast s | full / fast | prepared: full s | fast s "
-             "| full / fast | fast path | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| full / fast | fast path | identical | asked again: s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["predictions"]:
         lines.append(f"| {r['model']} | {r['seq_len']} | {r['dtype']} | {r['policy']} | {r['first_full_s']:.2f} | "
                      f"{r['first_fast_s']:.2f} | "
                      f"{r['first_ratio']:.1f}x | {r['prepared_full_s']:.2f} | {r['prepared_fast_s']:.2f} | "
-                     f"{r['prepared_ratio']:.1f}x | {r['fast_trace']} | {'yes' if r['identical'] else 'NO'} |")
+                     f"{r['prepared_ratio']:.1f}x | {r['fast_trace']} | {'yes' if r['identical'] else 'NO'} | "
+                     f"{r['kept_s']:.3f} |")
     lines += ["", "| predict_fits | seq | policies | cards | trace | batch lines | workers | traced | from lines "
               "| seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for f in result["fits"]:

@@ -186,6 +186,7 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
     assert [row["policy"] for row in result["predictions"]] == ["none", "plan=kffkkkkkkkkf"]
     for row in result["predictions"]:
         assert row["identical"] and row["fast_trace"] == "composed"
+        assert 0 < row["kept_s"] < row["first_fast_s"]   # asked again: answered from the predictions kept on disk
         for when in ("first", "prepared"):   # one round: its own ratio
             assert row[f"{when}_ratio"] == pytest.approx(row[f"{when}_full_s"] / row[f"{when}_fast_s"])
     on_lines, in_workers = result["fits"]   # --quick: no table traced without lines
