@@ -2,7 +2,7 @@
 from the prediction made the first time instead of being traced again.
 
 A prediction is kept under a key that holds everything it depends on: the model (its spec, the
-spec file's hash, overrides, seed, weights' dtype), the shape, policy, dtype, loop, device, card
+spec file's hash, its config, overrides, seed, weights' dtype), the shape, policy, dtype, loop, device, card
 (every field), attention backend, torch version modelled, allocator option and trace asked for,
 and what computed it: ckptlab's own code (a hash of its source files), the installed torch (its
 CPU kernels are what a CPU prediction runs), transformers and peft (the models they build), and

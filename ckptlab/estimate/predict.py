@@ -99,7 +99,7 @@ def predict_policy(
     on_card = as_card(card)
     kept_as = None
     if workload.spec is not None and answers.folder() is not None:
-        kept_as = answers.key(workload_key(workload), batch_size, seq_len, policy, dtype, loop, device, on_card,
+        kept_as = answers.key((workload_key(workload), workload.identity), batch_size, seq_len, policy, dtype, loop, device, on_card,
                               attention, torch_version, alloc_conf, trace)
         kept = answers.fetch(kept_as)
         if kept is not None:
