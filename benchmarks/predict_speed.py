@@ -22,9 +22,9 @@ in one run, with the two predictions checked identical.
 
 Imports and first-call caches are paid before anything is timed (a gpt-tiny prediction, and an
 hf-llama-tiny one, which builds transformers' table of checkpoint conversions, made once per
-process at its first model). The report says how fast the machine ran plain Python at the start
-and the end of the run (`python_loop_s`): the predictions are Python-bound, and machines here
-differ by 2-3x from one day to the next. Each
+process at its first model). The report says how fast the machine ran a plain Python loop at the
+start and the end of the run (`python_loop_s`), a reading to set beside another run's: machines
+here differ by 2-3x from one day to the next. Each
 path runs `--repeats` rounds, in turns, each round from no prepared model. Timings on a shared
 machine are noisy: compare the ratios of one run.
 
@@ -217,7 +217,8 @@ def markdown(result: dict) -> str:
              "prepared the model, answered from the predictions kept on disk (`estimate.answers`). Load average (1, 5, 15 min) at the end: "
              f"{', '.join(f'{x:.1f}' for x in result['load_average'])}. This machine ran 10^7 additions in a "
              f"Python loop in {result['python_loop_s'][0]:.2f} s of CPU at the start and "
-             f"{result['python_loop_s'][1]:.2f} s at the end (`python_loop_s`: the seconds below scale with it). "
+             f"{result['python_loop_s'][1]:.2f} s at the end (`python_loop_s`: a reading to set beside another "
+             "run's; the predictions also build and drop many objects, which this loop does not). "
              "The machine may be shared: compare ratios.", "",
              "| model | seq | dtype | policy | first: full s | fast s | full / fast | prepared: full s | fast s "
              "| full / fast | fast path | identical | asked again: s |",

@@ -180,7 +180,7 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     loop, and levers change its fields (another optimizer, accumulation, releasing a held output);
     `torch_version` and the allocator's `alloc_conf` are `predict`'s too. Bad input raises
     ValueError before any work. On a terminal a bar counts its stages (`progress=False`: none): a
-    7B LoRA's explanation takes about 20 s on 2 cores (benchmarks/predict_speed.py)."""
+    7B LoRA's explanation takes 13-27 s on 2 cores (benchmarks/predict_speed.py)."""
     t0 = time.perf_counter()
     limit = parse_capacity(capacity) if capacity is not None else None
     on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
