@@ -15,8 +15,7 @@ The answers live in one file per key under `CKPTLAB_CACHE` (default: `$XDG_CACHE
 predictions`, or `~/.cache/ckptlab/predictions`); `CKPTLAB_CACHE=off` turns the cache off, as
 `off()` does for a block of code (the test suite and the speed benchmarks run with it off). A
 file that cannot be read is asked again and written anew; a folder that cannot be written keeps
-nothing. Nothing else in that folder is touched.
-An answer taken from it says so (`Prediction.answered_from_cache`), with the seconds it took to
+nothing. Nothing else in that folder is touched. An answer taken from it says so (`Prediction.answered_from_cache`), with the seconds it took to
 fetch in `predict_s`.
 """
 
@@ -36,6 +35,8 @@ from typing import Optional
 import torch
 
 from ..core.cards import Card
+from ..workloads.base import Workload
+from .fake_step import workload_key
 
 OFF = "off"
 _code: Optional[str] = None
@@ -89,13 +90,16 @@ def code_version() -> str:
     return _code
 
 
-def key(model_key: tuple, batch_size: int, seq_len: int, policy, dtype: str, loop, device: str,
+def key(workload: Workload, batch_size: int, seq_len: int, policy, dtype: str, loop, device: str,
         card: Optional[Card], attention: Optional[str], torch_version: Optional[str], alloc_conf: Optional[str],
-        trace: str) -> str:
-    """The file name of a question's answer: a hash of everything the prediction depends on."""
-    question = (code_version(), model_key, batch_size, seq_len, str(policy), dtype, repr(loop), device,
-                repr(dataclasses.astuple(card)) if card is not None else None, attention, torch_version,
-                alloc_conf, trace)
+        trace: str) -> Optional[str]:
+    """The file name of a question's answer: a hash of everything the prediction depends on; None
+    where nothing is kept (the cache off, or a workload made in Python)."""
+    if workload.spec is None or folder() is None:
+        return None
+    question = (code_version(), workload_key(workload), workload.identity, batch_size, seq_len, str(policy), dtype,
+                repr(loop), device, repr(dataclasses.astuple(card)) if card is not None else None, attention,
+                torch_version, alloc_conf, trace)
     return hashlib.sha256(repr(question).encode()).hexdigest()
 
 

@@ -34,7 +34,7 @@ from .batch_line import batch_lines, lines_enabled, on_line
 from .compose import fast_memory
 from .cuda_device import parse_alloc_conf
 from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available
-from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused, workload_key
+from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused
 from .torch_versions import check_torch_version, torch_rules
 
 TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
@@ -97,13 +97,11 @@ def predict_policy(
                          "resolves a budget to its plan first")
     t0 = time.perf_counter()
     on_card = as_card(card)
-    kept_as = None
-    if workload.spec is not None and answers.folder() is not None:
-        kept_as = answers.key((workload_key(workload), workload.identity), batch_size, seq_len, policy, dtype, loop, device, on_card,
-                              attention, torch_version, alloc_conf, trace)
-        kept = answers.fetch(kept_as)
-        if kept is not None:
-            return dataclasses.replace(kept, predict_s=time.perf_counter() - t0, answered_from_cache=True)
+    kept_as = answers.key(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention, torch_version,
+                          alloc_conf, trace)
+    kept = answers.fetch(kept_as) if kept_as else None
+    if kept is not None:
+        return dataclasses.replace(kept, predict_s=time.perf_counter() - t0, answered_from_cache=True)
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
     trace_step = fast_memory if trace == "fast" else fake_memory
     fake = trace_step(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention,
