@@ -378,3 +378,36 @@ def test_the_planners_block_profile_from_a_composed_step_is_the_full_steps(spec,
         assert memory == block_profile.block_memory(workload, 2, 16, option, dtype, **options), option
         middle = memory.kept[1:-1]
         assert len(set(middle)) == 1 and middle[0] > 0, memory   # alike blocks keep alike bytes
+
+
+@pytest.mark.parametrize("spec, overrides, letter, uniform, options", [
+    ("gpt-tiny", dict(n_layer=7), "s", "selective", {}),
+    ("gpt-tiny", dict(n_layer=7), "f", "full+offload", CUDA),
+    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "f", "full", dict(CUDA, dtype="bf16-weights")),
+    ("hf:t5", dict(num_layers=7, num_decoder_layers=7), "k", "none+offload", {}),
+])
+def test_a_plan_of_one_option_steps_as_that_options_policy(spec, overrides, letter, uniform, options, monkeypatch):
+    """A plan with one option on every block runs the step of that option's policy, event for
+    event, traced on its own (`step_policy` off); so a prediction of it takes that policy's
+    prepared model and traced step, and a plan of the wrong length is still refused."""
+    workload = get_workload(spec, **overrides)
+    plan = as_policy(f"plan={letter * block_profile.block_count(workload)}" + ("+offload" if "offload" in uniform else ""))
+    kernels = dict(card=fake_step.as_card(options["card"]), device="cuda") if "card" in options else {}
+    dtype = options.get("dtype", "fp32")
+    fake_step.clear_prepared()
+    steps = [compose.composed_step(workload, 2, 16, as_policy(uniform), dtype, **kernels)[0].events]
+    with monkeypatch.context() as patched:
+        patched.setattr(fake_step, "step_policy", lambda policy: policy)
+        fake_step.clear_prepared()
+        steps.append(compose.composed_step(workload, 2, 16, plan, dtype, **kernels)[0].events)
+    assert steps[0] == steps[1]
+
+    fake_step.clear_prepared()
+    prepared = []
+    monkeypatch.setattr(fake_step.PreparedStep, "__init__", lambda self, *args, _init=fake_step.PreparedStep.__init__,
+                        **kwargs: (prepared.append(args[1]), _init(self, *args, **kwargs))[1])
+    shared = [predict_policy(workload, 2, 16, p, **options) for p in (as_policy(uniform), plan)]
+    assert prepared == [as_policy(uniform)]
+    assert_same_fields(dataclasses.replace(shared[1], policy=shared[0].policy), shared[0])
+    with pytest.raises(ValueError, match="plan=kk is invalid for a model with"):
+        predict_policy(workload, 2, 16, as_policy("plan=kk" + ("+offload" if "offload" in uniform else "")), **options)

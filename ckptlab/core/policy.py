@@ -133,6 +133,19 @@ def plan_policy(options, offload: bool = False, compiled: bool = False) -> Polic
     return Policy("plan", "".join(letter[o] for o in options), offload=offload, compiled=compiled)
 
 
+def step_policy(policy: Policy) -> Policy:
+    """The policy whose training step `policy`'s is: a plan of one option on every block runs as
+    that option's uniform policy (plan=kk..k as none, ss..s as selective, ff..f as full, offload
+    alike): the same wrappers on the same blocks, the same step (tests/test_fast_path.py compares
+    their events), so predictions share its prepared model. Any other policy is its own."""
+    if policy.kind != "plan" or policy.compiled or len(set(policy.value)) != 1 or policy.value[0] not in PLAN_LETTERS:
+        return policy
+    option = PLAN_LETTERS[policy.value[0]]
+    if option == "selective":   # a plan's selective blocks keep what bare `selective` keeps
+        return Policy("selective", policy.selective_variant, offload=policy.offload)
+    return Policy("none" if option == "keep" else "full", offload=policy.offload)
+
+
 def policy_label(policy: str | Policy) -> str:
     """A policy as tables and figures name it (`Policy.label`: budget=42.7MiB); text that does
     not parse as a policy (an anchor's label) is shown as it is."""

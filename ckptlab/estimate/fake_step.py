@@ -42,7 +42,7 @@ from ..checkpoint.wrap import apply_checkpointing
 from ..core.cards import Card
 from ..core.cards import card as find_card
 from ..core.loop import Loop, as_loop
-from ..core.policy import Policy
+from ..core.policy import Policy, step_policy
 from ..core.records import CATEGORIES
 from ..core.units import format_bytes
 from ..probe.memory import MemoryReport, track_memory
@@ -355,26 +355,28 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
     are. `host_type` (a `HostOffload`) is made for offload on "cuda", `cut_type()`'s `shorten`
     shortens the model (`compose`). An exception while preparing is raised again for the same
     options without preparing again. A step whose cut refused the model is the whole one, also
-    kept for these options without a cut (the full trace's), so that its model is built once."""
-    key = (workload_key(workload), policy, dtype, loop, device, host_type, cut_type)
+    kept for these options without a cut (the full trace's), so that its model is built once. A
+    plan of one option on every block takes the step of that option's policy (`step_policy`)."""
+    runs_as = step_policy(policy)
+    key = (workload_key(workload), runs_as, dtype, loop, device, host_type, cut_type)
     if key in _PREPARED:
         _PREPARED.move_to_end(key)
         found = _PREPARED[key][1]
-        if isinstance(found, Exception):
-            raise found
-        return found
-    try:
-        found = PreparedStep(workload, policy, dtype, loop, device, host_type() if host_type else None,
-                             cut=cut_type() if cut_type else None)
-    except Exception as exc:
-        found = exc
-    _PREPARED[key] = (workload, found)   # the workload kept alive: an object's key is its id
-    if isinstance(found, PreparedStep) and found.refusal is not None and host_type is None:
-        _PREPARED.setdefault(key[:-1] + (None,), (workload, found))
-    while len(_PREPARED) > PREPARED_KEPT:
-        _PREPARED.popitem(last=False)
+    else:
+        try:
+            found = PreparedStep(workload, runs_as, dtype, loop, device, host_type() if host_type else None,
+                                 cut=cut_type() if cut_type else None)
+        except Exception as exc:
+            found = exc
+        _PREPARED[key] = (workload, found)   # the workload kept alive: an object's key is its id
+        if isinstance(found, PreparedStep) and found.refusal is not None and host_type is None:
+            _PREPARED.setdefault(key[:-1] + (None,), (workload, found))
+        while len(_PREPARED) > PREPARED_KEPT:
+            _PREPARED.popitem(last=False)
     if isinstance(found, Exception):
         raise found
+    if runs_as is not policy:
+        policy.regions(found.handle.n_blocks)   # a plan's length, checked as applying it checks it
     return found
 
 
