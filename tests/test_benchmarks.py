@@ -183,7 +183,7 @@ def test_every_benchmark_runs_its_smallest_setting(name, capsys):
 def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, capsys):
     load("predict_speed").main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "predict_speed.json").read_text())
-    assert [row["policy"] for row in result["predictions"]] == ["none", "plan=kffkkkkkkkkf"]
+    assert [row["policy"] for row in result["predictions"]] == ["plan=kffkkkkkkkkf"]
     for row in result["predictions"]:
         assert row["identical"] and row["fast_trace"] == "composed"
         assert 0 < row["kept_s"] < row["first_fast_s"]   # asked again: answered from the predictions kept on disk

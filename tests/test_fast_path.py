@@ -314,15 +314,19 @@ def test_trace_is_checked():
         predict_policy("gpt-tiny", 1, 8, as_policy("none"), trace="quick")
 
 
-@pytest.mark.parametrize("trace", ["fast", "full"])
-@pytest.mark.parametrize("spec, overrides, policy, options", [
-    ("gpt-tiny", dict(n_layer=7), "none", {}),
-    ("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, loop="adamw,holds-output")),
-    ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16", loop="adamw,zero-grad=zeros,clip=1.0")),
-    ("gpt-tiny", dict(n_layer=7), "full+offload", CUDA),
-    ("gpt-tiny", dict(n_layer=7), "every=2", dict(dtype="fp16", loop="adamw-foreach,scaler,holds-output")),
-    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "none", dict(CUDA, dtype="bf16-weights")),
-])
+# The full trace steps the same `PreparedStep.at` as the fast path: it is checked on the loops and
+# devices whose reuse differs most (a held output, offload's host copies, LoRA in bf16 on CUDA).
+@pytest.mark.parametrize("trace, spec, overrides, policy, options", [
+    (trace, *case) for case, traces in [
+        (("gpt-tiny", dict(n_layer=7), "none", {}), ["fast"]),
+        (("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, loop="adamw,holds-output")), ["fast", "full"]),
+        (("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16", loop="adamw,zero-grad=zeros,clip=1.0")),
+         ["fast"]),
+        (("gpt-tiny", dict(n_layer=7), "full+offload", CUDA), ["fast", "full"]),
+        (("gpt-tiny", dict(n_layer=7), "every=2", dict(dtype="fp16", loop="adamw-foreach,scaler,holds-output")),
+         ["fast"]),
+        (("hf-llama-tiny+lora=4", dict(num_hidden_layers=7), "none", dict(CUDA, dtype="bf16-weights")), ["fast", "full"]),
+    ] for trace in traces])
 def test_a_reused_step_predicts_what_a_fresh_one_does(trace, spec, overrides, policy, options, monkeypatch):
     """Predictions of one model at several shapes and, on CUDA, for several cards and torch
     versions, in turn, step one prepared model (the composed ones take the first step's optimizer
@@ -388,26 +392,24 @@ def test_the_planners_block_profile_from_a_composed_step_is_the_full_steps(spec,
 ])
 def test_a_plan_of_one_option_steps_as_that_options_policy(spec, overrides, letter, uniform, options, monkeypatch):
     """A plan with one option on every block runs the step of that option's policy, event for
-    event, traced on its own (`step_policy` off); so a prediction of it takes that policy's
-    prepared model and traced step, and a plan of the wrong length is still refused."""
+    event (the plan traced on its own, `step_policy` off); so a prediction of it takes that
+    policy's prepared model and traced step, and a plan of the wrong length is still refused."""
     workload = get_workload(spec, **overrides)
-    plan = as_policy(f"plan={letter * block_profile.block_count(workload)}" + ("+offload" if "offload" in uniform else ""))
+    offload = "+offload" if "offload" in uniform else ""
+    plan = as_policy(f"plan={letter * block_profile.block_count(workload)}{offload}")
     kernels = dict(card=fake_step.as_card(options["card"]), device="cuda") if "card" in options else {}
     dtype = options.get("dtype", "fp32")
-    fake_step.clear_prepared()
-    steps = [compose.composed_step(workload, 2, 16, as_policy(uniform), dtype, **kernels)[0].events]
     with monkeypatch.context() as patched:
         patched.setattr(fake_step, "step_policy", lambda policy: policy)
         fake_step.clear_prepared()
-        steps.append(compose.composed_step(workload, 2, 16, plan, dtype, **kernels)[0].events)
-    assert steps[0] == steps[1]
-
+        alone = compose.composed_step(workload, 2, 16, plan, dtype, **kernels)[0].events
     fake_step.clear_prepared()
     prepared = []
     monkeypatch.setattr(fake_step.PreparedStep, "__init__", lambda self, *args, _init=fake_step.PreparedStep.__init__,
                         **kwargs: (prepared.append(args[1]), _init(self, *args, **kwargs))[1])
+    assert compose.composed_step(workload, 2, 16, as_policy(uniform), dtype, **kernels)[0].events == alone
     shared = [predict_policy(workload, 2, 16, p, **options) for p in (as_policy(uniform), plan)]
-    assert prepared == [as_policy(uniform)]
+    assert prepared == [as_policy(uniform)] and shared[1].trace == "composed"
     assert_same_fields(dataclasses.replace(shared[1], policy=shared[0].policy), shared[0])
     with pytest.raises(ValueError, match="plan=kk is invalid for a model with"):
-        predict_policy(workload, 2, 16, as_policy("plan=kk" + ("+offload" if "offload" in uniform else "")), **options)
+        predict_policy(workload, 2, 16, as_policy(f"plan=kk{offload}"), **options)

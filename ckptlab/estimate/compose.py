@@ -88,6 +88,8 @@ from .torch_versions import torch_rules
 
 TRACED_KEPT = 4      # composed steps kept per prepared model, by shape and kernels (the last traced)
 LONGEST_PERIOD = 4   # of the block kinds in a stack's middle; a longer one is traced in full
+HEAD_PERIODS = 3     # of the middle kept before the cut, the last the cut blocks' template: with two, a
+                     # table the first block makes and every block reads no longer composes
 
 
 class NotComposable(Exception):
@@ -238,9 +240,9 @@ class _Stack:
     alike: range = range(0)    # the kept blocks of the run after the cut that must trace as their templates
 
     def template(self, block: int) -> int:
-        """The head block whose units a cut block's are: one of the run's third period."""
-        third_period = self.run.start + 2 * self.period
-        return third_period + (block - third_period) % self.period
+        """The head block whose units a cut block's are: one of the head's last period."""
+        last_period = self.run.start + (HEAD_PERIODS - 1) * self.period
+        return last_period + (block - last_period) % self.period
 
     @property
     def head_last(self) -> int:
@@ -484,14 +486,15 @@ def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
             if i + 1 - here > length:
                 start, length = here, i + 1 - here
         run = range(first + 1 + start, first + 1 + start + length)
-    # Kept: the run's first three periods, then from the first block after a whole number of
+    # Kept: the run's first HEAD_PERIODS periods, then from the first block after a whole number of
     # periods that leaves one block of the run to check (and its last one where it borders
     # another kind); and every block outside the run.
-    cut = (len(run) - 1 - unchecked - 3 * period) // period * period
+    cut = (len(run) - 1 - unchecked - HEAD_PERIODS * period) // period * period
     if cut <= 0:
         return stack
     stack.period, stack.run = period, run
-    stack.cut = range(run.start + 3 * period, run.start + 3 * period + cut)
+    head = run.start + HEAD_PERIODS * period
+    stack.cut = range(head, head + cut)
     stack.alike = range(stack.cut.stop, run.stop - unchecked)
     return stack
 
