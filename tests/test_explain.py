@@ -11,9 +11,11 @@ from ckptlab.apps.cli import main as cli_main
 from ckptlab.core.cards import card
 from ckptlab.core.policy import parse_policy
 from ckptlab.core.units import format_bytes
+from ckptlab.estimate import fake_step
 from ckptlab.estimate.fsdp import fsdp_peak, fsdp_units
 from ckptlab.probe.distributed import measure_sharded
 from ckptlab.report.explain import BREAKDOWN, POLICY_LEVERS, explain
+from ckptlab.workloads.base import Workload
 from ckptlab.workloads.models import with_chunked_loss
 
 from .test_progress import Terminal
@@ -69,8 +71,20 @@ def test_logits_that_outweigh_the_blocks_are_named():
     assert e.checkpoint_floor_bytes > 0.8 * e.peak_bytes   # checkpointing the blocks barely helps
 
 
-def test_block_activations_are_named_and_checkpointing_lowers_the_peak():
+def test_block_activations_are_named_and_checkpointing_lowers_the_peak(monkeypatch):
+    prepared = []
+    monkeypatch.setattr(fake_step.PreparedStep, "__init__", lambda self, *args, _init=fake_step.PreparedStep.__init__,
+                        **kwargs: (prepared.append(args[1:5] + (kwargs.get("cut") is not None,)),
+                                   _init(self, *args, **kwargs))[1])
+    builds = []   # models built under fake tensors (a measurement or FSDP's units build real ones)
+    monkeypatch.setattr(Workload, "new_model", lambda self, _build=Workload.new_model: (
+        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None and builds.append(self),
+        _build(self))[1])
     e = explain(token_workload(**BLOCKS_BOUND, frozen_embedding=True), 8, 128)
+    # each weights' dtype is built once, each lever's model prepared once: the floor plan's profile
+    # and roofline take those builds and the policies' models again
+    built = [fake_step.workload_key(w) for w in builds]
+    assert len(built) == len(set(built)) and len(prepared) == len(set(prepared)) >= 5, (built, prepared)
     assert e.cause_kind == "blocks"
     assert e.checkpoint_floor_bytes < 0.5 * e.peak_bytes
     assert e.breakdown["activations_in_blocks"] > 0.5 * e.peak_bytes

@@ -31,7 +31,7 @@ from ..probe.step import with_dtype
 from ..workloads.base import Workload
 from ..workloads.stacks import find_blocks
 from .compose import NotComposable, composed_step
-from .fake_step import as_card, built_model, fake_model, fake_modes, gc_paused, prepared_step, stepped
+from .fake_step import as_card, built_model, gc_paused, model_as_built, prepared_step, stepped
 
 # Roofline for shapes too large to time here: a modern accelerator's realistic dense throughput
 # and memory bandwidth (stated assumptions, not measurements).
@@ -63,7 +63,7 @@ class BlockMemory:
 
 def block_count(workload: Workload) -> int:
     """How many blocks the workload's model runs (built on fake tensors)."""
-    return len(find_blocks(built_model(workload)[1]))
+    return len(find_blocks(model_as_built(workload)))
 
 
 @gc_paused()
@@ -79,7 +79,7 @@ def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str,
     if loop.accum_steps != 1:
         raise ValueError(f"loop={str(loop)!r} is invalid here: a block profile is one forward and backward; "
                          "allowed is a loop with accum_steps=1")
-    n = block_count(workload)
+    n = block_count(with_dtype(workload, dtype))   # the build its prepared steps copy
     policy = plan_policy([option] * n)
     card = as_card(card)
     try:
@@ -171,9 +171,8 @@ def roofline_block_costs(workload: Workload, batch_size: int, seq_len: int, dtyp
     0): full recomputes every op of the block's forward, selective the ops selective
     checkpointing does not save (`checkpoint.wrap.selective_policy_fn`). Fake tensors, nothing
     allocated; alike blocks averaged."""
-    mode = fake_modes()
     workload = with_dtype(workload, dtype)
-    model = fake_model(workload, mode)
+    mode, model = built_model(workload)   # a copy of the build its prepared steps copy
     amp = cpu_autocast(dtype)
     policy_fn = selective_policy_fn("mm")
     with mode:
