@@ -87,20 +87,21 @@ def test_encoder_decoder_composes_each_stack():
 
 class Block(nn.Module):
     """A residual MLP block; `wide` ones have a wider hidden layer, `reads` the first block's
-    output too, `shared` a weight that every block shares."""
+    output too, `shared` a weight that every block shares, `dropout` a dropout's rate."""
 
-    def __init__(self, width: int, hidden: int, shared: nn.Linear | None = None):
+    def __init__(self, width: int, hidden: int, shared: nn.Linear | None = None, dropout: float | None = None):
         super().__init__()
         self.up = nn.Linear(width, hidden)
         self.down = nn.Linear(hidden, width)
         self.shared = shared
+        self.drop = nn.Identity() if dropout is None else nn.Dropout(dropout)
 
     def forward(self, h, first=None, before=None):
         x = h if first is None else h + first
         x = x if before is None else x * before
         if self.shared is not None:
             x = self.shared(x)
-        return h + self.down(F.gelu(self.up(x)))
+        return h + self.drop(self.down(F.gelu(self.up(x))))
 
 
 class Net(nn.Module):
@@ -110,13 +111,20 @@ class Net(nn.Module):
         shared = nn.Linear(width, width) if kind == "shared" else None
         hidden = [(2 if kind == "alternating" and j % 2 else 4) * width for j in range(depth)]
         self.embed = nn.Linear(8, width)
-        self.blocks = nn.ModuleList(Block(width, hidden[j], shared) for j in range(depth))
+        self.blocks = nn.ModuleList(Block(width, hidden[j], shared, (0.5 if j == 5 else 0.0) if kind == "one-drops" else None)
+                                    for j in range(depth))
         self.head = nn.Linear(width, 3)
+        self.features = []
+        if kind == "one-hooked":   # a feature taken from one block
+            self.blocks[5].register_forward_hook(lambda module, args, out: self.features.append(out * 2))
 
     def forward(self, x):
         h = self.embed(x)
         first = before = None
-        for block in self.blocks:
+        outs = []
+        if self.kind == "counts":   # a buffer with a row per block
+            rows = h.new_zeros(len(self.blocks), *h.shape)
+        for j, block in enumerate(self.blocks):
             if self.kind == "reads-first":
                 out = block(h, first=first)
                 first = out if first is None else first
@@ -125,7 +133,16 @@ class Net(nn.Module):
                 before = h
             else:
                 out = block(h)
+            if self.kind == "counts":
+                rows[j] = out
             h = out
+            if self.kind == "stacks-outputs":
+                outs.append(h)
+        self.features.clear()
+        if self.kind == "stacks-outputs":   # a mix of every block's output
+            h = torch.stack(outs).mean(dim=0)
+        if self.kind == "counts":
+            h = rows.mean(dim=0)
         return self.head(h.mean(dim=1))
 
 
@@ -147,6 +164,19 @@ def test_blocks_that_differ_compose_or_fall_back_exactly(kind, policy, options):
     fast, full = both_ways(workload(kind, depth=11 if kind == "alternating" else 7), policy, **options)
     assert_same(fast, full)
     assert fast.trace == "composed"
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("one-drops", "no stack has repeated middle blocks to compose"),      # alike but for a dropout's rate
+    ("one-hooked", "no stack has repeated middle blocks to compose"),     # alike but for a hook
+    ("stacks-outputs", "an op outside the blocks reads the tensors of blocks 1, 2, 3, 9"),
+    ("counts", "the model counts its blocks (len of its ModuleList), so they cannot be cut"),
+])
+@pytest.mark.parametrize("policy, options", [("none", {}), ("full", CUDA)])
+def test_blocks_alike_but_for_a_setting_or_seen_together_outside_are_traced_in_full(kind, why, policy, options):
+    fast, full = both_ways(workload(kind, depth=11), policy, **options)
+    assert_same(fast, full)
+    assert fast.trace == f"full ({why})"
 
 
 def test_a_plan_whose_kinds_change_composes_blocks_that_read_an_earlier_blocks_tensor():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import csv
 import dataclasses
 import json
@@ -45,6 +46,7 @@ from ..report.tables import format_table
 from ..run.compare import compare, measure_together
 from ..run.compiled_plan import plan_compiled
 from ..run.config import SweepConfig
+from ..run.progress import progress_bar
 from ..run.store import RunLockedError
 from ..run.sweep import sweep
 from ..workloads.models import PRESETS
@@ -498,18 +500,20 @@ def cmd_predict(args: argparse.Namespace) -> int:
     on = device_options(args)
     loop = loop_from_arguments(args, dtype=args.dtype)
     workload = get_workload(args.model, **_model_overrides(args.set))
+    settings = [(batch, seq, policy) for batch in int_list("--batch", args.batch) for seq in int_list("--seq", args.seq)
+                for policy in policy_list(args.policy)]
     rows = []
-    for batch in int_list("--batch", args.batch):
-        for seq in int_list("--seq", args.seq):
-            for policy in policy_list(args.policy):
-                row = predict(workload, batch, seq, policy, dtype=args.dtype, loop=loop, **on, trace=args.trace).record()
-                if on["device"] == "cpu":
-                    try:
-                        row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
-                                               dtype=args.dtype))
-                    except ValueError:
-                        pass
-                rows.append(row)
+    with contextlib.closing(progress_bar(len(settings), "predict", "row")) as bar:
+        for batch, seq, policy in settings:
+            row = predict(workload, batch, seq, policy, dtype=args.dtype, loop=loop, **on, trace=args.trace).record()
+            if on["device"] == "cpu":
+                try:
+                    row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
+                                           dtype=args.dtype))
+                except ValueError:
+                    pass
+            rows.append(row)
+            bar.update(1)
     columns = PREDICT_COLUMNS if on["device"] == "cpu" else cuda_predict_columns(on["card"])
     shown = [dict(r, fit_text=fit_text(r)) for r in rows] if on["card"] and args.format == "table" else rows
     print_rows(shown, columns, args.format,
@@ -622,8 +626,9 @@ def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, pol
     p.add_argument("--batch", default=batch, type=str if lists else int, help=f"batch size{'s' if lists else ''}{many}")
     p.add_argument("--seq", default=seq, type=str if lists else int, help=f"sequence length{'s' if lists else ''}{many}")
     if policy:
-        p.add_argument("--policy", default=policy, help="policies, comma-separated, e.g. none,density=0.5,full "
-                       "(the vocabulary: ckptlab --help)")
+        p.add_argument("--policy", default=policy,
+                       help=("policies, comma-separated, e.g. none,density=0.5,full" if "," in policy else
+                             "a policy, e.g. full or density=0.5") + " (the vocabulary: ckptlab --help)")
     p.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
 
 

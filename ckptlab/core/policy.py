@@ -255,15 +255,17 @@ def parse_policies(value, name: str = "policies") -> list[Policy]:
 
 
 def _parse_budget(text: str, name: str, arg: str) -> int | float:
-    """'0.5' -> 0.5 (a fraction of the no-checkpointing peak); '6GiB', '512MB', '1e9' -> bytes."""
+    """'0.5' -> 0.5 (a fraction of the no-checkpointing peak); '6GiB', '512MB', '1e9' -> bytes. A
+    number above 1 written as a fraction ('1.5', '2.0') is refused, not taken for a few bytes."""
     try:
         number = float(arg)
     except ValueError:
         number = None
     if number is not None and 0 < number <= 1:
         return number
-    if number is not None and number <= 0:
-        raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] or a size such as 6GiB")
+    if number is not None and (number <= 0 or ("." in arg and "e" not in arg.lower())):
+        raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] of the no-checkpointing "
+                         "peak, or a size such as 6GiB, 512MiB, 2GB")
     try:
         return size_bytes("budget", arg)
     except ValueError:

@@ -57,6 +57,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..core.cards import Card
 from ..core.loop import Loop, as_loop
@@ -179,7 +181,8 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
                     host.tracker = tracker
                 marks = _Marks(tracker, cut, cut.optimizer_phases.get(kernels_key))
                 try:
-                    step(marks)
+                    with _ReadsOutsideBlocks(marks):
+                        step(marks)
                 finally:
                     cut.tracker = None
                     if host:
@@ -376,6 +379,26 @@ class _Marks:
                 raise _OptimizerPhaseKnown
 
 
+class _ReadsOutsideBlocks(TorchDispatchMode):
+    """Marks, in the forward outside the blocks, each op that reads two or more tracked storages
+    (`("reads", numbers)`): `_Units` refuses a step in which such an op reads the tensors of
+    several middle blocks (their outputs stacked after the loop, say), which the shortened step
+    has fewer of."""
+
+    def __init__(self, marks: "_Marks"):
+        super().__init__()
+        self.marks = marks
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        marks = self.marks
+        if marks.phase_now == "forward" and not marks.tracker.in_block:
+            read = {marks.number(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            read.discard(None)
+            if len(read) > 1:
+                marks.mark(("reads", frozenset(read)))
+        return func(*args, **(kwargs or {}))
+
+
 class _OptimizerPhaseKnown(Exception):
     """Raised as a step's optimizer phase begins when its events are known: the step stops there."""
 
@@ -459,15 +482,19 @@ def _next_number(events: list[tuple]) -> int:
 
 def _skipping_class(cls: type, kept: list) -> type:
     """`cls` whose instances iterate over `kept` only: the model's loop runs the kept blocks,
-    while its parameters (`_modules`) stay whole."""
+    while its parameters (`_modules`) stay whole. A model that indexes its blocks or asks how
+    many there are (to size a buffer, or to tell the last one) would see the cut: NotComposable."""
 
     def refuse(self, index):
         if isinstance(index, slice):
             return kept[index]
         raise NotComposable(f"the model indexes its blocks ({type(self).__name__}[{index}]), so they cannot be cut")
 
-    return type(cls.__name__, (cls,), {"__iter__": lambda self: iter(kept), "__len__": lambda self: len(kept),
-                                       "__getitem__": refuse})
+    def uncounted(self):
+        raise NotComposable(f"the model counts its blocks (len of its {type(self).__name__}), so they cannot be cut")
+
+    return type(cls.__name__, (cls,), {"__iter__": lambda self: iter(kept), "__getitem__": refuse,
+                                       "__len__": uncounted})
 
 
 def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
@@ -501,10 +528,21 @@ def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
 
 def _kind(block: nn.Module, mode: str) -> tuple:
     """What makes two blocks trace alike: type, parameters and buffers (shapes, dtypes,
-    trainable) and checkpoint mode."""
+    trainable), checkpoint mode, and of the block and each module in it, its hooks (a forward
+    hook on one block only) and its settings that are not whole numbers (a dropout's rate, an
+    attention type). Whole numbers are left out: a block's own index (transformers' `layer_idx`)
+    differs in every block, and what a block's index changes is not seen here (see `_Units`)."""
     tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in block.named_parameters())
     tensors += tuple((name, tuple(t.shape), t.dtype) for name, t in block.named_buffers())
-    return type(block), mode, tensors
+    modules = tuple((name, type(m), tuple(len(hooks) for hooks in _hooks(m)),
+                     tuple((key, value) for key, value in sorted(vars(m).items())
+                           if not key.startswith("_") and type(value) in (float, bool, str, type(None))))
+                    for name, m in block.named_modules())
+    return type(block), mode, tensors, modules
+
+
+def _hooks(module: nn.Module) -> tuple:
+    return (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
 
 
 # --------------------------------------------------------------------------- composing the events
@@ -521,6 +559,8 @@ def compose(events: list[tuple], cut: _Cut) -> list[tuple]:
     out = []
     dropping = False
     for i, event in enumerate(events):
+        if event[0] == "reads":
+            continue
         for j in units.backward_inserts.get(i, ()):
             out += units.copy(("bwd", cut.stack_of[j].template(j)), j, stand_ins)
         if event[0] == "stand_ins":
@@ -561,6 +601,10 @@ class _Units:
         forward_exit, backward_marks = {}, defaultdict(list)
         for i, event in enumerate(self.events):
             kind = event[0]
+            if kind == "reads":
+                if unit is None:
+                    self._check_read_outside(event[1])
+                continue
             if kind == "phase":
                 phase, unit = event[1], None
             elif phase == "forward" and kind == "enter":
@@ -601,6 +645,22 @@ class _Units:
         self._find_fixed_references()
         self._check_alike()
         self._check_references_across_runs()
+
+    def _check_read_outside(self, numbers: frozenset) -> None:
+        """An op outside the blocks' units that reads the storages of several middle blocks
+        (neither the first nor the last of their stack) would read as many as the whole step
+        has: NotComposable."""
+        blocks = set()
+        for number in numbers:
+            owner = self.owner.get(number)
+            if owner is None:
+                continue
+            block = owner[0][1]
+            stack = self.cut.stack_of[block]
+            if block not in (stack.first, stack.first + stack.length - 1):
+                blocks.add(block)
+        if len(blocks) > 1:
+            raise NotComposable(f"an op outside the blocks reads the tensors of blocks {', '.join(map(str, sorted(blocks)))}")
 
     def _check_references_across_runs(self) -> None:
         """Where a stack is cut inside a run, the blocks after the run follow a block of another

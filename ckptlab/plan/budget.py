@@ -98,6 +98,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     `plan.profile.profiled_loop`, verified in the loop itself."""
     workload, loop = as_workload(workload), as_loop(loop)
     workload.check_shape(batch_size, seq_len)
+    budget_value(budget)   # refused before any work
     card = as_card(card)
     predicted_for = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
     profile = profile_blocks(workload, batch_size, seq_len, dtype, loop, cost, **predicted_for)

@@ -381,6 +381,11 @@ class MemoryTracker:
         """The key of the tracked storage `tensor` views in the events (None: not tracked)."""
         return self._tracker.number(tensor)
 
+    @property
+    def in_block(self) -> bool:
+        """Whether one of the watched blocks' forward is running (`blocks=`)."""
+        return self._tracker.block_depth > 0
+
 
 @contextlib.contextmanager
 def track_memory(

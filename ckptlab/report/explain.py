@@ -316,8 +316,8 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
     where = _where(pred.peak_phase, pred.peak_block, breakdown["activations_in_blocks"] > 0)
     if outside >= max(blocks, static):
         return "logits", (
-            f"The logits, the loss and their gradients hold the peak: {f(outside)} outside the blocks against "
-            f"{f(blocks)} in them. The peak comes {where}. Checkpointing the blocks lowers it only to {f(floor)} ({floor_policy}); "
+            f"The logits, the loss and their gradients hold the peak: {f(outside)} of activations and temporaries "
+            f"outside the blocks against {f(blocks)} in them. The peak comes {where}. Checkpointing the blocks lowers it only to {f(floor)} ({floor_policy}); "
             f"a chunked loss{' or a smaller micro-batch' if pred.batch_size > 1 else ''} shrinks the logits.")
     if blocks >= static:
         reach = (f"{floor_policy} brings the peak to {f(floor)}" if floor < pred.held_bytes else

@@ -5,7 +5,8 @@
                            (`--set num_hidden_layers=8`)
     hf:path/config.json    a local config file (overrides on top; no tiny defaults)
     hf:org/name            the config.json of a model in the local Hugging Face cache
-    hf-gpt2-tiny, ...      short names for fixed configs (HF_PRESETS; hf-llama-7b: Llama-2-7B's shape)
+    hf-gpt2-tiny, ...      short names for fixed configs (HF_PRESETS; hf-llama-7b: Llama-2-7B's shape,
+                           positions for 32k tokens)
 
 The task, the batch and the loss follow the architecture: docs/design.md, note "A transformers
 model as a workload".
