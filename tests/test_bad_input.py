@@ -108,6 +108,9 @@ CLI_CASES = [
     (["plan", "--budget", "0.5", "--seq", "100000"], "--seq 100000 is invalid for --model gpt-tiny: allowed is 1..256"),
     (["plan", "--budget", "0.5", "--cost", "guess"], "--cost guess is invalid: allowed are auto"),
     (["plan", "--budget", "0.5", "--torch-version", "2.3"], "--torch-version 2.3 is invalid"),
+    (["plan", "--budget", "2.0"], "--budget 2.0 is invalid: allowed is a fraction in (0, 1] of the no-checkpointing "
+     "peak, or a size such as 6GiB"),
+    (["plan", "--budget", "lots"], "--budget lots is invalid: allowed is a fraction in (0, 1]"),
     (["explain", "--seq", "0"], "--seq 0 is invalid: allowed is an integer >= 1"),
     (["explain", "--ranks", "1"], "--ranks 1 is invalid: allowed is an integer >= 2"),
     (["explain", "--capacity", "lots"], "--capacity lots is invalid: allowed is a card"),
@@ -323,3 +326,10 @@ def test_a_notebooks_loop_parameter_is_checked_as_the_command_line_checks_it():
     check_parameters(find_notebook("11"), {"loop": "adamw-fused,accum=2,holds-output"})
     with pytest.raises(ValueError, match=r"^notebook 11_why_memory_did_not_drop: accum_steps=0 is invalid: allowed is an"):
         check_parameters(find_notebook("11"), {"loop": "adamw,accum=0"})
+
+
+@pytest.mark.parametrize("budget", ["lots", "2.0", "-1GiB", "0"])
+def test_a_bad_budget_is_refused_before_the_model_is_profiled(monkeypatch, budget):
+    monkeypatch.setattr("ckptlab.plan.budget.profile_blocks", lambda *a, **k: pytest.fail("profiled"))
+    with pytest.raises(ValueError, match=f"budget={budget} is invalid"):
+        ckptlab.plan_budget("gpt-tiny", 2, 16, budget)

@@ -263,14 +263,14 @@ def _parse_budget(text: str, name: str, arg: str) -> int | float:
         number = None
     if number is not None and 0 < number <= 1:
         return number
-    if number is not None and (number <= 0 or ("." in arg and "e" not in arg.lower())):
-        raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] of the no-checkpointing "
-                         "peak, or a size such as 6GiB, 512MiB, 2GB")
+    refusal = ValueError(f"budget={text.strip().partition('=')[2].strip()} is invalid: allowed is a fraction in "
+                         "(0, 1] of the no-checkpointing peak, or a size such as 6GiB, 512MiB, 2GB")
+    if number is not None and (number <= 0 or ("." in arg and "e" not in arg)):
+        raise refusal
     try:
         return size_bytes("budget", arg)
     except ValueError:
-        raise ValueError(f"budget={arg} is invalid: allowed is a fraction in (0, 1] of the "
-                         "no-checkpointing peak, or a size such as 6GiB, 512MiB, 2GB") from None
+        raise refusal from None
 
 
 def _number(text: str, name: str, arg: str, kind: type):
