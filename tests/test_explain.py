@@ -140,8 +140,9 @@ def test_checkpointing_a_model_that_checkpoints_itself_is_named():
     assert "twice" in e.cause
 
 
-def test_fsdp_model_against_a_measured_two_rank_run():
-    workload = token_workload(**BLOCKS_BOUND)
+@pytest.mark.parametrize("frozen_embedding", [False, True])   # FSDP2 shards frozen parameters too
+def test_fsdp_model_against_a_measured_two_rank_run(frozen_embedding):
+    workload = token_workload(**BLOCKS_BOUND, frozen_embedding=frozen_embedding)
     measured = measure_sharded(workload, 8, 128, "none", nproc=2, steps=1, warmup=0)
     assert measured["status"] == "ok", measured["message"]
     modelled = fsdp_peak(predict(workload, 8, 128, "none"), fsdp_units(workload), 2)

@@ -390,6 +390,39 @@ def test_a_reused_step_predicts_what_a_fresh_one_does(trace, spec, overrides, po
         assert_same_fields(prediction, alone)
 
 
+class CachingBlock(Block):
+    """A block that makes a table for the sequence length on its first call and keeps it, made
+    again for a longer sequence (as rotary embeddings' caches do)."""
+
+    def __init__(self, width: int):
+        super().__init__(width, 4 * width)
+        self.table = None
+
+    def forward(self, h):
+        if self.table is None or self.table.shape[0] < h.shape[1]:
+            self.table = torch.ones(2 * h.shape[1], h.shape[2], dtype=h.dtype, device=h.device)
+        return super().forward(h + self.table[:h.shape[1]])
+
+
+@pytest.mark.parametrize("trace", ["fast", "full"])
+def test_a_model_that_keeps_a_table_of_its_shape_is_prepared_again_for_another_shape(trace):
+    def build():
+        model = Net("plain", depth=9)
+        model.blocks = nn.ModuleList(CachingBlock(16) for _ in range(9))
+        return model
+
+    caching = ckptlab.Workload.custom("net-caching", build_model=build, loss=loss, make_batch=lambda b, s, gen: (
+        torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)))
+    fake_step.clear_prepared()
+    alone = predict_policy(caching, 2, 32, as_policy("none"), trace=trace)
+    fake_step.clear_prepared()
+    predict_policy(caching, 2, 16, as_policy("none"), trace=trace)
+    after_another_shape = predict_policy(caching, 2, 32, as_policy("none"), trace=trace)
+    assert_same_fields(after_another_shape, alone)
+    assert alone.trace == ("composed" if trace == "fast" else "full")
+    assert alone.peak_bytes == ckptlab.measure(caching, 2, 32, "none", steps=1, warmup=0, max_seconds=0.1)["peak_bytes"]
+
+
 @pytest.mark.parametrize("spec, overrides, dtype, options, block_options", [
     ("gpt-tiny", dict(n_layer=7), "fp32", {}, ("keep", "selective", "full")),
     # the storages of a step on CUDA, its autocast's casts among them, come and go: a storage is

@@ -86,7 +86,7 @@ def block_memory(workload: Workload, batch_size: int, seq_len: int, option: str,
         events = composed_step(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
                                torch_version=torch_version)[0].events
     except NotComposable:
-        prepared = prepared_step(workload, policy, dtype, loop, device)
+        prepared = prepared_step(workload, policy, dtype, loop, device, (batch_size, seq_len))
         with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
                 model, handle, batch, opt, step, _):
             with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks) as tracker:

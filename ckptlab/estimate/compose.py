@@ -42,10 +42,13 @@ and on CUDA replayed through the caching allocator. A prepared model keeps its l
 steps by shape and kernels (`TRACED_KEPT`): a step asked for again is not traced again. What a composed trace cannot know is refused
 before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
 policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
-that is not one forward, backward and optimizer step, a model that indexes its blocks, blocks
-whose order, units or gradients the trace cannot place. The equality of the two paths is a test
-(tests/test_fast_path.py), on models with repeated, alternating, shared, encoder-decoder blocks
-and blocks that read an earlier block's tensor.
+that is not one forward, backward and optimizer step, a model that indexes or counts its blocks,
+an op outside the blocks that reads several middle blocks' tensors (`_ReadsOutsideBlocks`), blocks
+whose order, units or gradients the trace cannot place. Not seen: model code that treats a block by
+its position without indexing the container (`zip` with a per-layer list, a block reading its own
+index), whose cut blocks are predicted as their template. The equality of the two paths is a test
+(tests/test_fast_path.py), on models with repeated, alternating, shared, encoder-decoder blocks,
+blocks that read an earlier block's tensor, and blocks alike but for a hook or a setting.
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
         raise NotComposable("transformers' own checkpointing")
     cuda = device == "cuda"
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
-    prepared = prepared_step(workload, policy, dtype, loop, device,
+    prepared = prepared_step(workload, policy, dtype, loop, device, (batch_size, seq_len),
                              host_type=_MarkedHostOffload if cuda and policy.offload else None, cut_type=_Cut)
     if prepared.refusal is not None:
         raise prepared.refusal

@@ -299,13 +299,18 @@ class PreparedStep:
     state does not depend on the batch's shape nor on the kernels the step runs (parameters, the
     optimizer state, a grad scaler's scalars, gradients a loop zero-fills), except a held output:
     a later `at` swaps the batch, and for a loop that holds its output runs the forward at the
-    new shape, whose output replaces the held one as in a warm-up. tests/test_fast_path.py checks
-    that a reused step predicts what a fresh one does, to the byte."""
+    new shape, whose output replaces the held one as in a warm-up. A model whose forward leaves
+    tensors on its modules (a table sized by the sequence, made on the first call: `state_made`)
+    is in the state of the shape it was warmed up at, so `prepared_step` prepares it again for
+    another shape. tests/test_fast_path.py checks that a reused step predicts what a fresh one
+    does, to the byte."""
 
     def __init__(self, workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str,
                  host: Optional[HostOffload] = None, *, cut=None):
         self.device, self.dtype, self.loop, self.host, self.cut = device, dtype, loop, host, cut
         self.refusal: Optional[Exception] = None
+        self.warmed_at: Optional[tuple[int, int]] = None   # the (batch, seq) the warm-up ran at
+        self.state_made = False                             # its forward left tensors on the model's modules
         self.workload = with_dtype(workload, dtype)
         self.fake_mode, self.model = built_model(self.workload)  # as Workload.build, minus the device move
         self.step = None
@@ -341,7 +346,11 @@ class PreparedStep:
                 if self.step.scaler is not None:
                     assume_finite_gradients(self.step.scaler)
                 torch.manual_seed(self.workload.seed)
+                before = module_tensors(self.model)
                 warm_up(self.step, self.model, self.opt, self.trained)
+                after = module_tensors(self.model)
+                self.state_made = after.keys() != before.keys() or any(after[k] is not t for k, t in before.items())
+                self.warmed_at = (batch_size, seq_len)
             else:
                 self.step.batch = batch
                 if self.loop.holds_output:
@@ -358,7 +367,7 @@ _PREPARED: OrderedDict = OrderedDict()
 PREPARED_KEPT = 8
 
 
-def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str, *,
+def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str, shape: tuple[int, int], *,
                   host_type: Optional[type] = None, cut_type: Optional[type] = None) -> PreparedStep:
     """The `PreparedStep` for these options, reused from an earlier prediction where one was made
     (the last PREPARED_KEPT are kept). A model is the same when its workload object is, or for a
@@ -367,12 +376,16 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
     shortens the model (`compose`). An exception while preparing is raised again for the same
     options without preparing again. A step whose cut refused the model is the whole one, also
     kept for these options without a cut (the full trace's), so that its model is built once. A
-    plan of one option on every block takes the step of that option's policy (`step_policy`)."""
+    plan of one option on every block takes the step of that option's policy (`step_policy`). A
+    step whose warm-up left tensors on the model (`PreparedStep.state_made`) is reused only at
+    the (batch, seq) `shape` it was warmed up at."""
     runs_as = step_policy(policy)
     key = (workload_key(workload), runs_as, dtype, loop, device, host_type, cut_type)
-    if key in _PREPARED:
+    found = _PREPARED[key][1] if key in _PREPARED else None
+    if isinstance(found, PreparedStep) and found.state_made and found.warmed_at != shape:
+        found = None
+    if found is not None:
         _PREPARED.move_to_end(key)
-        found = _PREPARED[key][1]
     else:
         try:
             found = PreparedStep(workload, runs_as, dtype, loop, device, host_type() if host_type else None,
@@ -418,6 +431,14 @@ def workload_key(workload: Workload) -> tuple:
         return ("object", id(workload))
     return ("spec", workload.spec, workload.spec_hash, repr(sorted(workload.overrides.items())), workload.seed,
             workload.weights_dtype, workload.block_paths, workload.seq_len_limit)
+
+
+def module_tensors(model: nn.Module) -> dict:
+    """Each tensor the model's modules hold, as a parameter, a buffer or an attribute: (module's
+    place, name) -> the tensor."""
+    return {(i, name): t for i, module in enumerate(model.modules())
+            for name, t in (*module._parameters.items(), *module._buffers.items(), *vars(module).items())
+            if isinstance(t, torch.Tensor)}
 
 
 def warm_up(step, model: nn.Module, opt, trained=None) -> None:
@@ -526,7 +547,7 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     `alloc_conf` through the loop's first two steps)."""
     cuda, card = device == "cuda", as_card(card)
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
-    prepared = prepared_step(workload, policy, dtype, as_loop(loop), device,
+    prepared = prepared_step(workload, policy, dtype, as_loop(loop), device, (batch_size, seq_len),
                              host_type=HostOffload if cuda and policy.offload else None)
     host = prepared.host
     with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (

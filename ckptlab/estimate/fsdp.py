@@ -1,5 +1,6 @@
-"""FSDP2's per-rank peak, modelled from one prediction of the unsharded step: parameters,
-gradients and optimizer state divided over the ranks, activations and temporaries as they are
+"""FSDP2's per-rank peak, modelled from one prediction of the unsharded step: parameters (frozen
+ones too: `fully_shard` shards every parameter of a unit), gradients and optimizer state divided
+over the ranks, activations and temporaries as they are
 (each rank keeps its own batch), plus the largest unit's parameters gathered at once. The units
 are those `measure_sharded` makes: one per block, the rest of the model as the root."""
 
@@ -27,7 +28,7 @@ def fsdp_peak(pred: Prediction, units: list[int], ranks: int) -> int:
     """The per-rank peak of FSDP2 over `ranks` ranks, modelled (module docstring); on a card, in
     its device bytes."""
     by = pred.peak_by_category
-    sharded = by["parameters"] + by["gradients"] + by["optimizer_state"]
+    sharded = by["parameters"] + by.get("frozen_parameters", 0) + by["gradients"] + by["optimizer_state"]
     return pred.held_bytes - sharded + math.ceil(sharded / ranks) + max(units)
 
 
