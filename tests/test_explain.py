@@ -140,13 +140,16 @@ def test_checkpointing_a_model_that_checkpoints_itself_is_named():
     assert "twice" in e.cause
 
 
-@pytest.mark.parametrize("frozen_embedding", [False, True])   # FSDP2 shards frozen parameters too
-def test_fsdp_model_against_a_measured_two_rank_run(frozen_embedding):
-    workload = token_workload(**BLOCKS_BOUND, frozen_embedding=frozen_embedding)
+# FSDP2 shards frozen parameters too: a frozen embedding of 512 KiB, left whole, would put the
+# model 0.4% high (it is within 0.02%).
+@pytest.mark.parametrize("overrides, tolerance", [(BLOCKS_BOUND, 0.1),
+                                                  (dict(BLOCKS_BOUND, vocab=4096, frozen_embedding=True), 0.002)])
+def test_fsdp_model_against_a_measured_two_rank_run(overrides, tolerance):
+    workload = token_workload(**overrides)
     measured = measure_sharded(workload, 8, 128, "none", nproc=2, steps=1, warmup=0)
     assert measured["status"] == "ok", measured["message"]
     modelled = fsdp_peak(predict(workload, 8, 128, "none"), fsdp_units(workload), 2)
-    assert abs(modelled / measured["peak_bytes"] - 1) < 0.1
+    assert abs(modelled / measured["peak_bytes"] - 1) < tolerance
 
 
 def test_cli_prints_the_report_and_json(capsys, tmp_path):
