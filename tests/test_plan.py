@@ -108,3 +108,9 @@ def test_block_memory_and_roofline_costs_are_predicted_per_block():
     costs = roofline_block_costs(workload, 2, 32)
     assert len(costs) == n and all(c == costs[0] for c in costs)   # alike blocks do the same work
     assert costs[0]["keep"] == 0 < costs[0]["selective"] < costs[0]["full"]
+
+
+def test_auto_costs_are_measured_for_a_cpu_step_and_roofline_for_a_card():
+    """This CPU's timings say nothing of what recomputing costs on a card."""
+    assert profile_blocks("gpt-tiny", 2, 16).cost_basis == "measured"
+    assert profile_blocks("gpt-tiny", 2, 16, device="cuda", card="rtx4090").cost_basis == "roofline"

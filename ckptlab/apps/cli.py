@@ -830,7 +830,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="choose keep/selective/full per block to fit a memory budget")
     add_workload_arguments(p, batch="4", seq="64", policy="", lists=False)
     p.add_argument("--budget", required=True, help="a size (6GiB) or a fraction of the no-checkpointing peak (0.5)")
-    p.add_argument("--cost", default="auto", help="recompute cost: auto | measured | roofline")
+    p.add_argument("--cost", default="auto", help="recompute cost: auto (measured here for a CPU step under 4 GiB, else the roofline, as "
+                        "for a card) | measured | roofline")
     add_device_arguments(p)
     add_loop_arguments(p)
     p.add_argument("--compile", action="store_true",

@@ -72,8 +72,9 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
                    attention: str | None = None, *, torch_version: str | None = None) -> Profile:
     """The planner's per-block profile (module docstring). `cost`: measured (each block's
     forward + backward per option, timed on the CPU), roofline (FLOPs and bytes of a fake forward,
-    for shapes that do not fit here) or auto (measured if the uniform keep peak is under
-    `MEASURED_BELOW_BYTES`, 4 GiB). Cached per shape.
+    for shapes that do not fit here) or auto (measured on device="cpu" if the uniform keep peak is
+    under `MEASURED_BELOW_BYTES`, 4 GiB; roofline for a CUDA card, whose costs this CPU's timings do
+    not tell). Cached per shape.
     The memory is the fake step's on `device` ("cuda": on `card`, with `attention`, under
     `torch_version`'s rules: `predict`'s), in `loop` (`core.loop`) as `profiled_loop` runs it."""
     workload, loop = as_workload(workload), profiled_loop(as_loop(loop))
@@ -87,7 +88,7 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
     t0 = time.perf_counter()
     runs = {o: block_memory(workload, batch_size, seq_len, o, dtype, loop, **on_device) for o in OPTIONS}
     if cost == "auto":
-        cost = "measured" if runs["keep"].peak < MEASURED_BELOW_BYTES else "roofline"
+        cost = "measured" if device == "cpu" and runs["keep"].peak < MEASURED_BELOW_BYTES else "roofline"
     if cost == "measured":
         costs = measured_block_costs(workload, batch_size, seq_len, dtype)
     else:
