@@ -2,6 +2,7 @@
 capacity is (predict_fits, lora_fits, explain, the notebooks' parameters, the command line)."""
 
 import dataclasses
+import json
 
 import pandas as pd
 import pytest
@@ -107,6 +108,22 @@ def test_predict_fits_takes_card_names_and_shows_the_margin_left():
     assert on_card["batch_margin_bytes"] == on_card["seq_margin_bytes"] == 0
     with pytest.raises(ValueError, match=r"capacities='rtx5090' is invalid: allowed is a card \(rtx3090"):
         predict_fits(workload, ["full"], capacities=["rtx5090"])
+
+
+def test_fits_on_the_command_line_prints_predict_fits_rows(capsys):
+    args = ["fits", "--model", "gpt-tiny", "--set", "n_layer=2", "--seq", "16", "--policy", "full",
+            "--cards", "20MiB"]
+    assert cli_main(args + ["--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    expected = predict_fits(ckptlab.get_workload("gpt-tiny", n_layer=2), ["full"], ["20MiB"],
+                            seq_len=16, batch_size=1, dtype="fp32")
+    assert rows == json.loads(json.dumps(expected, default=str))
+    assert cli_main(args) == 0
+    table = capsys.readouterr().out
+    assert "largest batch" in table and "20MiB" in table
+    assert cli_main(["fits", "--cards", "rtx5090"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --cards rtx5090 is invalid: allowed is a card (rtx3090")
 
 
 def test_notebook_parameters_and_the_command_line_take_card_names(capsys):

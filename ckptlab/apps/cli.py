@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 import yaml
 
-from ..core.cards import card, cards, parse_capacity
+from ..core.cards import DEFAULT_CARDS, card, cards, parse_capacity
 from ..core.dtypes import DTYPE_HELP, DTYPES
 from ..core.loop import DEFAULT_LOOP, ZERO_GRADS, Loop, as_loop
 from ..core.meta import __version__
@@ -35,7 +35,7 @@ from ..estimate.closed_form import closed_form
 from ..estimate.compose import fallback_reason
 from ..estimate.cuda_device import ALLOC_CONFS
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
-from ..estimate.predict import TRACES, check_device
+from ..estimate.predict import TRACES, check_device, predict_fits
 from ..estimate.torch_versions import TORCH_VERSIONS, default_torch_version
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
@@ -530,6 +530,38 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+FITS_COLUMNS = [
+    ("policy", "policy", policy_label),
+    ("capacity", "capacity", str),
+    ("largest batch", "max_batch_size", _count),
+    ("at seq", "seq_len", str),
+    ("batch margin", "batch_margin_bytes", lambda v: "-" if v is None else format_bytes(v)),
+    ("batch with flushes", "max_batch_size_with_flushes", _count),
+    ("longest seq", "max_seq_len", _count),
+    ("at batch", "batch_size", str),
+    ("seq margin", "seq_margin_bytes", lambda v: "-" if v is None else format_bytes(v)),
+    ("seq with flushes", "max_seq_len_with_flushes", _count),
+]
+
+
+def cmd_fits(args: argparse.Namespace) -> int:
+    """The largest batch and the longest sequence per policy and card, by prediction."""
+    loop = loop_from_arguments(args, dtype=args.dtype)
+    workload = get_workload(args.model, **_model_overrides(args.set))
+    capacities = [parse_capacity(c, "--cards") for c in split_list(args.cards)]
+    if not capacities:
+        raise ValueError(f"--cards {args.cards!r} is invalid: allowed is a comma-separated list of cards or sizes")
+    rows = predict_fits(workload, policy_list(args.policy), capacities, seq_len=args.seq, batch_size=args.batch,
+                        dtype=args.dtype, loop=loop, attention=args.attention, torch_version=args.torch_version,
+                        alloc_conf=args.alloc_conf, trace=args.trace, workers=args.workers)
+    print_rows(rows, FITS_COLUMNS, args.format,
+               f"{args.model} ({format_count(workload.n_params)} parameters), {args.dtype}, loop {loop}: the largest "
+               f"batch at seq {args.seq} and the longest sequence (of the powers of two) at batch {args.batch} that "
+               "fit, predicted per card with the margin left (nothing allocated; 0: not even the smallest fits; "
+               "with flushes: what runs with the allocator flushing its cache, on a card)")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Choose keep/selective/full per block for a memory budget; print the plan."""
     loop = loop_from_arguments(args, dtype=args.dtype)
@@ -713,7 +745,7 @@ PARAMETER_FLAGS = {
     "model": "--model", "batch_size": "--batch", "seq_len": "--seq", "policy": "--policy", "dtype": "--dtype",
     "device": "--device", "card": "--card", "attention": "--attention", "torch_version": "--torch-version",
     "alloc_conf": "--alloc-conf", "trace": "--trace", "budget": "--budget", "cost": "--cost", "options": "--options",
-    "capacity": "--capacity", "ranks": "--ranks", "measure": "--measure", "min_rounds": "--steps", "param_set": "-f",
+    "capacity": "--capacity", "capacities": "--cards", "workers": "--workers", "ranks": "--ranks", "measure": "--measure", "min_rounds": "--steps", "param_set": "-f",
     **{name: flag for flag, (name, _) in LOOP_FLAGS.items()},
     **{f.name: f.metadata["flag"] for f in dataclasses.fields(SweepConfig) if "flag" in f.metadata},
 }
@@ -826,6 +858,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "answered)")
     add_format_argument(p)
     p.command(cmd_predict)
+
+    p = sub.add_parser("fits", help="the largest batch and the longest sequence that fit, per policy and card "
+                                    "(predicted, nothing allocated)")
+    add_workload_arguments(p, batch="1", seq="2048", policy="none,selective,full", lists=False)
+    p.add_argument("--cards", default=",".join(DEFAULT_CARDS),
+                   help="cards (ckptlab cards) or sizes such as 24GiB, comma-separated (default: "
+                        f"{','.join(DEFAULT_CARDS)})")
+    add_loop_arguments(p)
+    p.add_argument("--attention", default=None, help="the SDPA backend on a card: " + ", ".join(ATTENTION_BACKENDS)
+                   + " (default: PyTorch's choice)")
+    p.add_argument("--torch-version", default=None, help="the torch release whose CUDA rules a card's prediction "
+                   f"follows: {', '.join(TORCH_VERSIONS)} (default: the installed torch's)")
+    p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF the caching allocator is replayed "
+                   "with: " + " or ".join(ALLOC_CONFS) + " (default: none)")
+    p.add_argument("--trace", default="fast", choices=TRACES, help="fast (default) or full, as predict's")
+    p.add_argument("--workers", default=1, type=int, help="processes predicting in parallel (default 1)")
+    add_format_argument(p)
+    p.command(cmd_fits)
 
     p = sub.add_parser("plan", help="choose keep/selective/full per block to fit a memory budget")
     add_workload_arguments(p, batch="4", seq="64", policy="", lists=False)
