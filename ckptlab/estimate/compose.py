@@ -43,7 +43,7 @@ steps by shape and kernels (`TRACED_KEPT`): a step asked for again is not traced
 before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
 policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
 that is not one forward, backward and optimizer step, a model that indexes or counts its blocks,
-an op outside the blocks that reads several middle blocks' tensors (`_ReadsOutsideBlocks`), blocks
+an op outside the blocks that reads several middle blocks' tensors (`MemoryTracker.mark_reads`), blocks
 whose order, units or gradients the trace cannot place. Not seen: model code that treats a block by
 its position without indexing the container (`zip` with a per-layer list, a block reading its own
 index), whose cut blocks are predicted as their template. The equality of the two paths is a test
@@ -60,8 +60,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..core.cards import Card
 from ..core.loop import Loop, as_loop
@@ -183,9 +181,9 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
                 if host:
                     host.tracker = tracker
                 marks = _Marks(tracker, cut, cut.optimizer_phases.get(kernels_key))
+                tracker.mark_reads()
                 try:
-                    with _ReadsOutsideBlocks(marks):
-                        step(marks)
+                    step(marks)
                 finally:
                     cut.tracker = None
                     if host:
@@ -380,26 +378,6 @@ class _Marks:
             self.spliced = self.optimizer_phase.spliced_into(events, self.tracker.live_bytes_by_number())
             if self.spliced is not None:
                 raise _OptimizerPhaseKnown
-
-
-class _ReadsOutsideBlocks(TorchDispatchMode):
-    """Marks, in the forward outside the blocks, each op that reads two or more tracked storages
-    (`("reads", numbers)`): `_Units` refuses a step in which such an op reads the tensors of
-    several middle blocks (their outputs stacked after the loop, say), which the shortened step
-    has fewer of."""
-
-    def __init__(self, marks: "_Marks"):
-        super().__init__()
-        self.marks = marks
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        marks = self.marks
-        if marks.phase_now == "forward" and not marks.tracker.in_block:
-            read = {marks.number(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-            read.discard(None)
-            if len(read) > 1:
-                marks.mark(("reads", frozenset(read)))
-        return func(*args, **(kwargs or {}))
 
 
 class _OptimizerPhaseKnown(Exception):

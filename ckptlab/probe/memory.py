@@ -220,6 +220,7 @@ class _Tracker(TorchDispatchMode):
         self.allocations = 0                  # storages seen so far, numbered in order
         self.block_depth = 0                  # > 0 while a block's forward runs
         self.active = True
+        self.reads_outside_blocks = False     # mark what ops outside the blocks read (`MemoryTracker.mark_reads`)
 
     def emit(self, event: tuple) -> None:
         self.events.append(event)
@@ -295,6 +296,11 @@ class _Tracker(TorchDispatchMode):
         if self.active:
             for t in tree_flatten(out)[0]:
                 self.track(t, "temporaries")
+            if self.reads_outside_blocks and not self.block_depth and self.phase == "forward":
+                read = {self.number(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+                read.discard(None)
+                if len(read) > 1:
+                    self.emit(("reads", frozenset(read)))
         return out
 
     # -- phases -------------------------------------------------------------------------------
@@ -381,10 +387,10 @@ class MemoryTracker:
         """The key of the tracked storage `tensor` views in the events (None: not tracked)."""
         return self._tracker.number(tensor)
 
-    @property
-    def in_block(self) -> bool:
-        """Whether one of the watched blocks' forward is running (`blocks=`)."""
-        return self._tracker.block_depth > 0
+    def mark_reads(self) -> None:
+        """From now on, mark each op of the forward outside the watched blocks (`blocks=`) that
+        reads two or more tracked storages: ("reads", their numbers), a mark, not counted."""
+        self._tracker.reads_outside_blocks = True
 
 
 @contextlib.contextmanager
