@@ -200,3 +200,18 @@ def test_the_chunked_loss_lever_computes_the_same_loss_and_gradients():
     torch.testing.assert_close(loss_a, loss_b)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("allocated_left, why", [
+    (0.25, "no plan fits (in allocated bytes: the capacity less the "),   # below the weights and their state
+    (-0.25, "no plan fits: the card's context and today's fragmentation"),
+])
+def test_on_a_card_that_no_plan_fits_the_plan_lever_says_why_in_its_terms(allocated_left, why):
+    from ckptlab.core.cards import parse_capacity
+    base = predict("gpt-tiny", 2, 16, "none", device="cuda", card="rtx4090")
+    usable = base.device_bytes - base.peak_bytes + int(allocated_left * base.peak_bytes)
+    tight = parse_capacity("rtx4090", usable_bytes=usable, required_margin_bytes=0)
+    e = explain("gpt-tiny", 2, 16, capacity=tight, progress=False)
+    lever = next(lv for lv in e.levers if lv.name.startswith("plan at"))
+    assert lever.predicted_peak_bytes is None and lever.cost.startswith(why)
+    assert "invalid" not in lever.cost

@@ -386,12 +386,19 @@ def capacity_plan_lever(workload: Workload, base: Prediction, applied: str, capa
     the step's own policy is that plan. On a card the plan's budget is in allocated bytes: the
     capacity less what the step holds beyond them (the context, and the fragmentation of today's
     step); the plan's device bytes are predicted."""
-    budget = capacity - (base.held_bytes - base.peak_bytes)
+    beyond = base.held_bytes - base.peak_bytes
+    budget = capacity - beyond
+    if budget <= 0:
+        return Lever(f"plan at {format_bytes(capacity)}", None, {},
+                     f"no plan fits: the card's context and today's fragmentation ({format_bytes(beyond)}) take all "
+                     "of the capacity", "not predicted")
     try:
         plan = plan_budget(workload, base.batch_size, base.seq_len, budget, base.dtype, base.loop, cost=PLAN_COST,
                            **on)
     except ValueError as exc:
-        return Lever(f"plan at {format_bytes(capacity)}", None, {}, f"no plan fits: {exc}", "not predicted")
+        basis = (f" (in allocated bytes: the capacity less the {format_bytes(beyond)} the card's context and "
+                 "today's fragmentation take)" if base.card is not None else "")
+        return Lever(f"plan at {format_bytes(capacity)}", None, {}, f"no plan fits{basis}: {exc}", "not predicted")
     if already_applied(f"plan={plan.letters}", applied, base.n_blocks):
         return None
     peak = plan.predicted_peak_bytes
