@@ -158,3 +158,17 @@ def test_the_command_line_says_which_rows_were_answered_from_kept_answers(kept_i
     assert cli_main(argv + ["--policy", "none"]) == 0
     out = capsys.readouterr().out
     assert f"1 of 1 rows answered from the predictions kept in {kept_in}" in out
+
+
+def test_an_explanation_asked_again_is_answered_from_the_first_unless_it_measures(kept_in, monkeypatch):
+    workload = ckptlab.get_workload("gpt-tiny", **TINY)
+    first = ckptlab.explain(workload, 2, 16, "full", capacity="64MiB", progress=False)
+    assert not first.answered_from_cache
+    monkeypatch.setattr("ckptlab.report.explain.policy_levers", lambda *a, **k: pytest.fail("explained again"))
+    again = ckptlab.explain(workload, 2, 16, "full", capacity="64MiB", progress=False)
+    assert again.answered_from_cache and "answered from the explanations kept in" in str(again)
+    assert {k: v for k, v in dataclasses.asdict(again).items() if k not in ("explain_s", "answered_from_cache")} == \
+        {k: v for k, v in dataclasses.asdict(first).items() if k not in ("explain_s", "answered_from_cache")}
+    for other in (dict(capacity="32MiB"), dict(capacity="64MiB", ranks=4), dict(capacity="64MiB", measure=True)):
+        with pytest.raises(pytest.fail.Exception, match="explained again"):
+            ckptlab.explain(workload, 2, 16, "full", progress=False, **other)

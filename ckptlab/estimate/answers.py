@@ -1,5 +1,6 @@
 """Predictions kept on disk: a question asked again, in this process or a later one, is answered
-from the prediction made the first time instead of being traced again.
+from the prediction made the first time instead of being traced again (and `explain`'s reports,
+which are made of predictions, the same way).
 
 A prediction is kept under a key that holds everything it depends on: the model (its spec, the
 spec file's hash, its config, overrides, seed, weights' dtype), the shape, policy, dtype, loop, device, card
@@ -92,14 +93,15 @@ def code_version() -> str:
 
 def key(workload: Workload, batch_size: int, seq_len: int, policy, dtype: str, loop, device: str,
         card: Optional[Card], attention: Optional[str], torch_version: Optional[str], alloc_conf: Optional[str],
-        trace: str) -> Optional[str]:
-    """The file name of a question's answer: a hash of everything the prediction depends on; None
-    where nothing is kept (the cache off, or a workload made in Python)."""
+        trace: str, asked: tuple = ("predict",)) -> Optional[str]:
+    """The file name of a question's answer: a hash of everything the prediction depends on, and
+    `asked`, what is asked of it beyond (`explain`'s capacity and ranks); None where nothing is
+    kept (the cache off, or a workload made in Python)."""
     if workload.spec is None or folder() is None:
         return None
     question = (code_version(), workload_key(workload), workload.identity, batch_size, seq_len, str(policy), dtype,
                 repr(loop), device, repr(dataclasses.astuple(card)) if card is not None else None, attention,
-                torch_version, alloc_conf, trace)
+                torch_version, alloc_conf, trace, asked)
     return hashlib.sha256(repr(question).encode()).hexdigest()
 
 

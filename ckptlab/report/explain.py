@@ -32,6 +32,7 @@ from ..core.optimizers import implementation
 from ..core.policy import as_policy, plan_policy
 from ..core.units import format_bytes
 from ..core.validate import integer
+from ..estimate import answers
 from ..estimate.fake_step import DEVICE_CATEGORIES, Prediction, as_card
 from ..estimate.fsdp import fsdp_peak, fsdp_units
 from ..estimate.predict import check_prediction, prediction_error
@@ -114,6 +115,7 @@ class Explanation:
     measured_peak_bytes: Optional[int] = None
     measured_note: str = ""
     explain_s: float = 0.0                # wall time of the explanation
+    answered_from_cache: bool = False     # taken from the answers kept on disk (`estimate.answers`)
 
     def to_dict(self) -> dict:
         """Every field, the loop as its record columns (`Loop.record`)."""
@@ -139,6 +141,9 @@ class Explanation:
             lines.append(f"  {self.fit_reason}")
         elif self.device == "cuda":
             lines[0] += " (allocated, predicted for CUDA)"
+        if self.answered_from_cache:
+            lines.append(f"  answered from the explanations kept in {answers.folder()} (made before by this code; "
+                         "CKPTLAB_CACHE=off explains again)")
         if self.measured_peak_bytes is not None or self.measured_note:
             lines.append(f"  measured here: {format_bytes(self.measured_peak_bytes)} {self.measured_note}".rstrip())
         lines.append("  at the peak: " + ", ".join(f"{name.replace('_', ' ')} {format_bytes(b[name])}"
@@ -196,6 +201,13 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     if measure and device != "cpu":
         raise ValueError(f"measure=True is invalid with device={device!r}: the step is measured here, on the CPU; "
                          "allowed is measure=False for a prediction for CUDA")
+    # A report made of predictions only is kept as they are; one with a measurement is made again.
+    kept_as = None if measure else answers.key(workload, batch_size, seq_len, parsed, dtype, loop, device, on_card,
+                                               attention, torch_version, alloc_conf, "fast",
+                                               asked=("explain", capacity_bytes, repr(limit), ranks))
+    kept = answers.fetch(kept_as) if kept_as else None
+    if isinstance(kept, Explanation):
+        return dataclasses.replace(kept, explain_s=time.perf_counter() - t0, answered_from_cache=True)
     stages = Progress("explain", progress)
     stages.phase("stages", 6 + measure, "stage")
     try:
@@ -253,6 +265,8 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     finally:
         stages.close()
     explanation.explain_s = time.perf_counter() - t0
+    if kept_as:
+        answers.keep(kept_as, explanation)
     return explanation
 
 
