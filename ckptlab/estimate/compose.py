@@ -512,7 +512,7 @@ def _kind(block: nn.Module, mode: str) -> tuple:
     trainable), checkpoint mode, and of the block and each module in it, its hooks (a forward
     hook on one block only) and its settings that are not whole numbers (a dropout's rate, an
     attention type). Whole numbers are left out: a block's own index (transformers' `layer_idx`)
-    differs in every block, and what a block's index changes is not seen here (see `_Units`)."""
+    differs in every block, and what a block's index changes is not seen here (module docstring)."""
     tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in block.named_parameters())
     tensors += tuple((name, tuple(t.shape), t.dtype) for name, t in block.named_buffers())
     modules = tuple((name, type(m), tuple(len(hooks) for hooks in _hooks(m)),
