@@ -51,6 +51,8 @@ def assert_same_fields(one, other) -> None:
     ("gpt-tiny", dict(n_layer=12), "plan=ksssssskfkff", dict(CUDA, dtype="bf16")),
     ("hf-llama-tiny+lora=4", dict(num_hidden_layers=11), "plan=kffkkkkkkkf", dict(CUDA, dtype="bf16-weights")),
     ("gpt-tiny", dict(n_layer=7), "none", dict(dtype="bf16")),          # autocast's cache of weight casts
+    ("gpt-tiny", dict(n_layer=11), "full", dict(dtype="bf16")),         # CPU autocast's casts freed in a recompute,
+    ("gpt-tiny", dict(n_layer=11), "selective", dict(dtype="fp16", loop="adamw,scaler")),   # in another order per block
     ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16")),
     ("gpt-tiny", dict(n_layer=7), "full", dict(loop="adamw,holds-output")),
     ("gpt-tiny", dict(n_layer=7), "none", dict(loop="sgd")),

@@ -670,7 +670,7 @@ class _Units:
                 template = s.template(block)
                 for role in ("fwd", "bwd"):
                     ours, theirs = self._signature((role, block)), self._signature((role, template))
-                    if len(ours) != len(theirs) or not all(map(_alike, ours, theirs)):
+                    if len(ours) != len(theirs) or not all(map(_alike_runs, _runs(ours), _runs(theirs))):
                         raise NotComposable(f"block {block}'s {role} unit differs from block {template}'s")
 
     def _signature(self, unit: tuple) -> list:
@@ -831,6 +831,34 @@ class _Units:
     def copy(self, unit: tuple, as_block: int, stand_ins: dict) -> list[tuple]:
         """The events of `unit` (a template's) as block `as_block`'s."""
         return [self.rename(i, unit, as_block, stand_ins) for i in self.members.get(unit, ())]
+
+
+def _runs(signature: list) -> list[list]:
+    """A unit's signature in runs: each run of frees one run, each other event its own. CPU
+    autocast's cache of casts is a hash map keyed by address: clearing it (as a recompute's
+    autocast exits) frees the casts in an order that differs from block to block. Frees in a row
+    leave the same live bytes in any order and set no peak, and the CUDA allocator's free blocks
+    merge to the same layout in any order."""
+    runs: list[list] = []
+    for event in signature:
+        if event[0] == "free" and runs and runs[-1][0][0] == "free":
+            runs[-1].append(event)
+        else:
+            runs.append([event])
+    return runs
+
+
+def _alike_runs(ours: list, theirs: list) -> bool:
+    """Two runs of `_runs` alike: event for event in some order."""
+    if len(ours) != len(theirs):
+        return False
+    left = list(theirs)
+    for event in ours:
+        match = next((k for k, other in enumerate(left) if _alike(event, other)), None)
+        if match is None:
+            return False
+        del left[match]
+    return True
 
 
 def _alike(ours: tuple, theirs: tuple) -> bool:
