@@ -535,11 +535,11 @@ FITS_COLUMNS = [
     ("capacity", "capacity", str),
     ("largest batch", "max_batch_size", _count),
     ("at seq", "seq_len", str),
-    ("batch margin", "batch_margin_bytes", lambda v: "-" if v is None else format_bytes(v)),
+    ("batch margin", "batch_margin_bytes", format_bytes),
     ("batch with flushes", "max_batch_size_with_flushes", _count),
     ("longest seq", "max_seq_len", _count),
     ("at batch", "batch_size", str),
-    ("seq margin", "seq_margin_bytes", lambda v: "-" if v is None else format_bytes(v)),
+    ("seq margin", "seq_margin_bytes", format_bytes),
     ("seq with flushes", "max_seq_len_with_flushes", _count),
 ]
 
@@ -723,6 +723,11 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                                                    "caching allocator)")
     p.add_argument("--card", default=None, help="a card (`ckptlab cards`): predict for it (implies --device cuda): "
                                                 "its device bytes and the margin left")
+    add_cuda_rule_arguments(p)
+
+
+def add_cuda_rule_arguments(p: argparse.ArgumentParser) -> None:
+    """--attention, --torch-version, --alloc-conf: the rules a prediction for CUDA follows."""
     p.add_argument("--attention", default=None, choices=ATTENTION_BACKENDS,
                    help="force scaled-dot-product attention's CUDA backend (default: PyTorch's choice)")
     p.add_argument("--torch-version", default=None, metavar="X.Y",
@@ -731,6 +736,13 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alloc-conf", default=None, metavar="OPTION",
                    help="PYTORCH_CUDA_ALLOC_CONF the caching allocator is replayed with: "
                         + " or ".join(ALLOC_CONFS) + " (default: none; CUDA only)")
+
+
+def add_trace_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default="fast", choices=TRACES,
+                   help="fast: trace a few of each stack's blocks and compose the step, where it can be (the "
+                        "same prediction); full: trace every block (default: fast; the record's trace says which "
+                        "answered)")
 
 
 def add_format_argument(p: argparse.ArgumentParser) -> None:
@@ -852,10 +864,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
     add_loop_arguments(p)
     add_device_arguments(p)
-    p.add_argument("--trace", default="fast", choices=TRACES,
-                   help="fast: trace a few of each stack's blocks and compose the step, where it can be (the "
-                        "same prediction); full: trace every block (default: fast; the record's trace says which "
-                        "answered)")
+    add_trace_argument(p)
     add_format_argument(p)
     p.command(cmd_predict)
 
@@ -866,13 +875,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cards (ckptlab cards) or sizes such as 24GiB, comma-separated (default: "
                         f"{','.join(DEFAULT_CARDS)})")
     add_loop_arguments(p)
-    p.add_argument("--attention", default=None, help="the SDPA backend on a card: " + ", ".join(ATTENTION_BACKENDS)
-                   + " (default: PyTorch's choice)")
-    p.add_argument("--torch-version", default=None, help="the torch release whose CUDA rules a card's prediction "
-                   f"follows: {', '.join(TORCH_VERSIONS)} (default: the installed torch's)")
-    p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF the caching allocator is replayed "
-                   "with: " + " or ".join(ALLOC_CONFS) + " (default: none)")
-    p.add_argument("--trace", default="fast", choices=TRACES, help="fast (default) or full, as predict's")
+    add_cuda_rule_arguments(p)
+    add_trace_argument(p)
     p.add_argument("--workers", default=1, type=int, help="processes predicting in parallel (default 1)")
     add_format_argument(p)
     p.command(cmd_fits)
