@@ -228,6 +228,35 @@ def test_the_policies_of_one_model_step_copies_of_one_build(monkeypatch):
         fake_step.clear_prepared()
 
 
+@pytest.mark.parametrize("trace, options, warm_ups", [
+    ("full", {}, 1),
+    ("fast", dict(CUDA, dtype="bf16-weights"), 1),
+    ("full", dict(CUDA, loop="adamw-fused,zero-grad=zeros"), 1),
+    ("full", dict(loop="sgd"), 1),
+    ("full", dict(CUDA, dtype="bf16", loop="adamw,holds-output,clip=1.0"), 1),
+    ("full", dict(CUDA, loop="none"), 1),
+    ("full", dict(CUDA, dtype="fp16", loop="adamw,scaler"), 3),   # a scaler's state is its own: each warms up
+])
+def test_a_step_that_takes_another_policys_warm_state_predicts_what_a_warmed_up_one_does(trace, options, warm_ups,
+                                                                                         monkeypatch):
+    """The steps of a model's other policies (same dtype, loop and device) take the first one's
+    warm state (`fake_step.WarmState`: optimizer state, kept gradients) instead of warming up;
+    each predicts what a step warmed up alone does, to the byte (LoRA: only the adapters train)."""
+    warmed = []
+    warm_up = fake_step.warm_up
+    monkeypatch.setattr(fake_step, "warm_up", lambda *args: warmed.append(1) or warm_up(*args))
+    workload = get_workload("hf-llama-tiny+lora=4", num_hidden_layers=7 if trace == "fast" else 3)
+    policies = ("none", "full", "selective")
+    fake_step.clear_prepared()
+    taken = [predict_policy(workload, 2, 16, as_policy(p), trace=trace, **options) for p in policies]
+    assert len(warmed) == warm_ups and taken[0].trace.startswith(("composed", "full"))
+    for policy, prediction in zip(policies[1:], taken[1:]):
+        fake_step.clear_prepared()
+        alone = predict_policy(workload, 2, 16, as_policy(policy), trace=trace, **options)
+        assert alone.trace == prediction.trace
+        assert_same_fields(prediction, alone)
+
+
 def test_what_cannot_be_composed_is_traced_in_full():
     fast, full = both_ways(workload("plain"), "segments=2")
     assert_same(fast, full)

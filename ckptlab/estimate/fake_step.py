@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeCopyMode,
     FakeTensorMode,
+    unset_fake_temporarily,
 )
 from torch.utils._pytree import tree_flatten
 
@@ -297,7 +298,10 @@ class PreparedStep:
 
     The first `at` warms the model up (`warm_up`: the state a first training step leaves). That
     state does not depend on the batch's shape nor on the kernels the step runs (parameters, the
-    optimizer state, a grad scaler's scalars, gradients a loop zero-fills), except a held output:
+    optimizer state, a grad scaler's scalars, gradients a loop zero-fills), nor on the policy:
+    given `warm` (`WarmState`, another policy's step of the same model, dtype, loop and device),
+    the step takes its optimizer state and kept gradients, made alike, instead of warming up,
+    except a held output:
     a later `at` swaps the batch, and for a loop that holds its output runs the forward at the
     new shape, whose output replaces the held one as in a warm-up. A model whose forward leaves
     tensors on its modules (a table sized by the sequence, made on the first call: `state_made`)
@@ -306,13 +310,15 @@ class PreparedStep:
     does, to the byte."""
 
     def __init__(self, workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str,
-                 host: Optional[HostOffload] = None, *, cut=None):
+                 host: Optional[HostOffload] = None, *, cut=None, warm: Optional["WarmState"] = None):
         self.device, self.dtype, self.loop, self.host, self.cut = device, dtype, loop, host, cut
         self.refusal: Optional[Exception] = None
         self.warmed_at: Optional[tuple[int, int]] = None   # the (batch, seq) the warm-up ran at
         self.state_made = False                             # its forward left tensors on the model's modules
+        self.warm, self.warm_state = warm, None             # taken, and left (`WarmState.of`), by the first `at`
         self.workload = with_dtype(workload, dtype)
         self.fake_mode, self.model = built_model(self.workload)  # as Workload.build, minus the device move
+        self.built_params = list(self.model.parameters())   # in the build's order, before the policy wraps blocks
         self.step = None
         with self.fake_mode, sequences_unpacked():
             self.model.train()
@@ -346,10 +352,18 @@ class PreparedStep:
                 if self.step.scaler is not None:
                     assume_finite_gradients(self.step.scaler)
                 torch.manual_seed(self.workload.seed)
-                before = module_tensors(self.model)
-                warm_up(self.step, self.model, self.opt, self.trained)
-                after = module_tensors(self.model)
-                self.state_made = after.keys() != before.keys() or any(after[k] is not t for k, t in before.items())
+                if self.warm is not None and self.step.scaler is None:
+                    self.warm.give(self.built_params, self.opt)
+                    if self.loop.holds_output:
+                        self.step.forward_loss()
+                else:
+                    before = module_tensors(self.model)
+                    warm_up(self.step, self.model, self.opt, self.trained)
+                    after = module_tensors(self.model)
+                    self.state_made = after.keys() != before.keys() or any(after[k] is not t for k, t in before.items())
+                    if not self.state_made and self.step.scaler is None:
+                        self.warm_state = WarmState.of(self.built_params, self.opt)
+                self.warm = None
                 self.warmed_at = (batch_size, seq_len)
             else:
                 self.step.batch = batch
@@ -357,6 +371,91 @@ class PreparedStep:
                     self.step.forward_loss()   # its output is held, the last one released
             self.handle.reset_counts()
             yield self.model, self.handle, batch, self.opt, self.step, kernels
+
+
+@dataclass
+class WarmState:
+    """What a warm-up left, by the place of each parameter in the model's build: the optimizer's
+    state and the gradients a loop keeps (zero_grad="zeros"), each tensor as (shape, stride,
+    dtype, device). Another policy's step of the same model, dtype, loop and device starts from
+    the same state (the policy wraps blocks; it does not change which parameters train), so it
+    takes this one, made alike (`give`), instead of running a warm-up of its own: a forward and
+    an optimizer step, a third of a small model's prediction. tests/test_fast_path.py checks
+    that such a step predicts what a warmed-up one does, to the byte."""
+
+    state: list[tuple[int, dict]]        # (parameter's place, its optimizer state), in the optimizer's order
+    grads: list[tuple[int, tuple]]       # (parameter's place, its gradient's layout)
+
+    @staticmethod
+    def of(params: list[torch.Tensor], opt) -> Optional["WarmState"]:
+        """The state now held; None where a tensor in it is not a whole storage of its own, or sits
+        inside another value (it could not be made alike from its layout)."""
+        place = {id(p): i for i, p in enumerate(params)}
+        state, layouts = [], []
+        for p in (p for group in (opt.param_groups if opt is not None else ()) for p in group["params"]):
+            if p not in opt.state:
+                continue
+            entries = {}
+            for key, value in opt.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    entries[key] = _layout(value)
+                    layouts.append(entries[key])
+                elif any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0]):
+                    return None
+                else:
+                    entries[key] = copy.deepcopy(value)
+            state.append((place[id(p)], entries))
+        grads = [(i, _layout(p.grad)) for i, p in enumerate(params) if p.grad is not None]
+        if any(layout is None for layout in layouts + [g for _, g in grads]):
+            return None
+        return WarmState(state, grads)
+
+    def give(self, params: list[torch.Tensor], opt) -> None:
+        """Make this state on `params` (the same build's, in its order) and `opt`, inside the fake
+        mode; in `opt`'s order of its parameters, as its first step would."""
+        state = dict(self.state)
+        by_place = {id(p): i for i, p in enumerate(params)}
+        for p in (p for group in (opt.param_groups if opt is not None else ()) for p in group["params"]):
+            entries = state.get(by_place[id(p)])
+            if entries is not None:
+                opt.state[p] = {key: value.make() if isinstance(value, _Layout) else copy.deepcopy(value)
+                                for key, value in entries.items()}
+        for i, layout in self.grads:
+            params[i].grad = layout.make()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    value: Optional[float] = None   # a fake scalar's known value (an optimizer's step count, read by `.item()`)
+
+    def make(self) -> torch.Tensor:
+        if self.value is not None:
+            return torch.tensor(self.value, dtype=self.dtype, device=self.device)
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+
+
+def _layout(tensor: torch.Tensor) -> Optional[_Layout]:
+    """A tensor's layout, where it is the whole of its storage (else None)."""
+    constant = getattr(tensor, "constant", None)
+    if constant is not None:
+        with unset_fake_temporarily():
+            constant = constant.item() if constant.numel() == 1 else None
+        if constant is None:
+            return None
+    layout = _Layout(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, constant)
+    if tensor.storage_offset() or tensor.untyped_storage().nbytes() != _dense_nbytes(layout):
+        return None
+    return layout
+
+
+def _dense_nbytes(layout: _Layout) -> int:
+    if any(n == 0 for n in layout.shape):
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(layout.shape, layout.stride))) * layout.dtype.itemsize
 
 
 # Prepared steps kept for reuse, the most recently used last: a table of predictions (a search
@@ -378,7 +477,8 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
     kept for these options without a cut (the full trace's), so that its model is built once. A
     plan of one option on every block takes the step of that option's policy (`step_policy`). A
     step whose warm-up left tensors on the model (`PreparedStep.state_made`) is reused only at
-    the (batch, seq) `shape` it was warmed up at."""
+    the (batch, seq) `shape` it was warmed up at. A new step takes the state a kept step of the
+    same model, dtype, loop and device was warmed up to (`WarmState`), not warming up itself."""
     runs_as = step_policy(policy)
     key = (workload_key(workload), runs_as, dtype, loop, device, host_type, cut_type)
     found = _PREPARED[key][1] if key in _PREPARED else None
@@ -387,9 +487,12 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
     if found is not None:
         _PREPARED.move_to_end(key)
     else:
+        warm = next((other.warm_state for k, (_, other) in reversed(_PREPARED.items())
+                     if k[0] == key[0] and k[2:5] == key[2:5] and isinstance(other, PreparedStep)
+                     and other.warm_state is not None), None)
         try:
             found = PreparedStep(workload, runs_as, dtype, loop, device, host_type() if host_type else None,
-                                 cut=cut_type() if cut_type else None)
+                                 cut=cut_type() if cut_type else None, warm=warm)
         except Exception as exc:
             found = exc
         _PREPARED[key] = (workload, found)   # the workload kept alive: an object's key is its id
@@ -595,6 +698,6 @@ def optimizer_event(report: MemoryReport) -> Optional[int]:
     return next((first + i for i, phase in enumerate(step_events) if phase == "optimizer"), None)
 
 
-__all__ = ["BUILT_KEPT", "DEVICES", "DEVICE_CATEGORIES", "PREPARED_KEPT", "FakeMemory", "PreparedStep", "Prediction", "as_card", "built_model", "castable", "model_as_built",
+__all__ = ["BUILT_KEPT", "DEVICES", "DEVICE_CATEGORIES", "PREPARED_KEPT", "FakeMemory", "PreparedStep", "Prediction", "WarmState", "as_card", "built_model", "castable", "model_as_built",
            "clear_prepared", "fake_memory", "fake_model", "fake_modes", "fake_training_step", "gc_paused", "prepared_step",
            "sequences_unpacked", "stepped", "workload_key"]
