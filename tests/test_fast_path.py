@@ -54,6 +54,9 @@ def assert_same_fields(one, other) -> None:
     ("gpt-tiny", dict(n_layer=11), "full", dict(dtype="bf16")),         # CPU autocast's casts freed in a recompute,
     ("gpt-tiny", dict(n_layer=11), "selective", dict(dtype="fp16", loop="adamw,scaler")),   # in another order per block
     ("gpt-tiny", dict(n_layer=7), "selective", dict(CUDA, dtype="bf16")),
+    ("gpt-tiny", dict(n_layer=12), "every=2", dict(CUDA, dtype="bf16")),      # a period of two blocks' casts:
+    ("gpt-tiny", dict(n_layer=12), "density=0.5", dict(dtype="fp16", loop="adamw,scaler")),   # block by block, and
+                                                                              # on the CPU, storage by storage
     ("gpt-tiny", dict(n_layer=7), "full", dict(loop="adamw,holds-output")),
     ("gpt-tiny", dict(n_layer=7), "none", dict(loop="sgd")),
     ("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, loop="none")),

@@ -778,39 +778,51 @@ class _Units:
     def each_block_references(self, named: set) -> tuple[dict, dict]:
         """The events outside the blocks that refer to one storage of every block, in block order
         (autocast's cache of weight casts, released when autocast exits), made for the cut blocks
-        too: {event index: the cut blocks' events to put before it}, and after it. Found for a
-        period of one block, where the head's last block and the tail's first both have one, and
-        the cut blocks' storages are not `named` already (gradients, whose stand-ins name them)."""
+        too: {event index: the cut blocks' events to put before it}, and after it. Found where the
+        head's last period and the tail's first each have one for a block of the period, and the
+        cut blocks' storages are not `named` already (gradients, whose stand-ins name them). A cut
+        block's events are its template's, block after block, or where the head's and the tail's
+        interleave (CPU autocast's cache is a hash map), storage after storage: each of the
+        template's storages, then that storage of each cut block it stands for."""
         before, after = defaultdict(list), defaultdict(list)
         for s in self.cut.stacks:
-            if not s.cut or s.period != 1:
+            if not s.cut:
                 continue
-            series: dict[tuple, dict[int, int]] = defaultdict(dict)   # (role, place) -> {block: event index}
+            end_of = {}   # a block of the head's last period or the tail's first -> ("head" or "tail", its place in the period)
+            for k in range(s.period):
+                end_of[s.head_last - s.period + 1 + k], end_of[s.cut.stop + k] = ("head", k), ("tail", k)
+            series: dict[tuple, dict[str, int]] = defaultdict(dict)   # (place in period, role, place) -> {end: event index}
             for i, event in enumerate(self.events):
                 if self.unit_of[i] is None and event[0] in ("free", "relabel") and event[1] in self.owner:
                     (role, block), place = self.owner[event[1]]
-                    if block in (s.head_last, s.cut.stop):
-                        series[(role, place)][block] = i
+                    if block in end_of:
+                        end, k = end_of[block]
+                        series[(k, role, place)][end] = i
             series = {key: at for key, at in series.items()
-                      if len(at) == 2 and ("copy", (key[0], s.cut.start), key[1]) not in named}
+                      if len(at) == 2 and ("copy", (key[1], s.cut.start + key[0]), key[2]) not in named}
             if not series:
                 continue
-            heads = sorted((at[s.head_last], key) for key, at in series.items())
-            tails = sorted(at[s.cut.stop] for at in series.values())
+            heads = sorted((at["head"], key) for key, at in series.items())
+            tails = sorted(at["tail"] for at in series.values())
             ascending = tails[0] > heads[0][0]
             blocks = list(s.cut if ascending else reversed(s.cut))
 
-            def copies(i: int, role: str, place: int, js) -> list[tuple]:
-                event = self.events[i]
+            def copies(i: int, key: tuple, js) -> list[tuple]:
+                event, (_, role, place) = self.events[i], key
                 return [(event[0], ("copy", (role, j), place), *event[2:]) for j in js]
 
-            if ascending and heads[-1][0] < tails[0]:      # block by block: after the head's last one
-                after[heads[-1][0]] += [e for j in blocks for i, key in heads for e in copies(i, *key, [j])]
+            def block_by_block(s=s) -> list[tuple]:
+                return [e for j in blocks for i, key in heads if key[0] == (j - s.cut.start) % s.period
+                        for e in copies(i, key, [j])]
+
+            if ascending and heads[-1][0] < tails[0]:       # after the head's last block
+                after[heads[-1][0]] += block_by_block()
             elif not ascending and heads[0][0] > tails[-1]:
-                before[heads[0][0]] += [e for j in blocks for i, key in heads for e in copies(i, *key, [j])]
-            else:                                              # storage by storage
+                before[heads[0][0]] += block_by_block()
+            else:                                            # storage by storage
                 for i, key in heads:
-                    (after if ascending else before)[i] += copies(i, *key, blocks)
+                    (after if ascending else before)[i] += copies(
+                        i, key, [j for j in blocks if (j - s.cut.start) % s.period == key[0]])
         return before, after
 
     def rename(self, i: int, unit: Optional[tuple], as_block: Optional[int], stand_ins: dict) -> tuple:
