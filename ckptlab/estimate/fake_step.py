@@ -298,12 +298,11 @@ class PreparedStep:
 
     The first `at` warms the model up (`warm_up`: the state a first training step leaves). That
     state does not depend on the batch's shape nor on the kernels the step runs (parameters, the
-    optimizer state, a grad scaler's scalars, gradients a loop zero-fills), nor on the policy:
-    given `warm` (`WarmState`, another policy's step of the same model, dtype, loop and device),
-    the step takes its optimizer state and kept gradients, made alike, instead of warming up,
-    except a held output:
+    optimizer state, a grad scaler's scalars, gradients a loop zero-fills), except a held output:
     a later `at` swaps the batch, and for a loop that holds its output runs the forward at the
-    new shape, whose output replaces the held one as in a warm-up. A model whose forward leaves
+    new shape, whose output replaces the held one as in a warm-up. Nor does it depend on the
+    policy: given `warm` (the `WarmState` of another policy's step of the same model, dtype, loop
+    and device), the first `at` makes that state instead of warming up. A model whose forward leaves
     tensors on its modules (a table sized by the sequence, made on the first call: `state_made`)
     is in the state of the shape it was warmed up at, so `prepared_step` prepares it again for
     another shape. tests/test_fast_path.py checks that a reused step predicts what a fresh one
@@ -354,6 +353,7 @@ class PreparedStep:
                 torch.manual_seed(self.workload.seed)
                 if self.warm is not None and self.step.scaler is None:
                     self.warm.give(self.built_params, self.opt)
+                    self.warm_state = self.warm
                     if self.loop.holds_output:
                         self.step.forward_loss()
                 else:
@@ -384,7 +384,7 @@ class WarmState:
     that such a step predicts what a warmed-up one does, to the byte."""
 
     state: list[tuple[int, dict]]        # (parameter's place, its optimizer state), in the optimizer's order
-    grads: list[tuple[int, tuple]]       # (parameter's place, its gradient's layout)
+    grads: list[tuple[int, "_Layout"]]   # (parameter's place, its gradient's layout)
 
     @staticmethod
     def of(params: list[torch.Tensor], opt) -> Optional["WarmState"]:
@@ -430,7 +430,7 @@ class _Layout:
     stride: tuple
     dtype: torch.dtype
     device: torch.device
-    value: Optional[float] = None   # a fake scalar's known value (an optimizer's step count, read by `.item()`)
+    value: Optional[float | int] = None   # a fake scalar's known value (an optimizer's step count, read by `.item()`)
 
     def make(self) -> torch.Tensor:
         if self.value is not None:
