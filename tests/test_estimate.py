@@ -5,10 +5,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
+import ckptlab
 from ckptlab import closed_form, get_workload, measure, predict, predict_fits
+from ckptlab.core.policy import as_policy
 from ckptlab.estimate.closed_form import gpt_block_bytes
-from ckptlab.estimate.predict import _largest, _largest_of, llama7b_shape, prediction_error
+from ckptlab.estimate.predict import _largest, _largest_of, llama7b_shape, predict_policy, prediction_error
 
 GPT_POLICIES = ["none", "full", "density=0.5", "every=2", "segments=sqrt", "selective", "selective=alt",
                 "plan=kfsk", "density=0.5+offload"]
@@ -162,3 +167,51 @@ def test_the_warm_up_leaves_the_state_a_first_step_leaves(factory):
     assert predicted.peak_phase == measured["peak_phase"] == "backward"
     assert predicted.peak_bytes == measured["peak_bytes"]
     assert predicted.peak_by_category["optimizer_state"] == measured["peak_optimizer_state_bytes"]
+
+
+class MaskedBlock(nn.Module):
+    """Attention by hand over a causal mask the block keeps as a buffer (the LLMs-from-scratch
+    book's `mask`: context x context floats, in every block)."""
+
+    def __init__(self, width: int, context: int):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.register_buffer("mask", torch.triu(torch.ones(context, context), diagonal=1))
+
+    def forward(self, h):
+        s = h.shape[1]
+        scores = (h @ h.transpose(1, 2)).masked_fill(self.mask.bool()[:s, :s], -torch.inf)
+        return h + self.proj(torch.softmax(scores, dim=-1) @ h)
+
+
+class MaskedNet(nn.Module):
+    def __init__(self, depth: int = 7, width: int = 16, context: int = 64):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(MaskedBlock(width, context) for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+        self.scale = torch.ones(width)   # a tensor kept as a plain attribute
+
+    def forward(self, x):
+        h = self.embed(x) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).mean(1)
+
+
+def test_buffers_and_tensors_kept_on_modules_are_counted_measured_and_predicted():
+    """A model's buffers and tensor attributes sit on its device from the start: measured and
+    predicted (both paths, CPU and a card) as `buffers`, to the byte."""
+    net = ckptlab.Workload.custom(
+        "masked-net", build_model=MaskedNet,
+        make_batch=lambda b, s, gen: (torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)),
+        loss=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]))
+    held = 7 * 64 * 64 * 4 + 16 * 4
+    measured = measure(net, 2, 32, "full", steps=1, warmup=0, max_seconds=0.1)
+    assert measured["status"] == "ok" and measured["peak_buffers_bytes"] == held
+    for options in ({}, dict(device="cuda", card="rtx4090")):
+        fast, full = (predict_policy(net, 2, 32, as_policy("full"), trace=trace, **options) for trace in ("fast", "full"))
+        assert fast.trace == "composed" and fast.peak_bytes == full.peak_bytes
+        assert fast.peak_by_category["buffers"] == full.peak_by_category["buffers"] == held
+        if not options:   # on the CPU, the measured step's
+            assert fast.peak_bytes == measured["peak_bytes"]

@@ -39,7 +39,7 @@ def record(policy, batch, seq):
                peak_bytes=peak if ok else None, step_ms=ms, tokens_per_s=batch * seq / ms * 1e3 if ok else None,
                memory_limit_bytes=LIMIT, fits=ok, inferred=False, cell_id=f"{policy}-{batch}-{seq}",
                recompute_count=round(4 * density), peak_phase="backward" if density else "forward")
-    parts = np.array([0.2, 0.0, 0.2, 0.4, 0.15, 0.05]) * (peak or 0)   # no frozen parameters
+    parts = np.array([0.2, 0.0, 0.0, 0.2, 0.4, 0.15, 0.05]) * (peak or 0)   # no frozen parameters, no buffers
     row.update({f"peak_{c}_bytes": int(v) for c, v in zip(CATEGORIES, parts)})
     return row
 

@@ -10,7 +10,7 @@ from .loop import DEFAULT_LOOP, Loop, as_loop
 
 # parameters are the trainable ones; frozen_parameters those with requires_grad=False (a LoRA
 # fine-tune's base weights), which have no gradient and no optimizer state.
-CATEGORIES = ("parameters", "frozen_parameters", "gradients", "optimizer_state", "activations", "temporaries")
+CATEGORIES = ("parameters", "frozen_parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("setup", "forward", "backward", "optimizer")
 STATUSES = ("ok", "oom", "error")
 

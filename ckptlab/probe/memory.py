@@ -393,6 +393,15 @@ class MemoryTracker:
         self._tracker.reads_outside_blocks = True
 
 
+def module_state(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors a model's modules hold besides their parameters: buffers (a causal mask, a
+    norm's running statistics, rotary frequencies) and tensors kept as attributes (a cache a
+    forward made). They sit on the device beside the weights."""
+    return [t for module in model.modules()
+            for t in (*module._buffers.values(), *(v for k, v in vars(module).items() if not k.startswith("_")))
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+
+
 @contextlib.contextmanager
 def track_memory(
     model: nn.Module | None = None,
@@ -405,8 +414,9 @@ def track_memory(
 ):
     """Track live tensor memory over a region (typically one training step).
 
-    Tensors that exist before the region starts (parameters, gradients, optimizer state, the
-    batch) are counted only if passed here; everything created inside is seen. `device` limits
+    Tensors that exist before the region starts (parameters, gradients, the model's buffers and
+    tensor attributes (`module_state`), optimizer state, the batch) are counted only if passed
+    here; everything created inside is seen. `device` limits
     the count to one device (default: the model's parameters' device). The region starts in phase
     "forward"; call `tracker.phase("backward")` and `tracker.phase("optimizer")` as the step
     proceeds. With `detect_backward=True` the switch from forward to backward happens by itself
@@ -430,6 +440,8 @@ def track_memory(
         for state in optimizer.state.values():
             for t in tree_flatten(state)[0]:
                 tracker.track(t, "optimizer_state")
+    for t in module_state(model) if model is not None else ():
+        tracker.track(t, "buffers")
     for t in inputs:
         tracker.track(t, "activations")
     # Inputs that the step itself releases (a held output, `probe.step.HeldOutput`) must not be

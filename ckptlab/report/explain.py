@@ -45,7 +45,7 @@ from ..run.progress import Progress
 from ..workloads.base import Workload
 from ..workloads.models import GPTConfig, with_chunked_loss
 
-BREAKDOWN = ("parameters", "frozen_parameters", "gradients", "optimizer_state", "activations_in_blocks",
+BREAKDOWN = ("parameters", "frozen_parameters", "buffers", "gradients", "optimizer_state", "activations_in_blocks",
              "activations_outside_blocks", "temporaries")
 CAUSES = ("optimizer", "logits", "blocks", "weights", "not_applied", "double")
 
@@ -276,7 +276,7 @@ def peak_breakdown(pred: Prediction) -> dict:
     by = pred.peak_by_category
     in_blocks = pred.peak_in_blocks_by_category.get("activations", 0)
     breakdown = {"parameters": by["parameters"], "frozen_parameters": by.get("frozen_parameters", 0),
-                 "gradients": by["gradients"], "optimizer_state": by["optimizer_state"],
+                 "buffers": by.get("buffers", 0), "gradients": by["gradients"], "optimizer_state": by["optimizer_state"],
                  "activations_in_blocks": in_blocks, "activations_outside_blocks": by["activations"] - in_blocks,
                  "temporaries": by["temporaries"]}
     return breakdown | {c: by[c] for c in DEVICE_CATEGORIES if c in by}   # CUDA: workspaces, rounding, fragmentation
@@ -314,7 +314,7 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
         return "not_applied", (
             f"The policy {policy} did not apply: 0 of {pred.n_blocks} blocks were recomputed ({why}), so the step "
             f"keeps every activation as without checkpointing.")
-    static = sum(breakdown[k] for k in ("parameters", "frozen_parameters", "gradients", "optimizer_state"))
+    static = sum(breakdown[k] for k in ("parameters", "frozen_parameters", "buffers", "gradients", "optimizer_state"))
     if pred.peak_phase == "optimizer":
         return "optimizer", (
             f"The peak is in the optimizer step, where the weights ({f(breakdown['parameters'] + breakdown['frozen_parameters'])}), "

@@ -348,16 +348,17 @@ def redraw_all(run_dir: str | Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------- single-step figures
 
-CATEGORY_COLORS = {"parameters": "#4c72b0", "frozen_parameters": "#a6bddb", "gradients": "#dd8452",
+CATEGORY_COLORS = {"parameters": "#4c72b0", "frozen_parameters": "#a6bddb", "buffers": "#da8bc3", "gradients": "#dd8452",
                    "optimizer_state": "#55a868", "activations": "#c44e52", "temporaries": "#8172b3"}
 
 
 def shown_categories(df: pd.DataFrame) -> list[str]:
-    """The memory categories a breakdown draws: all, but frozen parameters only where a record
-    has some (a model with every parameter training would carry an empty legend entry)."""
-    column = "peak_frozen_parameters_bytes"
-    frozen = column in df and bool(df[column].fillna(0).astype(float).any())
-    return [c for c in CATEGORIES if c != "frozen_parameters" or frozen]
+    """The memory categories a breakdown draws: all, but frozen parameters and buffers only where
+    a record has some (most models' would carry an empty legend entry)."""
+    def present(category: str) -> bool:
+        column = f"peak_{category}_bytes"
+        return column in df and bool(df[column].fillna(0).astype(float).any())
+    return [c for c in CATEGORIES if c not in ("frozen_parameters", "buffers") or present(c)]
 
 
 RECOMPUTE_NOTE = "with recompute, backward's temporaries include the recomputed blocks' activations"
