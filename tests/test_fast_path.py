@@ -231,33 +231,122 @@ def test_the_policies_of_one_model_step_copies_of_one_build(monkeypatch):
         fake_step.clear_prepared()
 
 
-@pytest.mark.parametrize("trace, options, warm_ups", [
-    ("full", {}, 1),
-    ("fast", dict(CUDA, dtype="bf16-weights"), 1),
-    ("full", dict(CUDA, loop="adamw-fused,zero-grad=zeros"), 1),
-    ("full", dict(loop="sgd"), 1),
-    ("full", dict(CUDA, dtype="bf16", loop="adamw,holds-output,clip=1.0"), 1),
-    ("full", dict(CUDA, loop="none"), 1),
-    ("full", dict(CUDA, dtype="fp16", loop="adamw,scaler"), 3),   # a scaler's state is its own: each warms up
+@pytest.mark.parametrize("trace, options, taking", [
+    ("full", {}, True),
+    ("fast", dict(CUDA, dtype="bf16-weights"), True),
+    ("full", dict(CUDA, loop="adamw-fused,zero-grad=zeros"), True),
+    ("full", dict(loop="sgd"), True),
+    ("full", dict(CUDA, dtype="bf16", loop="adamw,holds-output,clip=1.0"), True),
+    ("full", dict(CUDA, loop="none"), True),
+    ("full", dict(CUDA, dtype="fp16", loop="adamw,scaler"), False),   # a scaler's state is its own: each steps
 ])
-def test_a_step_that_takes_another_policys_warm_state_predicts_what_a_warmed_up_one_does(trace, options, warm_ups,
+def test_a_step_that_takes_another_policys_warm_state_predicts_what_a_warmed_up_one_does(trace, options, taking,
                                                                                          monkeypatch):
-    """The steps of a model's other policies (same dtype, loop and device) take the first one's
-    warm state (`fake_step.WarmState`: optimizer state, kept gradients) instead of warming up;
-    each predicts what a step warmed up alone does, to the byte (LoRA: only the adapters train)."""
-    warmed = []
+    """The steps of a model's other policies (same dtype, loop, device and path) take the first
+    one's warm state (`fake_step.WarmState`: optimizer state, kept gradients) instead of stepping
+    the optimizer in their warm-up; each predicts what a step warmed up alone does, to the byte
+    (LoRA: only the adapters train)."""
+    took = []
     warm_up = fake_step.warm_up
-    monkeypatch.setattr(fake_step, "warm_up", lambda *args: warmed.append(1) or warm_up(*args))
+    monkeypatch.setattr(fake_step, "warm_up", lambda *args: took.append(warm_up(*args)) or took[-1])
     workload = get_workload("hf-llama-tiny+lora=4", num_hidden_layers=7 if trace == "fast" else 3)
     policies = ("none", "full", "selective")
     fake_step.clear_prepared()
     taken = [predict_policy(workload, 2, 16, as_policy(p), trace=trace, **options) for p in policies]
-    assert len(warmed) == warm_ups and taken[0].trace.startswith(("composed", "full"))
+    assert took == [False, taking, taking] and taken[0].trace.startswith(("composed", "full"))
     for policy, prediction in zip(policies[1:], taken[1:]):
         fake_step.clear_prepared()
         alone = predict_policy(workload, 2, 16, as_policy(policy), trace=trace, **options)
         assert alone.trace == prediction.trace
         assert_same_fields(prediction, alone)
+
+
+class TableBlock(nn.Module):
+    """A block that keeps a table on itself: in a dict by sequence length, or made the first time
+    it runs inside a checkpoint (saved-tensor hooks set), so only under a checkpointing policy."""
+
+    def __init__(self, width: int, keeps: str):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.keeps, self.tables, self.table = keeps, {}, None
+
+    def forward(self, h):
+        if self.keeps == "dict" and h.shape[1] not in self.tables:
+            self.tables[h.shape[1]] = torch.ones(h.shape[1], h.shape[2])
+        checkpointed = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        if self.keeps == "checkpointed" and self.table is None and checkpointed:
+            self.table = torch.ones(64, *h.shape[1:])
+        return h + self.down(F.gelu(self.up(h + self.tables.get(h.shape[1], 0))))
+
+
+class TableNet(nn.Module):
+    def __init__(self, keeps: str, width: int = 16):
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, width), nn.Linear(width, 3)
+        self.blocks = nn.ModuleList(TableBlock(width, keeps) for _ in range(3))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).mean(1)
+
+
+@pytest.mark.parametrize("keeps", ["dict", "checkpointed"])
+def test_a_step_that_takes_a_warm_state_still_runs_its_forward(keeps):
+    """What a model keeps on its modules can depend on the policy, or sit where `state_made` does
+    not look: a step that takes another's warm state runs its own warm-up forward, and predicts
+    what a step warmed up alone does (which `measure` measures)."""
+    net = ckptlab.Workload.custom(
+        f"tables-{keeps}", build_model=lambda: TableNet(keeps),
+        make_batch=lambda b, s, gen: (torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)),
+        loss=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]))
+    fake_step.clear_prepared()
+    predict_policy(net, 2, 16, as_policy("none"), trace="full")
+    taken = predict_policy(net, 2, 16, as_policy("full"), trace="full")
+    fake_step.clear_prepared()
+    alone = predict_policy(net, 2, 16, as_policy("full"), trace="full")
+    assert_same_fields(taken, alone)
+    assert alone.peak_bytes == ckptlab.measure(net, 2, 16, "full", steps=1, warmup=1, max_seconds=0.1)["peak_bytes"]
+
+
+class ExtraBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.extra = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, h, uses_extra: bool = False):
+        return h + F.gelu(self.up(self.extra(h) if uses_extra else h))
+
+
+class PositionalNet(nn.Module):
+    """Blocks alike, but the model passes a per-layer flag zipped with its blocks, so that block 6
+    alone uses its `extra` layer: the fast path's known blind spot (`compose`), whose cut blocks
+    train as their template. (`len(self.blocks)` would make the fast path refuse the model.)"""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, width), nn.Linear(width, 3)
+        self.blocks = nn.ModuleList(ExtraBlock(width) for _ in range(12))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block, uses_extra in zip(self.blocks, [j == 6 for j in range(12)]):
+            h = block(h, uses_extra)
+        return self.head(h).mean(1)
+
+
+def test_the_full_trace_never_takes_a_cut_steps_warm_state():
+    """A cut step's warm state is what its cut trains (the cut blocks as their template): the
+    full trace, the reference, warms up from its own or another full step's, never from that."""
+    net = ckptlab.Workload.custom(
+        "positional", build_model=PositionalNet, loss=loss,
+        make_batch=lambda b, s, gen: (torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)))
+    fake_step.clear_prepared()
+    assert predict_policy(net, 2, 16, as_policy("none"), trace="fast").trace == "composed"
+    after_fast = predict_policy(net, 2, 16, as_policy("full"), trace="full")
+    fake_step.clear_prepared()
+    assert_same_fields(after_fast, predict_policy(net, 2, 16, as_policy("full"), trace="full"))
 
 
 def test_what_cannot_be_composed_is_traced_in_full():
@@ -453,7 +542,8 @@ def test_a_model_that_keeps_a_table_of_its_shape_is_prepared_again_for_another_s
     predict_policy(caching, 2, 16, as_policy("none"), trace=trace)
     after_another_shape = predict_policy(caching, 2, 32, as_policy("none"), trace=trace)
     assert_same_fields(after_another_shape, alone)
-    assert alone.trace == ("composed" if trace == "fast" else "full")
+    assert alone.trace == ("full (the model's forward leaves tensors on its modules (a cache made on its first call), "
+                           "which the cut blocks never make)" if trace == "fast" else "full")
     assert alone.peak_bytes == ckptlab.measure(caching, 2, 32, "none", steps=1, warmup=0, max_seconds=0.1)["peak_bytes"]
 
 

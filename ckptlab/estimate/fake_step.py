@@ -300,9 +300,10 @@ class PreparedStep:
     state does not depend on the batch's shape nor on the kernels the step runs (parameters, the
     optimizer state, a grad scaler's scalars, gradients a loop zero-fills), except a held output:
     a later `at` swaps the batch, and for a loop that holds its output runs the forward at the
-    new shape, whose output replaces the held one as in a warm-up. Nor does it depend on the
-    policy: given `warm` (the `WarmState` of another policy's step of the same model, dtype, loop
-    and device), the first `at` makes that state instead of warming up. A model whose forward leaves
+    new shape, whose output replaces the held one as in a warm-up. Its optimizer state and kept
+    gradients do not depend on the policy either: given `warm` (the `WarmState` of another
+    policy's step of the same model, dtype, loop, device and path), the warm-up makes that state
+    instead of stepping the optimizer. A model whose forward leaves
     tensors on its modules (a table sized by the sequence, made on the first call: `state_made`)
     is in the state of the shape it was warmed up at, so `prepared_step` prepares it again for
     another shape. tests/test_fast_path.py checks that a reused step predicts what a fresh one
@@ -351,20 +352,19 @@ class PreparedStep:
                 if self.step.scaler is not None:
                     assume_finite_gradients(self.step.scaler)
                 torch.manual_seed(self.workload.seed)
-                if self.warm is not None and self.step.scaler is None:
-                    self.warm.give(self.built_params, self.opt)
-                    self.warm_state = self.warm
-                    if self.loop.holds_output:
-                        self.step.forward_loss()
-                else:
-                    before = module_tensors(self.model)
-                    warm_up(self.step, self.model, self.opt, self.trained)
-                    after = module_tensors(self.model)
-                    self.state_made = after.keys() != before.keys() or any(after[k] is not t for k, t in before.items())
-                    if not self.state_made and self.step.scaler is None:
-                        self.warm_state = WarmState.of(self.built_params, self.opt)
+                before = module_tensors(self.model)
+                taken = warm_up(self.step, self.model, self.opt, self.trained,
+                                (self.warm, self.built_params) if self.step.scaler is None else None)
+                after = module_tensors(self.model)
+                self.state_made = after.keys() != before.keys() or any(after[k] is not t for k, t in before.items())
+                if self.step.scaler is None:
+                    self.warm_state = self.warm if taken else WarmState.of(self.built_params, self.opt)
                 self.warm = None
                 self.warmed_at = (batch_size, seq_len)
+                if self.cut is not None and self.state_made:
+                    self.refusal = self.cut.Refusal("the model's forward leaves tensors on its modules (a cache made "
+                                                    "on its first call), which the cut blocks never make")
+                    raise self.refusal
             else:
                 self.step.batch = batch
                 if self.loop.holds_output:
@@ -377,11 +377,12 @@ class PreparedStep:
 class WarmState:
     """What a warm-up left, by the place of each parameter in the model's build: the optimizer's
     state and the gradients a loop keeps (zero_grad="zeros"), each tensor as (shape, stride,
-    dtype, device). Another policy's step of the same model, dtype, loop and device starts from
-    the same state (the policy wraps blocks; it does not change which parameters train), so it
-    takes this one, made alike (`give`), instead of running a warm-up of its own: a forward and
-    an optimizer step, a third of a small model's prediction. tests/test_fast_path.py checks
-    that such a step predicts what a warmed-up one does, to the byte."""
+    dtype, device). Another policy's step of the same model, dtype, loop, device and path (the
+    fast path's cut or the full trace) starts from the same state (the policy wraps blocks; it
+    does not change which parameters train), so its warm-up makes this one (`give`) instead of
+    stepping the optimizer; it still runs its forward, as what a model keeps on its modules can
+    depend on the policy. tests/test_fast_path.py checks that such a step predicts what a
+    warmed-up one does, to the byte."""
 
     state: list[tuple[int, dict]]        # (parameter's place, its optimizer state), in the optimizer's order
     grads: list[tuple[int, "_Layout"]]   # (parameter's place, its gradient's layout)
@@ -477,8 +478,9 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
     kept for these options without a cut (the full trace's), so that its model is built once. A
     plan of one option on every block takes the step of that option's policy (`step_policy`). A
     step whose warm-up left tensors on the model (`PreparedStep.state_made`) is reused only at
-    the (batch, seq) `shape` it was warmed up at. A new step takes the state a kept step of the
-    same model, dtype, loop and device was warmed up to (`WarmState`), not warming up itself."""
+    the (batch, seq) `shape` it was warmed up at. A new step takes the optimizer state a kept step
+    of the same model, dtype, loop, device and path was warmed up to (`WarmState`), not stepping
+    the optimizer in its warm-up."""
     runs_as = step_policy(policy)
     key = (workload_key(workload), runs_as, dtype, loop, device, host_type, cut_type)
     found = _PREPARED[key][1] if key in _PREPARED else None
@@ -488,7 +490,7 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
         _PREPARED.move_to_end(key)
     else:
         warm = next((other.warm_state for k, (_, other) in reversed(_PREPARED.items())
-                     if k[0] == key[0] and k[2:5] == key[2:5] and isinstance(other, PreparedStep)
+                     if k[:1] + k[2:] == key[:1] + key[2:] and isinstance(other, PreparedStep)
                      and other.warm_state is not None), None)
         try:
             found = PreparedStep(workload, runs_as, dtype, loop, device, host_type() if host_type else None,
@@ -510,14 +512,16 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
 @contextlib.contextmanager
 def stepped(prepared: PreparedStep, batch_size: int, seq_len: int, *kernels, **options):
     """`prepared.at(batch_size, seq_len, ...)`; a step that raises leaves its model in a state
-    that is not the warm-up's, so the prepared step is dropped from reuse."""
+    that is not the warm-up's, so the prepared step is dropped from reuse (not for its cut's
+    refusal, raised before the step)."""
     try:
         with prepared.at(batch_size, seq_len, *kernels, **options) as state:
             yield state
-    except BaseException:
-        for key, (_, found) in list(_PREPARED.items()):
-            if found is prepared:
-                del _PREPARED[key]
+    except BaseException as exc:
+        if exc is not prepared.refusal:   # a cut's refusal leaves the model warmed up: kept, to refuse at once
+            for key, (_, found) in list(_PREPARED.items()):
+                if found is prepared:
+                    del _PREPARED[key]
         raise
 
 
@@ -544,7 +548,7 @@ def module_tensors(model: nn.Module) -> dict:
             if isinstance(t, torch.Tensor)}
 
 
-def warm_up(step, model: nn.Module, opt, trained=None) -> None:
+def warm_up(step, model: nn.Module, opt, trained=None, warm: Optional[tuple] = None) -> bool:
     """Leave what a first training step of the step's loop leaves, at a fraction of its cost: the
     optimizer's state, a grad scaler's scale and growth tracker, and with zero_grad="zeros" the
     zero-filled gradients. The forward shows which parameters its backward would give gradients
@@ -553,13 +557,20 @@ def warm_up(step, model: nn.Module, opt, trained=None) -> None:
     nothing behind). A graph with a custom autograd Function (which may run its own backward, as reentrant
     checkpointing does) gets the whole step. `trained(reached)`, if given, says which parameters
     train from those the step reaches (a step whose blocks are cut, `compose`): a graph with a
-    custom Function then runs its backward to show them."""
+    custom Function then runs its backward to show them. `warm`, if given, is (a `WarmState`
+    or None, the model's parameters in the build's order): where there is a state and the graph
+    holds no custom Function, the state is made instead of the optimizer step. The forward runs
+    either way: what a model keeps on its modules can depend on the policy (a table made inside
+    a checkpoint, a cache in a dict). Returns whether the state was taken."""
     loss = step.forward_loss()
     reached = reached_parameters(loss)
+    if warm is not None and warm[0] is not None and reached is not None:
+        warm[0].give(warm[1], opt)
+        return True
     if reached is None and trained is None:
         loss = None
         step()
-        return
+        return False
     if reached is None:
         loss.backward()
         reached = [p for p in model.parameters() if p.grad is not None]
@@ -577,6 +588,7 @@ def warm_up(step, model: nn.Module, opt, trained=None) -> None:
     elif opt is not None:
         opt.step()
     model.zero_grad(set_to_none=loop.zero_grad == "set_to_none")
+    return False
 
 
 def assume_finite_gradients(scaler) -> None:
