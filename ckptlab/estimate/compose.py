@@ -43,7 +43,8 @@ steps by shape and kernels (`TRACED_KEPT`): a step asked for again is not traced
 before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
 policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
 that is not one forward, backward and optimizer step, a model that indexes or counts its blocks,
-an op outside the blocks that reads several middle blocks' tensors (`MemoryTracker.mark_reads`), blocks
+a model whose forward leaves tensors on its modules (a cache made on its first call, which the cut
+blocks never make), an op outside the blocks that reads several middle blocks' tensors (`MemoryTracker.mark_reads`), blocks
 whose order, units or gradients the trace cannot place. Not seen: model code that treats a block by
 its position without indexing the container (`zip` with a per-layer list, a block reading its own
 index), whose cut blocks are predicted as their template. The equality of the two paths is a test
