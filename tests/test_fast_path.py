@@ -57,6 +57,7 @@ def assert_same_fields(one, other) -> None:
     ("gpt-tiny", dict(n_layer=12), "every=2", dict(CUDA, dtype="bf16")),      # a period of two blocks' casts:
     ("gpt-tiny", dict(n_layer=12), "density=0.5", dict(dtype="fp16", loop="adamw,scaler")),   # block by block, and
                                                                               # on the CPU, storage by storage
+    ("gpt-tiny", dict(n_layer=19), "every=4", dict(dtype="bf16")),          # a tail shorter than the period
     ("gpt-tiny", dict(n_layer=7), "full", dict(loop="adamw,holds-output")),
     ("gpt-tiny", dict(n_layer=7), "none", dict(loop="sgd")),
     ("gpt-tiny", dict(n_layer=7), "full", dict(CUDA, loop="none")),

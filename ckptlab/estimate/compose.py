@@ -779,9 +779,11 @@ class _Units:
     def each_block_references(self, named: set) -> tuple[dict, dict]:
         """The events outside the blocks that refer to one storage of every block, in block order
         (autocast's cache of weight casts, released when autocast exits), made for the cut blocks
-        too: {event index: the cut blocks' events to put before it}, and after it. Found where the
-        head's last period and the tail's first each have one for a block of the period, and the
-        cut blocks' storages are not `named` already (gradients, whose stand-ins name them). A cut
+        too: {event index: the cut blocks' events to put before it}, and after it. Found where a
+        block of the head's last period has one and so does the tail's block of its kind (where
+        the tail is shorter than a period, the head's block a period before), at least one pair
+        with the tail, and the cut blocks' storages are not `named` already (gradients, whose
+        stand-ins name them). A cut
         block's events are its template's, block after block, or where the head's and the tail's
         interleave (CPU autocast's cache is a hash map), storage after storage: each of the
         template's storages, then that storage of each cut block it stands for."""
@@ -789,9 +791,16 @@ class _Units:
         for s in self.cut.stacks:
             if not s.cut:
                 continue
-            end_of = {}   # a block of the head's last period or the tail's first -> ("head" or "tail", its place in the period)
+            # Each block of the head's last period is paired with the tail's block of its kind, or
+            # where the tail is shorter than a period, with the head's block a period before.
+            end_of = {}   # block -> ("head", "tail" or "before", its place in the period)
             for k in range(s.period):
-                end_of[s.head_last - s.period + 1 + k], end_of[s.cut.stop + k] = ("head", k), ("tail", k)
+                head = s.head_last - s.period + 1 + k
+                end_of[head] = ("head", k)
+                if s.cut.stop + k in s.alike:
+                    end_of[s.cut.stop + k] = ("tail", k)
+                else:
+                    end_of[head - s.period] = ("before", k)
             series: dict[tuple, dict[str, int]] = defaultdict(dict)   # (place in period, role, place) -> {end: event index}
             for i, event in enumerate(self.events):
                 if self.unit_of[i] is None and event[0] in ("free", "relabel") and event[1] in self.owner:
@@ -801,10 +810,10 @@ class _Units:
                         series[(k, role, place)][end] = i
             series = {key: at for key, at in series.items()
                       if len(at) == 2 and ("copy", (key[1], s.cut.start + key[0]), key[2]) not in named}
-            if not series:
+            tails = sorted(at["tail"] for at in series.values() if "tail" in at)
+            if not tails:
                 continue
             heads = sorted((at["head"], key) for key, at in series.items())
-            tails = sorted(at["tail"] for at in series.values())
             ascending = tails[0] > heads[0][0]
             blocks = list(s.cut if ascending else reversed(s.cut))
 
