@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import sys
 import warnings
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -354,7 +355,8 @@ class PreparedStep:
                 torch.manual_seed(self.workload.seed)
                 before = module_tensors(self.model)
                 taken = warm_up(self.step, self.model, self.opt, self.trained,
-                                (self.warm, self.built_params) if self.step.scaler is None else None)
+                                functools.partial(self.warm.give, self.built_params, self.opt)
+                                if self.warm is not None and self.step.scaler is None else None)
                 after = module_tensors(self.model)
                 self.state_made = after.keys() != before.keys() or any(after[k] is not t for k, t in before.items())
                 if self.step.scaler is None:
@@ -548,7 +550,7 @@ def module_tensors(model: nn.Module) -> dict:
             if isinstance(t, torch.Tensor)}
 
 
-def warm_up(step, model: nn.Module, opt, trained=None, warm: Optional[tuple] = None) -> bool:
+def warm_up(step, model: nn.Module, opt, trained=None, given: Optional[Callable[[], None]] = None) -> bool:
     """Leave what a first training step of the step's loop leaves, at a fraction of its cost: the
     optimizer's state, a grad scaler's scale and growth tracker, and with zero_grad="zeros" the
     zero-filled gradients. The forward shows which parameters its backward would give gradients
@@ -557,15 +559,15 @@ def warm_up(step, model: nn.Module, opt, trained=None, warm: Optional[tuple] = N
     nothing behind). A graph with a custom autograd Function (which may run its own backward, as reentrant
     checkpointing does) gets the whole step. `trained(reached)`, if given, says which parameters
     train from those the step reaches (a step whose blocks are cut, `compose`): a graph with a
-    custom Function then runs its backward to show them. `warm`, if given, is (a `WarmState`
-    or None, the model's parameters in the build's order): where there is a state and the graph
-    holds no custom Function, the state is made instead of the optimizer step. The forward runs
+    custom Function then runs its backward to show them. `given`, if given, makes the state
+    another step's warm-up left (`WarmState.give`): where the graph holds no custom Function, it
+    runs instead of the optimizer step. The forward runs
     either way: what a model keeps on its modules can depend on the policy (a table made inside
     a checkpoint, a cache in a dict). Returns whether the state was taken."""
     loss = step.forward_loss()
     reached = reached_parameters(loss)
-    if warm is not None and warm[0] is not None and reached is not None:
-        warm[0].give(warm[1], opt)
+    if given is not None and reached is not None:
+        given()
         return True
     if reached is None and trained is None:
         loss = None
