@@ -515,24 +515,31 @@ def test_a_reused_step_predicts_what_a_fresh_one_does(trace, spec, overrides, po
 
 
 class CachingBlock(Block):
-    """A block that makes a table for the sequence length on its first call and keeps it, made
-    again for a longer sequence (as rotary embeddings' caches do)."""
+    """A block that makes a table for the sequence length on its first call and keeps it: as an
+    attribute, made again for a longer sequence (as rotary embeddings' caches do), or in a dict
+    by sequence length."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, keep: str):
         super().__init__(width, 4 * width)
-        self.table = None
+        self.keep, self.table, self.tables = keep, None, {}
 
     def forward(self, h):
-        if self.table is None or self.table.shape[0] < h.shape[1]:
-            self.table = torch.ones(2 * h.shape[1], h.shape[2], dtype=h.dtype, device=h.device)
-        return super().forward(h + self.table[:h.shape[1]])
+        s = h.shape[1]
+        if self.keep == "dict":
+            if s not in self.tables:
+                self.tables[s] = torch.ones(s, h.shape[2], dtype=h.dtype, device=h.device)
+            return super().forward(h + self.tables[s])
+        if self.table is None or self.table.shape[0] < s:
+            self.table = torch.ones(2 * s, h.shape[2], dtype=h.dtype, device=h.device)
+        return super().forward(h + self.table[:s])
 
 
+@pytest.mark.parametrize("keep", ["attribute", "dict"])
 @pytest.mark.parametrize("trace", ["fast", "full"])
-def test_a_model_that_keeps_a_table_of_its_shape_is_prepared_again_for_another_shape(trace):
+def test_a_model_that_keeps_a_table_of_its_shape_is_prepared_again_for_another_shape(trace, keep):
     def build():
         model = Net("plain", depth=9)
-        model.blocks = nn.ModuleList(CachingBlock(16) for _ in range(9))
+        model.blocks = nn.ModuleList(CachingBlock(16, keep) for _ in range(9))
         return model
 
     caching = ckptlab.Workload.custom("net-caching", build_model=build, loss=loss, make_batch=lambda b, s, gen: (
@@ -545,7 +552,10 @@ def test_a_model_that_keeps_a_table_of_its_shape_is_prepared_again_for_another_s
     assert_same_fields(after_another_shape, alone)
     assert alone.trace == ("full (the model's forward leaves tensors on its modules (a cache made on its first call), "
                            "which the cut blocks never make)" if trace == "fast" else "full")
-    assert alone.peak_bytes == ckptlab.measure(caching, 2, 32, "none", steps=1, warmup=0, max_seconds=0.1)["peak_bytes"]
+    measured = ckptlab.measure(caching, 2, 32, "none", steps=1, warmup=0, max_seconds=0.1)
+    assert alone.peak_bytes == measured["peak_bytes"]
+    assert alone.peak_by_category["buffers"] == measured["peak_buffers_bytes"] == 9 * 32 * 16 * 4 * (
+        2 if keep == "attribute" else 1)
 
 
 @pytest.mark.parametrize("spec, overrides, dtype, options, block_options", [

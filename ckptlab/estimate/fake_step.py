@@ -47,7 +47,7 @@ from ..core.loop import Loop, as_loop
 from ..core.policy import Policy, step_policy
 from ..core.records import CATEGORIES
 from ..core.units import format_bytes
-from ..probe.memory import MemoryReport, track_memory
+from ..probe.memory import MemoryReport, module_tensors, track_memory
 from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
@@ -540,14 +540,6 @@ def workload_key(workload: Workload) -> tuple:
         return ("object", id(workload))
     return ("spec", workload.spec, workload.spec_hash, repr(sorted(workload.overrides.items())), workload.seed,
             workload.weights_dtype, workload.block_paths, workload.seq_len_limit)
-
-
-def module_tensors(model: nn.Module) -> dict:
-    """Each tensor the model's modules hold, as a parameter, a buffer or an attribute: (module's
-    place, name) -> the tensor."""
-    return {(i, name): t for i, module in enumerate(model.modules())
-            for name, t in (*module._parameters.items(), *module._buffers.items(), *vars(module).items())
-            if isinstance(t, torch.Tensor)}
 
 
 def warm_up(step, model: nn.Module, opt, trained=None, given: Optional[Callable[[], None]] = None) -> bool:

@@ -395,11 +395,43 @@ class MemoryTracker:
 
 def module_state(model: nn.Module) -> list[torch.Tensor]:
     """The tensors a model's modules hold besides their parameters: buffers (a causal mask, a
-    norm's running statistics, rotary frequencies) and tensors kept as attributes (a cache a
-    forward made). They sit on the device beside the weights."""
+    norm's running statistics, rotary frequencies) and tensors kept as attributes, also inside a
+    dict, list or tuple so kept (a cache a forward made, tables by sequence length). They sit on
+    the device beside the weights."""
     return [t for module in model.modules()
-            for t in (*module._buffers.values(), *(v for k, v in vars(module).items() if not k.startswith("_")))
+            for t in (*module._buffers.values(),
+                      *(t for name, value in vars(module).items() if not name.startswith("_")
+                        for _, t in _tensors_inside(value, (), set())))
             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+
+
+def module_tensors(model: nn.Module) -> dict:
+    """Each tensor the model's modules hold, as a parameter, a buffer or an attribute (inside a
+    dict, list or tuple too): (module's place, name, place in the container...) -> the tensor."""
+    held = {}
+    for i, module in enumerate(model.modules()):
+        for name, t in (*module._parameters.items(), *module._buffers.items()):
+            if isinstance(t, torch.Tensor):
+                held[(i, name)] = t
+        for name, value in vars(module).items():
+            if name not in _MODULE_INTERNALS:
+                held.update(_tensors_inside(value, (i, name), set()))
+    return held
+
+
+# What `nn.Module.__init__` sets on every module: its parameters, buffers, children and hooks.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _tensors_inside(value, place: tuple, seen: set):
+    """(place, tensor) for `value` if it is a tensor, and for each tensor inside it where it is a
+    dict, list or tuple (nested; each container once)."""
+    if isinstance(value, torch.Tensor):
+        yield place, value
+    elif isinstance(value, (dict, list, tuple)) and id(value) not in seen:
+        seen.add(id(value))
+        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            yield from _tensors_inside(item, place + (key,), seen)
 
 
 @contextlib.contextmanager
