@@ -160,6 +160,48 @@ def test_the_command_line_says_which_rows_were_answered_from_kept_answers(kept_i
     assert f"1 of 1 rows answered from the predictions kept in {kept_in}" in out
 
 
+def test_a_command_asked_again_is_answered_without_building_its_model(kept_in, capsys, monkeypatch):
+    argv = ["predict", "--model", "gpt-tiny", "--set", "n_layer=2", "--batch", "2", "--seq", "16,32", "--policy",
+            "none,full", "--format", "json"]
+    assert cli_main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    clear_prepared()
+    monkeypatch.setattr("ckptlab.apps.cli.get_workload", lambda *a, **k: pytest.fail("the model was built"))
+    assert cli_main(argv) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert [r["answered_from_cache"] for r in first] == [False] * 4 and [r["answered_from_cache"] for r in again] == [True] * 4
+    assert [{k: v for k, v in r.items() if k not in ("predict_s", "answered_from_cache")} for r in again] == \
+        [{k: v for k, v in r.items() if k not in ("predict_s", "answered_from_cache")} for r in first]
+    assert cli_main(argv[:-2]) == 0   # another format, the same rows
+    assert "4 of 4 rows answered from the predictions kept" in capsys.readouterr().out
+    for changed in (["--set", "n_layer=3"], ["--seq", "16"], ["--policy", "none"], ["--dtype", "bf16"],
+                    ["--card", "rtx4090"], ["--optimizer", "sgd"], ["--zero-grad", "zeros"], ["--trace", "full"]):
+        with pytest.raises(pytest.fail.Exception, match="the model was built"):
+            cli_main(argv + changed)
+
+
+def test_a_spec_names_its_model_for_a_command_asked_again_where_nothing_else_makes_it(kept_in, tmp_path):
+    def spec_key(spec, overrides=None, seed=0):
+        return answers.spec_key(spec, overrides or {}, seed, ("asked",))
+
+    factory = tmp_path / "mine.py"
+    factory.write_text("def make(): ...\n")
+    keys = [spec_key("gpt-tiny"), spec_key("gpt-tiny", dict(n_layer=3)), spec_key("gpt-tiny", seed=1),
+            spec_key("hf-llama-tiny+lora=4"), spec_key("hf-llama-tiny+lora=8"), spec_key("hf:llama"),
+            spec_key(f"{factory}:make")]
+    assert None not in keys and len(set(keys)) == len(keys)
+    factory.write_text("def make(): return None\n")
+    assert spec_key(f"{factory}:make") not in keys   # the file changed
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama"}')
+    assert spec_key(f"hf:{config}") != spec_key(f"hf:{config}+lora=4") != None   # noqa: E711
+    for read_elsewhere in ("hf:org/name", "hf:org/name+lora=4", "package.module:factory",
+                           f"{tmp_path / 'missing.py'}:make", f"hf:{tmp_path / 'missing.json'}"):
+        assert spec_key(read_elsewhere) is None
+    with answers.off():
+        assert spec_key("gpt-tiny") is None
+
+
 def test_an_explanation_asked_again_is_answered_from_the_first_unless_it_measures(kept_in, monkeypatch):
     workload = ckptlab.get_workload("gpt-tiny", **TINY)
     first = ckptlab.explain(workload, 2, 16, "full", capacity="64MiB", progress=False)

@@ -37,6 +37,8 @@ import torch
 
 from ..core.cards import Card
 from ..workloads.base import Workload
+from ..workloads.lora import SUFFIX as LORA_SUFFIX
+from ..workloads.specs import file_hash
 from .fake_step import workload_key
 
 OFF = "off"
@@ -105,6 +107,38 @@ def key(workload: Workload, batch_size: int, seq_len: int, policy, dtype: str, l
     return hashlib.sha256(repr(question).encode()).hexdigest()
 
 
+def spec_key(spec: str, overrides: dict, seed: int, asked: tuple) -> Optional[str]:
+    """The file name of an answer about the model that `spec` names, known before that model is
+    built (a command asked again: `ckptlab predict`'s rows): a hash of the spec, the file it names
+    (its hash), the overrides, the seed, `asked` (everything else the answer depends on) and what
+    computes answers (`code_version`). None where the cache is off or the spec's model is made
+    from more than these and the installed packages: a config read from the Hugging Face hub's
+    cache (hf:org/name) or a module found on the path (package.module:factory), or where the
+    file it names is missing."""
+    source = _spec_source(spec)
+    if source is None or folder() is None:
+        return None
+    question = (code_version(), "spec", source, repr(sorted(overrides.items())), seed, asked)
+    return hashlib.sha256(repr(question).encode()).hexdigest()
+
+
+def _spec_source(spec: str) -> Optional[tuple]:
+    """(spec, the hash of the file it names where it names one), or None (`spec_key`)."""
+    base = spec.rpartition(LORA_SUFFIX)[0] if LORA_SUFFIX in spec else spec
+    if base.startswith("hf:"):
+        target = base[3:]
+        if target.endswith(".json") or Path(target).exists():
+            path = Path(target) if target.endswith(".json") else Path(target) / "config.json"
+            return (spec, file_hash(path)) if path.is_file() else None
+        return None if "/" in target else (spec,)   # hf:<model_type>: transformers' own config
+    if ":" in base:
+        source = base.rpartition(":")[0]
+        if source.endswith(".py") or "/" in source or "\\" in source:
+            return (spec, file_hash(source)) if Path(source).is_file() else None
+        return None
+    return (spec,)   # a preset: ckptlab's own
+
+
 def fetch(name: str):
     """The prediction kept under `name`, or None (not kept, cache off, or unreadable)."""
     where = folder()
@@ -133,4 +167,4 @@ def keep(name: str, prediction) -> None:
             aside.unlink()
 
 
-__all__ = ["OFF", "code_version", "fetch", "folder", "keep", "key", "off"]
+__all__ = ["OFF", "code_version", "fetch", "folder", "keep", "key", "off", "spec_key"]
