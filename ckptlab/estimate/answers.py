@@ -10,7 +10,8 @@ CPU kernels are what a CPU prediction runs), transformers and peft (the models t
 the CPU's instruction set as torch reads it. A change in any of them asks again. A model made in
 Python (no spec) is never kept: its code is not named by anything a key can hold. A prediction
 made on a batch line (`estimate.batch_line`) is not kept either: it is valid only inside a batch
-search.
+search. A command that asks before it builds its model (`ckptlab predict`'s rows) keeps its answer
+under `spec_key`, named by the spec itself, without the model's config.
 
 The answers live in one file per key under `CKPTLAB_CACHE` (default: `$XDG_CACHE_HOME/ckptlab/
 predictions`, or `~/.cache/ckptlab/predictions`); `CKPTLAB_CACHE=off` turns the cache off, as
