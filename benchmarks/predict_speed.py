@@ -18,7 +18,10 @@ in one run, with the two predictions checked identical.
      process and with 2 worker processes (the rows checked equal; with --full-fits, the full trace
      too: minutes), and how many predictions each table traced and took from lines;
   3. `explain` of the 7B LoRA at s2048 on an RTX 4090 (every lever predicted, its plans made), from
-     no prepared model, `--repeats` times.
+     no prepared model, `--repeats` times;
+  4. a `ckptlab predict` command (the 7B LoRA's four rows: s2048 and s8192, none and full, on an
+     RTX 4090) in a new process, asked once and then again (its rows kept on disk: a folder of the
+     run's own), the seconds of each from the process's start, imports included.
 
 Imports and first-call caches are paid before anything is timed (a gpt-tiny prediction, and an
 hf-llama-tiny one, which builds transformers' table of checkpoint conversions, made once per
@@ -39,6 +42,7 @@ import dataclasses
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +80,10 @@ GOAL_PREDICTION_S = 1.0
 GOAL_RATIO = 5.0
 GOAL_TABLE_S = 20.0
 QUICK_EXPLAIN = ("gpt-tiny", {"n_layer": 2}, 2, 16, "fp32")
+COMMAND = ["predict", "--model", "hf-llama-7b+lora=16", "--batch", "1", "--seq", "2048,8192", "--policy", "none,full",
+           "--dtype", "bf16-weights", "--card", CARD]
+QUICK_COMMAND = ["predict", "--model", "gpt-tiny", "--set", "n_layer=2", "--batch", "2", "--seq", "16,32", "--policy",
+                 "none,full"]
 
 
 def python_loop_s(additions: int = 10**7) -> float:
@@ -185,6 +193,26 @@ def explained(model: str, overrides: dict, batch: int, seq: int, dtype: str, rep
             "levers": len(explanation.levers), "seconds": median(seconds), "rounds_s": seconds}
 
 
+def command_asked_twice(command: list[str]) -> dict:
+    """The seconds of `ckptlab <command>` in a new process, asked once and then again, its rows
+    kept in a folder of this run's own (`estimate.answers.spec_key`)."""
+    seconds, answered = [], []
+    with tempfile.TemporaryDirectory() as folder:
+        for _ in range(2):
+            start = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "ckptlab.apps.cli", *command, "--format", "json"],
+                                  capture_output=True, text=True, env={**os.environ, "CKPTLAB_CACHE": folder})
+            seconds.append(time.perf_counter() - start)
+            if done.returncode:
+                raise SystemExit(f"ckptlab {' '.join(command)} failed: {done.stderr.strip()}")
+            answered.append([row["answered_from_cache"] for row in json.loads(done.stdout)])
+    if any(answered[0]) or not all(answered[1]):
+        raise SystemExit(f"ckptlab {' '.join(command)}: asked first, rows came from the kept answers, or asked "
+                         "again, rows were predicted again")
+    return {"command": "ckptlab " + " ".join(command), "rows": len(answered[1]), "first_s": seconds[0],
+            "again_s": seconds[1]}
+
+
 def goals(result: dict) -> list[tuple[str, str, str]]:
     """(goal, what the run measured, met) for each goal that the run measured (none with --quick)."""
     rows = []
@@ -240,6 +268,9 @@ def markdown(result: dict) -> str:
     lines += ["", "| explain | batch | seq | dtype | card | levers | seconds (median) |", "|---|---|---|---|---|---|---|",
               f"| {e['model']} | {e['batch_size']} | {e['seq_len']} | {e['dtype']} | {e['card']} | {e['levers']} | "
               f"{e['seconds']:.1f} |"]
+    c = result["command"]
+    lines += ["", "| command (new process) | rows | first s | asked again s |", "|---|---|---|---|",
+              f"| `{c['command']}` | {c['rows']} | {c['first_s']:.1f} | {c['again_s']:.1f} |"]
     met = goals(result)
     if met:
         lines += ["", "| goal | this run | met |", "|---|---|---|"] + [f"| {g} | {m} | {y} |" for g, m, y in met]
@@ -284,9 +315,11 @@ def main(argv=None) -> None:
     explanation = explained(*(QUICK_EXPLAIN if args.quick else EXPLAIN), args.repeats)
     print(f"explain {explanation['model']} s{explanation['seq_len']} on {CARD}: {explanation['levers']} levers, "
           f"{explanation['seconds']:.1f} s", flush=True)
+    command = command_asked_twice(QUICK_COMMAND if args.quick else COMMAND)
+    print(f"{command['command']}: {command['first_s']:.1f} s, asked again {command['again_s']:.1f} s", flush=True)
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "repeats": args.repeats,
               "load_average": os.getloadavg(), "python_loop_s": [loop_before, python_loop_s()],
-              "predictions": predictions, "fits": tables, "explain": explanation}
+              "predictions": predictions, "fits": tables, "explain": explanation, "command": command}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "predict_speed.json").write_text(json.dumps(result, indent=1, default=str))

@@ -192,6 +192,8 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
     on_lines, in_workers = result["fits"]   # --quick: no table traced without lines
     assert on_lines["rows"] and on_lines["rows"] == in_workers["rows"] and on_lines["from_lines"] > 0
     assert result["explain"]["levers"] > 0 and result["explain"]["seconds"] > 0
+    command = result["command"]   # a command asked again in a new process: its kept rows, the model not built
+    assert command["rows"] == 4 and 0 < command["again_s"] < command["first_s"]
     report = (tmp_path / "predict_speed.md").read_text()
     assert "| gpt-tiny | 64 | fp32 | plan=kffkkkkkkkkf |" in report
     start, end = result["python_loop_s"]   # the machine's speed at plain Python, at both ends of the run
