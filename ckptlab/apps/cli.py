@@ -510,7 +510,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         repr(card(on["card"])) if on["card"] else None, args.trace))
     start = time.perf_counter()
     kept_page = answers.fetch(page) if page else None
-    if kept_page is not None:
+    if isinstance(kept_page, tuple) and len(kept_page) == 2:
         n_params, rows = kept_page
         rows = [dict(r, answered_from_cache=True, predict_s=(time.perf_counter() - start) / len(rows)) for r in rows]
     else:
