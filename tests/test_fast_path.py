@@ -358,6 +358,52 @@ def test_what_cannot_be_composed_is_traced_in_full():
     assert fast.trace == "full (accum=2 runs several forward passes)"
 
 
+@pytest.mark.parametrize("spec, overrides, policy, options", [
+    ("gpt-tiny", dict(n_layer=2), "none", dict(loop="adamw,accum=5")),
+    ("gpt-tiny", dict(n_layer=2), "full", dict(CUDA, loop="adamw,accum=4")),
+    ("gpt-tiny", dict(n_layer=3), "selective", dict(dtype="bf16", loop="adamw,accum=6,holds-output")),
+    ("gpt-tiny", dict(n_layer=2), "full+offload", dict(CUDA, loop="sgd,accum=4,zero-grad=zeros")),
+    ("gpt-tiny", dict(n_layer=2), "every=2", dict(dtype="fp16", loop="adamw,accum=4,scaler")),
+    ("hf-llama-tiny+lora=4", dict(num_hidden_layers=2), "full", dict(CUDA, dtype="bf16-weights", loop="adamw,accum=4")),
+])
+def test_a_step_of_many_accumulation_passes_from_three_traced_is_the_step_traced_with_all(spec, overrides, policy,
+                                                                                         options):
+    work = get_workload(spec, **overrides)
+    fast = predict_policy(work, 2, 16, as_policy(policy), trace="fast", **options)
+    full = predict_policy(work, 2, 16, as_policy(policy), trace="full", **options)
+    assert fast.trace.endswith("passes traced, the rest copies of the last (`micro_steps`))")
+    assert fast.recompute_count == full.recompute_count
+    assert_same(fast, full)
+
+
+class AlternatingNet(Net):
+    """A model whose every other forward makes one more temporary: its passes alternate."""
+
+    def __init__(self, kind: str, depth: int):
+        super().__init__(kind, depth)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x if self.calls % 2 else x + torch.zeros_like(x))
+
+
+def test_passes_that_differ_are_each_traced_and_a_cpu_step_of_many_passes_is_measured_as_predicted():
+    alternating = ckptlab.Workload.custom(
+        "net-alternating", build_model=lambda: AlternatingNet("plain", 3), loss=loss,
+        make_batch=lambda b, s, gen: (torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)))
+    fast = predict_policy(alternating, 2, 16, as_policy("full"), loop="adamw,accum=5")
+    fake_step.clear_prepared()   # a prepared step's model has counted its calls: each trace from a fresh one
+    full = predict_policy(alternating, 2, 16, as_policy("full"), loop="adamw,accum=5", trace="full")
+    assert fast.trace == "full (accum=5 runs several forward passes)"
+    assert_same(fast, full)
+    plain = workload("plain", depth=3)
+    fast = predict_policy(plain, 2, 16, as_policy("full"), loop="adamw,accum=7")
+    assert "3 of its 7 passes traced" in fast.trace
+    assert fast.peak_bytes == ckptlab.measure(plain, 2, 16, "full", loop="adamw,accum=7", steps=1, warmup=0,
+                                              max_seconds=0.1)["peak_bytes"]
+
+
 def test_predict_on_the_command_line_says_why_a_row_was_traced_in_full(capsys):
     small = ["predict", "--model", "gpt-tiny", "--set", "n_embd=32", "--set", "n_head=2", "--batch", "2", "--seq", "16"]
     assert main([*small, "--set", "n_layer=8", "--policy", "none,segments=2"]) == 0

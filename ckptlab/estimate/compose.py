@@ -116,7 +116,10 @@ def fast_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
         reason = str(why)
     except Exception as exc:   # the model cannot run with its stacks cut: the full trace can say why
         reason = f"the shortened step failed with {type(exc).__name__}: {one_line(exc)}"
-    full = fake_memory(*args, **options)
+    full = fake_memory(*args, **options, extend_passes=True)
+    if full.passes_traced is not None:
+        reason += (f"; {full.passes_traced} of its {as_loop(loop).accum_steps} passes traced, the rest copies of the "
+                   "last (`micro_steps`)")
     full.trace = f"full ({reason})"
     return full
 

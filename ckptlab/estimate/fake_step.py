@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import sys
@@ -47,10 +48,11 @@ from ..core.loop import Loop, as_loop
 from ..core.policy import Policy, step_policy
 from ..core.records import CATEGORIES
 from ..core.units import format_bytes
-from ..probe.memory import MemoryReport, module_tensors, track_memory
+from ..probe.memory import MemoryReport, count_events, module_tensors, track_memory
 from ..probe.step import make_optimizer, training_step, with_dtype
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
+from . import micro_steps
 from .cuda_autocast import cuda_autocast
 from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, LoopOrder, device_memory, parse_alloc_conf
 from .cuda_semantics import KERNEL_FUNCTIONS, cuda_semantics
@@ -630,6 +632,7 @@ class FakeMemory:
     device: Optional[DeviceMemory] = None
     recompute_count: int = 0            # block forwards the policy's checkpoints ran again in backward
     trace: str = "full"                 # which trace answered: "full", or "composed" (`compose`)
+    passes_traced: Optional[int] = None  # of an accumulation step's passes, where fewer than all (`micro_steps`)
 
 
 @contextlib.contextmanager
@@ -650,31 +653,73 @@ def gc_paused():
 def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                 loop: Loop | str | None = None, device: str = "cpu", card: Optional[str | Card] = None,
                 attention: Optional[str] = None, *, torch_version: Optional[str] = None,
-                alloc_conf: Optional[str] = None) -> FakeMemory:
+                alloc_conf: Optional[str] = None, extend_passes: bool = False) -> FakeMemory:
     """One tracked fake training step, for `device` ("cpu": exact; "cuda": module docstring, under
     the rules of `torch_version`, default the installed torch's, the allocator replayed with
-    `alloc_conf` through the loop's first two steps)."""
-    cuda, card = device == "cuda", as_card(card)
+    `alloc_conf` through the loop's first two steps). With `extend_passes`, a step of more than
+    `micro_steps.TRACED` accumulation passes is traced with that many and extended to all
+    (`micro_steps`; `FakeMemory.passes_traced`), where its passes allow it."""
+    card, loop = as_card(card), as_loop(loop)
+    if extend_passes and loop.accum_steps > micro_steps.TRACED:
+        try:
+            return _fake_memory(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
+                                torch_version, alloc_conf, micro_steps.TRACED)
+        except micro_steps.NotExtendable:
+            pass
+    return _fake_memory(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention, torch_version,
+                        alloc_conf, loop.accum_steps)
+
+
+def _fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str, loop: Loop,
+                 device: str, card: Optional[Card], attention: Optional[str], torch_version: Optional[str],
+                 alloc_conf: Optional[str], passes: int) -> FakeMemory:
+    """`fake_memory`, the step traced with `passes` of the loop's accumulation passes."""
+    cuda = device == "cuda"
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
-    prepared = prepared_step(workload, policy, dtype, as_loop(loop), device, (batch_size, seq_len),
+    traced_loop = dataclasses.replace(loop, accum_steps=passes)
+    prepared = prepared_step(workload, policy, dtype, traced_loop, device, (batch_size, seq_len),
                              host_type=HostOffload if cuda and policy.offload else None)
     host = prepared.host
     with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
             model, handle, batch, opt, step, kernels):
         if host:
             host.reset()   # the warm-up step's copies are gone
-        with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks, trace=cuda) as tracker, blas:
-            step(tracker)
-        report = tracker.report()
+        starts: list[int] = []   # the recomputes counted as each pass after the first begins
+        with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks,
+                          trace=cuda and passes == loop.accum_steps) as tracker, blas:
+            step(_PassStarts(tracker, handle, starts))
+        report, recompute_count = tracker.report(), handle.recompute_count
+        if passes < loop.accum_steps:
+            events = micro_steps.extended(list(tracker.events), loop.accum_steps)
+            param_bytes, report = report.param_bytes, count_events(events).report(events if cuda else None)
+            report.param_bytes = param_bytes
+            recompute_count += (loop.accum_steps - passes) * (handle.recompute_count - starts[-1])
+        traced = passes if passes < loop.accum_steps else None
         if not cuda:
-            return FakeMemory(report, handle, recompute_count=handle.recompute_count)
+            return FakeMemory(report, handle, recompute_count=recompute_count, passes_traced=traced)
         workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
         # --- the loop's first two steps (cuda_device.first_two_steps) ---
         order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
         on_device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card,
                                   parse_alloc_conf(alloc_conf), loop_order=order)
         on_device.host_bytes = host.peak_bytes if host else None
-        return FakeMemory(report, handle, kernels.attention_backend, on_device, handle.recompute_count)
+        return FakeMemory(report, handle, kernels.attention_backend, on_device, recompute_count, passes_traced=traced)
+
+
+class _PassStarts:
+    """The tracker, handed to a step: as each accumulation pass after the first begins (its phase
+    "forward"), the recomputes counted so far are noted in `starts`."""
+
+    def __init__(self, tracker, handle, starts: list[int]):
+        self._tracker, self._handle, self._starts = tracker, handle, starts
+
+    def phase(self, name: str) -> None:
+        if name == "forward":
+            self._starts.append(self._handle.recompute_count)
+        self._tracker.phase(name)
+
+    def __getattr__(self, name: str):
+        return getattr(self._tracker, name)
 
 
 def optimizer_state_keys(trace: list[tuple[str, int, int]], model: nn.Module, opt) -> frozenset:
