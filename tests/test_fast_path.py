@@ -362,7 +362,7 @@ def test_what_cannot_be_composed_is_traced_in_full():
     ("gpt-tiny", dict(n_layer=2), "none", dict(loop="adamw,accum=5")),
     ("gpt-tiny", dict(n_layer=2), "full", dict(CUDA, loop="adamw,accum=4")),
     ("gpt-tiny", dict(n_layer=3), "selective", dict(dtype="bf16", loop="adamw,accum=6,holds-output")),
-    ("gpt-tiny", dict(n_layer=2), "full+offload", dict(CUDA, loop="sgd,accum=4,zero-grad=zeros")),
+    ("gpt-tiny", dict(n_layer=2), "full", dict(CUDA, loop="sgd,accum=4,zero-grad=zeros")),
     ("gpt-tiny", dict(n_layer=2), "every=2", dict(dtype="fp16", loop="adamw,accum=4,scaler")),
     ("hf-llama-tiny+lora=4", dict(num_hidden_layers=2), "full", dict(CUDA, dtype="bf16-weights", loop="adamw,accum=4")),
 ])
@@ -388,7 +388,7 @@ class AlternatingNet(Net):
         return super().forward(x if self.calls % 2 else x + torch.zeros_like(x))
 
 
-def test_passes_that_differ_are_each_traced_and_a_cpu_step_of_many_passes_is_measured_as_predicted():
+def test_passes_that_differ_and_cuda_offload_trace_every_pass_and_a_cpu_step_of_many_is_measured_as_predicted():
     alternating = ckptlab.Workload.custom(
         "net-alternating", build_model=lambda: AlternatingNet("plain", 3), loss=loss,
         make_batch=lambda b, s, gen: (torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)))
@@ -397,6 +397,8 @@ def test_passes_that_differ_are_each_traced_and_a_cpu_step_of_many_passes_is_mea
     full = predict_policy(alternating, 2, 16, as_policy("full"), loop="adamw,accum=5", trace="full")
     assert fast.trace == "full (accum=5 runs several forward passes)"
     assert_same(fast, full)
+    offloaded = predict_policy(workload("plain", depth=3), 2, 16, as_policy("full+offload"), loop="adamw,accum=4", **CUDA)
+    assert offloaded.trace == "full (accum=4 runs several forward passes)"   # pinned host memory: not from events
     plain = workload("plain", depth=3)
     fast = predict_policy(plain, 2, 16, as_policy("full"), loop="adamw,accum=7")
     assert "3 of its 7 passes traced" in fast.trace

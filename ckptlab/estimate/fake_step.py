@@ -658,9 +658,11 @@ def fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     the rules of `torch_version`, default the installed torch's, the allocator replayed with
     `alloc_conf` through the loop's first two steps). With `extend_passes`, a step of more than
     `micro_steps.TRACED` accumulation passes is traced with that many and extended to all
-    (`micro_steps`; `FakeMemory.passes_traced`), where its passes allow it."""
+    (`micro_steps`; `FakeMemory.passes_traced`), where its passes allow it; not with offload on
+    "cuda", whose pinned host memory is counted by its own allocator, not from the events."""
     card, loop = as_card(card), as_loop(loop)
-    if extend_passes and loop.accum_steps > micro_steps.TRACED:
+    offloads = device == "cuda" and policy.offload
+    if extend_passes and loop.accum_steps > micro_steps.TRACED and not offloads:
         try:
             return _fake_memory(workload, batch_size, seq_len, policy, dtype, loop, device, card, attention,
                                 torch_version, alloc_conf, micro_steps.TRACED)
@@ -687,7 +689,7 @@ def _fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Poli
         starts: list[int] = []   # the recomputes counted as each pass after the first begins
         with track_memory(model, opt, inputs=step.inputs(), device="cpu", blocks=handle.blocks,
                           trace=cuda and passes == loop.accum_steps) as tracker, blas:
-            step(_PassStarts(tracker, handle, starts))
+            step(_PassStarts(tracker, handle, starts) if passes < loop.accum_steps else tracker)
         report, recompute_count = tracker.report(), handle.recompute_count
         if passes < loop.accum_steps:
             events = micro_steps.extended(list(tracker.events), loop.accum_steps)
