@@ -262,6 +262,52 @@ def test_a_step_that_takes_another_policys_warm_state_predicts_what_a_warmed_up_
         assert_same_fields(prediction, alone)
 
 
+class ManyLayouts(nn.Module):
+    """Parameters of several layouts, repeated: one transposed (same shape as another, other
+    strides), one that trains in fp32 among bf16 ones, and one that gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ParameterList(nn.Parameter(torch.zeros(4, 6)) for _ in range(3))
+        self.b = nn.ParameterList(nn.Parameter(torch.zeros(6, 4).t()) for _ in range(2))
+        self.c = nn.ParameterList(nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)) for _ in range(3))
+        self.d = nn.Parameter(torch.zeros(5))
+        self.frozen = nn.Parameter(torch.zeros(7))
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.AdamW(params, foreach=False),
+    lambda params: torch.optim.AdamW(params, foreach=True),
+    lambda params: torch.optim.AdamW(params, fused=True),
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    lambda params: torch.optim.AdamW([{"params": params[:4]}, {"params": params[4:], "weight_decay": 0.0}]),
+])
+def test_a_warm_up_steps_one_parameter_per_layout_and_leaves_the_state_a_whole_step_does(make, monkeypatch):
+    """`fake_step.step_by_representatives` steps the optimizer on one parameter per param group
+    and layout, and leaves the state that stepping every parameter leaves: each tensor's layout
+    and known value (the step count), in the same order."""
+    mode = fake_step.fake_modes()
+    with mode:
+        models = [ManyLayouts() for _ in range(2)]
+        for model in models:
+            for p in model.parameters():
+                if p is not model.frozen:
+                    p.grad = torch.zeros_like(p)
+    whole, shared = (make(list(model.parameters())) for model in models)
+    with mode:
+        whole.step()
+    stepped = []   # how many parameters each step of `shared` held
+    step = type(shared).step
+    monkeypatch.setattr(type(shared), "step", lambda self, *a: stepped.append(
+        sum(len(g["params"]) for g in self.param_groups)) or step(self, *a))
+    with mode:
+        fake_step.step_by_representatives(shared)
+    assert stepped == [4] or stepped == [5]   # a, b, c, d; in two groups a and b in each
+    warm = [fake_step.WarmState.of(list(model.parameters()), opt) for model, opt in zip(models, (whole, shared))]
+    assert warm[0] is not None and warm[0] == warm[1]
+    assert [p for p in shared.state] == [p for p in models[1].parameters() if p.grad is not None]
+
+
 class TableBlock(nn.Module):
     """A block that keeps a table on itself: in a dict by sequence length, or made the first time
     it runs inside a checkpoint (saved-tensor hooks set), so only under a checkpointing policy."""
