@@ -37,12 +37,19 @@ step. What the cut blocks would have done is put back into the events:
   parameter as in the full step); those allocations are dropped and their storages renamed to
   the copies' gradients.
 
+A step of several gradient-accumulation passes is composed pass by pass: each pass's units are
+roles of their own (`_role`: "fwd", "bwd", "fwd2", "bwd2", ...), a cut block's units in a pass
+are its template's in that pass, and a reference to a storage of an earlier pass (a gradient the
+next pass accumulates into) is renamed as any other, to that pass's unit of the block at the same
+distance. Above `micro_steps.TRACED` passes, that many are traced and composed, then extended to
+all (`micro_steps.extended`); where they cannot be, the step is not composed.
+
 The composed events are counted by `probe.memory.LiveCounts`, as a tracked step's own events are,
 and on CUDA replayed through the caching allocator. A prepared model keeps its last composed
 steps by shape and kernels (`TRACED_KEPT`): a step asked for again is not traced again. What a composed trace cannot know is refused
 before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
 policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
-that is not one forward, backward and optimizer step, a model that indexes or counts its blocks,
+that is not forward and backward passes then an optimizer step, a model that indexes or counts its blocks,
 a model whose forward leaves tensors on its modules (a cache made on its first call, which the cut
 blocks never make), an op outside the blocks that reads several middle blocks' tensors (`MemoryTracker.mark_reads`), blocks
 whose order, units or gradients the trace cannot place. Not seen: model code that treats a block by
@@ -55,6 +62,7 @@ blocks that read an earlier block's tensor, and blocks alike but for a hook or a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -68,6 +76,7 @@ from ..core.policy import Policy
 from ..probe.memory import count_events, track_memory
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
+from . import micro_steps
 from .batch_line import ON_LINE, BatchLine, ComposedStep
 from .cuda_device import (
     DEFAULT_ARCH,
@@ -140,6 +149,10 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
     composed, on_line, prepared, report = composed_step(workload, batch_size, seq_len, policy, dtype, loop, device,
                                                         card, attention, torch_version=torch_version)
     fake = _fake_memory(composed, prepared.handle, card, cuda, alloc_conf, bool(prepared.host), report)
+    accum = as_loop(loop).accum_steps
+    if accum > micro_steps.TRACED:
+        fake.passes_traced = micro_steps.TRACED
+        fake.trace += f" ({micro_steps.TRACED} of its {accum} passes traced, the rest copies of the last: `micro_steps`)"
     if on_line is not None:
         fake.trace = on_line
     return fake
@@ -152,18 +165,20 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
     batch line made it (else None), its `fake_step.PreparedStep`, and the count of its events, or
     None where they were not counted). NotComposable if the step does not allow one."""
     loop = as_loop(loop)
-    if loop.accum_steps != 1:
-        raise NotComposable(f"accum={loop.accum_steps} runs several forward passes")
     if policy.mechanism == "transformers":
         raise NotComposable("transformers' own checkpointing")
     cuda = device == "cuda"
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
-    prepared = prepared_step(workload, policy, dtype, loop, device, (batch_size, seq_len),
-                             host_type=_MarkedHostOffload if cuda and policy.offload else None, cut_type=_Cut)
+    # A step of many accumulation passes is traced with micro_steps.TRACED of them, composed, and
+    # extended to all (`micro_steps`): its kept steps and lines are the extended ones, by pass count.
+    passes = min(loop.accum_steps, micro_steps.TRACED)
+    prepared = prepared_step(workload, policy, dtype, dataclasses.replace(loop, accum_steps=passes), device,
+                             (batch_size, seq_len), host_type=_MarkedHostOffload if cuda and policy.offload else None,
+                             cut_type=_Cut)
     if prepared.refusal is not None:
         raise prepared.refusal
     host, cut = prepared.host, prepared.cut
-    kernels_key = ((card.arch, card.sm_count) if card else None, attention, torch_version)
+    kernels_key = ((card.arch, card.sm_count) if card else None, attention, torch_version, loop.accum_steps)
     line = cut.batch_lines.setdefault((seq_len, kernels_key), BatchLine())
     composed = line.step_at(batch_size)
     if composed is not None:
@@ -200,6 +215,11 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
             events = list(tracker.events)
             cut.optimizer_phases[kernels_key] = _OptimizerPhase.recorded(events)
         events = compose(events, cut)
+        if passes < loop.accum_steps:
+            try:
+                events = micro_steps.extended(events, loop.accum_steps)
+            except micro_steps.NotExtendable as why:
+                raise NotComposable(f"accum={loop.accum_steps}: {why}") from None
         recomputes = (sum(1 for e in events if e[0] == "region_run")
                       - sum(e[1] for e in events if e[0] == "forward_runs"))
         composed = ComposedStep(events, tracker.report().param_bytes, recomputes, [], None,
@@ -536,8 +556,10 @@ def compose(events: list[tuple], cut: _Cut) -> list[tuple]:
     """The whole step's events from a shortened step's (module docstring), with storages numbered
     1, 2, ... in the order they are allocated."""
     phases = [e[1] for e in events if e[0] == "phase"]
-    if phases != ["forward", "backward", "optimizer"]:
-        raise NotComposable(f"the step's phases are {', '.join(phases)}, not one forward, backward and optimizer step")
+    passes = len(phases) // 2
+    if passes < 1 or phases != ["forward", "backward"] * passes + ["optimizer"]:
+        raise NotComposable(f"the step's phases are {', '.join(phases)}, not forward and backward passes, then "
+                            "an optimizer step")
     units = _Units(events, cut)
     stand_ins = units.stand_in_names()
     before, after = units.each_block_references(set(stand_ins.values()))
@@ -546,8 +568,9 @@ def compose(events: list[tuple], cut: _Cut) -> list[tuple]:
     for i, event in enumerate(events):
         if event[0] == "reads":
             continue
-        for j in units.backward_inserts.get(i, ()):
-            out += units.copy(("bwd", cut.stack_of[j].template(j)), j, stand_ins)
+        role, blocks = units.backward_inserts.get(i, (None, ()))
+        for j in blocks:
+            out += units.copy((role, cut.stack_of[j].template(j)), j, stand_ins)
         if event[0] == "stand_ins":
             dropping = True
         if not dropping:
@@ -556,8 +579,9 @@ def compose(events: list[tuple], cut: _Cut) -> list[tuple]:
             out += after.get(i, [])
         if event[0] == "stand_ins_end":
             dropping = False
-        for j in units.forward_inserts.get(i, ()):
-            out += units.copy(("fwd", cut.stack_of[j].template(j)), j, stand_ins)
+        role, blocks = units.forward_inserts.get(i, (None, ()))
+        for j in blocks:
+            out += units.copy((role, cut.stack_of[j].template(j)), j, stand_ins)
     return _numbered(out, units)
 
 
@@ -572,8 +596,9 @@ class _Units:
         self.members: dict[tuple, list[int]] = defaultdict(list)   # unit -> its events' indices
         self.allocs: dict[tuple, list] = defaultdict(list)         # unit -> the storages it allocates
         self.owner: dict[object, tuple] = {}                        # storage -> (unit, place among its allocations)
-        self.forward_inserts: dict[int, list[int]] = {}
-        self.backward_inserts: dict[int, list[int]] = {}
+        self.forward_inserts: dict[int, tuple[str, list[int]]] = {}    # event index -> (role, cut blocks)
+        self.backward_inserts: dict[int, tuple[str, list[int]]] = {}
+        self.roles: list[str] = []   # of the units, pass by pass (`_role`)
         self._split()
 
     def _next_kept(self, block: int) -> Optional[int]:
@@ -582,8 +607,9 @@ class _Units:
         return kept[k + 1] if k + 1 < len(kept) else None
 
     def _split(self) -> None:
-        phase, unit, depth, entered = "setup", None, 0, defaultdict(int)
-        forward_exit, backward_marks = {}, defaultdict(list)
+        phase, unit, depth, entered, passes = "setup", None, 0, defaultdict(int), 0
+        fwd, bwd = _role("fwd", 1), _role("bwd", 1)
+        forward_exit, backward_marks = {}, defaultdict(list)   # by (pass, block)
         for i, event in enumerate(self.events):
             kind = event[0]
             if kind == "reads":
@@ -592,16 +618,20 @@ class _Units:
                 continue
             if kind == "phase":
                 phase, unit = event[1], None
+                if phase == "forward":
+                    passes += 1
+                    self.roles += [_role("fwd", passes), _role("bwd", passes)]
+                fwd, bwd = _role("fwd", passes), _role("bwd", passes)
             elif phase == "forward" and kind == "enter":
                 if depth == 0 and unit is None and self._is_first(event[1]):
-                    unit = ("fwd", event[1])
-                if depth == 0 and unit != ("fwd", event[1]):
+                    unit = (fwd, event[1])
+                if depth == 0 and unit != (fwd, event[1]):
                     raise NotComposable(f"block {event[1]} ran out of its stack's order")
                 depth += 1
                 entered[event[1]] += 1
             elif phase == "backward" and kind == "backward_block":
-                unit = None if event[1] is None else ("bwd", event[1])
-                backward_marks[event[1]].append(i)
+                unit = None if event[1] is None else (bwd, event[1])
+                backward_marks[(passes, event[1])].append(i)
             self.unit_of[i] = unit
             if unit is not None:
                 self.members[unit].append(i)
@@ -611,22 +641,24 @@ class _Units:
             if phase == "forward" and kind == "exit":
                 depth -= 1
                 if depth == 0:
-                    forward_exit[event[1]] = i
+                    forward_exit[(passes, event[1])] = i
                     following = self._next_kept(event[1])
-                    unit = ("fwd", following) if following is not None else None
+                    unit = (fwd, following) if following is not None else None
         for s in self.cut.stacks:
             if not s.cut:
                 continue
             for j in self.kept[s.first]:
-                if entered[j] != 1:
-                    raise NotComposable(f"block {j} ran {entered[j]} times in forward")
-            self.forward_inserts[forward_exit[s.head_last]] = list(s.cut)
-            if ("bwd", s.template(s.cut.start)) in self.members:
-                if len(backward_marks[s.head_last]) != 1:
-                    raise NotComposable(f"block {s.head_last}'s backward cannot be placed")
-                self.backward_inserts[backward_marks[s.head_last][0]] = list(reversed(s.cut))
-            elif any(("bwd", j) in self.members for j in self.kept[s.first] if j != s.first):
-                raise NotComposable("the blocks' backward units differ from their templates'")
+                if entered[j] != passes:
+                    raise NotComposable(f"block {j} ran {entered[j]} times in the forward of {passes} pass(es)")
+            for p in range(1, passes + 1):
+                bwd = _role("bwd", p)
+                self.forward_inserts[forward_exit[(p, s.head_last)]] = (_role("fwd", p), list(s.cut))
+                if (bwd, s.template(s.cut.start)) in self.members:
+                    if len(backward_marks[(p, s.head_last)]) != 1:
+                        raise NotComposable(f"block {s.head_last}'s backward cannot be placed")
+                    self.backward_inserts[backward_marks[(p, s.head_last)][0]] = (bwd, list(reversed(s.cut)))
+                elif any((bwd, j) in self.members for j in self.kept[s.first] if j != s.first):
+                    raise NotComposable("the blocks' backward units differ from their templates'")
         self._find_fixed_references()
         self._check_alike()
         self._check_references_across_runs()
@@ -656,7 +688,7 @@ class _Units:
                 continue
             head_last = self.order[s.head_last]
             for j in range(s.run.stop, s.first + s.length):
-                for role in ("fwd", "bwd"):
+                for role in self.roles:
                     for i in self.members.get((role, j), ()):
                         event = self.events[i]
                         if event[0] not in ("free", "relabel", "grad") or i in self.fixed:
@@ -672,7 +704,7 @@ class _Units:
         for s in self.cut.stacks:
             for block in s.alike:
                 template = s.template(block)
-                for role in ("fwd", "bwd"):
+                for role in self.roles:
                     ours, theirs = self._signature((role, block)), self._signature((role, template))
                     if len(ours) != len(theirs) or not all(map(_alike_runs, _runs(ours), _runs(theirs))):
                         raise NotComposable(f"block {block}'s {role} unit differs from block {template}'s")
@@ -856,6 +888,12 @@ class _Units:
     def copy(self, unit: tuple, as_block: int, stand_ins: dict) -> list[tuple]:
         """The events of `unit` (a template's) as block `as_block`'s."""
         return [self.rename(i, unit, as_block, stand_ins) for i in self.members.get(unit, ())]
+
+
+def _role(unit: str, number: int) -> str:
+    """The role of a block's forward ("fwd") or backward ("bwd") unit in accumulation pass
+    `number` (1, 2, ...): "fwd", "bwd" in the first, "fwd2", "bwd2" in the second."""
+    return unit if number == 1 else f"{unit}{number}"
 
 
 def _runs(signature: list) -> list[list]:
