@@ -4,7 +4,9 @@ in one run, with the two predictions checked identical.
   1. one prediction per model and sequence length, on an RTX 4090 (CUDA semantics and the
      allocator replay): gpt2-small, hf-llama-1b, hf-llama-7b+lora=16 (bf16 weights), at s2048 and
      s8192 (gpt2-small at its 1024 positions), policy none, and the 7B at s2048 with a plan (a run
-     of full, then keep, as the planner makes them), each path timed two ways:
+     of full, then keep, as the planner makes them) and with 8 gradient-accumulation passes (the
+     fast path traces three, composed; the full trace every pass on every block), each path timed
+     two ways:
      - first: the model's first prediction in the process (it is built under fake tensors, its
        policy applied and its optimizer warmed up: `estimate.fake_step.PreparedStep`);
      - prepared: a prediction at a sequence length not predicted before in the process, the model
@@ -59,15 +61,16 @@ from ckptlab.estimate.fake_step import clear_prepared
 
 CARD = "rtx4090"
 PLAN_7B = "plan=k" + "f" * 5 + "k" * 25 + "f"   # the planner's plan for a 7B LoRA at s2048 on an RTX 4090's capacity
-CASES = [  # (model, its overrides, sequence lengths, dtype, policy)
-    ("gpt2-small", {}, [1024], "bf16", "none"),
-    ("hf-llama-1b", {}, [2048, 8192], "bf16", "none"),
-    ("hf-llama-7b+lora=16", {}, [2048, 8192], "bf16-weights", "none"),
-    ("hf-llama-7b+lora=16", {}, [2048], "bf16-weights", PLAN_7B),
+CASES = [  # (model, its overrides, sequence lengths, dtype, policy, training loop)
+    ("gpt2-small", {}, [1024], "bf16", "none", "adamw"),
+    ("hf-llama-1b", {}, [2048, 8192], "bf16", "none", "adamw"),
+    ("hf-llama-7b+lora=16", {}, [2048, 8192], "bf16-weights", "none", "adamw"),
+    ("hf-llama-7b+lora=16", {}, [2048], "bf16-weights", PLAN_7B, "adamw"),
+    ("hf-llama-7b+lora=16", {}, [2048], "bf16-weights", "none", "adamw,accum=8"),   # 8 passes: 3 traced
 ]
 FITS = [("hf-llama-7b+lora=16", {}, ["none", "selective", "full"], "bf16-weights", list(DEFAULT_CARDS)),
         ("gpt2-small", {}, ["none", "selective", "full"], "fp32", list(DEFAULT_CARDS))]
-QUICK_CASES = [("gpt-tiny", {"n_layer": 12}, [64], "fp32", "plan=kffkkkkkkkkf")]
+QUICK_CASES = [("gpt-tiny", {"n_layer": 12}, [64], "fp32", "plan=kffkkkkkkkkf", "adamw")]
 # an RTX 4090 with 64 MiB usable, no context nor margin: searches of tens of batch sizes through the allocator
 QUICK_FITS = [("gpt-tiny", {"n_layer": 8}, ["full"], "bf16", [parse_capacity("rtx4090", usable_bytes="64MiB", context_bytes=0, required_margin_bytes=0)])]
 FITS_SEQ = 2048   # the batch search's sequence length (or the model's limit)
@@ -108,13 +111,13 @@ def same_prediction(fast, full) -> list[str]:
     return [k for k in a if k not in ("predict_s", "trace", "answered_from_cache") and a[k] != b[k]]
 
 
-def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: str, repeats: int) -> dict:
+def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: str, loop: str, repeats: int) -> dict:
     """Both paths, `repeats` rounds of each in turn (the first path of a round alternates), each
     round from no prepared model: the first prediction at `seq`, then one at a sequence length
     new to the process (`seq` - 8 x the round's number, in turn). The medians of their seconds,
     the median of the rounds' ratios."""
     workload = get_workload(model, **overrides)
-    options = dict(dtype=dtype, card=CARD, device="cuda")
+    options = dict(dtype=dtype, loop=loop, card=CARD, device="cuda")
     seconds = {(trace, when): [] for trace in ("fast", "full") for when in ("first", "prepared")}
     predictions = {}
     for r in range(repeats):
@@ -132,7 +135,7 @@ def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: st
         raise SystemExit(f"{model} s{seq}: the prediction kept on disk was not the one answered again")
     clear_prepared()
     fast, full = predictions["fast"], predictions["full"]
-    result = {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": policy,
+    result = {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": policy, "loop": loop,
               "fast_trace": fast.trace, "identical": not same_prediction(fast, full),
               "differing_fields": same_prediction(fast, full), "peak_bytes": fast.peak_bytes,
               "device_bytes": fast.device_bytes, "kept_s": kept_s}
@@ -217,7 +220,7 @@ def goals(result: dict) -> list[tuple[str, str, str]]:
     """(goal, what the run measured, met) for each goal that the run measured (none with --quick)."""
     rows = []
     row = next((r for r in result["predictions"] if r["model"] == GOAL_MODEL and r["seq_len"] == GOAL_SEQ
-                and r["policy"] == "none"), None)
+                and r["policy"] == "none" and r["loop"] == "adamw"), None)
     if row is not None:
         seconds = [row["first_fast_s"], row["prepared_fast_s"]]
         ratios = [row["first_ratio"], row["prepared_ratio"]]
@@ -248,11 +251,11 @@ def markdown(result: dict) -> str:
              f"{result['python_loop_s'][1]:.2f} s at the end (`python_loop_s`: a reading to set beside another "
              "run's; the predictions also build and drop many objects, which this loop does not). "
              "The machine may be shared: compare ratios.", "",
-             "| model | seq | dtype | policy | first: full s | fast s | full / fast | prepared: full s | fast s "
+             "| model | seq | dtype | policy | loop | first: full s | fast s | full / fast | prepared: full s | fast s "
              "| full / fast | fast path | identical | asked again: s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["predictions"]:
-        lines.append(f"| {r['model']} | {r['seq_len']} | {r['dtype']} | {r['policy']} | {r['first_full_s']:.2f} | "
+        lines.append(f"| {r['model']} | {r['seq_len']} | {r['dtype']} | {r['policy']} | {r['loop']} | {r['first_full_s']:.2f} | "
                      f"{r['first_fast_s']:.2f} | "
                      f"{r['first_ratio']:.1f}x | {r['prepared_full_s']:.2f} | {r['prepared_fast_s']:.2f} | "
                      f"{r['prepared_ratio']:.1f}x | {r['fast_trace']} | {'yes' if r['identical'] else 'NO'} | "
@@ -290,11 +293,11 @@ def main(argv=None) -> None:
     predict(get_workload("gpt-tiny"), 1, 16, "none", card=CARD, device="cuda")   # imports, first-call caches
     if not args.quick:
         predict(get_workload("hf-llama-tiny"), 1, 16, "none", card=CARD, device="cuda")
-    for model, overrides, seqs, dtype, policy in cases:
+    for model, overrides, seqs, dtype, policy, loop in cases:
         for seq in seqs:
-            predictions.append(one_prediction(model, overrides, seq, dtype, policy, args.repeats))
+            predictions.append(one_prediction(model, overrides, seq, dtype, policy, loop, args.repeats))
             r = predictions[-1]
-            print(f"{r['model']} s{seq} {dtype} {policy}: first: full {r['first_full_s']:.2f} s, fast {r['first_fast_s']:.2f} s "
+            print(f"{r['model']} s{seq} {dtype} {policy} {loop}: first: full {r['first_full_s']:.2f} s, fast {r['first_fast_s']:.2f} s "
                   f"({r['first_ratio']:.1f}x); prepared: full {r['prepared_full_s']:.2f} s, fast "
                   f"{r['prepared_fast_s']:.2f} s ({r['prepared_ratio']:.1f}x); {r['fast_trace']}, identical: "
                   f"{r['identical']}", flush=True)

@@ -195,17 +195,18 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
     command = result["command"]   # a command asked again in a new process: its kept rows, the model not built
     assert command["rows"] == 4 and 0 < command["again_s"] < command["first_s"]
     report = (tmp_path / "predict_speed.md").read_text()
-    assert "| gpt-tiny | 64 | fp32 | plan=kffkkkkkkkkf |" in report
+    assert "| gpt-tiny | 64 | fp32 | plan=kffkkkkkkkkf | adamw |" in report
     start, end = result["python_loop_s"]   # the machine's speed at plain Python, at both ends of the run
     assert start > 0 and end > 0 and f"Python loop in {start:.2f} s of CPU at the start" in report
 
 
 def test_predict_speed_says_which_goals_a_run_meets():
     speed = load("predict_speed")
-    row = dict(model=speed.GOAL_MODEL, seq_len=speed.GOAL_SEQ, policy="none", first_fast_s=1.3, prepared_fast_s=0.4,
+    row = dict(model=speed.GOAL_MODEL, seq_len=speed.GOAL_SEQ, policy="none", loop="adamw", first_fast_s=1.3, prepared_fast_s=0.4,
                first_ratio=2.7, prepared_ratio=5.0)
     table = dict(model=speed.GOAL_MODEL, trace="fast", policies=["none", "full"], cards=["rtx4090"], workers=2)
-    result = {"predictions": [dict(row, seq_len=2048, prepared_fast_s=9.0), row],
+    result = {"predictions": [dict(row, seq_len=2048, prepared_fast_s=9.0),
+                              dict(row, loop="adamw,accum=8", prepared_fast_s=9.0, prepared_ratio=2.0), row],
               "fits": [dict(table, seconds=26.0, workers=1), dict(table, seconds=19.5)]}
     assert [met for _, _, met in speed.goals(result)] == ["no / yes", "no / yes", "yes"]
     assert "19.5 s (2 worker(s))" in speed.goals(result)[2][1]
