@@ -82,6 +82,8 @@ def test_composed_prediction_is_the_full_one(spec, overrides, policy, options):
     ("gpt-tiny", dict(n_layer=8), "full", dict(loop="sgd,accum=4,zero-grad=zeros,holds-output")),
     ("gpt-tiny", dict(n_layer=11), "plan=kfffkkkkkkf", dict(CUDA, loop="adamw,accum=2,clip=1.0")),
     ("hf-llama-tiny+lora=4", dict(num_hidden_layers=8), "none", dict(CUDA, dtype="bf16-weights", loop="adamw,accum=6")),
+    ("hf:t5", dict(num_layers=7, num_decoder_layers=7, d_model=32, d_ff=64, num_heads=2, d_kv=16), "none",
+     dict(loop="adamw,accum=2")),   # two stacks, the decoder's blocks reading the encoder's output in each pass
 ])
 def test_an_accumulation_step_composed_is_the_full_one(spec, overrides, policy, options):
     """A step of several accumulation passes is composed pass by pass (a cut block's units in
