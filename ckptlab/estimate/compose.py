@@ -149,12 +149,12 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
     composed, on_line, prepared, report = composed_step(workload, batch_size, seq_len, policy, dtype, loop, device,
                                                         card, attention, torch_version=torch_version)
     fake = _fake_memory(composed, prepared.handle, card, cuda, alloc_conf, bool(prepared.host), report)
+    if on_line is not None:
+        fake.trace = on_line
     accum = as_loop(loop).accum_steps
     if accum > micro_steps.TRACED:
         fake.passes_traced = micro_steps.TRACED
         fake.trace += f" ({micro_steps.TRACED} of its {accum} passes traced, the rest copies of the last: `micro_steps`)"
-    if on_line is not None:
-        fake.trace = on_line
     return fake
 
 
@@ -845,30 +845,38 @@ class _Units:
                         series[(k, role, place)][end] = i
             series = {key: at for key, at in series.items()
                       if len(at) == 2 and ("copy", (key[1], s.cut.start + key[0]), key[2]) not in named}
-            tails = sorted(at["tail"] for at in series.values() if "tail" in at)
-            if not tails:
-                continue
-            heads = sorted((at["head"], key) for key, at in series.items())
-            ascending = tails[0] > heads[0][0]
-            blocks = list(s.cut if ascending else reversed(s.cut))
-
-            def copies(i: int, key: tuple, js) -> list[tuple]:
-                event, (_, role, place) = self.events[i], key
-                return [(event[0], ("copy", (role, j), place), *event[2:]) for j in js]
-
-            def block_by_block(s=s) -> list[tuple]:
-                return [e for j in blocks for i, key in heads if key[0] == (j - s.cut.start) % s.period
-                        for e in copies(i, key, [j])]
-
-            if ascending and heads[-1][0] < tails[0]:       # after the head's last block
-                after[heads[-1][0]] += block_by_block()
-            elif not ascending and heads[0][0] > tails[-1]:
-                before[heads[0][0]] += block_by_block()
-            else:                                            # storage by storage
-                for i, key in heads:
-                    (after if ascending else before)[i] += copies(
-                        i, key, [j for j in blocks if (j - s.cut.start) % s.period == key[0]])
+            for number in sorted({_pass_of(key[1]) for key in series}):   # each accumulation pass's own
+                self._insert_series(s, {key: at for key, at in series.items() if _pass_of(key[1]) == number},
+                                    before, after)
         return before, after
+
+    def _insert_series(self, s: _Stack, series: dict, before: dict, after: dict) -> None:
+        """`each_block_references`' insertions for one stack and pass: `series` maps (place in the
+        period, role, place) to the event indices of the head's and the tail's (or the block's a
+        period before) reference to that storage."""
+        tails = sorted(at["tail"] for at in series.values() if "tail" in at)
+        if not tails:
+            return
+        heads = sorted((at["head"], key) for key, at in series.items())
+        ascending = tails[0] > heads[0][0]
+        blocks = list(s.cut if ascending else reversed(s.cut))
+
+        def copies(i: int, key: tuple, js) -> list[tuple]:
+            event, (_, role, place) = self.events[i], key
+            return [(event[0], ("copy", (role, j), place), *event[2:]) for j in js]
+
+        def block_by_block() -> list[tuple]:
+            return [e for j in blocks for i, key in heads if key[0] == (j - s.cut.start) % s.period
+                    for e in copies(i, key, [j])]
+
+        if ascending and heads[-1][0] < tails[0]:       # after the head's last block
+            after[heads[-1][0]] += block_by_block()
+        elif not ascending and heads[0][0] > tails[-1]:
+            before[heads[0][0]] += block_by_block()
+        else:                                            # storage by storage
+            for i, key in heads:
+                (after if ascending else before)[i] += copies(
+                    i, key, [j for j in blocks if (j - s.cut.start) % s.period == key[0]])
 
     def rename(self, i: int, unit: Optional[tuple], as_block: Optional[int], stand_ins: dict) -> tuple:
         """Event `i`, of `unit`, as block `as_block`'s (None: as its own)."""
@@ -894,6 +902,11 @@ def _role(unit: str, number: int) -> str:
     """The role of a block's forward ("fwd") or backward ("bwd") unit in accumulation pass
     `number` (1, 2, ...): "fwd", "bwd" in the first, "fwd2", "bwd2" in the second."""
     return unit if number == 1 else f"{unit}{number}"
+
+
+def _pass_of(role: str) -> int:
+    """The accumulation pass (1, 2, ...) of a unit's `_role`."""
+    return int(role[3:] or 1)
 
 
 def _runs(signature: list) -> list[list]:
