@@ -654,7 +654,13 @@ class CachingBlock(Block):
 
 @pytest.mark.parametrize("keep", ["attribute", "dict"])
 @pytest.mark.parametrize("trace", ["fast", "full"])
-def test_a_model_that_keeps_a_table_of_its_shape_is_prepared_again_for_another_shape(trace, keep):
+def test_a_model_that_keeps_a_table_of_its_shape_is_prepared_again_for_another_shape(trace, keep, monkeypatch):
+    """...and on the fast path, whose cut refuses such a model after its warm-up, the refusal is
+    kept for every shape: only the full trace's step is warmed up again."""
+    warmed = []
+    warm_up = fake_step.warm_up
+    monkeypatch.setattr(fake_step, "warm_up", lambda *args: warmed.append(1) or warm_up(*args))
+
     def build():
         model = Net("plain", depth=9)
         model.blocks = nn.ModuleList(CachingBlock(16, keep) for _ in range(9))
@@ -666,7 +672,9 @@ def test_a_model_that_keeps_a_table_of_its_shape_is_prepared_again_for_another_s
     alone = predict_policy(caching, 2, 32, as_policy("none"), trace=trace)
     fake_step.clear_prepared()
     predict_policy(caching, 2, 16, as_policy("none"), trace=trace)
+    before = len(warmed)
     after_another_shape = predict_policy(caching, 2, 32, as_policy("none"), trace=trace)
+    assert len(warmed) == before + 1
     assert_same_fields(after_another_shape, alone)
     assert alone.trace == ("full (the model's forward leaves tensors on its modules (a cache made on its first call), "
                            "which the cut blocks never make)" if trace == "fast" else "full")

@@ -496,14 +496,14 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
     kept for these options without a cut (the full trace's), so that its model is built once. A
     plan of one option on every block takes the step of that option's policy (`step_policy`). A
     step whose warm-up left tensors on the model (`PreparedStep.state_made`) is reused only at
-    the (batch, seq) `shape` it was warmed up at. A new step takes the optimizer state a kept step
+    the (batch, seq) `shape` it was warmed up at, except to refuse its cut again. A new step takes the optimizer state a kept step
     of the same model, dtype, loop, device and path was warmed up to (`WarmState`), not stepping
     the optimizer in its warm-up."""
     runs_as = step_policy(policy)
     key = (workload_key(workload), runs_as, dtype, loop, device, host_type, cut_type)
     found = _PREPARED[key][1] if key in _PREPARED else None
-    if isinstance(found, PreparedStep) and found.state_made and found.warmed_at != shape:
-        found = None
+    if isinstance(found, PreparedStep) and found.state_made and found.warmed_at != shape and found.refusal is None:
+        found = None   # a cut step refused for the state its model made refuses at any shape, at once
     if found is not None:
         _PREPARED.move_to_end(key)
     else:
