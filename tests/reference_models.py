@@ -21,7 +21,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import ckptlab
 from ckptlab.estimate.cuda_semantics import cuda_semantics
-from ckptlab.estimate.fake_step import fake_model, fake_modes
+from ckptlab.estimate.fake_mode import new_fake_mode
+from ckptlab.estimate.fake_step import fake_model
 
 # test_sac_ilp.py::test_sac_ilp_case1: the peak its estimator gives (asserted there to ±5%),
 # for batch 8, seq 1024, fp32, Adam(lr=1e-2, foreach=True).
@@ -136,7 +137,7 @@ def pytorch_estimate() -> PyTorchEstimate:
     tensors standing for CUDA ones, so MemTracker's CUDA rounding (512 B) is applied to them."""
     states, refs = mem_tracker._ModState, mem_tracker._MemRefType
     workload = sac_ilp_transformer()
-    fake_mode = fake_modes()
+    fake_mode = new_fake_mode()
     model = fake_model(workload, fake_mode)
     info = mem_tracker._WeakRefInfo
     unrounded = info._calculate_mem_consumed

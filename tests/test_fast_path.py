@@ -13,6 +13,7 @@ import ckptlab
 from ckptlab.apps.cli import main
 from ckptlab.core.policy import as_policy, plan_policy
 from ckptlab.estimate import block_profile, compose, fake_step
+from ckptlab.estimate.fake_mode import new_fake_mode
 from ckptlab.estimate.predict import predict_policy
 from ckptlab.workloads.registry import get_workload
 
@@ -311,7 +312,7 @@ def test_a_warm_up_steps_one_parameter_per_layout_and_leaves_the_state_a_whole_s
     """`fake_step.step_by_representatives` steps the optimizer on one parameter per param group
     and layout, and leaves the state that stepping every parameter leaves: each tensor's layout
     and known value (the step count), in the same order."""
-    mode = fake_step.fake_modes()
+    mode = new_fake_mode()
     with mode:
         models = [ManyLayouts() for _ in range(2)]
         for model in models:

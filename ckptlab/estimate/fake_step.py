@@ -56,6 +56,7 @@ from . import micro_steps
 from .cuda_autocast import cuda_autocast
 from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, LoopOrder, device_memory, parse_alloc_conf
 from .cuda_semantics import KERNEL_FUNCTIONS, cuda_semantics
+from .fake_mode import new_fake_mode
 from .torch_versions import torch_rules
 
 
@@ -168,12 +169,6 @@ DEVICE_CATEGORIES = ("workspaces", "rounding", "fragmentation")
 DEVICES = ("cpu", "cuda")
 
 
-def fake_modes():
-
-    # Real tensors (none are expected) would be refused rather than silently allocated.
-    return FakeTensorMode(allow_non_fake_inputs=False)
-
-
 def fake_model(workload: Workload, fake_mode: FakeTensorMode) -> nn.Module:
     """The workload's model with fake tensors in `fake_mode`, seeded as `Workload.build` seeds it.
 
@@ -225,7 +220,7 @@ def model_as_built(workload: Workload) -> nn.Module:
 def _build(workload: Workload) -> tuple[FakeTensorMode, nn.Module]:
     key = workload_key(workload)
     if key not in _BUILT:
-        mode = fake_modes()
+        mode = new_fake_mode()
         _BUILT[key] = (workload, mode, fake_model(workload, mode))   # the workload kept alive: an object's key is its id
         while len(_BUILT) > BUILT_KEPT:
             _BUILT.popitem(last=False)
@@ -816,5 +811,5 @@ def optimizer_event(report: MemoryReport) -> Optional[int]:
 
 
 __all__ = ["BUILT_KEPT", "DEVICES", "DEVICE_CATEGORIES", "PREPARED_KEPT", "FakeMemory", "PreparedStep", "Prediction", "WarmState", "as_card", "built_model", "castable", "model_as_built",
-           "clear_prepared", "fake_memory", "fake_model", "fake_modes", "fake_training_step", "gc_paused", "prepared_step",
+           "clear_prepared", "fake_memory", "fake_model", "fake_training_step", "gc_paused", "prepared_step",
            "sequences_unpacked", "step_by_representatives", "stepped", "warm_up", "workload_key"]

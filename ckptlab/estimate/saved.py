@@ -21,7 +21,8 @@ from ..probe.step import autocast_dtype, with_dtype
 from ..workloads.base import Workload
 from ..workloads.registry import get_workload
 from ..workloads.stacks import find_blocks
-from .fake_step import fake_model, fake_modes, sequences_unpacked
+from .fake_mode import new_fake_mode
+from .fake_step import fake_model, sequences_unpacked
 
 
 class _Allocations(TorchDispatchMode):
@@ -52,7 +53,7 @@ def held_by_block(workload: Workload | str, batch_size: int, seq_len: int, polic
     a training step that are alive when the forward pass ends (held for backward, or the block's
     output held by the next block), largest first. Fake tensors: no memory, any shape."""
     workload = with_dtype(get_workload(workload) if isinstance(workload, str) else workload, dtype)
-    mode = fake_modes()
+    mode = new_fake_mode()
     model = fake_model(workload, mode)
     recorder = _Allocations()
     with mode, sequences_unpacked():

@@ -1,0 +1,78 @@
+"""The fake-tensor mode a prediction runs in: torch's `FakeTensorMode`, with cheaper cache keys.
+
+A traced step is bound by FakeTensorMode's dispatch, and most of each dispatch is its cache key:
+every tensor argument becomes a `TensorMetadata` dataclass, flattened field by field through a
+recursive walk that re-imports two modules on each call (a third of a 7B prediction's time).
+`FakeMode` keys the same cache by the same facts, read straight from each strided fake tensor
+into one tuple: dtype, shape, strides, device, storage offset and bytes, requires_grad and the
+quantized, conjugate, negative and inference bits (torch's memory format is left out: it is a
+function of the shape and strides, which are in). Any other argument but a number, a string,
+None, a dtype, device, layout or memory format (symbolic sizes, sparse layouts, another mode's or
+real tensors, constants, functions, graph modules) sends the dispatch to torch's own key, which
+caches or bypasses it as it always does. A key made here holds a tuple where torch's flattened
+keys never do (they flatten every tuple), so the two kinds of keys in the shared cache never meet.
+Predictions measured with either mode are identical (tests/test_fake_mode.py); with this one, a
+7B prediction takes about a sixth less time (benchmarks/predict_speed.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+_MARK = "ckptlab.fake_mode"   # first item of every key made here
+# Arguments keyed by their value (and type); any other object is left to torch's key.
+_PLAIN = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format})
+
+
+class _TorchsKey(Exception):
+    """An argument only torch's own key knows how to take."""
+
+
+def _facts(arg, mode: FakeTensorMode):
+    """A hashable value of `arg` that equal dispatches share and different ones do not."""
+    if isinstance(arg, FakeTensor):
+        if (arg.fake_mode is not mode or arg.constant is not None or arg.layout is not torch.strided
+                or arg._has_symbolic_sizes_strides):
+            raise _TorchsKey
+        return (FakeTensor, arg.dtype, arg.shape, arg.stride(), arg.fake_device, arg.storage_offset(),
+                arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_quantized, arg.is_conj(), arg.is_neg(),
+                arg.is_inference())
+    kind = type(arg)
+    if kind is list or kind is tuple or kind is torch.Size:
+        return (kind, *(_facts(a, mode) for a in arg))
+    if kind is dict:
+        return (dict, *((_facts(k, mode), _facts(v, mode)) for k, v in arg.items()))
+    if kind in _PLAIN:
+        return (kind, arg)   # the type too: 1 and 1.0 hash alike, and give other dtypes
+    raise _TorchsKey
+
+
+class FakeMode(FakeTensorMode):
+    """FakeTensorMode with cheaper cache keys for plain strided fake tensors (module docstring)."""
+
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
+        if self.shape_env is None:
+            try:
+                result.append((_MARK, _facts(args, self)))
+                return
+            except _TorchsKey:
+                pass
+        super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+
+
+def _keys_as_expected() -> bool:
+    """Whether the installed torch makes its cache keys through the method `FakeMode` replaces."""
+    method = getattr(FakeTensorMode, "_prep_args_for_hash", None)
+    return method is not None and list(inspect.signature(method).parameters) == [
+        "self", "result", "args", "state", "id_hashed_objects"]
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A fake mode for a prediction: `FakeMode` where this torch keys its cache as expected, else
+    torch's own. Real tensors (none are expected) are refused rather than silently allocated."""
+    mode = FakeMode if _keys_as_expected() else FakeTensorMode
+    return mode(allow_non_fake_inputs=False)
