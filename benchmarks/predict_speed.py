@@ -21,7 +21,10 @@ in one run, with the two predictions checked identical.
      too: minutes), and how many predictions each table traced and took from lines;
   3. `explain` of the 7B LoRA at s2048 on an RTX 4090 (every lever predicted, its plans made), from
      no prepared model, `--repeats` times;
-  4. a `ckptlab predict` command (the 7B LoRA's four rows: s2048 and s8192, none and full, on an
+  4. the 7B LoRA at s8192 on the fast path, in torch's FakeTensorMode and in ckptlab's
+     (`estimate.fake_mode`: the same dispatch cache, cheaper keys), first and prepared as in 1,
+     each round from an empty dispatch cache, and whether the two records are identical;
+  5. a `ckptlab predict` command (the 7B LoRA's four rows: s2048 and s8192, none and full, on an
      RTX 4090) in a new process, asked once and then again (its rows kept on disk: a folder of the
      run's own), the seconds of each from the process's start, imports included.
 
@@ -52,9 +55,11 @@ from pathlib import Path
 from statistics import median
 from unittest import mock
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from ckptlab import explain, get_workload, predict, predict_fits
 from ckptlab.core.cards import DEFAULT_CARDS, parse_capacity
-from ckptlab.estimate import answers, batch_line
+from ckptlab.estimate import answers, batch_line, fake_mode
 from ckptlab.estimate import predict as predict_module
 from ckptlab.estimate.batch_line import on_line
 from ckptlab.estimate.fake_step import clear_prepared
@@ -82,6 +87,8 @@ GOAL_MODEL, GOAL_SEQ = "hf-llama-7b+lora=16", 8192
 GOAL_PREDICTION_S = 1.0
 GOAL_RATIO = 5.0
 GOAL_TABLE_S = 20.0
+FAKE_MODES = ("hf-llama-7b+lora=16", {}, 8192, "bf16-weights", "none", "adamw")   # as CASES' rows, one length
+QUICK_FAKE_MODES = ("gpt-tiny", {"n_layer": 12}, 64, "fp32", "none", "adamw")
 QUICK_EXPLAIN = ("gpt-tiny", {"n_layer": 2}, 2, 16, "fp32")
 COMMAND = ["predict", "--model", "hf-llama-7b+lora=16", "--batch", "1", "--seq", "2048,8192", "--policy", "none,full",
            "--dtype", "bf16-weights", "--card", CARD]
@@ -144,6 +151,35 @@ def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: st
         result.update({f"{when}_full_s": median(full_s), f"{when}_fast_s": median(fast_s),
                        f"{when}_ratio": median(a / b for a, b in zip(full_s, fast_s)),
                        f"{when}_rounds_full_s": full_s, f"{when}_rounds_fast_s": fast_s})
+    return result
+
+
+def fake_modes(model: str, overrides: dict, seq: int, dtype: str, policy: str, loop: str, repeats: int) -> dict:
+    """The fast path in torch's FakeTensorMode and in ckptlab's `FakeMode`, `repeats` rounds in
+    turns as `one_prediction`'s, each from no prepared model and an empty dispatch cache (which
+    the two modes share, under keys of their own): the medians of their seconds, the median of the
+    rounds' ratios, and whether the two records are identical."""
+    workload = get_workload(model, **overrides)
+    options = dict(dtype=dtype, loop=loop, card=CARD, device="cuda", trace="fast")
+    seconds = {(mode, when): [] for mode in ("torch", "ckptlab") for when in ("first", "prepared")}
+    predictions = {}
+    for r in range(repeats):
+        for mode in ("torch", "ckptlab") if r % 2 == 0 else ("ckptlab", "torch"):
+            clear_prepared()
+            FakeTensorMode.cache.clear()
+            with mock.patch.object(fake_mode, "_keys_as_expected", lambda: mode == "ckptlab"):
+                predictions[mode], s = timed(lambda: predict(workload, 1, seq, policy, **options))
+                seconds[(mode, "first")].append(s)
+                _, s = timed(lambda: predict(workload, 1, seq - 8 * (r + 1), policy, **options))
+                seconds[(mode, "prepared")].append(s)
+    clear_prepared()
+    result = {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": policy, "loop": loop,
+              "identical": not same_prediction(predictions["ckptlab"], predictions["torch"])}
+    for when in ("first", "prepared"):
+        torchs, ours = seconds[("torch", when)], seconds[("ckptlab", when)]
+        result.update({f"{when}_torch_s": median(torchs), f"{when}_ckptlab_s": median(ours),
+                       f"{when}_ratio": median(a / b for a, b in zip(torchs, ours)),
+                       f"{when}_rounds_torch_s": torchs, f"{when}_rounds_ckptlab_s": ours})
     return result
 
 
@@ -271,6 +307,12 @@ def markdown(result: dict) -> str:
     lines += ["", "| explain | batch | seq | dtype | card | levers | seconds (median) |", "|---|---|---|---|---|---|---|",
               f"| {e['model']} | {e['batch_size']} | {e['seq_len']} | {e['dtype']} | {e['card']} | {e['levers']} | "
               f"{e['seconds']:.1f} |"]
+    m = result["fake_modes"]
+    lines += ["", "| fast path, fake mode | seq | policy | first: torch's s | ckptlab's s | torch's / ckptlab's "
+              "| prepared: torch's s | ckptlab's s | torch's / ckptlab's | identical |", "|---|---|---|---|---|---|---|---|---|---|",
+              f"| {m['model']} | {m['seq_len']} | {m['policy']} | {m['first_torch_s']:.2f} | {m['first_ckptlab_s']:.2f} | "
+              f"{m['first_ratio']:.2f}x | {m['prepared_torch_s']:.2f} | {m['prepared_ckptlab_s']:.2f} | "
+              f"{m['prepared_ratio']:.2f}x | {'yes' if m['identical'] else 'NO'} |"]
     c = result["command"]
     lines += ["", "| command (new process) | rows | first s | asked again s |", "|---|---|---|---|",
               f"| `{c['command']}` | {c['rows']} | {c['first_s']:.1f} | {c['again_s']:.1f} |"]
@@ -318,11 +360,19 @@ def main(argv=None) -> None:
     explanation = explained(*(QUICK_EXPLAIN if args.quick else EXPLAIN), args.repeats)
     print(f"explain {explanation['model']} s{explanation['seq_len']} on {CARD}: {explanation['levers']} levers, "
           f"{explanation['seconds']:.1f} s", flush=True)
+    modes = fake_modes(*(QUICK_FAKE_MODES if args.quick else FAKE_MODES), args.repeats)
+    print(f"fake mode, {modes['model']} s{modes['seq_len']}: first: torch's {modes['first_torch_s']:.2f} s, ckptlab's "
+          f"{modes['first_ckptlab_s']:.2f} s ({modes['first_ratio']:.2f}x); prepared: torch's "
+          f"{modes['prepared_torch_s']:.2f} s, ckptlab's {modes['prepared_ckptlab_s']:.2f} s "
+          f"({modes['prepared_ratio']:.2f}x); identical: {modes['identical']}", flush=True)
+    if not modes["identical"]:
+        raise SystemExit("the fast path predicted otherwise in torch's FakeTensorMode than in ckptlab's")
     command = command_asked_twice(QUICK_COMMAND if args.quick else COMMAND)
     print(f"{command['command']}: {command['first_s']:.1f} s, asked again {command['again_s']:.1f} s", flush=True)
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "repeats": args.repeats,
               "load_average": os.getloadavg(), "python_loop_s": [loop_before, python_loop_s()],
-              "predictions": predictions, "fits": tables, "explain": explanation, "command": command}
+              "predictions": predictions, "fits": tables, "explain": explanation, "fake_modes": modes,
+              "command": command}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "predict_speed.json").write_text(json.dumps(result, indent=1, default=str))

@@ -192,10 +192,13 @@ def test_predict_speed_times_both_paths_and_checks_them_identical(tmp_path, caps
     on_lines, in_workers = result["fits"]   # --quick: no table traced without lines
     assert on_lines["rows"] and on_lines["rows"] == in_workers["rows"] and on_lines["from_lines"] > 0
     assert result["explain"]["levers"] > 0 and result["explain"]["seconds"] > 0
+    modes = result["fake_modes"]   # torch's fake mode and ckptlab's, one round each: the same record
+    assert modes["identical"] and modes["first_ratio"] == pytest.approx(modes["first_torch_s"] / modes["first_ckptlab_s"])
     command = result["command"]   # a command asked again in a new process: its kept rows, the model not built
     assert command["rows"] == 4 and 0 < command["again_s"] < command["first_s"]
     report = (tmp_path / "predict_speed.md").read_text()
     assert "| gpt-tiny | 64 | fp32 | plan=kffkkkkkkkkf | adamw |" in report
+    assert f"| gpt-tiny | 64 | none | {modes['first_torch_s']:.2f} | {modes['first_ckptlab_s']:.2f} |" in report
     start, end = result["python_loop_s"]   # the machine's speed at plain Python, at both ends of the run
     assert start > 0 and end > 0 and f"Python loop in {start:.2f} s of CPU at the start" in report
 
