@@ -22,8 +22,9 @@ in one run, with the two predictions checked identical.
   3. `explain` of the 7B LoRA at s2048 on an RTX 4090 (every lever predicted, its plans made), from
      no prepared model, `--repeats` times;
   4. the 7B LoRA at s8192 on the fast path, in torch's FakeTensorMode and in ckptlab's
-     (`estimate.fake_mode`: the same dispatch cache, cheaper keys), first and prepared as in 1,
-     each round from an empty dispatch cache, and whether the two records are identical;
+     (`estimate.fake_mode`: the same dispatch cache, cheaper keys), first and prepared as in 1
+     (an even number of rounds), each round from an empty dispatch cache, and whether every
+     record is the other mode's;
   5. a `ckptlab predict` command (the 7B LoRA's four rows: s2048 and s8192, none and full, on an
      RTX 4090) in a new process, asked once and then again (its rows kept on disk: a folder of the
      run's own), the seconds of each from the process's start, imports included.
@@ -155,26 +156,32 @@ def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: st
 
 
 def fake_modes(model: str, overrides: dict, seq: int, dtype: str, policy: str, loop: str, repeats: int) -> dict:
-    """The fast path in torch's FakeTensorMode and in ckptlab's `FakeMode`, `repeats` rounds in
-    turns as `one_prediction`'s, each from no prepared model and an empty dispatch cache (which
-    the two modes share, under keys of their own): the medians of their seconds, the median of the
-    rounds' ratios, and whether the two records are identical."""
+    """The fast path in torch's FakeTensorMode and in ckptlab's `FakeMode`, in turns as
+    `one_prediction`'s (an even number of rounds, at least `repeats`, so that each mode goes first
+    as often), each from no prepared model and an empty dispatch cache (which the two modes share,
+    under keys of their own): the medians of their seconds, the median of the rounds' ratios, and
+    whether every prediction of the one mode is the other's at the same shape."""
     workload = get_workload(model, **overrides)
     options = dict(dtype=dtype, loop=loop, card=CARD, device="cuda", trace="fast")
     seconds = {(mode, when): [] for mode in ("torch", "ckptlab") for when in ("first", "prepared")}
     predictions = {}
-    for r in range(repeats):
+    for r in range(repeats + repeats % 2):
         for mode in ("torch", "ckptlab") if r % 2 == 0 else ("ckptlab", "torch"):
             clear_prepared()
             FakeTensorMode.cache.clear()
             with mock.patch.object(fake_mode, "_keys_as_expected", lambda: mode == "ckptlab"):
-                predictions[mode], s = timed(lambda: predict(workload, 1, seq, policy, **options))
-                seconds[(mode, "first")].append(s)
-                _, s = timed(lambda: predict(workload, 1, seq - 8 * (r + 1), policy, **options))
-                seconds[(mode, "prepared")].append(s)
+                if type(fake_mode.new_fake_mode()) is not (fake_mode.FakeMode if mode == "ckptlab" else FakeTensorMode):
+                    raise SystemExit(f"the predictions of {mode}'s rounds would not run in {mode}'s fake mode")
+                for when, at in (("first", seq), ("prepared", seq - 8 * (r + 1))):
+                    predictions[(mode, r, when)], s = timed(lambda: predict(workload, 1, at, policy, **options))
+                    seconds[(mode, when)].append(s)
     clear_prepared()
+    if any(p.answered_from_cache for p in predictions.values()):
+        raise SystemExit("a fake mode's prediction was answered from the predictions kept on disk, not made")
     result = {"model": workload.label, "seq_len": seq, "dtype": dtype, "card": CARD, "policy": policy, "loop": loop,
-              "identical": not same_prediction(predictions["ckptlab"], predictions["torch"])}
+              "rounds": repeats + repeats % 2,
+              "identical": not any(same_prediction(p, predictions[("torch", *at)])
+                                   for (mode, *at), p in predictions.items() if mode == "ckptlab")}
     for when in ("first", "prepared"):
         torchs, ours = seconds[("torch", when)], seconds[("ckptlab", when)]
         result.update({f"{when}_torch_s": median(torchs), f"{when}_ckptlab_s": median(ours),

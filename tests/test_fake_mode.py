@@ -3,10 +3,12 @@ predicts what torch's own mode predicts."""
 
 import dataclasses
 import itertools
+from unittest import mock
 
 import pytest
 import torch
 import torch._dynamo.config
+from torch._subclasses import fake_tensor
 from torch._subclasses._fake_tensor_utils import _CacheKeyState
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -19,10 +21,13 @@ from ckptlab.workloads.registry import get_workload
 
 
 def keys(mode, args) -> tuple:
-    """(ckptlab's, torch's) cache key values of `args`."""
+    """(ckptlab's, torch's) cache key values of `args`: torch's with its own method all the way
+    down (its walk recurses through the mode's method)."""
     ours, torchs = [], []
     mode._prep_args_for_hash(ours, args, _CacheKeyState(None), [])
-    FakeTensorMode._prep_args_for_hash(mode, torchs, args, _CacheKeyState(None), [])
+    with mock.patch.object(FakeMode, "_prep_args_for_hash", FakeTensorMode._prep_args_for_hash):
+        mode._prep_args_for_hash(torchs, args, _CacheKeyState(None), [])
+    assert ours != torchs   # ckptlab's key was made (the two kinds never meet)
     return tuple(ours), tuple(torchs)
 
 
@@ -33,40 +38,47 @@ def test_keys_tell_apart_what_torchs_keys_tell_apart():
         base = torch.empty(4, 6)
         complex_ = torch.empty(4, 6, dtype=torch.complex64)
         wide = torch.empty(8, 6)
+        image = torch.empty(2, 3, 4, 4)
         with torch.inference_mode():
             inferred = torch.empty(4, 6)
         args = {
             "base": base, "alike": torch.empty(4, 6), "half": base.half(), "shape": torch.empty(6, 4),
             "transposed": torch.empty(6, 4).t(), "offset": wide[4:], "in more storage": wide[:4],
-            "requires grad": torch.empty(4, 6, requires_grad=True), "complex": complex_,
-            "conjugate": complex_.conj(), "negative": torch._neg_view(complex_), "inference": inferred,
-            "cuda": torch.empty(4, 6, device="cuda"),
-            "one": 1, "one float": 1.0, "true": True, "none": None, "dtype": torch.float16, "list": [1, 2],
-            "tuple": (1, 2), "size": torch.Size([1, 2]), "dict": {"a": 1}, "other dict": {"b": 1},
+            "requires grad": torch.empty(4, 6, requires_grad=True), "parameter": torch.nn.Parameter(torch.empty(4, 6)),
+            "complex": complex_, "conjugate": complex_.conj(), "negative": torch._neg_view(complex_),
+            "inference": inferred, "cuda": torch.empty(4, 6, device="cuda"), "meta": torch.empty(4, 6, device="meta"),
+            "image": image, "channels last": image.to(memory_format=torch.channels_last),
+            "tensors": [base, wide], "tensors again": [torch.empty(4, 6), torch.empty(8, 6)],
+            "other tensors": [wide, base], "one": 1, "one float": 1.0, "true": True, "[1]": [1], "[True]": [True],
+            "none": None, "dtype": torch.float16, "list": [1, 2], "tuple": (1, 2), "size": torch.Size([1, 2]),
+            "dict": {"a": 1, "b": 2}, "dict in another order": {"b": 2, "a": 1}, "other dict": {"b": 1},
         }
         made = {name: keys(mode, (arg, 3)) for name, arg in args.items()}
+        made["kwargs"] = keys(mode, {"dim": 0, "keepdim": True})
+        made["kwargs in another order"] = keys(mode, {"keepdim": True, "dim": 0})
     for (one, (ours_1, torchs_1)), (other, (ours_2, torchs_2)) in itertools.combinations(made.items(), 2):
         assert (ours_1 == ours_2) == (torchs_1 == torchs_2), (one, other)
-    assert made["base"][0] == made["alike"][0]
+    assert made["base"][0] == made["alike"][0] and made["tensors"][0] == made["tensors again"][0]
 
 
 def test_an_argument_only_torch_keys_is_keyed_by_torch():
+    """A real tensor, another mode's or a constant: torch bypasses its cache, so does ckptlab's
+    mode; an object it keys by itself: both keys tell two objects apart, and one object from itself."""
     mode = new_fake_mode()
     with mode:
         fake = torch.empty(2)
-    other = FakeTensorMode()
-    with other:
+        constant = torch.tensor(2.0)
+    with FakeTensorMode():
         theirs = torch.empty(2)
-    for args in [(fake, torch.zeros(2)), (fake, theirs), (fake, object())]:
-        ours, torchs = [], []
-        try:
-            FakeTensorMode._prep_args_for_hash(mode, torchs, args, _CacheKeyState(None), [])
-        except Exception as exc:   # torch bypasses its cache for these: so does ckptlab's mode
-            with pytest.raises(type(exc)):
-                mode._prep_args_for_hash(ours, args, _CacheKeyState(None), [])
-        else:
-            mode._prep_args_for_hash(ours, args, _CacheKeyState(None), [])
-            assert ours == torchs
+    assert constant.constant is not None
+    for other in (torch.zeros(2), theirs, constant):
+        with pytest.raises(Exception, match="non-fake tensor|not our fake|constant attribute") as torchs:
+            FakeTensorMode._prep_args_for_hash(mode, [], (fake, other), _CacheKeyState(None), [])
+        with pytest.raises(type(torchs.value), match=str(torchs.value.reason)):
+            mode._prep_args_for_hash([], (fake, other), _CacheKeyState(None), [])
+    first, second = object(), object()
+    assert keys(mode, (fake, first))[0] == keys(mode, (fake, first))[0] != keys(mode, (fake, second))[0]
+    assert keys(mode, (fake, first))[1] == keys(mode, (fake, first))[1] != keys(mode, (fake, second))[1]
 
 
 @pytest.mark.parametrize("spec, overrides, policy, options", [
@@ -93,5 +105,11 @@ def test_a_prediction_is_torchs_modes_and_every_cached_output_is_what_dispatch_m
 
 
 def test_a_torch_that_keys_its_cache_otherwise_gets_its_own_mode(monkeypatch):
-    monkeypatch.setattr(FakeTensorMode, "_prep_args_for_hash", lambda self, result, args, state: None)
-    assert type(new_fake_mode()) is FakeTensorMode
+    assert type(new_fake_mode()) is FakeMode
+    with monkeypatch.context() as patched:   # another method makes the key
+        patched.setattr(FakeTensorMode, "_prep_args_for_hash", lambda self, result, args, state: None)
+        assert type(new_fake_mode()) is FakeTensorMode
+    with monkeypatch.context() as patched:   # the metadata holds a fact the key would leave out
+        patched.setattr(fake_tensor, "TensorMetadata", dataclasses.make_dataclass(
+            "TensorMetadata", [*fake_mode.METADATA_FIELDS, "is_nested"]))
+        assert type(new_fake_mode()) is FakeTensorMode
