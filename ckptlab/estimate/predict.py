@@ -222,8 +222,8 @@ def predict_fits(
     step on the composed step's batch line once three batch sizes are traced, and trace their
     answers' bounds (`estimate.batch_line`). `workers` > 1 predicts in that many
     processes, each a policy's rows on the cards that run the same kernels (for a workload made
-    from a spec; one made in Python is predicted here): on 2 cores, a 7B table in 37 s instead of
-    50 s (benchmarks/predict_speed.py).
+    from a spec; one made in Python is predicted here): on 2 cores, a 7B table in 38 s instead of
+    46 s (benchmarks/predict_speed.py).
     """
     workload = as_workload(workload)
     choice("trace", trace, TRACES)
