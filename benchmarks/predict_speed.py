@@ -119,6 +119,18 @@ def same_prediction(fast, full) -> list[str]:
     return [k for k in a if k not in ("predict_s", "trace", "answered_from_cache") and a[k] != b[k]]
 
 
+def compared(seconds: dict, slower: str, faster: str) -> dict:
+    """Of seconds {(way, "first" or "prepared"): each round's}: for first and prepared, the median
+    seconds of each way, the median of the rounds' ratios (slower / faster), and each round's."""
+    out = {}
+    for when in ("first", "prepared"):
+        one, other = seconds[(slower, when)], seconds[(faster, when)]
+        out.update({f"{when}_{slower}_s": median(one), f"{when}_{faster}_s": median(other),
+                    f"{when}_ratio": median(a / b for a, b in zip(one, other)),
+                    f"{when}_rounds_{slower}_s": one, f"{when}_rounds_{faster}_s": other})
+    return out
+
+
 def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: str, loop: str, repeats: int) -> dict:
     """Both paths, `repeats` rounds of each in turn (the first path of a round alternates), each
     round from no prepared model: the first prediction at `seq`, then one at a sequence length
@@ -147,12 +159,7 @@ def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: st
               "fast_trace": fast.trace, "identical": not same_prediction(fast, full),
               "differing_fields": same_prediction(fast, full), "peak_bytes": fast.peak_bytes,
               "device_bytes": fast.device_bytes, "kept_s": kept_s}
-    for when in ("first", "prepared"):
-        full_s, fast_s = seconds[("full", when)], seconds[("fast", when)]
-        result.update({f"{when}_full_s": median(full_s), f"{when}_fast_s": median(fast_s),
-                       f"{when}_ratio": median(a / b for a, b in zip(full_s, fast_s)),
-                       f"{when}_rounds_full_s": full_s, f"{when}_rounds_fast_s": fast_s})
-    return result
+    return {**result, **compared(seconds, "full", "fast")}
 
 
 def fake_modes(model: str, overrides: dict, seq: int, dtype: str, policy: str, loop: str, repeats: int) -> dict:
@@ -182,12 +189,7 @@ def fake_modes(model: str, overrides: dict, seq: int, dtype: str, policy: str, l
               "rounds": repeats + repeats % 2,
               "identical": not any(same_prediction(p, predictions[("torch", *at)])
                                    for (mode, *at), p in predictions.items() if mode == "ckptlab")}
-    for when in ("first", "prepared"):
-        torchs, ours = seconds[("torch", when)], seconds[("ckptlab", when)]
-        result.update({f"{when}_torch_s": median(torchs), f"{when}_ckptlab_s": median(ours),
-                       f"{when}_ratio": median(a / b for a, b in zip(torchs, ours)),
-                       f"{when}_rounds_torch_s": torchs, f"{when}_rounds_ckptlab_s": ours})
-    return result
+    return {**result, **compared(seconds, "torch", "ckptlab")}
 
 
 def counting_predictions(fn):
