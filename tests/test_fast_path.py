@@ -572,7 +572,8 @@ def test_a_step_traced_before_at_that_shape_and_on_those_kernels_is_taken_not_tr
     again = predict_policy(net, 2, 16, as_policy("full"), **CUDA)
     assert_same_fields(first, again)
     assert again.trace == "composed"
-    predict_policy(net, 2, 16, as_policy("full"), device="cuda", card="h100-80")   # other kernels: traced
+    predict_policy(net, 2, 16, as_policy("full"), device="cuda", card="h100-80")   # its kernels alike: taken
+    predict_policy(net, 2, 16, as_policy("full"), **CUDA, attention="math")        # other kernels: traced
     predict_policy(net, 2, 24, as_policy("full"), **CUDA)                          # another shape: traced
     assert shapes == [(2, 16), (2, 16), (2, 24)]
     # the planner's profile of a uniform option and its prediction of that plan share one trace

@@ -46,7 +46,9 @@ all (`micro_steps.extended`); where they cannot be, the step is not composed.
 
 The composed events are counted by `probe.memory.LiveCounts`, as a tracked step's own events are,
 and on CUDA replayed through the caching allocator. A prepared model keeps its last composed
-steps by shape and kernels (`TRACED_KEPT`): a step asked for again is not traced again. What a composed trace cannot know is refused
+steps by shape and kernels (`TRACED_KEPT`): a step asked for again is not traced again, nor one
+asked for on another card that answers the trace's questions about the card alike
+(`CudaSemantics.ask`: the same attention backend, splits and kernels), whose replay is its own. What a composed trace cannot know is refused
 before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
 policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
 that is not forward and backward passes then an optimizer step, a model that indexes or counts its blocks,
@@ -79,7 +81,6 @@ from ..workloads.specs import one_line
 from . import micro_steps
 from .batch_line import ON_LINE, BatchLine, ComposedStep
 from .cuda_device import (
-    DEFAULT_ARCH,
     BlasUse,
     HostOffload,
     LoopOrder,
@@ -87,11 +88,13 @@ from .cuda_device import (
     host_block_bytes,
     parse_alloc_conf,
 )
+from .cuda_semantics import same_answers
 from .fake_step import (
     FakeMemory,
     as_card,
     fake_memory,
     gc_paused,
+    kernels_of,
     optimizer_event,
     optimizer_state_keys,
     prepared_step,
@@ -99,7 +102,8 @@ from .fake_step import (
 )
 from .torch_versions import torch_rules
 
-TRACED_KEPT = 4      # composed steps kept per prepared model, by shape and kernels (the last traced)
+TRACED_KEPT = 16     # composed steps kept per prepared model, by shape and kernels (the last traced): a
+                     # table's searches on one card, for the next card's
 LONGEST_PERIOD = 4   # of the block kinds in a stack's middle; a longer one is traced in full
 HEAD_PERIODS = 3     # of the middle kept before the cut, the last the cut blocks' template: with two, a
                      # table the first block makes and every block reads no longer composes
@@ -178,17 +182,28 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
     if prepared.refusal is not None:
         raise prepared.refusal
     host, cut = prepared.host, prepared.cut
-    kernels_key = ((card.arch, card.sm_count) if card else None, attention, torch_version, loop.accum_steps)
+    kernels_key = (kernels_of(card) if cuda else None, attention, torch_version, loop.accum_steps)
     line = cut.batch_lines.setdefault((seq_len, kernels_key), BatchLine())
     composed = line.step_at(batch_size)
     if composed is not None:
         return composed, f"{ON_LINE} (traced at batch sizes {', '.join(map(str, line.batch_sizes))})", prepared, None
     # A step traced before at this shape and on these kernels is the same step: a planner's
-    # profile and its verification, or a lever and a waterfall's step, trace it once.
-    if (batch_size, seq_len, kernels_key) in cut.traced:
-        cut.traced.move_to_end((batch_size, seq_len, kernels_key))
-        return (*cut.traced[(batch_size, seq_len, kernels_key)][:1], None, prepared,
-                cut.traced[(batch_size, seq_len, kernels_key)][1])
+    # profile and its verification, or a lever and a waterfall's step, trace it once. So is one
+    # traced on another card whose every question about the card (`CudaSemantics.ask`) this card
+    # answers alike: only the cuBLAS workspaces, kept outside the events, are the card's own.
+    key = (batch_size, seq_len, kernels_key)
+    if key not in cut.traced and cuda:
+        arch, sm_count = kernels_key[0]
+        alike = next((t for k, t in cut.traced.items() if k[:2] == key[:2] and k[2][1:] == kernels_key[1:]
+                      and same_answers(t.kernels.answers, arch, sm_count)), None)
+        if alike is not None:
+            shared = dataclasses.replace(alike.composed, workspaces=alike.blas.workspaces(arch),
+                                         settled_from_batch=alike.kernels.settled_from_batch(sm_count))
+            line.add(batch_size, shared)
+            cut.traced[key] = dataclasses.replace(alike, composed=shared)
+    if key in cut.traced:
+        cut.traced.move_to_end(key)
+        return cut.traced[key].composed, None, prepared, cut.traced[key].report
     with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
             model, handle, batch, opt, step, kernels):
         if host:
@@ -224,14 +239,14 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
                       - sum(e[1] for e in events if e[0] == "forward_runs"))
         composed = ComposedStep(events, tracker.report().param_bytes, recomputes, [], None,
                                 kernels.attention_backend if cuda else None,
-                                kernels.settled_from_batch if cuda else 1)
+                                kernels.settled_from_batch() if cuda else 1)
         if cuda:
-            composed.workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
+            composed.workspaces = blas.workspaces(kernels_key[0][0])
         report = count_events(events).report(events if cuda else None)
         if cuda:
             composed.loop_order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
         line.add(batch_size, composed)
-        cut.traced[(batch_size, seq_len, kernels_key)] = (composed, report)
+        cut.traced[key] = _Traced(composed, report, kernels, blas if cuda else None)
         while len(cut.traced) > TRACED_KEPT:
             cut.traced.popitem(last=False)
         return composed, None, prepared, report
@@ -252,6 +267,16 @@ def _fake_memory(composed: ComposedStep, handle, card: Optional[Card], cuda: boo
     fake.device.host_bytes = _host_peak(composed.events) if host else None
     fake.attention_backend = composed.attention_backend
     return fake
+
+
+@dataclass
+class _Traced:
+    """A composed step kept for its shape and kernels, with what it asked the card."""
+
+    composed: ComposedStep
+    report: object                 # the count of its events (`probe.memory.MemoryReport`)
+    kernels: object                # its `cuda_semantics.CudaSemantics`: what it asked the card (CUDA)
+    blas: object                   # its `cuda_device.BlasUse`: the workspaces per card (CUDA)
 
 
 # --------------------------------------------------------------------------- the cut
@@ -289,7 +314,7 @@ class _Cut:
     params: list = field(default_factory=list)
     optimizer_phases: dict = field(default_factory=dict)   # the kernels a step ran -> its `_OptimizerPhase`
     batch_lines: dict = field(default_factory=dict)        # (seq_len, the kernels) -> its `BatchLine`
-    traced: OrderedDict = field(default_factory=OrderedDict)  # (batch, seq, the kernels) -> (ComposedStep, its count)
+    traced: OrderedDict = field(default_factory=OrderedDict)  # (batch, seq, the kernels) -> `_Traced`
 
     Refusal = NotComposable   # what `shorten` raises before it changes the model
 

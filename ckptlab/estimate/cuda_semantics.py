@@ -65,15 +65,37 @@ class CudaSemantics:
     sm_count: int
     rules: TorchRules = field(default_factory=torch_rules)      # the torch version modelled
     backend_calls: dict[str, int] = field(default_factory=dict)  # per backend, recomputations included
-    # a batch size from which the choices that read the batch size (flash's split of the keys, the
-    # memory-efficient backward's) are those of every larger batch: a line in the batch size holds from there
-    settled_from_batch: int = 1
+    answers: dict = field(default_factory=dict)   # (question, its arguments) -> its answer on this card (`ask`)
+    efficient_settled: int = 1                   # `_efficient_settled_batch` of the efficient calls
+    flash_unsplit: set = field(default_factory=set)   # (heads, queries) of each flash call without dropout
+
+    def ask(self, question, *args):
+        """question(arch, sm_count, *args) on this card, recorded. The step reads the card only
+        through questions: a step traced on one card is the step of another card that gives every
+        recorded question the same answer (`same_answers`)."""
+        answer = question(self.arch, self.sm_count, *args)
+        self.answers[(question, args)] = answer
+        return answer
+
+    def settled_from_batch(self, sm_count: Optional[int] = None) -> int:
+        """A batch size from which the choices that read the batch size (flash's split of the keys,
+        the memory-efficient backward's) are those of every larger batch: a line in the batch
+        size holds from there. On this card, or on a card of `sm_count` SMs that answers alike."""
+        return max([self.efficient_settled, *(_flash_unsplit_batch(heads, queries, sm_count or self.sm_count)
+                                              for heads, queries in self.flash_unsplit)])
 
     @property
     def attention_backend(self) -> str:
         """"flash", "flash+math", ... in ATTENTION_BACKENDS order; "none" without an SDPA call."""
         used = [b for b in ATTENTION_BACKENDS if self.backend_calls.get(b)]
         return "+".join(used) if used else "none"
+
+
+def same_answers(answers: dict, arch: str, sm_count: int) -> bool:
+    """Whether a card of `arch` and `sm_count` answers every question of `answers` (a step's
+    `CudaSemantics.answers`) as the card that traced the step did: then it runs the same kernels
+    with the same buffers, and the step's events are its own too."""
+    return all(question(arch, sm_count, *args) == answer for (question, args), answer in answers.items())
 
 
 @contextlib.contextmanager
@@ -136,13 +158,18 @@ def check_backend_available(attention: str, rules: TorchRules) -> None:
                          "allowed are flash, efficient, math, or torch_version 2.5 and later")
 
 
-def priority(rules: TorchRules, arch: str) -> tuple[str, ...]:
+def priority(arch: str, sm_count: int, rules: TorchRules) -> tuple[str, ...]:
     """sdp_utils.cpp:77 priority_order (at v2.6.0): cuDNN first where check_prefer_cudnn_attention
     holds for this torch and card (2.9 on: no tag source, `torch_versions.CUDNN_FIRST`), else flash,
     efficient, math, cuDNN (which math, always possible, precedes)."""
     if rules.cudnn_first(arch):
         return ("cudnn", "flash", "efficient", "math")
     return ATTENTION_BACKENDS
+
+
+def _chosen_backend(arch: str, sm_count: int, rules: TorchRules, possible: tuple[str, ...]) -> str:
+    """The first of `priority` among the backends possible for a call: a question (`CudaSemantics.ask`)."""
+    return next(b for b in priority(arch, sm_count, rules) if b in possible)
 
 
 def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -153,34 +180,34 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
     if not is_fake(query):
         raise ValueError("cuda_semantics models what CUDA kernels keep, on fake tensors: scaled_dot_product_attention "
                          "got a real tensor; run the step under a FakeTensorMode")
-    rules, arch = semantics.rules, semantics.arch
+    rules = semantics.rules
     if enable_gqa and not rules.has_gqa and key.dim() == 4 and key.size(-3) != query.size(-3):
         # torch 2.4 has no enable_gqa: its callers repeat keys and values first, as transformers'
         # repeat_kv does for torch < 2.5 (expand, then reshape: a copy of each).
         key, value = (_repeat_heads(t, query.size(-3) // t.size(-3)) for t in (key, value))
         enable_gqa = False
-    why_not = {"cudnn": cudnn_refusal(query, key, value, dropout_p, enable_gqa, arch, rules),
-               "flash": flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, arch),
+    why_not = {"cudnn": cudnn_refusal(query, key, value, dropout_p, enable_gqa, semantics),
+               "flash": flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, semantics),
                "efficient": efficient_refusal(query, key, value, enable_gqa, rules),
                "math": None}
-    order = priority(rules, arch)
-    backend = semantics.attention or next(b for b in order if why_not[b] is None)
+    possible = tuple(b for b in ATTENTION_BACKENDS if why_not[b] is None)
+    backend = semantics.attention or semantics.ask(_chosen_backend, rules, possible)
     if why_not[backend] is not None:
         raise ValueError(f"attention={backend!r} is impossible for this attention call: {why_not[backend]}; "
-                         f"allowed here: {', '.join(b for b in order if why_not[b] is None)}")
+                         f"allowed here: {', '.join(b for b in priority(semantics.arch, semantics.sm_count, rules) if b in possible)}")
     semantics.backend_calls[backend] = semantics.backend_calls.get(backend, 0) + 1
     if backend == "cudnn":
         return cudnn_attention(query, key, value, attn_mask, dropout_p, is_causal, rules)
     if backend == "flash":
         if not dropout_p:
-            semantics.settled_from_batch = max(semantics.settled_from_batch, _flash_unsplit_batch(
-                query.size(1), query.size(2), semantics.sm_count))
-        return flash_attention(query, key, value, dropout_p, semantics.sm_count, rules)
+            semantics.flash_unsplit.add((query.size(1), query.size(2)))
+        return flash_attention(query, key, value, dropout_p, semantics)
     if backend == "efficient":
-        semantics.settled_from_batch = max(semantics.settled_from_batch, _efficient_settled_batch(
-            query.size(1), key.size(2), query.size(-1), value.size(-1), query.element_size() == 2, bool(dropout_p),
-            semantics.arch))
-        return efficient_attention(query, key, value, attn_mask, dropout_p, semantics.arch)
+        kernel = semantics.ask(_efficient_backward_kernel, query.element_size() == 2, bool(dropout_p),
+                               max(query.size(-1), value.size(-1)))
+        semantics.efficient_settled = max(semantics.efficient_settled, _efficient_settled_batch(
+            query.size(1), key.size(2), query.element_size() == 2, kernel))
+        return efficient_attention(query, key, value, attn_mask, dropout_p, kernel)
     return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -223,7 +250,7 @@ def _heads_refusal(query, key, value, enable_gqa: bool, supports_gqa: bool,
     return None
 
 
-def cudnn_refusal(query, key, value, dropout_p, enable_gqa, arch, rules: TorchRules) -> Optional[str]:
+def cudnn_refusal(query, key, value, dropout_p, enable_gqa, semantics: CudaSemantics) -> Optional[str]:
     """can_use_cudnn_attention, check by check, for the torch of `rules` and the cuDNN its wheel
     ships (`rules.wheel_cudnn`): fp16 / bf16; masks of any broadcastable shape are taken
     (check_attn_mask_shape); dense inputs need a contiguous last dim, from 2.8 head counts
@@ -235,6 +262,7 @@ def cudnn_refusal(query, key, value, dropout_p, enable_gqa, arch, rules: TorchRu
     (check_cudnn_dropout). At v2.6.0: sdp_utils.cpp:550-589 (can_use_cudnn_attention: no head
     check), :354 (check_cudnn_tensor_shapes, a limit of 128; :406 `s_q == 1 || s_k == 1`); the
     limit of 256, the later s_q rule and check_cudnn_dropout are of later releases: no tag source."""
+    rules = semantics.rules
     if not rules.cudnn_attention:
         return f"torch {rules.version} runs cuDNN attention only with TORCH_CUDNN_SDPA_ENABLED=1"
     common = _common_refusal(query, key, value)
@@ -250,10 +278,9 @@ def cudnn_refusal(query, key, value, dropout_p, enable_gqa, arch, rules: TorchRu
         heads = _heads_refusal(query, key, value, enable_gqa, supports_gqa=True, same_kv_heads=False)
         if heads:
             return heads
-    d_qk, d_v = query.size(-1), value.size(-1)
-    limit = 256 if arch == "sm90" and rules.wheel_cudnn >= 91000 else 128
-    if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8:
-        return f"cuDNN attention needs head dims that are multiples of 8, at most {limit} (got {d_qk}, {d_v})"
+    head_dims = semantics.ask(_cudnn_head_dims_refusal, query.size(-1), value.size(-1), rules.wheel_cudnn)
+    if head_dims:
+        return head_dims
     if key.size(-2) == 1:
         return "cuDNN attention refuses a key sequence of length 1"
     if query.size(-2) == 1 and rules.cudnn_refuses_any_query_length_1:
@@ -263,7 +290,16 @@ def cudnn_refusal(query, key, value, dropout_p, enable_gqa, arch, rules: TorchRu
     return None
 
 
-def flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, arch) -> Optional[str]:
+def _cudnn_head_dims_refusal(arch: str, sm_count: int, d_qk: int, d_v: int, wheel_cudnn: int) -> Optional[str]:
+    """check_cudnn_tensor_shapes' head dims: a question (`CudaSemantics.ask`)."""
+    limit = 256 if arch == "sm90" and wheel_cudnn >= 91000 else 128
+    if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8:
+        return f"cuDNN attention needs head dims that are multiples of 8, at most {limit} (got {d_qk}, {d_v})"
+    return None
+
+
+def flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                  semantics: CudaSemantics) -> Optional[str]:
     """can_use_flash_attention, check by check, in its order: sdp_utils.cpp:595, with :110
     (check_head_dim_size_flash), :286 (..._head_dim_gt192_constraints_on_sm86_89), :317
     (check_flash_causal_non_square_seqlens) at v2.6.0."""
@@ -275,9 +311,9 @@ def flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
     d = query.size(-1)
     if not (d == key.size(-1) == value.size(-1) and d <= 256):
         return f"flash attention needs one head dim <= 256 for q, k, v (got {d}, {key.size(-1)}, {value.size(-1)})"
-    if arch in ("sm86", "sm89") and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        if not (d <= 192 or (dropout_p == 0 and d > 224)):
-            return f"flash attention's backward on {arch} refuses head dim {d}" + (" with dropout" if dropout_p else "")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        if semantics.ask(_flash_backward_refuses_head_dim, d, bool(dropout_p)):
+            return f"flash attention's backward on {semantics.arch} refuses head dim {d}" + (" with dropout" if dropout_p else "")
     if is_causal and query.size(-2) != key.size(-2):
         return "flash attention's is_causal needs seq_len_q == seq_len_k"
     if query.dtype not in (torch.float16, torch.bfloat16) or not query.dtype == key.dtype == value.dtype:
@@ -288,6 +324,11 @@ def flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
     if not all(t.stride(-1) == 1 or d == 1 for t in (query, key, value)):
         return "the fused kernels need the last dimension contiguous"
     return None
+
+
+def _flash_backward_refuses_head_dim(arch: str, sm_count: int, d: int, dropout: bool) -> bool:
+    """The backward's head dims on sm86 / sm89: a question (`CudaSemantics.ask`)."""
+    return arch in ("sm86", "sm89") and not (d <= 192 or (not dropout and d > 224))
 
 
 def efficient_refusal(query, key, value, enable_gqa, rules: TorchRules) -> Optional[str]:
@@ -319,13 +360,13 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def flash_attention(query, key, value, dropout_p, sm_count, rules: TorchRules):
+def flash_attention(query, key, value, dropout_p, semantics: CudaSemantics):
     """attention.cpp:726-728 (pad_last_dim<8>) at v2.6.0: the head dim is padded to a multiple of 8
     (copies, which the kernel saves) and the output sliced back."""
     d = query.size(-1)
     if d % 8:
         query, key, value = (F.pad(t, (0, 8 - d % 8)) for t in (query, key, value))
-    out = _Flash.apply(query, key, value, dropout_p, sm_count, rules)
+    out = _Flash.apply(query, key, value, dropout_p, semantics)
     return out[..., :d] if d % 8 else out
 
 
@@ -337,13 +378,13 @@ class _Flash(torch.autograd.Function):
     head dim is rounded as the torch of `rules` rounds it (`TorchRules.flash_head_rounding`)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, dropout_p, sm_count, rules):
+    def forward(ctx, query, key, value, dropout_p, semantics):
         b, hq, sq, d = query.shape
         # flash_api.cpp:297-326 (set_params_splitkv) at v2.6.0: without dropout, a batch that leaves
         # SMs idle splits the keys and accumulates in fp32 buffers for the length of the kernel.
-        splits = 1 if dropout_p else _flash_splits(b * hq * math.ceil(sq / 64), sm_count * 2,
-                                                    math.ceil(key.size(-2) / (256 if d <= 64 else 128 if d <= 128 else 64)))
-        ctx.head_rounding = rules.flash_head_rounding(d)
+        splits = 1 if dropout_p else semantics.ask(
+            _flash_splits, b * hq * math.ceil(sq / 64), math.ceil(key.size(-2) / (256 if d <= 64 else 128 if d <= 128 else 64)))
+        ctx.head_rounding = semantics.rules.flash_head_rounding(d)
         accumulators = () if splits == 1 else (  # alive while the kernel runs
             torch.empty(splits, b, hq, sq, dtype=torch.float32),
             torch.empty(splits, b, hq, sq, _round_up(d, ctx.head_rounding), dtype=torch.float32))
@@ -373,7 +414,7 @@ class _Flash(torch.autograd.Function):
             torch.sum(dk_expanded.view(b, sk, hk, hq // hk, d), 3, out=dk)
             torch.sum(dv_expanded.view(b, sk, hk, hq // hk, d), 3, out=dv)
         del dout, out_t, softmax_d, dq_accum
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
 
 
 def _flash_outputs(rules: TorchRules, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
@@ -404,9 +445,10 @@ def _flash_unsplit_batch(heads: int, seq_q: int, sm_count: int) -> int:
     return max(1, -(-8 * sm_count // (5 * blocks_per_sample)))
 
 
-def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int = 128) -> int:
+def _flash_splits(arch: str, sm_count: int, blocks: int, key_blocks: int, max_splits: int = 128) -> int:
     """flash_api.cpp:262 (num_splits_heuristic) at v2.6.0: the fewest splits within 85% of the best
-    SM occupancy."""
+    occupancy of the card's 2 x sm_count slots. A question (`CudaSemantics.ask`)."""
+    sm_slots = 2 * sm_count
     if blocks >= 0.8 * sm_slots:
         return 1
     max_splits = min(max_splits, sm_slots, key_blocks)
@@ -421,13 +463,13 @@ def _flash_splits(blocks: int, sm_slots: int, key_blocks: int, max_splits: int =
 
 # ---------------------------------------------------------------------------- memory-efficient attention
 
-def efficient_attention(query, key, value, attn_mask, dropout_p, arch):
+def efficient_attention(query, key, value, attn_mask, dropout_p, kernel: tuple[int, int, int]):
     """attention.cpp at v2.6.0: a bool mask becomes an additive one in the query's dtype, of the
     mask's own shape (:539 convert_boolean_attn_mask); :742 preprocess_mask (:574-589) then aligns
     the mask as given (:567 pad_bias:
     the last dim padded to the next multiple of mem_eff_alignment = 8 and sliced back, unless
     every stride but the last is a multiple of 8 and the last is 1) and expands it, a view, to
-    [b, h, s_q, s_k]. Dropout and the arch pick the backward's kernel, hence its workspace."""
+    [b, h, s_q, s_k]. Dropout and the card pick the backward's `kernel`, hence its workspace."""
     if attn_mask is not None:
         attn_mask = _additive_mask(attn_mask, query.dtype)
         if not _aligned(attn_mask, 8):
@@ -435,7 +477,7 @@ def efficient_attention(query, key, value, attn_mask, dropout_p, arch):
             attn_mask = F.pad(attn_mask, (0, 8 - last % 8))[..., :last]
         attn_mask = attn_mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
     keep_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return _Efficient.apply(query, key, value, attn_mask, keep_lse, bool(dropout_p), arch)
+    return _Efficient.apply(query, key, value, attn_mask, keep_lse, kernel)
 
 
 def _aligned(t, alignment: int) -> bool:
@@ -450,7 +492,7 @@ class _Efficient(torch.autograd.Function):
     (attention.cu:1087-1126, Note [Seed and Offset Device])."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, keep_lse, dropout, arch):
+    def forward(ctx, query, key, value, bias, keep_lse, kernel):
         b, h, sq, _ = query.shape
         dv = value.size(-1)
         # Kernels for head dims > 128 keep the output in global memory: an fp32 accumulator
@@ -461,7 +503,7 @@ class _Efficient(torch.autograd.Function):
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, keep_lse)
         del accumulator
         ctx.save_for_backward(query, key, value, bias, out, lse)
-        ctx.dropout, ctx.arch = dropout, arch
+        ctx.kernel = kernel
         return out
 
     @staticmethod
@@ -488,9 +530,9 @@ class _Efficient(torch.autograd.Function):
         # The dq accumulators and, for some 16-bit kernels, dk / dv staging: one buffer (:693-695),
         # alive while the kernel runs (zeroed in place when the keys are split).
         workspace = torch.empty(_efficient_backward_workspace(b, h, sq, sk, d, dv, query.element_size() == 2,
-                                                              ctx.dropout, ctx.arch), dtype=torch.uint8)
+                                                              ctx.kernel), dtype=torch.uint8)
         del dout, delta, workspace
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None, None, None
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv_.transpose(1, 2), dbias, None, None
 
 
 # cuda/mem_eff_attention/kernels/cutlassB.h:227 dispatch_cutlassB_bf16_sm80 at v2.6.0 (and its f16,
@@ -513,9 +555,10 @@ _EFFICIENT_BW_KERNELS = {
 SMEM_OPTIN_KIB = {"sm80": 163, "sm86": 99, "sm89": 99, "sm90": 227}
 
 
-def _efficient_backward_kernel(half: bool, dropout: bool, max_k: int, arch: str) -> tuple[int, int, int]:
+def _efficient_backward_kernel(arch: str, sm_count: int, half: bool, dropout: bool, max_k: int) -> tuple[int, int, int]:
     """attention_backward.cu:504 (launchKernel) at v2.6.0: the first kernel whose kMaxK covers max(d, d_v), with
-    dropout when it is needed and shared memory the card can give. (kBlockSizeI, kBlockSizeJ, kMaxK)."""
+    dropout when it is needed and shared memory the card can give. (kBlockSizeI, kBlockSizeJ, kMaxK).
+    A question (`CudaSemantics.ask`)."""
     for i, j, k_max, smem_kib in _EFFICIENT_BW_KERNELS[(2, dropout) if half else (4, False)]:
         if k_max == 96 and arch not in ("sm86", "sm89"):
             continue
@@ -524,22 +567,22 @@ def _efficient_backward_kernel(half: bool, dropout: bool, max_k: int, arch: str)
     raise AssertionError("cutlassB: no kernel found to launch")  # unreachable: k65536 always fits
 
 
-def _efficient_settled_batch(h, sk, d, dv, half: bool, dropout: bool, arch: str) -> int:
+def _efficient_settled_batch(h, sk, half: bool, kernel: tuple[int, int, int]) -> int:
     """A batch size from which `_efficient_backward_workspace`'s split of the keys no longer changes
     with the batch: one split once b x h >= 256 (with few keys), or once b x h > 100 where
-    dk / dv are staged (200 // (b x h) <= 1)."""
-    i, j, k_max = _efficient_backward_kernel(half, dropout, max(d, dv), arch)
+    dk / dv are staged (200 // (b x h) <= 1), with the backward's `kernel`."""
+    i, j, k_max = kernel
     if half and k_max > i:
         return -(-101 // h)
     return -(-256 // h) if sk <= 2 * j else 1
 
 
-def _efficient_backward_workspace(b, h, sq, sk, d, dv, half: bool, dropout: bool, arch: str) -> int:
+def _efficient_backward_workspace(b, h, sq, sk, d, dv, half: bool, kernel: tuple[int, int, int]) -> int:
     """The bytes of _efficient_attention_backward's workspace: mem_eff_attention/kernel_backward.h:886
     (workspace_size), b * h * workspace_strideBH() (:879) floats, for the kernel chosen and
     attention_backward.cu:655-678's num_splits_key (the SDPA path passes none, so the heuristic
     decides; no SM count in it), at v2.6.0."""
-    i, j, k_max = _efficient_backward_kernel(half, dropout, max(d, dv), arch)
+    i, j, k_max = kernel
     # kOutputInRF = 16-bit and kMaxK <= kBlockSizeI: dk, dv live in registers. Otherwise a 16-bit
     # kernel stages them in fp32 (kNeedsAccumGradK / V: output_t is not float); fp32 writes them.
     stage_dk_dv = half and k_max > i
@@ -708,4 +751,4 @@ def dropout(input, p, train):
 KERNEL_FUNCTIONS = (_Flash, _Efficient, _Cudnn)
 
 __all__ = ["ARCHS", "ATTENTION_BACKENDS", "CudaSemantics", "KERNEL_FUNCTIONS", "SM_COUNTS", "check_backend_available",
-           "cuda_semantics", "cudnn_refusal", "efficient_refusal", "flash_refusal", "priority"]
+           "cuda_semantics", "cudnn_refusal", "efficient_refusal", "flash_refusal", "priority", "same_answers"]

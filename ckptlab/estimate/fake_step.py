@@ -55,7 +55,7 @@ from ..workloads.specs import one_line
 from . import micro_steps
 from .cuda_autocast import cuda_autocast
 from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, LoopOrder, device_memory, parse_alloc_conf
-from .cuda_semantics import KERNEL_FUNCTIONS, cuda_semantics
+from .cuda_semantics import KERNEL_FUNCTIONS, SM_COUNTS, cuda_semantics
 from .fake_mode import new_fake_mode
 from .torch_versions import torch_rules
 
@@ -338,9 +338,8 @@ class PreparedStep:
         the CUDA semantics (None on "cpu")."""
         semantics = None
         if self.device == "cuda":
-            card = as_card(card)
-            semantics = cuda_semantics(card.arch if card else DEFAULT_ARCH, attention,
-                                       (card.sm_count or None) if card else None, torch_version=torch_version)
+            arch, sm_count = kernels_of(as_card(card))
+            semantics = cuda_semantics(arch, attention, sm_count, torch_version=torch_version)
         with self.fake_mode, sequences_unpacked(), semantics or contextlib.nullcontext() as kernels:
             gen = torch.Generator().manual_seed(self.workload.seed + 1)
             batch = self.workload.new_batch(batch_size, seq_len, gen)
@@ -673,6 +672,13 @@ def reached_parameters(loss: torch.Tensor) -> Optional[list[torch.Tensor]]:
             leaves.append(variable)
         todo.extend(next_node for next_node, _ in node.next_functions)
     return leaves
+
+
+def kernels_of(card: Optional[Card]) -> tuple[str, int]:
+    """The architecture and SM count whose kernels a CUDA step runs on `card` (None: DEFAULT_ARCH's
+    usual card; a card of no SM count: its architecture's usual one)."""
+    arch = card.arch if card else DEFAULT_ARCH
+    return arch, (card.sm_count if card else None) or SM_COUNTS[arch]
 
 
 def as_card(card: Optional[str | Card]) -> Optional[Card]:
