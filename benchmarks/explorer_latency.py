@@ -4,7 +4,9 @@ explorer predicts for a GPU card (`Explorer(card=...)`).
 The explorer is built for hf-llama-7b+lora=16 in bf16 weights on an RTX 4090 (batch 1, seq 2048,
 policy none) and shown once (the first view prepares the fake model); then its widgets change one
 at a time, as a user's would: seq 2048 -> 4096 -> 8192, batch 1 -> 2, policy none -> full (none's
-prediction kept), seq 8192 -> 4096 (both policies predicted at a new shape). Each
+prediction kept), seq 8192 -> 4096 (both policies predicted at a new shape), card RTX 4090 ->
+A100-40 (both predicted for the A100 from the steps traced for the RTX 4090, whose questions
+about the card it answers alike: `CudaSemantics.ask`). Each
 change is timed from setting the widget's value to the end of its callback (the predictions, the
 summary and the figure drawn), with the seconds of the predictions it made beside it. `--quick`
 does the same with gpt-tiny (a smoke run).
@@ -29,9 +31,11 @@ from ckptlab.estimate import answers
 
 START = dict(model="hf-llama-7b+lora=16", dtype="bf16-weights", card="rtx4090", batch_size=1, seq_len=2048,
              policy="none")
-CHANGES = [("seq_len", 4096), ("seq_len", 8192), ("batch_size", 2), ("policy_choice", "full"), ("seq_len", 4096)]
+CHANGES = [("seq_len", 4096), ("seq_len", 8192), ("batch_size", 2), ("policy_choice", "full"), ("seq_len", 4096),
+           ("card", "a100-40")]   # the same kernels as the RTX 4090's: its steps are taken, replayed for the A100
 QUICK_START = dict(START, model="gpt-tiny", dtype="fp32", seq_len=64)
-QUICK_CHANGES = [("seq_len", 128), ("seq_len", 256), ("batch_size", 2), ("policy_choice", "full"), ("seq_len", 128)]
+QUICK_CHANGES = [("seq_len", 128), ("seq_len", 256), ("batch_size", 2), ("policy_choice", "full"), ("seq_len", 128),
+                 ("card", "a100-40")]
 
 
 def quietly(fn):

@@ -226,12 +226,12 @@ def test_explorer_latency_times_each_widget_change(tmp_path, capsys):
     result = json.loads((tmp_path / "latency.json").read_text())
     changes = result["changes"]
     assert [r["change"] for r in changes] == ["seq_len 64 -> 128", "seq_len 128 -> 256", "batch_size 1 -> 2",
-                                              "policy none -> full", "seq_len 256 -> 128"]
-    assert result["median_s"] == sorted(r["seconds"] for r in changes)[len(changes) // 2]
-    assert result["median_cpu_s"] == sorted(r["cpu_s"] for r in changes)[len(changes) // 2]
+                                              "policy none -> full", "seq_len 256 -> 128", "card rtx4090 -> a100-40"]
+    assert result["median_s"] == median(r["seconds"] for r in changes)
+    assert result["median_cpu_s"] == median(r["cpu_s"] for r in changes)
     assert all(r["seconds"] >= sum(p["predict_s"] for p in r["predictions"] if p["made_now"]) for r in changes)
-    # each change predicts what it changed: the policy change keeps none's prediction, a shape both
+    # each change predicts what it changed: the policy change keeps none's prediction, a shape or a card both
     made = [[p["policy"] for p in r["predictions"] if p["made_now"]] for r in changes]
-    assert made == [["none"], ["none"], ["none"], ["full"], ["none", "full"]]
+    assert made == [["none"], ["none"], ["none"], ["full"], ["none", "full"], ["none", "full"]]
     assert "| policy none -> full |" in (tmp_path / "latency.md").read_text()
     assert "median change" in capsys.readouterr().out
