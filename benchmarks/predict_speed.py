@@ -18,7 +18,8 @@ in one run, with the two predictions checked identical.
      batches of tens) and gpt2-small (fp32, s1024: batches of hundreds), fast path: every
      prediction traced, then the batch searches on batch lines (`estimate.batch_line`), in this
      process and with 2 worker processes (the rows checked equal; with --full-fits, the full trace
-     too: minutes), and how many predictions each table traced and took from lines;
+     too: minutes), and how many predictions each table traced, took from lines and took from the
+     step traced for another card of the same kernels (`compose.from_alike_card`);
   3. `explain` of the 7B LoRA at s2048 on an RTX 4090 (every lever predicted, its plans made), from
      no prepared model, `--repeats` times;
   4. the 7B LoRA at s8192 on the fast path, in torch's FakeTensorMode and in ckptlab's
@@ -63,6 +64,7 @@ from ckptlab.core.cards import DEFAULT_CARDS, parse_capacity
 from ckptlab.estimate import answers, batch_line, fake_mode
 from ckptlab.estimate import predict as predict_module
 from ckptlab.estimate.batch_line import on_line
+from ckptlab.estimate.compose import from_alike_card
 from ckptlab.estimate.fake_step import clear_prepared
 
 CARD = "rtx4090"
@@ -193,7 +195,8 @@ def fake_modes(model: str, overrides: dict, seq: int, dtype: str, policy: str, l
 
 
 def counting_predictions(fn):
-    """(fn(), how many predictions it traced, how many it took from batch lines)."""
+    """(fn(), how many predictions it traced, how many it took from batch lines, how many from the
+    step traced for another card)."""
     original, traces = predict_module.predict_policy, []
 
     def counted(*args, **kwargs):
@@ -207,13 +210,14 @@ def counting_predictions(fn):
     finally:
         predict_module.predict_policy = original
     from_lines = sum(1 for t in traces if on_line(t))
-    return result, len(traces) - from_lines, from_lines
+    from_cards = sum(1 for t in traces if from_alike_card(t))
+    return result, len(traces) - from_lines - from_cards, from_lines, from_cards
 
 
 def fits_table(model: str, overrides: dict, policies: list[str], dtype: str, capacities: list[str], trace: str,
                workers: int = 1, lines: bool = True) -> dict:
     """The table's seconds and rows; with one worker, how many predictions it traced and took from
-    batch lines (those of worker processes are not counted here). Without `lines`, no line is ever
+    batch lines and from other cards' steps (those of worker processes are not counted here). Without `lines`, no line is ever
     long enough to stand in for a trace: every prediction is traced."""
     workload = get_workload(model, **overrides)
     seq = min(FITS_SEQ, workload.max_seq_len or FITS_SEQ)
@@ -222,8 +226,9 @@ def fits_table(model: str, overrides: dict, policies: list[str], dtype: str, cap
         (made, seconds) = timed(lambda: counting_predictions(lambda: predict_fits(
             workload, policies, capacities, seq_len=seq, dtype=dtype, trace=trace, workers=workers)))
     clear_prepared()
-    rows, traced, from_lines = made
+    rows, traced, from_lines, from_cards = made
     return {"traced": traced if workers == 1 else None, "from_lines": from_lines if workers == 1 else None,
+            "from_cards": from_cards if workers == 1 else None,
             "model": workload.label, "policies": policies, "cards": [parse_capacity(c).name for c in capacities], "dtype": dtype, "seq_len": seq,
             "trace": trace, "lines": lines, "workers": workers, "seconds": seconds, "rows": rows}
 
@@ -306,9 +311,10 @@ def markdown(result: dict) -> str:
                      f"{r['prepared_ratio']:.1f}x | {r['fast_trace']} | {'yes' if r['identical'] else 'NO'} | "
                      f"{r['kept_s']:.3f} |")
     lines += ["", "| predict_fits | seq | policies | cards | trace | batch lines | workers | traced | from lines "
-              "| seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| from other cards | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in result["fits"]:
-        counted = (f"{f['traced']} | {f['from_lines']}" if f["traced"] is not None else "in workers | in workers")
+        counted = (f"{f['traced']} | {f['from_lines']} | {f['from_cards']}" if f["traced"] is not None
+                   else "in workers | in workers | in workers")
         lines.append(f"| {f['model']} | {f['seq_len']} | {', '.join(f['policies'])} | {', '.join(f['cards'])} | "
                      f"{f['trace']} | {'yes' if f['lines'] else 'no'} | {f['workers']} | {counted} | "
                      f"{f['seconds']:.1f} |")
@@ -363,7 +369,8 @@ def main(argv=None) -> None:
         for f in these:
             print(f"predict_fits {f['model']} x {len(f['policies'])} policies x {len(f['cards'])} cards, {f['trace']}, "
                   f"batch lines {'yes' if f['lines'] else 'no'}, {f['workers']} worker(s): "
-                  + (f"{f['traced']} traced, {f['from_lines']} from lines, " if f["traced"] is not None else "")
+                  + (f"{f['traced']} traced, {f['from_lines']} from lines, {f['from_cards']} from other cards' steps, "
+                     if f["traced"] is not None else "")
                   + f"{f['seconds']:.1f} s", flush=True)
         tables += these
     explanation = explained(*(QUICK_EXPLAIN if args.quick else EXPLAIN), args.repeats)

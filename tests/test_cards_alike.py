@@ -8,7 +8,7 @@ import pytest
 from ckptlab.core.cards import card
 from ckptlab.core.policy import as_policy
 from ckptlab.estimate import compose, fake_step
-from ckptlab.estimate.compose import composed_step
+from ckptlab.estimate.compose import FROM_ALIKE_CARD, composed_step
 from ckptlab.estimate.predict import predict_policy
 from ckptlab.workloads.registry import get_workload
 
@@ -50,6 +50,11 @@ def test_cards_that_answer_alike_share_a_trace_and_predict_what_each_traced_alon
         shared[name] = (step, prediction, len(traces) > before)
     traced_on = {name for name, (_, _, traced) in shared.items() if traced}
     assert [len(g & traced_on) for g in groups] == [1] * len(groups), traced_on   # one trace per group
+    for group in groups:   # the prediction says which card's step it was made from
+        traced_for = next(iter(group & traced_on))
+        assert {name: shared[name][1].trace for name in group} == {
+            name: "composed" if name == traced_for else f"{FROM_ALIKE_CARD} {traced_for} (the same kernels)"
+            for name in group}
     for name, (step, prediction, _) in shared.items():
         fake_step.clear_prepared()
         alone = composed_step(workload, 1, seq, as_policy("none"), card=card(name), **options)[0]

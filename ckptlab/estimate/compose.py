@@ -109,6 +109,14 @@ HEAD_PERIODS = 3     # of the middle kept before the cut, the last the cut block
                      # table the first block makes and every block reads no longer composes
 
 
+FROM_ALIKE_CARD = "composed, from the step traced for"   # a prediction's `trace` when another card's step made it
+
+
+def from_alike_card(trace: str) -> bool:
+    """Whether a prediction with this `trace` was made from the step traced for another card."""
+    return trace.startswith(FROM_ALIKE_CARD)
+
+
 class NotComposable(Exception):
     """Why a step's events cannot be composed: the prediction runs the full trace instead."""
 
@@ -150,11 +158,11 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
     """One fake training step from a composed trace (module docstring); NotComposable if the step
     does not allow one."""
     cuda, card = device == "cuda", as_card(card)
-    composed, on_line, prepared, report = composed_step(workload, batch_size, seq_len, policy, dtype, loop, device,
-                                                        card, attention, torch_version=torch_version)
+    composed, made_from, prepared, report = composed_step(workload, batch_size, seq_len, policy, dtype, loop, device,
+                                                          card, attention, torch_version=torch_version)
     fake = _fake_memory(composed, prepared.handle, card, cuda, alloc_conf, bool(prepared.host), report)
-    if on_line is not None:
-        fake.trace = on_line
+    if made_from is not None:
+        fake.trace = made_from
     accum = as_loop(loop).accum_steps
     if accum > micro_steps.TRACED:
         fake.passes_traced = micro_steps.TRACED
@@ -165,9 +173,10 @@ def composed_memory(workload: Workload, batch_size: int, seq_len: int, policy: P
 def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str = "fp32",
                   loop: Loop | str | None = None, device: str = "cpu", card: Optional[Card] = None,
                   attention: Optional[str] = None, *, torch_version: Optional[str] = None) -> tuple:
-    """The composed step (module docstring): (its `ComposedStep`, the trace it came from when a
-    batch line made it (else None), its `fake_step.PreparedStep`, and the count of its events, or
-    None where they were not counted). NotComposable if the step does not allow one."""
+    """The composed step (module docstring): (its `ComposedStep`, what made it where this step was
+    not traced (a batch line, or the step traced for a card of the same kernels: the prediction's
+    `trace`), else None, its `fake_step.PreparedStep`, and the count of its events, or None where
+    they were not counted). NotComposable if the step does not allow one."""
     loop = as_loop(loop)
     if policy.mechanism == "transformers":
         raise NotComposable("transformers' own checkpointing")
@@ -200,10 +209,11 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
             shared = dataclasses.replace(alike.composed, workspaces=alike.blas.workspaces(arch),
                                          settled_from_batch=alike.kernels.settled_from_batch(sm_count))
             line.add(batch_size, shared)
-            cut.traced[key] = dataclasses.replace(alike, composed=shared)
+            cut.traced[key] = dataclasses.replace(alike, composed=shared, taken=alike.taken or (
+                f"{FROM_ALIKE_CARD} {alike.card} (the same kernels)"))
     if key in cut.traced:
         cut.traced.move_to_end(key)
-        return cut.traced[key].composed, None, prepared, cut.traced[key].report
+        return cut.traced[key].composed, cut.traced[key].taken, prepared, cut.traced[key].report
     with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
             model, handle, batch, opt, step, kernels):
         if host:
@@ -246,7 +256,7 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
         if cuda:
             composed.loop_order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
         line.add(batch_size, composed)
-        cut.traced[key] = _Traced(composed, report, kernels, blas if cuda else None)
+        cut.traced[key] = _Traced(composed, report, kernels, blas if cuda else None, card.name if card else "no card")
         while len(cut.traced) > TRACED_KEPT:
             cut.traced.popitem(last=False)
         return composed, None, prepared, report
@@ -277,6 +287,8 @@ class _Traced:
     report: object                 # the count of its events (`probe.memory.MemoryReport`)
     kernels: object                # its `cuda_semantics.CudaSemantics`: what it asked the card (CUDA)
     blas: object                   # its `cuda_device.BlasUse`: the workspaces per card (CUDA)
+    card: str                      # the card it was traced for
+    taken: Optional[str] = None    # for another card's step: the prediction's `trace`
 
 
 # --------------------------------------------------------------------------- the cut
