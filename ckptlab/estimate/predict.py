@@ -33,8 +33,8 @@ from . import answers
 from .batch_line import batch_lines, lines_enabled, on_line
 from .compose import fast_memory
 from .cuda_device import parse_alloc_conf
-from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available
-from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused
+from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available, priority
+from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused, kernels_of
 from .torch_versions import check_torch_version, torch_rules
 
 TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
@@ -220,10 +220,11 @@ def predict_fits(
     (`fit` "yes" or "with cache flushes": the allocator releasing its cache and retrying each step).
     `trace` is the way to trace each step, as `predict`'s; on the fast path the batch searches
     step on the composed step's batch line once three batch sizes are traced, and trace their
-    answers' bounds (`estimate.batch_line`). `workers` > 1 predicts in that many
-    processes, each a policy's rows on the cards that run the same kernels (for a workload made
-    from a spec; one made in Python is predicted here): on 2 cores, a 7B table in 38 s instead of
-    46 s (benchmarks/predict_speed.py).
+    answers' bounds (`estimate.batch_line`); a step traced for one card is taken for the others
+    that make the same kernel choices (`compose.composed_step`). `workers` > 1 predicts in that
+    many processes, each a policy's rows on the cards that rank the attention backends alike (for
+    a workload made from a spec; one made in Python is predicted here): on 2 cores, a 7B table in
+    33 s instead of 41 s (benchmarks/predict_speed.py).
     """
     workload = as_workload(workload)
     choice("trace", trace, TRACES)
@@ -243,11 +244,12 @@ def predict_fits(
     options = dict(seq_len=seq_len, batch_size=batch_size, dtype=dtype, loop=loop, max_batch=max_batch,
                    seq_lens=seq_lens, device=device, attention=attention, torch_version=torch_version,
                    alloc_conf=alloc_conf, trace=trace)
-    # A task: one policy on the capacities that share predictions (cards that run the same
-    # kernels; all sizes), in the order asked.
+    # A task: one policy on the capacities whose predictions are likely to share traces, in the
+    # order asked: cards that rank the attention backends alike (most of their steps are traced
+    # once for all of them: `compose.composed_step`), or all sizes.
     groups: dict = {}
     for cap in caps:
-        groups.setdefault((cap.arch, cap.sm_count, cap.cublas_workspace_bytes) if cap.arch else None, []).append(cap)
+        groups.setdefault(priority(*kernels_of(cap), torch_rules(torch_version)) if cap.arch else None, []).append(cap)
     tasks = [(pol, group) for pol in parse_policies(policies) for group in groups.values()]
     if workers == 1 or len(tasks) == 1 or workload.spec is None or workload.weights_dtype is not None:
         done = [_fit_rows(workload, pol, group, **options) for pol, group in tasks]
@@ -272,7 +274,7 @@ def _fit_rows_of_spec(task: tuple) -> list:
 def _fit_rows(workload: Workload, pol: Policy, caps: list[Card], *, seq_len: int, batch_size: int, dtype: str,
               loop: Loop, max_batch: int, seq_lens: list[int], device: str, attention: Optional[str],
               torch_version: Optional[str], alloc_conf: Optional[str], trace: str) -> list[tuple[Card, dict]]:
-    """predict_fits' rows of one policy on `caps`, which share predictions: [(capacity, row)]."""
+    """predict_fits' rows of one policy on `caps`: [(capacity, row)]."""
     rows = []
     cache: dict[tuple, Prediction] = {}
 
