@@ -199,7 +199,8 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
     # A step traced before at this shape and on these kernels is the same step: a planner's
     # profile and its verification, or a lever and a waterfall's step, trace it once. So is one
     # traced on another card whose every question about the card (`CudaSemantics.ask`) this card
-    # answers alike: only the cuBLAS workspaces, kept outside the events, are the card's own.
+    # answers alike: only what lies outside the events, the cuBLAS workspaces and where a batch
+    # line may start, is the card's own.
     key = (batch_size, seq_len, kernels_key)
     if key not in cut.traced and cuda:
         arch, sm_count = kernels_key[0]
