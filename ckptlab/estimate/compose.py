@@ -48,7 +48,8 @@ The composed events are counted by `probe.memory.LiveCounts`, as a tracked step'
 and on CUDA replayed through the caching allocator. A prepared model keeps its last composed
 steps by shape and kernels (`TRACED_KEPT`): a step asked for again is not traced again, nor one
 asked for on another card that answers the trace's questions about the card alike
-(`CudaSemantics.ask`: the same attention backend, splits and kernels), whose replay is its own. What a composed trace cannot know is refused
+(`CudaSemantics.ask`: the same attention backend, splits and kernels), whose replay is its own.
+What a composed trace cannot know is refused
 before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
 policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
 that is not forward and backward passes then an optimizer step, a model that indexes or counts its blocks,
@@ -75,7 +76,7 @@ import torch.nn as nn
 from ..core.cards import Card
 from ..core.loop import Loop, as_loop
 from ..core.policy import Policy
-from ..probe.memory import count_events, track_memory
+from ..probe.memory import MemoryReport, count_events, track_memory
 from ..workloads.base import Workload
 from ..workloads.specs import one_line
 from . import micro_steps
@@ -88,7 +89,7 @@ from .cuda_device import (
     host_block_bytes,
     parse_alloc_conf,
 )
-from .cuda_semantics import same_answers
+from .cuda_semantics import CudaSemantics, same_answers
 from .fake_step import (
     FakeMemory,
     as_card,
@@ -102,8 +103,8 @@ from .fake_step import (
 )
 from .torch_versions import torch_rules
 
-TRACED_KEPT = 16     # composed steps kept per prepared model, by shape and kernels (the last traced): a
-                     # table's searches on one card, for the next card's
+TRACED_KEPT = 16     # composed steps kept per prepared model, by shape and kernels (the last asked for):
+                     # a table's searches on one card, for the next card's
 LONGEST_PERIOD = 4   # of the block kinds in a stack's middle; a longer one is traced in full
 HEAD_PERIODS = 3     # of the middle kept before the cut, the last the cut blocks' template: with two, a
                      # table the first block makes and every block reads no longer composes
@@ -201,7 +202,7 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
     # traced on another card whose every question about the card (`CudaSemantics.ask`) this card
     # answers alike: only what lies outside the events, the cuBLAS workspaces and where a batch
     # line may start, is the card's own.
-    key = (batch_size, seq_len, kernels_key)
+    key, traced_for = (batch_size, seq_len, kernels_key), _card_label(card) if cuda else None
     if key not in cut.traced and cuda:
         arch, sm_count = kernels_key[0]
         alike = next((t for k, t in cut.traced.items() if k[:2] == key[:2] and k[2][1:] == kernels_key[1:]
@@ -210,11 +211,12 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
             shared = dataclasses.replace(alike.composed, workspaces=alike.blas.workspaces(arch),
                                          settled_from_batch=alike.kernels.settled_from_batch(sm_count))
             line.add(batch_size, shared)
-            cut.traced[key] = dataclasses.replace(alike, composed=shared, taken=alike.taken or (
-                f"{FROM_ALIKE_CARD} {alike.card} (the same kernels)"))
+            _keep(cut, key, dataclasses.replace(alike, composed=shared))
     if key in cut.traced:
         cut.traced.move_to_end(key)
-        return cut.traced[key].composed, cut.traced[key].taken, prepared, cut.traced[key].report
+        kept = cut.traced[key]
+        taken = None if kept.card == traced_for else f"{FROM_ALIKE_CARD} {kept.card} (the same kernels)"
+        return kept.composed, taken, prepared, kept.report
     with stepped(prepared, batch_size, seq_len, card, attention, torch_version=torch_version) as (
             model, handle, batch, opt, step, kernels):
         if host:
@@ -257,10 +259,20 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
         if cuda:
             composed.loop_order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
         line.add(batch_size, composed)
-        cut.traced[key] = _Traced(composed, report, kernels, blas if cuda else None, card.name if card else "no card")
-        while len(cut.traced) > TRACED_KEPT:
-            cut.traced.popitem(last=False)
+        _keep(cut, key, _Traced(composed, report, kernels if cuda else None, blas if cuda else None, traced_for))
         return composed, None, prepared, report
+
+
+def _card_label(card: Optional[Card]) -> str:
+    """How a prediction's `trace` names the card a step was traced for."""
+    return card.name if card else f"CUDA without a card ({kernels_of(card)[0]})"
+
+
+def _keep(cut: "_Cut", key: tuple, traced: "_Traced") -> None:
+    """Keep a composed step under its key, the TRACED_KEPT last asked for."""
+    cut.traced[key] = traced
+    while len(cut.traced) > TRACED_KEPT:
+        cut.traced.popitem(last=False)
 
 
 def _fake_memory(composed: ComposedStep, handle, card: Optional[Card], cuda: bool, alloc_conf: Optional[str],
@@ -285,11 +297,10 @@ class _Traced:
     """A composed step kept for its shape and kernels, with what it asked the card."""
 
     composed: ComposedStep
-    report: object                 # the count of its events (`probe.memory.MemoryReport`)
-    kernels: object                # its `cuda_semantics.CudaSemantics`: what it asked the card (CUDA)
-    blas: object                   # its `cuda_device.BlasUse`: the workspaces per card (CUDA)
-    card: str                      # the card it was traced for
-    taken: Optional[str] = None    # for another card's step: the prediction's `trace`
+    report: MemoryReport                # the count of its events
+    kernels: Optional[CudaSemantics]    # what its trace asked the card (CUDA)
+    blas: Optional[BlasUse]             # which cuBLAS workspaces it used: their bytes per card (CUDA)
+    card: Optional[str]                 # the card it was traced for (`_card_label`; CUDA)
 
 
 # --------------------------------------------------------------------------- the cut

@@ -158,7 +158,7 @@ def check_backend_available(attention: str, rules: TorchRules) -> None:
                          "allowed are flash, efficient, math, or torch_version 2.5 and later")
 
 
-def priority(arch: str, sm_count: int, rules: TorchRules) -> tuple[str, ...]:
+def priority(rules: TorchRules, arch: str) -> tuple[str, ...]:
     """sdp_utils.cpp:77 priority_order (at v2.6.0): cuDNN first where check_prefer_cudnn_attention
     holds for this torch and card (2.9 on: no tag source, `torch_versions.CUDNN_FIRST`), else flash,
     efficient, math, cuDNN (which math, always possible, precedes)."""
@@ -169,7 +169,7 @@ def priority(arch: str, sm_count: int, rules: TorchRules) -> tuple[str, ...]:
 
 def _chosen_backend(arch: str, sm_count: int, rules: TorchRules, possible: tuple[str, ...]) -> str:
     """The first of `priority` among the backends possible for a call: a question (`CudaSemantics.ask`)."""
-    return next(b for b in priority(arch, sm_count, rules) if b in possible)
+    return next(b for b in priority(rules, arch) if b in possible)
 
 
 def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -193,8 +193,9 @@ def _attention(semantics: CudaSemantics, query, key, value, attn_mask=None, drop
     possible = tuple(b for b in ATTENTION_BACKENDS if why_not[b] is None)
     backend = semantics.attention or semantics.ask(_chosen_backend, rules, possible)
     if why_not[backend] is not None:
+        allowed = [b for b in priority(rules, semantics.arch) if b in possible]
         raise ValueError(f"attention={backend!r} is impossible for this attention call: {why_not[backend]}; "
-                         f"allowed here: {', '.join(b for b in priority(semantics.arch, semantics.sm_count, rules) if b in possible)}")
+                         f"allowed here: {', '.join(allowed)}")
     semantics.backend_calls[backend] = semantics.backend_calls.get(backend, 0) + 1
     if backend == "cudnn":
         return cudnn_attention(query, key, value, attn_mask, dropout_p, is_causal, rules)
@@ -313,7 +314,8 @@ def flash_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
         return f"flash attention needs one head dim <= 256 for q, k, v (got {d}, {key.size(-1)}, {value.size(-1)})"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         if semantics.ask(_flash_backward_refuses_head_dim, d, bool(dropout_p)):
-            return f"flash attention's backward on {semantics.arch} refuses head dim {d}" + (" with dropout" if dropout_p else "")
+            return (f"flash attention's backward on {semantics.arch} refuses head dim {d}"
+                    + (" with dropout" if dropout_p else ""))
     if is_causal and query.size(-2) != key.size(-2):
         return "flash attention's is_causal needs seq_len_q == seq_len_k"
     if query.dtype not in (torch.float16, torch.bfloat16) or not query.dtype == key.dtype == value.dtype:
@@ -382,8 +384,8 @@ class _Flash(torch.autograd.Function):
         b, hq, sq, d = query.shape
         # flash_api.cpp:297-326 (set_params_splitkv) at v2.6.0: without dropout, a batch that leaves
         # SMs idle splits the keys and accumulates in fp32 buffers for the length of the kernel.
-        splits = 1 if dropout_p else semantics.ask(
-            _flash_splits, b * hq * math.ceil(sq / 64), math.ceil(key.size(-2) / (256 if d <= 64 else 128 if d <= 128 else 64)))
+        key_blocks = math.ceil(key.size(-2) / (256 if d <= 64 else 128 if d <= 128 else 64))
+        splits = 1 if dropout_p else semantics.ask(_flash_splits, b * hq * math.ceil(sq / 64), key_blocks)
         ctx.head_rounding = semantics.rules.flash_head_rounding(d)
         accumulators = () if splits == 1 else (  # alive while the kernel runs
             torch.empty(splits, b, hq, sq, dtype=torch.float32),

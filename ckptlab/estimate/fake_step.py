@@ -764,7 +764,7 @@ def _fake_memory(workload: Workload, batch_size: int, seq_len: int, policy: Poli
         traced = passes if passes < loop.accum_steps else None
         if not cuda:
             return FakeMemory(report, handle, recompute_count=recompute_count, passes_traced=traced)
-        workspaces = blas.workspaces(card.arch if card else DEFAULT_ARCH)
+        workspaces = blas.workspaces(kernels_of(card)[0])
         # --- the loop's first two steps (cuda_device.first_two_steps) ---
         order = LoopOrder(optimizer_state_keys(report.trace, model, opt), optimizer_event(report))
         on_device = device_memory(report.trace, report.start_bytes, report.peak_bytes, workspaces, card,

@@ -34,7 +34,7 @@ from .batch_line import batch_lines, lines_enabled, on_line
 from .compose import fast_memory
 from .cuda_device import parse_alloc_conf
 from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available, priority
-from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused, kernels_of
+from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused
 from .torch_versions import check_torch_version, torch_rules
 
 TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
@@ -249,7 +249,7 @@ def predict_fits(
     # once for all of them: `compose.composed_step`), or all sizes.
     groups: dict = {}
     for cap in caps:
-        groups.setdefault(priority(*kernels_of(cap), torch_rules(torch_version)) if cap.arch else None, []).append(cap)
+        groups.setdefault(priority(torch_rules(torch_version), cap.arch) if cap.arch else None, []).append(cap)
     tasks = [(pol, group) for pol in parse_policies(policies) for group in groups.values()]
     if workers == 1 or len(tasks) == 1 or workload.spec is None or workload.weights_dtype is not None:
         done = [_fit_rows(workload, pol, group, **options) for pol, group in tasks]
