@@ -224,7 +224,7 @@ def predict_fits(
     that make the same kernel choices (`compose.composed_step`). `workers` > 1 predicts in that
     many processes, each a policy's rows on the cards that rank the attention backends alike (for
     a workload made from a spec; one made in Python is predicted here): on 2 cores, a 7B table in
-    33 s instead of 44 s (benchmarks/predict_speed.py).
+    32 s instead of 42 s (benchmarks/predict_speed.py).
     """
     workload = as_workload(workload)
     choice("trace", trace, TRACES)
