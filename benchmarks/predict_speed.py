@@ -217,8 +217,8 @@ def counting_predictions(fn):
 def fits_table(model: str, overrides: dict, policies: list[str], dtype: str, capacities: list[str], trace: str,
                workers: int = 1, lines: bool = True) -> dict:
     """The table's seconds and rows; with one worker, how many predictions it traced and took from
-    batch lines and from other cards' steps (those of worker processes are not counted here). Without `lines`, no line is ever
-    long enough to stand in for a trace: every prediction is traced."""
+    batch lines and from other cards' steps (those of worker processes are not counted here).
+    Without `lines`, no line is ever long enough to stand in for a trace: every prediction is traced."""
     workload = get_workload(model, **overrides)
     seq = min(FITS_SEQ, workload.max_seq_len or FITS_SEQ)
     clear_prepared()
