@@ -11,11 +11,13 @@ step. What the cut blocks would have done is put back into the events:
 
 - A stack of L blocks is split into its first block, its middle (L - 2 blocks, whose kinds repeat
   with a period P: a kind is the block's type, parameters and checkpoint mode) and its last
-  block. Kept are the first block and three periods (the head), and the end of the stack from a
-  multiple of P on (the tail); the cut blocks in between are copies of the head's third period
+  block. Kept are the first block and two periods (the head), and the end of the stack from a
+  multiple of P on (the tail); the cut blocks in between are copies of the head's last period
   (their `template`), whose neighbours all ran. The kept middle blocks of the tail must trace as
   their templates do (`_Units._check_alike`): the first block's influence (a tensor it makes
-  that the next blocks keep) has died out by then. A middle whose kinds do not repeat (a plan
+  that the next blocks keep) has died out by then. Where the events of a step so cut do not
+  compose (the first block's output, which every block reads, is also the second's input), the
+  step is traced again with three periods in the head (`_LongHeadCut`), and that refusal stands. A middle whose kinds do not repeat (a plan
   that checkpoints some blocks, say) is cut in its longest run of one kind instead, as if that
   run were the middle: its first three blocks and its last two kept, and the blocks before and
   after it. The last of the run traces as the kind after it makes it, so the one before it is
@@ -106,8 +108,8 @@ from .torch_versions import torch_rules
 TRACED_KEPT = 16     # composed steps kept per prepared model, by shape and kernels (the last asked for):
                      # a table's searches on one card, for the next card's
 LONGEST_PERIOD = 4   # of the block kinds in a stack's middle; a longer one is traced in full
-HEAD_PERIODS = 3     # of the middle kept before the cut, the last the cut blocks' template: with two, a
-                     # table the first block makes and every block reads no longer composes
+HEAD_PERIODS = 2     # of the middle kept before the cut, the last the cut blocks' template; where the
+LONG_HEAD_PERIODS = 3  # step does not compose so (a table the first block makes and every block reads), this many
 
 
 FROM_ALIKE_CARD = "composed, from the step traced for"   # a prediction's `trace` when another card's step made it
@@ -120,6 +122,11 @@ def from_alike_card(trace: str) -> bool:
 
 class NotComposable(Exception):
     """Why a step's events cannot be composed: the prediction runs the full trace instead."""
+
+
+class _HeadTooShort(NotComposable):
+    """Why a step traced with a short head (HEAD_PERIODS) does not compose: it is traced with the
+    long one (`_LongHeadCut`) instead."""
 
 
 @gc_paused()
@@ -177,10 +184,23 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
     """The composed step (module docstring): (its `ComposedStep`, what made it where this step was
     not traced (a batch line, or the step traced for a card of the same kernels: the prediction's
     `trace`), else None, its `fake_step.PreparedStep`, and the count of its events, or None where
-    they were not counted). NotComposable if the step does not allow one."""
-    loop = as_loop(loop)
+    they were not counted). NotComposable if the step does not allow one. Traced with the short
+    head first (HEAD_PERIODS); where its events do not compose, with the long one, whose refusal
+    is the one raised."""
     if policy.mechanism == "transformers":
         raise NotComposable("transformers' own checkpointing")
+    args = (workload, batch_size, seq_len, policy, dtype, as_loop(loop), device, card, attention, torch_version)
+    try:
+        return _composed_step(*args, _Cut)
+    except _HeadTooShort:
+        return _composed_step(*args, _LongHeadCut)
+
+
+def _composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Policy, dtype: str, loop: Loop,
+                   device: str, card: Optional[Card], attention: Optional[str], torch_version: Optional[str],
+                   cut_type: type) -> tuple:
+    """`composed_step` with the blocks cut by `cut_type`: a short head's refusal of the traced
+    events (`_HeadTooShort`) is kept with its prepared step, raised again without tracing."""
     cuda = device == "cuda"
     blas = BlasUse(torch_rules(torch_version)) if cuda else contextlib.nullcontext()
     # A step of many accumulation passes is traced with micro_steps.TRACED of them, composed, and
@@ -188,7 +208,7 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
     passes = min(loop.accum_steps, micro_steps.TRACED)
     prepared = prepared_step(workload, policy, dtype, dataclasses.replace(loop, accum_steps=passes), device,
                              (batch_size, seq_len), host_type=_MarkedHostOffload if cuda and policy.offload else None,
-                             cut_type=_Cut)
+                             cut_type=cut_type)
     if prepared.refusal is not None:
         raise prepared.refusal
     host, cut = prepared.host, prepared.cut
@@ -242,7 +262,13 @@ def composed_step(workload: Workload, batch_size: int, seq_len: int, policy: Pol
         else:
             events = list(tracker.events)
             cut.optimizer_phases[kernels_key] = _OptimizerPhase.recorded(events)
-        events = compose(events, cut)
+        try:
+            events = compose(events, cut)
+        except NotComposable as why:
+            if cut.head_periods >= LONG_HEAD_PERIODS:
+                raise
+            prepared.refusal = _HeadTooShort(str(why))   # the model stays as a traced step leaves it: kept
+            raise prepared.refusal from None
         if passes < loop.accum_steps:
             try:
                 events = micro_steps.extended(events, loop.accum_steps)
@@ -315,10 +341,11 @@ class _Stack:
     cut: range = range(0)      # the blocks that do not run
     run: range = range(0)      # the middle blocks whose kinds repeat with the period, the cut among them
     alike: range = range(0)    # the kept blocks of the run after the cut that must trace as their templates
+    head_periods: int = HEAD_PERIODS   # of the run kept before the cut
 
     def template(self, block: int) -> int:
         """The head block whose units a cut block's are: one of the head's last period."""
-        last_period = self.run.start + (HEAD_PERIODS - 1) * self.period
+        last_period = self.run.start + (self.head_periods - 1) * self.period
         return last_period + (block - last_period) % self.period
 
     @property
@@ -339,6 +366,7 @@ class _Cut:
     optimizer_phases: dict = field(default_factory=dict)   # the kernels a step ran -> its `_OptimizerPhase`
     batch_lines: dict = field(default_factory=dict)        # (seq_len, the kernels) -> its `BatchLine`
     traced: OrderedDict = field(default_factory=OrderedDict)  # (batch, seq, the kernels) -> `_Traced`
+    head_periods: int = HEAD_PERIODS   # of each run kept before its cut
 
     Refusal = NotComposable   # what `shorten` raises before it changes the model
 
@@ -354,7 +382,8 @@ class _Cut:
             "full" if j in set(handle.checkpointed_blocks) else "keep" for j in range(handle.n_blocks)]
         start = 0
         for stack in handle.stacks:
-            self.stacks.append(_plan_stack(stack.blocks, modes[start:start + len(stack.blocks)], start))
+            self.stacks.append(_plan_stack(stack.blocks, modes[start:start + len(stack.blocks)], start,
+                                           self.head_periods))
             for j in range(start, start + len(stack.blocks)):
                 self.stack_of[j] = self.stacks[-1]
             start += len(stack.blocks)
@@ -427,6 +456,13 @@ class _Cut:
                 param.grad = torch.zeros_like(param)
                 marks.mark(("stand_in", marks.number(param.grad), p))
         marks.mark(("stand_ins_end",))
+
+
+@dataclass
+class _LongHeadCut(_Cut):
+    """The cut of a step whose events did not compose with the short head: LONG_HEAD_PERIODS kept."""
+
+    head_periods: int = LONG_HEAD_PERIODS
 
 
 class _Marks:
@@ -551,9 +587,9 @@ def _skipping_class(cls: type, kept: list) -> type:
                                        "__len__": uncounted})
 
 
-def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
-    """Which of a stack's blocks are cut (module docstring)."""
-    stack = _Stack(first, len(blocks))
+def _plan_stack(blocks: list, modes: list[str], first: int, head_periods: int) -> _Stack:
+    """Which of a stack's blocks are cut (module docstring), `head_periods` of its run kept before the cut."""
+    stack = _Stack(first, len(blocks), head_periods=head_periods)
     kinds = [_kind(b, m) for b, m in zip(blocks, modes)]
     middle = kinds[1:-1]
     period = next((p for p in range(1, LONGEST_PERIOD + 1)
@@ -567,14 +603,14 @@ def _plan_stack(blocks: list, modes: list[str], first: int) -> _Stack:
             if i + 1 - here > length:
                 start, length = here, i + 1 - here
         run = range(first + 1 + start, first + 1 + start + length)
-    # Kept: the run's first HEAD_PERIODS periods, then from the first block after a whole number of
+    # Kept: the run's first head_periods periods, then from the first block after a whole number of
     # periods that leaves one block of the run to check (and its last one where it borders
     # another kind); and every block outside the run.
-    cut = (len(run) - 1 - unchecked - HEAD_PERIODS * period) // period * period
+    cut = (len(run) - 1 - unchecked - head_periods * period) // period * period
     if cut <= 0:
         return stack
     stack.period, stack.run = period, run
-    head = run.start + HEAD_PERIODS * period
+    head = run.start + head_periods * period
     stack.cut = range(head, head + cut)
     stack.alike = range(stack.cut.stop, run.stop - unchecked)
     return stack
