@@ -19,7 +19,7 @@ step. What the cut blocks would have done is put back into the events:
   compose (the first block's output, which every block reads, is also the second's input), the
   step is traced again with three periods in the head (`_LongHeadCut`), and that refusal stands. A middle whose kinds do not repeat (a plan
   that checkpoints some blocks, say) is cut in its longest run of one kind instead, as if that
-  run were the middle: its first three blocks and its last two kept, and the blocks before and
+  run were the middle: its first two blocks (three with the long head) and its last two kept, and the blocks before and
   after it. The last of the run traces as the kind after it makes it, so the one before it is
   the one checked; a block after the run that refers to a block before the cut is refused
   (`_Units._check_references_across_runs`).
