@@ -197,6 +197,25 @@ def test_blocks_that_differ_compose_or_fall_back_exactly(kind, policy, options):
     assert fast.trace == "composed"
 
 
+@pytest.mark.parametrize("kind, heads", [("plain", [2]), ("reads-first", [2, 3])])
+def test_a_step_that_a_head_of_two_periods_does_not_compose_is_composed_with_three(kind, heads, monkeypatch):
+    """The first block's output, which every block reads, is the second block's input too: the
+    short head's template (block 2) refers to it unlike the cut blocks do, which the tail's check
+    sees; the long head's template (block 3) is a block like the cut ones. A refusal is kept: a
+    later prediction goes to the long head at once."""
+    tried = []
+    real = compose._composed_step
+    monkeypatch.setattr(compose, "_composed_step", lambda *args: tried.append(args[-1].head_periods) or real(*args))
+    net = workload(kind, depth=8)
+    fast, full = both_ways(net, "none")
+    assert_same(fast, full)
+    assert fast.trace == "composed" and tried == heads
+    tried.clear()
+    fast, full = both_ways(net, "none", seq=24)
+    assert_same(fast, full)
+    assert tried == heads
+
+
 @pytest.mark.parametrize("kind, why", [
     ("one-drops", "no stack has repeated middle blocks to compose"),      # alike but for a dropout's rate
     ("one-hooked", "no stack has repeated middle blocks to compose"),     # alike but for a hook
