@@ -15,6 +15,7 @@ from ckptlab.apps.cli import main as cli_main
 from ckptlab.core.cards import CUBLAS_WORKSPACE_BYTES, card, parse_capacity
 from ckptlab.core.policy import parse_policy
 from ckptlab.core.units import format_bytes
+from ckptlab.estimate import predict as predict_module
 from ckptlab.estimate.cuda_device import CUBLASLT_WORKSPACE_BYTES, BlasUse
 from ckptlab.estimate.fake_step import DEVICE_CATEGORIES, fake_memory
 from ckptlab.estimate.torch_versions import torch_rules
@@ -169,6 +170,34 @@ def test_predict_fits_in_worker_processes_answers_the_same_rows(tiny):
     assert [r["capacity"] for r in here] == ["a100-40", "rtx4090"]
     with pytest.raises(ValueError, match="workers=0 is invalid"):
         ckptlab.predict_fits(tiny, ["full"], **options, workers=0)
+
+
+def test_worker_processes_take_the_longest_tasks_first(tiny, monkeypatch):
+    """The policies that recompute more blocks first (their batch searches step further), then
+    the cards of more memory; the rows in the order asked."""
+    handed = []
+
+    class InProcess:   # a pool that records the order of its tasks and runs them here
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, fn, tasks):
+            tasks = list(tasks)
+            handed.extend((str(policy), [c.name for c in caps]) for _, policy, caps, _ in tasks)
+            return map(fn, tasks)
+
+    monkeypatch.setattr(predict_module, "ProcessPoolExecutor", InProcess)
+    options = dict(capacities=["rtx4090", "h200"], seq_len=16, batch_size=1, dtype="fp32", max_batch=2, seq_lens=[16])
+    policies = ["none", "density=0.5", "full"]
+    rows = ckptlab.predict_fits(tiny, policies, **options, workers=2)
+    assert handed == [(p, [c]) for p in ("full", "density=0.5", "none") for c in ("h200", "rtx4090")]
+    assert rows == ckptlab.predict_fits(tiny, policies, **options)
 
 
 def test_a_budget_plan_on_cuda_fits_the_cuda_allocated_peak(tiny):
