@@ -153,6 +153,33 @@ def test_cli_predict_for_a_card_prints_allocated_reserved_device_backend_and_mar
         assert err.startswith("error: ") and err.count("\n") == 1
 
 
+def test_cli_predict_for_several_cards_gives_each_the_rows_of_its_own_command(capsys):
+    """A table per card (json: one list), each card's rows those of a command for that card alone;
+    an A100's steps are the RTX 4090's traced ones (the same kernel choices); a bad card in the
+    list is one line, exit 2."""
+    args = ["predict", "--model", "gpt-tiny", "--set", "n_layer=8", "--batch", "2", "--seq", "32", "--policy", "none,full"]
+    assert cli_main([*args, "--card", "rtx4090,a100-40,rtx4090", "--format", "json"]) == 0
+    together = json.loads(capsys.readouterr().out)
+    alone = []
+    for name in ("rtx4090", "a100-40"):
+        assert cli_main([*args, "--card", name, "--format", "json"]) == 0
+        alone += json.loads(capsys.readouterr().out)
+    assert [r["card"] for r in together] == ["rtx4090", "rtx4090", "a100-40", "a100-40"]
+    assert [r["trace"] for r in together[2:]] == ["composed, from the step traced for rtx4090 (the same kernels)"] * 2
+
+    def same(r):
+        return {k: v for k, v in r.items() if k not in ("predict_s", "trace")}
+
+    assert [same(r) for r in together] == [same(r) for r in alone]
+    assert cli_main([*args, "--card", "rtx4090,a100-40"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("nothing allocated") == 2 and "margin left (rtx4090)" in out and "margin left (a100-40)" in out
+    for bad, says in (("rtx4090,rtx5090", "--card rtx5090 is invalid"), (",", "--card ',' is invalid")):
+        assert cli_main([*args, "--card", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {says}") and err.count("\n") == 1
+
+
 def test_predict_fits_on_a_card_leaves_the_margin_predict_says(tiny):
     row, = ckptlab.predict_fits(tiny, ["full"], capacities=["rtx4090"], seq_len=16, batch_size=1, dtype="fp32",
                                 max_batch=2, seq_lens=[16], torch_version="2.10")

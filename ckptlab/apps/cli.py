@@ -497,52 +497,73 @@ def fallback_notes(rows: list[dict]) -> list[str]:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    """Predicted memory per policy without allocating (fake tensors); closed form beside."""
-    on = device_options(args)
+    """Predicted memory per policy without allocating (fake tensors); closed form beside. With
+    several cards (--card a,b), a table per card: a card that makes the same kernel choices as one
+    before it takes that card's traced steps (`compose.from_alike_card`), its allocator replay its own."""
+    cards = list(dict.fromkeys(split_list(args.card))) if args.card else [None]
+    if not cards:
+        raise ValueError(f"--card {args.card!r} is invalid: allowed is a card or a comma-separated list of cards "
+                         "(ckptlab cards)")
+    targets = [device_options(argparse.Namespace(**{**vars(args), "card": name})) for name in cards]
     loop = loop_from_arguments(args, dtype=args.dtype)
     overrides = _model_overrides(args.set)
     settings = [(batch, seq, policy) for batch in int_list("--batch", args.batch) for seq in int_list("--seq", args.seq)
                 for policy in policy_list(args.policy)]
-    # The rows of the same command asked before, kept without building the model (its imports
-    # and build are most of a repeated command's seconds); each row is also kept on its own.
-    page = answers.spec_key(args.model, overrides, 0, (
-        "predict rows", [(b, s, str(p)) for b, s, p in settings], args.dtype, repr(loop), repr(on),
-        repr(card(on["card"])) if on["card"] else None, args.trace))
-    start = time.perf_counter()
-    kept_page = answers.fetch(page) if page else None
-    if isinstance(kept_page, tuple) and len(kept_page) == 2:
-        n_params, rows = kept_page
-        rows = [dict(r, answered_from_cache=True, predict_s=(time.perf_counter() - start) / len(rows)) for r in rows]
-    else:
-        workload = get_workload(args.model, **overrides)
-        n_params, rows = workload.n_params, []
-        with contextlib.closing(progress_bar(len(settings), "predict", "row")) as bar:
-            for batch, seq, policy in settings:
-                row = predict(workload, batch, seq, policy, dtype=args.dtype, loop=loop, **on, trace=args.trace).record()
-                if on["device"] == "cpu":
-                    try:
-                        row.update(closed_form(workload, batch, seq,
-                                               Policy("plan", row["plan"]) if row["plan"] else policy, dtype=args.dtype))
-                    except ValueError:
-                        pass
-                rows.append(row)
-                bar.update(1)
-        if page:
-            answers.keep(page, (n_params, rows))
-    columns = PREDICT_COLUMNS if on["device"] == "cpu" else cuda_predict_columns(on["card"])
-    shown = [dict(r, fit_text=fit_text(r)) for r in rows] if on["card"] and args.format == "table" else rows
-    print_rows(shown, columns, args.format,
-               f"{args.model} ({format_count(n_params)} parameters), {args.dtype}, loop {loop}: "
-               f"{predicted_for(on)}, nothing allocated")
-    if args.format == "table" and on["card"] and any(r["margin_bytes"] < 0 for r in rows):
-        print(margin_note(on["card"]))
-    for note in fallback_notes(rows) if args.format == "table" else []:
-        print(note)
-    kept = sum(1 for r in rows if r["answered_from_cache"])
-    if kept and args.format == "table":
-        print(f"{kept} of {len(rows)} rows answered from the predictions kept in {answers.folder()} (made before by "
-              "this code); CKPTLAB_CACHE=off predicts them again")
+    tables = []   # (what it is predicted for, its rows)
+    workload = None
+    with contextlib.closing(progress_bar(len(settings) * len(targets), "predict", "row")) as bar:
+        for on in targets:
+            # The rows of the same command asked before, kept without building the model (its
+            # imports and build are most of a repeated command's seconds); each row is also kept on its own.
+            page = answers.spec_key(args.model, overrides, 0, (
+                "predict rows", [(b, s, str(p)) for b, s, p in settings], args.dtype, repr(loop), repr(on),
+                repr(card(on["card"])) if on["card"] else None, args.trace))
+            start = time.perf_counter()
+            kept_page = answers.fetch(page) if page else None
+            if isinstance(kept_page, tuple) and len(kept_page) == 2:
+                n_params, rows = kept_page
+                rows = [dict(r, answered_from_cache=True, predict_s=(time.perf_counter() - start) / len(rows))
+                        for r in rows]
+                bar.update(len(rows))
+            else:
+                workload = workload or get_workload(args.model, **overrides)
+                n_params, rows = workload.n_params, []
+                for batch, seq, policy in settings:
+                    rows.append(_predicted_row(workload, batch, seq, policy, args, loop, on))
+                    bar.update(1)
+                if page:
+                    answers.keep(page, (n_params, rows))
+            tables.append((on, rows))
+    if args.format != "table":   # every row of every card, for scripts
+        print_rows([r for _, rows in tables for r in rows], PREDICT_COLUMNS, args.format)
+        return 0
+    for i, (on, rows) in enumerate(tables):
+        columns = PREDICT_COLUMNS if on["device"] == "cpu" else cuda_predict_columns(on["card"])
+        shown = [dict(r, fit_text=fit_text(r)) for r in rows] if on["card"] else rows
+        print_rows(shown, columns, "table", ("\n" if i else "") + f"{args.model} ({format_count(n_params)} parameters), "
+                   f"{args.dtype}, loop {loop}: {predicted_for(on)}, nothing allocated")
+        if on["card"] and any(r["margin_bytes"] < 0 for r in rows):
+            print(margin_note(on["card"]))
+        for note in fallback_notes(rows):
+            print(note)
+        kept = sum(1 for r in rows if r["answered_from_cache"])
+        if kept:
+            print(f"{kept} of {len(rows)} rows answered from the predictions kept in {answers.folder()} (made before by "
+                  "this code); CKPTLAB_CACHE=off predicts them again")
     return 0
+
+
+def _predicted_row(workload, batch: int, seq: int, policy: Policy, args: argparse.Namespace, loop: Loop,
+                   on: dict) -> dict:
+    """One `predict` row: the prediction's record, and on a CPU the closed form beside it."""
+    row = predict(workload, batch, seq, policy, dtype=args.dtype, loop=loop, **on, trace=args.trace).record()
+    if on["device"] == "cpu":
+        try:
+            row.update(closed_form(workload, batch, seq, Policy("plan", row["plan"]) if row["plan"] else policy,
+                                   dtype=args.dtype))
+        except ValueError:
+            pass
+    return row
 
 
 FITS_COLUMNS = [
@@ -730,14 +751,14 @@ def loop_from_arguments(args: argparse.Namespace, base: Loop | str | None = None
     return loop
 
 
-def add_device_arguments(p: argparse.ArgumentParser) -> None:
+def add_device_arguments(p: argparse.ArgumentParser, cards: bool = False) -> None:
     """--device, --card, --attention, --torch-version, --alloc-conf: what a prediction is for (predict, plan,
-    explain)."""
+    explain); with `cards`, --card takes a list (predict)."""
     p.add_argument("--device", default="cpu", help="cpu (exact to the byte) | cuda: predict the step as a CUDA card "
                                                    "runs it (its kernels, autocast, optimizer, cuBLAS workspaces and "
                                                    "caching allocator)")
-    p.add_argument("--card", default=None, help="a card (`ckptlab cards`): predict for it (implies --device cuda): "
-                                                "its device bytes and the margin left")
+    p.add_argument("--card", default=None, help=("cards, comma-separated, a table each" if cards else "a card")
+                   + " (`ckptlab cards`): predict for it (implies --device cuda): its device bytes and the margin left")
     add_cuda_rule_arguments(p)
 
 
@@ -878,7 +899,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "for a CPU or a CUDA card")
     add_workload_arguments(p, batch="4", seq="64", policy="none,selective,full")
     add_loop_arguments(p)
-    add_device_arguments(p)
+    add_device_arguments(p, cards=True)
     add_trace_argument(p)
     add_format_argument(p)
     p.command(cmd_predict)
