@@ -526,7 +526,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
                         for r in rows]
                 bar.update(len(rows))
             else:
-                workload = workload or get_workload(args.model, **overrides)
+                if workload is None:
+                    workload = get_workload(args.model, **overrides)
                 n_params, rows = workload.n_params, []
                 for batch, seq, policy in settings:
                     rows.append(_predicted_row(workload, batch, seq, policy, args, loop, on))

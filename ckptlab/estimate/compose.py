@@ -17,11 +17,12 @@ step. What the cut blocks would have done is put back into the events:
   their templates do (`_Units._check_alike`): the first block's influence (a tensor it makes
   that the next blocks keep) has died out by then. Where the events of a step so cut do not
   compose (the first block's output, which every block reads, is also the second's input), the
-  step is traced again with three periods in the head (`_LongHeadCut`), and that refusal stands. A middle whose kinds do not repeat (a plan
-  that checkpoints some blocks, say) is cut in its longest run of one kind instead, as if that
-  run were the middle: its first two blocks (three with the long head) and its last two kept, and the blocks before and
-  after it. The last of the run traces as the kind after it makes it, so the one before it is
-  the one checked; a block after the run that refers to a block before the cut is refused
+  step is traced again with three periods in the head (`_LongHeadCut`), and that refusal stands.
+  A middle whose kinds do not repeat (a plan that checkpoints some blocks, say) is cut in its
+  longest run of one kind instead, as if that run were the middle: its first two blocks (three
+  with the long head) and its last two kept, and the blocks before and after it. The last of the
+  run traces as the kind after it makes it, so the one before it is the one checked; a block
+  after the run that refers to a block before the cut is refused
   (`_Units._check_references_across_runs`).
 - The events are split into units: a block's forward unit runs from its predecessor's return to
   its own return, its backward unit from the gradient of its output to the next block's. A cut
@@ -108,8 +109,9 @@ from .torch_versions import torch_rules
 TRACED_KEPT = 16     # composed steps kept per prepared model, by shape and kernels (the last asked for):
                      # a table's searches on one card, for the next card's
 LONGEST_PERIOD = 4   # of the block kinds in a stack's middle; a longer one is traced in full
-HEAD_PERIODS = 2     # of the middle kept before the cut, the last the cut blocks' template; where the
-LONG_HEAD_PERIODS = 3  # step does not compose so (a table the first block makes and every block reads), this many
+HEAD_PERIODS = 2        # of the middle kept before the cut, the last the cut blocks' template
+LONG_HEAD_PERIODS = 3   # where a step does not compose with HEAD_PERIODS (the first block's output,
+                        # which every block reads, is also the second block's input)
 
 
 FROM_ALIKE_CARD = "composed, from the step traced for"   # a prediction's `trace` when another card's step made it
