@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils import benchmark
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint.wrap import selective_context_fn
@@ -84,6 +83,10 @@ def block_option_ms(block: nn.Module, args: tuple, kwargs: dict, amp: Callable, 
                 out = checkpoint(block, *args, use_reentrant=False, **extra, **kwargs)
             out = out if isinstance(out, torch.Tensor) else out[0]
         out.backward(torch.ones_like(out))
+
+    # In-function: importing it costs 0.12 s (setuptools, through cpp_extension) in every process
+    # that imports ckptlab, and only this measurement uses it.
+    from torch.utils import benchmark  # noqa: PLC0415 - a heavy import, for this function only
 
     timers = {o: benchmark.Timer(stmt="run(option)", globals={"run": run, "option": o},
                                  num_threads=torch.get_num_threads()) for o in OPTIONS}
