@@ -29,7 +29,6 @@ from ..core.policy import Policy, parse_policies
 from ..core.validate import choice, integer
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
-from ..workloads.stacks import find_blocks
 from . import answers
 from .batch_line import batch_lines, lines_enabled, on_line
 from .compose import fast_memory
@@ -258,8 +257,7 @@ def predict_fits(
     else:
         # Longest first, so that no worker is left with a long task at the end: a policy that
         # recomputes more blocks fits larger batches, whose searches step further, as do larger cards.
-        n_blocks = len(find_blocks(workload.build("meta")))
-        tasks.sort(key=lambda task: (-_recomputed_share(task[0], n_blocks), -max(c.usable_bytes for c in task[1])))
+        tasks.sort(key=lambda task: (-_recomputed_share(task[0]), -max(c.usable_bytes for c in task[1])))
         made = (workload.spec, workload.seed, workload.overrides, workload.identity)
         with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=torch.set_num_threads, initargs=(1,)) as pool:
@@ -268,10 +266,12 @@ def predict_fits(
     return [by_cap[(str(pol), cap.name)] for pol in parse_policies(policies) for cap in caps]
 
 
-def _recomputed_share(policy: Policy, n_blocks: int) -> float:
-    """The share of the blocks that `policy` recomputes (0 for one that does not fit the model)."""
+def _recomputed_share(policy: Policy) -> float:
+    """The share of a model's blocks that `policy` recomputes, to order work by: on a plan's own
+    length of blocks, else on 64 (nothing is built to count them: a model that reads tensor data
+    while it is built would be built for real); 0 where it cannot say (a budget's plan is made later)."""
     try:
-        return policy.effective_density(n_blocks)
+        return policy.effective_density(len(policy.value) if policy.kind == "plan" else 64)
     except ValueError:
         return 0.0
 
