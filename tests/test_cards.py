@@ -124,6 +124,10 @@ def test_fits_on_the_command_line_prints_predict_fits_rows(capsys):
     assert cli_main(["fits", "--cards", "rtx5090"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --cards rtx5090 is invalid: allowed is a card (rtx3090")
+    assert cli_main(["fits", "--cards", "rtx4090,,h200"]) == 2   # an empty item is refused, not dropped
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --cards 'rtx4090,,h200' is invalid: allowed is a comma-separated list of cards or sizes, "
+                   "none empty"]
 
 
 def test_notebook_parameters_and_the_command_line_take_card_names(capsys):

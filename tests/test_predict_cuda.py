@@ -174,8 +174,13 @@ def test_cli_predict_for_several_cards_gives_each_the_rows_of_its_own_command(ca
     assert cli_main([*args, "--card", "rtx4090,a100-40"]) == 0
     out = capsys.readouterr().out
     assert out.count("nothing allocated") == 2 and "margin left (rtx4090)" in out and "margin left (a100-40)" in out
-    for bad, says in (("rtx4090,rtx5090", "--card rtx5090 is invalid"), (",", "--card ',' is invalid")):
-        assert cli_main([*args, "--card", bad]) == 2
+    for bad, says in ((["--card", "rtx4090,rtx5090"], "--card rtx5090 is invalid"),
+                      (["--card", ","], "--card ',' is invalid"),
+                      (["--card", "rtx4090,,h200"], "--card 'rtx4090,,h200' is invalid"),
+                      (["--card", ""], "--card '' is invalid"),
+                      (["--device", "cpu", "--card", "rtx4090"], "--card rtx4090 is invalid with --device cpu"),
+                      (["--device", "gpu", "--card", "rtx4090"], "--device gpu is invalid")):
+        assert cli_main([*args, *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {says}") and err.count("\n") == 1
 

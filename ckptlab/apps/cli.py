@@ -463,10 +463,11 @@ def margin_note(card_name: str) -> str:
 
 def device_options(args: argparse.Namespace) -> dict:
     """`predict`'s device, card, attention, torch version and allocator option from --device,
-    --card, --attention, --torch-version and --alloc-conf (a card, or explain's --capacity naming
-    one, means CUDA). Checked as `predict` checks them, before any work."""
+    --card, --attention, --torch-version and --alloc-conf (without --device, a card, or explain's
+    --capacity naming one, means CUDA). Checked as `predict` checks them, before any work."""
     capacity = getattr(args, "capacity", None)
-    device = "cuda" if args.card or (capacity is not None and parse_capacity(capacity).arch) else args.device
+    on_card = args.card or (capacity is not None and parse_capacity(capacity).arch)
+    device = args.device if args.device is not None else "cuda" if on_card else "cpu"
     options = {"device": device, "card": args.card, "attention": args.attention, "torch_version": args.torch_version,
                "alloc_conf": args.alloc_conf}
     check_device(**options)
@@ -500,10 +501,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside. With
     several cards (--card a,b), a table per card: a card that makes the same kernel choices as one
     before it takes that card's traced steps (`compose.from_alike_card`), its allocator replay its own."""
-    cards = list(dict.fromkeys(split_list(args.card))) if args.card else [None]
-    if not cards:
+    cards = list(dict.fromkeys(split_list(args.card))) if args.card is not None else [None]
+    if args.card is not None and (not cards or any(not item.strip() for item in args.card.split(","))):
         raise ValueError(f"--card {args.card!r} is invalid: allowed is a card or a comma-separated list of cards "
-                         "(ckptlab cards)")
+                         "(ckptlab cards), none empty")
     targets = [device_options(argparse.Namespace(**{**vars(args), "card": name})) for name in cards]
     loop = loop_from_arguments(args, dtype=args.dtype)
     overrides = _model_overrides(args.set)
@@ -586,8 +587,9 @@ def cmd_fits(args: argparse.Namespace) -> int:
     loop = loop_from_arguments(args, dtype=args.dtype)
     workload = get_workload(args.model, **_model_overrides(args.set))
     capacities = [parse_capacity(c, "--cards") for c in split_list(args.cards)]
-    if not capacities:
-        raise ValueError(f"--cards {args.cards!r} is invalid: allowed is a comma-separated list of cards or sizes")
+    if not capacities or any(not item.strip() for item in args.cards.split(",")):
+        raise ValueError(f"--cards {args.cards!r} is invalid: allowed is a comma-separated list of cards or sizes, "
+                         "none empty")
     rows = predict_fits(workload, policy_list(args.policy), capacities, seq_len=args.seq, batch_size=args.batch,
                         dtype=args.dtype, loop=loop, attention=args.attention, torch_version=args.torch_version,
                         alloc_conf=args.alloc_conf, trace=args.trace, workers=args.workers)
@@ -755,9 +757,9 @@ def loop_from_arguments(args: argparse.Namespace, base: Loop | str | None = None
 def add_device_arguments(p: argparse.ArgumentParser, cards: bool = False) -> None:
     """--device, --card, --attention, --torch-version, --alloc-conf: what a prediction is for (predict, plan,
     explain); with `cards`, --card takes a list (predict)."""
-    p.add_argument("--device", default="cpu", help="cpu (exact to the byte) | cuda: predict the step as a CUDA card "
-                                                   "runs it (its kernels, autocast, optimizer, cuBLAS workspaces and "
-                                                   "caching allocator)")
+    p.add_argument("--device", default=None, help="cpu (exact to the byte) | cuda: predict the step as a CUDA card "
+                                                    "runs it (its kernels, autocast, optimizer, cuBLAS workspaces and "
+                                                    "caching allocator); default: cuda with a card, else cpu")
     p.add_argument("--card", default=None, help=("cards, comma-separated, a table each" if cards else "a card")
                    + " (`ckptlab cards`): predict for it (implies --device cuda): its device bytes and the margin left")
     add_cuda_rule_arguments(p)
