@@ -120,7 +120,7 @@ def test_fits_on_the_command_line_prints_predict_fits_rows(capsys):
     assert rows == json.loads(json.dumps(expected, default=str))
     assert cli_main(args) == 0
     table = capsys.readouterr().out
-    assert "largest batch" in table and "20MiB" in table
+    assert "largest batch" in table and "20MiB" in table and "up to the model's 256 positions" in table
     assert cli_main(["fits", "--cards", "rtx5090"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --cards rtx5090 is invalid: allowed is a card (rtx3090")

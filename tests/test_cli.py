@@ -159,6 +159,19 @@ def test_usage_errors_exit_2(argv, capsys):
     assert len(err.strip().splitlines()) == 1 and argv[-1] in err   # one line, naming the value
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["fits", "--workers", "two"], "error: --workers two is invalid: allowed is an integer"),
+    (["measure", "--steps", "1.5"], "error: --steps 1.5 is invalid: allowed is an integer"),
+    (["compare", "--max-seconds", "lots"], "error: --max-seconds lots is invalid: allowed is a number"),
+])
+def test_a_number_argparse_refuses_is_said_as_ckptlabs_checks_say_theirs(argv, says, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2 and capsys.readouterr().err == says + "\n"
+
+
 def test_sweep_into_a_folder_in_use_exits_3(tmp_path, capsys):
     from ckptlab.run.store import RunWriter
 

@@ -593,9 +593,10 @@ def cmd_fits(args: argparse.Namespace) -> int:
     rows = predict_fits(workload, policy_list(args.policy), capacities, seq_len=args.seq, batch_size=args.batch,
                         dtype=args.dtype, loop=loop, attention=args.attention, torch_version=args.torch_version,
                         alloc_conf=args.alloc_conf, trace=args.trace, workers=args.workers)
+    up_to = f" up to the model's {workload.max_seq_len} positions" if workload.max_seq_len else ""
     print_rows(rows, FITS_COLUMNS, args.format,
                f"{args.model} ({format_count(workload.n_params)} parameters), {args.dtype}, loop {loop}: the largest "
-               f"batch at seq {args.seq} and the longest sequence (of the powers of two) at batch {args.batch} that "
+               f"batch at seq {args.seq} and the longest sequence (of the powers of two{up_to}) at batch {args.batch} that "
                "fit, predicted per card with the margin left (nothing allocated; 0: not even the smallest fits; "
                "with flushes: what runs with the allocator flushing its cache, on a card)")
     return 0
@@ -847,6 +848,12 @@ class OneLineParser(argparse.ArgumentParser):
     ckptlab's checks give theirs; the usage stays one `--help` away. Subcommands inherit it."""
 
     def error(self, message: str):
+        # a number that is not one, said as ckptlab's checks say theirs: --workers two is invalid: ...
+        number = re.fullmatch(r"argument (-[-\w]+)(?:/\S+)?: invalid (int|float) value: (.*)", message)
+        if number:
+            flag, kind, shown = number.groups()
+            self.exit(2, f"error: {_typed(flag, shown)} is invalid: allowed is "
+                         f"{'an integer' if kind == 'int' else 'a number'}\n")
         self.exit(2, f"error: {self.prog}: {message}\n")
 
     def command(self, func) -> None:
