@@ -501,10 +501,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted memory per policy without allocating (fake tensors); closed form beside. With
     several cards (--card a,b), a table per card: a card that makes the same kernel choices as one
     before it takes that card's traced steps (`compose.from_alike_card`), its allocator replay its own."""
-    cards = list(dict.fromkeys(split_list(args.card))) if args.card is not None else [None]
-    if args.card is not None and (not cards or any(not item.strip() for item in args.card.split(","))):
-        raise ValueError(f"--card {args.card!r} is invalid: allowed is a card or a comma-separated list of cards "
-                         "(ckptlab cards), none empty")
+    cards = [None] if args.card is None else list(dict.fromkeys(
+        _listed("--card", args.card, "a card or a comma-separated list of cards (ckptlab cards)")))
     targets = [device_options(argparse.Namespace(**{**vars(args), "card": name})) for name in cards]
     loop = loop_from_arguments(args, dtype=args.dtype)
     overrides = _model_overrides(args.set)
@@ -555,6 +553,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _listed(flag: str, text: str, allowed: str) -> list[str]:
+    """The items of a comma-separated value; ValueError, naming `flag`, for an empty item or none."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise ValueError(f"{flag} {text!r} is invalid: allowed is {allowed}, none empty")
+    return items
+
+
 def _predicted_row(workload, batch: int, seq: int, policy: Policy, args: argparse.Namespace, loop: Loop,
                    on: dict) -> dict:
     """One `predict` row: the prediction's record, and on a CPU the closed form beside it."""
@@ -586,10 +592,8 @@ def cmd_fits(args: argparse.Namespace) -> int:
     """The largest batch and the longest sequence per policy and card, by prediction."""
     loop = loop_from_arguments(args, dtype=args.dtype)
     workload = get_workload(args.model, **_model_overrides(args.set))
-    capacities = [parse_capacity(c, "--cards") for c in split_list(args.cards)]
-    if not capacities or any(not item.strip() for item in args.cards.split(",")):
-        raise ValueError(f"--cards {args.cards!r} is invalid: allowed is a comma-separated list of cards or sizes, "
-                         "none empty")
+    capacities = [parse_capacity(c, "--cards")
+                  for c in _listed("--cards", args.cards, "a comma-separated list of cards or sizes")]
     rows = predict_fits(workload, policy_list(args.policy), capacities, seq_len=args.seq, batch_size=args.batch,
                         dtype=args.dtype, loop=loop, attention=args.attention, torch_version=args.torch_version,
                         alloc_conf=args.alloc_conf, trace=args.trace, workers=args.workers)
