@@ -163,6 +163,13 @@ def test_usage_errors_exit_2(argv, capsys):
     (["fits", "--workers", "two"], "error: --workers two is invalid: allowed is an integer"),
     (["measure", "--steps", "1.5"], "error: --steps 1.5 is invalid: allowed is an integer"),
     (["compare", "--max-seconds", "lots"], "error: --max-seconds lots is invalid: allowed is a number"),
+    # an option the command lacks: the nearest one it has (fits' --cards is predict's --card), else what it took
+    (["predict", "--cards", "rtx4090"], "error: ckptlab predict: --cards is not an option here: did you mean "
+                                        "--card? (ckptlab predict --help lists them)"),
+    (["explain", "--polcy=full"], "error: ckptlab explain: --polcy is not an option here: did you mean --policy? "
+                                  "(ckptlab explain --help lists them)"),
+    (["predict", "--gpu", "h100-80"], "error: ckptlab predict: unrecognized arguments: --gpu h100-80 "
+                                      "(ckptlab predict --help lists what it takes)"),
 ])
 def test_a_number_argparse_refuses_is_said_as_ckptlabs_checks_say_theirs(argv, says, capsys):
     try:

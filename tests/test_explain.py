@@ -111,6 +111,19 @@ def test_policy_levers_equal_predict_and_a_plan_at_capacity_fits_it():
     assert predict(workload, 8, 128, plan.policy).peak_bytes == plan.predicted_peak_bytes
     assert e.steps[0].predicted_peak_bytes == e.peak_bytes == base.peak_bytes
     assert e.steps[-1].predicted_peak_bytes <= capacity
+    # every lever with a peak says whether it fits, or by how much it stays over
+    lines = str(e).splitlines()
+    for lever in e.levers:
+        if lever.predicted_peak_bytes is None:
+            continue
+        line = next(ln for ln in lines if f"  {lever.name}" in ln and ln.lstrip().startswith(
+            format_bytes(lever.predicted_peak_bytes)))
+        over = lever.predicted_peak_bytes - capacity
+        assert ("  fits:" in line) == (over <= 0), line
+        assert (f"  over by {format_bytes(over)}:" in line) == (over > 0), line
+    # the waterfall's path gives each step's peak once, beside its name
+    path = next(ln for ln in lines if ln.startswith("  together: "))
+    assert path == "  together: " + " -> ".join(f"{s.name} ({format_bytes(s.predicted_peak_bytes)})" for s in e.steps)
 
 
 def test_a_peak_in_the_heads_backward_says_the_blocks_still_hold_their_activations():

@@ -10,6 +10,7 @@ import ast
 import contextlib
 import csv
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -860,10 +861,27 @@ class OneLineParser(argparse.ArgumentParser):
                          f"{'an integer' if kind == 'int' else 'a number'}\n")
         self.exit(2, f"error: {self.prog}: {message}\n")
 
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            # an option another command has (--cards is fits', predict's is --card): name the nearest one here
+            command = getattr(parsed, "command_prog", self.prog)
+            options = getattr(parsed, "command_options", [])
+            flag = next((u.split("=")[0] for u in unknown if u.startswith("--")), None)
+            nearest = difflib.get_close_matches(flag, options, n=1, cutoff=0.8) if flag else []
+            if nearest:
+                self.exit(2, f"error: {command}: {flag} is not an option here: did you mean {nearest[0]}? "
+                             f"({command} --help lists them)\n")
+            self.exit(2, f"error: {command}: unrecognized arguments: {' '.join(unknown)} ({command} --help lists "
+                         "what it takes)\n")
+        return parsed
+
     def command(self, func) -> None:
-        """This (sub)command runs `func`; its errors name the flags it has (PARAMETER_FLAGS)."""
+        """This (sub)command runs `func`; its errors name the flags it has (PARAMETER_FLAGS), and an
+        option it lacks is answered with the nearest one it has."""
         own = {option for action in self._actions for option in action.option_strings}
-        self.set_defaults(func=func, flags={name: flag for name, flag in PARAMETER_FLAGS.items() if flag in own})
+        self.set_defaults(func=func, flags={name: flag for name, flag in PARAMETER_FLAGS.items() if flag in own},
+                          command_prog=self.prog, command_options=sorted(o for o in own if o.startswith("--")))
 
 
 def build_parser() -> argparse.ArgumentParser:

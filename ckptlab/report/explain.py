@@ -157,14 +157,19 @@ class Explanation:
         for lever in self.levers:
             peak = format_bytes(lever.predicted_peak_bytes) if lever.predicted_peak_bytes is not None else "-"
             mark = "" if lever.basis == "predicted" else f" [{lever.basis}]"
-            fits = ""
-            if self.capacity_bytes and lever.predicted_peak_bytes is not None:
-                fits = "  fits" if lever.predicted_peak_bytes <= self.capacity_bytes else ""
-            lines.append(f"    {peak:>10}  {lever.name}{mark}{fits}: {lever.cost}")
+            lines.append(f"    {peak:>10}  {lever.name}{mark}{self._verdict(lever)}: {lever.cost}")
         if len(self.steps) > 1:
-            path = " -> ".join(f"{s.name} {format_bytes(s.predicted_peak_bytes)}" for s in self.steps)
+            path = " -> ".join(f"{s.name} ({format_bytes(s.predicted_peak_bytes)})" for s in self.steps)
             lines.append(f"  together: {path}")
         return "\n".join(lines)
+
+    def _verdict(self, lever: Lever) -> str:
+        """Whether a lever's peak fits the capacity, said for every lever with a peak: "fits", or
+        how far over it stays."""
+        if not self.capacity_bytes or lever.predicted_peak_bytes is None:
+            return ""
+        over = lever.predicted_peak_bytes - self.capacity_bytes
+        return "  fits" if over <= 0 else f"  over by {format_bytes(over)}"
 
 
 # --------------------------------------------------------------------------- the explanation
