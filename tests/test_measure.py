@@ -55,6 +55,45 @@ def test_a_failure_during_work_becomes_an_error_record():
     assert record["policy"] == "full" and record["batch_size"] == 2
 
 
+def test_a_measurement_collects_the_cycles_it_made_and_leaves_the_collector_as_found():
+    import gc
+    import weakref
+
+    from ckptlab import Workload, compare
+
+    from .custom_model import Net, classification_loss
+
+    built = []
+
+    def cyclic_net():   # a model in a reference cycle: freed only by a collection
+        net = Net(16, 2)
+        net.__dict__["cycle"] = [net]
+        built.append(weakref.ref(net))
+        return net
+
+    workload = Workload.custom("cyclic-net", cyclic_net, lambda b, s, gen: (torch.randn(b, s, 8, generator=gen),
+                                                                           torch.randint(0, 3, (b,), generator=gen)),
+                               classification_loss)
+    gc.unfreeze()   # the test process's freeze (conftest): here the collector starts with nothing frozen
+    try:
+        assert measure(workload, 2, 4, "full", steps=1, warmup=0, max_seconds=0.1)["status"] == "ok"
+        compare(workload, 2, 4, ["none", "full"], max_seconds=0.1)
+        assert built and all(ref() is None for ref in built)
+        assert gc.get_freeze_count() == 0 and gc.isenabled()
+        # a caller's freeze stays whole: what it froze is never collected, garbage or not
+        old = Net(4, 1)
+        old.__dict__["cycle"] = [old]
+        old_ref = weakref.ref(old)
+        gc.freeze()
+        del old
+        measure(workload, 2, 4, "full", steps=1, warmup=0, max_seconds=0.1)
+        gc.collect()
+        assert old_ref() is not None and gc.get_freeze_count() > 0
+    finally:
+        gc.collect()
+        gc.freeze()
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [

@@ -15,6 +15,7 @@ from ..core.children import child_environment, die_with_parent, exit_when_orphan
 from ..core.records import new_record
 from ..plan.budget import measure
 from ..probe.distributed import measure_sharded
+from ..probe.measure import older_objects_frozen
 from .compare import measure_together
 from .config import SweepConfig
 from .progress import progress_bar
@@ -56,12 +57,13 @@ def run_cells(config: SweepConfig, writer: RunWriter, done: list[dict]) -> list[
 
     oom = OomInference(config, done)
     try:
-        if not config.isolate and config.nproc == 1:  # in this process: the policies of one shape timed together
-            for group in timing_groups(todo):
-                bar.set_postfix_str(cell_id(group[0]), refresh=False)
-                measure_together_cells(config, group, keep, oom)
-        else:
-            measure_cells(config, todo, measure_one, keep, oom)
+        with older_objects_frozen(config.device):   # each cell's collection walks what the sweep made
+            if not config.isolate and config.nproc == 1:  # in this process: the policies of one shape timed together
+                for group in timing_groups(todo):
+                    bar.set_postfix_str(cell_id(group[0]), refresh=False)
+                    measure_together_cells(config, group, keep, oom)
+            else:
+                measure_cells(config, todo, measure_one, keep, oom)
     finally:
         bar.close()
     return records

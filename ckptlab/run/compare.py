@@ -35,6 +35,7 @@ from ..probe.measure import (
     MAX_ROUNDS,
     check_policy_applies,
     failures_recorded,
+    older_objects_frozen,
     policy_applier,
     policy_notes,
     prepare_step,
@@ -167,7 +168,8 @@ def _measure(contenders, setup: Setup, target_ci, max_seconds, after_prepare=Non
     time them together, then `after_timing`; rows in the order of `contenders`."""
     rows, steps = [], {}
     bar = bar or Progress("measure", False)
-    with fresh_compiler_cache():   # an anchor may compile whatever the policies are
+    # the collections below and in each preparation walk only what the configurations made
+    with older_objects_frozen(setup.dev), fresh_compiler_cache():   # an anchor may compile whatever the policies are
         try:
             ready = [c for c in contenders if not c.compiled_budget]
             bar.phase("build, compile and measure memory", len(ready), "config")

@@ -20,6 +20,8 @@ from ..core.cards import fits, margin_left, parse_capacity
 from ..core.records import CATEGORIES
 from ..core.validate import integer
 from ..plan.budget import measure, predict
+from ..probe.measure import older_objects_frozen
+from ..probe.step import resolve_device
 from ..workloads.registry import get_workload
 
 
@@ -32,12 +34,13 @@ def lora_vs_full(model: str, rank: int, seq_lens: Sequence[int], batch_size: int
     lora = f"{model}+lora={rank}"
     get_workload(lora)   # every input checked before the first measurement
     rows = []
-    for finetune, spec in (("full", model), (f"LoRA r={rank}", lora)):
-        for seq_len in seq_lens:
-            for policy in policies:
-                record = measure(spec, batch_size, seq_len, policy, dtype=dtype, device=device, steps=steps,
-                                 warmup=warmup, max_seconds=max_seconds)
-                rows.append({**record, "finetune": finetune, "config": f"{finetune} · {policy} · s={seq_len}"})
+    with older_objects_frozen(resolve_device(device)):   # each measurement's collection walks what they made
+        for finetune, spec in (("full", model), (f"LoRA r={rank}", lora)):
+            for seq_len in seq_lens:
+                for policy in policies:
+                    record = measure(spec, batch_size, seq_len, policy, dtype=dtype, device=device, steps=steps,
+                                     warmup=warmup, max_seconds=max_seconds)
+                    rows.append({**record, "finetune": finetune, "config": f"{finetune} · {policy} · s={seq_len}"})
     return pd.DataFrame(rows)
 
 
