@@ -73,6 +73,11 @@ def test_a_capacity_is_a_card_or_a_size_and_either_can_be_adjusted():
         parse_capacity("lots", "capacities")
     with pytest.raises(ValueError, match=r"usable_bytes=0 is invalid"):
         parse_capacity("rtx4090", usable_bytes=0)
+    # text without a unit could be GB or GiB: refused, where a number from Python is bytes
+    with pytest.raises(ValueError, match=r"^capacity='24' is invalid: a size needs its unit; allowed is a card "
+                                         r"\(rtx3090, .*h200\) or a size such as 24GiB or 24GB$"):
+        parse_capacity("24")
+    assert parse_capacity(24 * GiB).usable_bytes == 24 * GiB
 
 
 def test_fits_keeps_the_margin_and_margin_left_is_what_is_left_beyond_it():

@@ -180,6 +180,14 @@ def test_cli_prints_the_report_and_json(capsys, tmp_path):
     assert data["capacity_card"].startswith("RTX 4090") and data["device"] == "cuda"
     assert data["margin_bytes"] == rtx.usable_bytes - rtx.required_margin_bytes - data["device_bytes"] and data["steps"][0]["predicted_peak_bytes"] == data["device_bytes"]
     assert data["fit"] == "yes" and data["fit_reason"].startswith("fits: reserved")   # margin_bytes >= 0
+    assert data["capacity_is_card"]
+    # a size on a card: the levers against that size, not the card's; a capacity naming another card: refused
+    assert cli_main(args + ["--card", "rtx4090", "--capacity", "20GiB"]) == 0
+    assert "levers (one change each, capacity 20.0 GiB):" in capsys.readouterr().out
+    assert cli_main(args + ["--card", "rtx4090", "--capacity", "h100-80"]) == 2
+    assert capsys.readouterr().err == ("error: --capacity h100-80 is invalid with --card rtx4090: a capacity that "
+                                       "names a card is predicted for that card; allowed is --capacity rtx4090 or a "
+                                       "size such as 24GiB, or no card\n")
     offload = next(lever for lever in data["levers"] if lever["name"] == "offload")
     assert offload["basis"] == "predicted" and offload["predicted_peak_bytes"] > 0   # on a card, predicted
     assert data["peak_phase"] in ("forward", "backward", "optimizer")

@@ -5,7 +5,8 @@ Conventions (also in docs/development.md):
 - each ```python block runs on its own, in a fresh module namespace, in a temporary working
   directory (files a block writes, such as results/my-sweep, land there);
 - a ```text block directly after a ```python block is its printed output: the lines must match one
-  for one, with the same words in the same order, numbers aside (timings differ between runs);
+  for one, with the same words in the same order and the same sizes (77.8 MiB), other numbers
+  aside (timings differ between runs);
 - `<!-- not-run: REASON -->` on the line just before a block's fence keeps it out of the run (a
   GPU, a cluster, minutes of work); the reason must be given, and the block must still compile.
 """
@@ -28,6 +29,7 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([\w+-]*)[^`]*$")
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(\S.*?)\s*-->$")
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+SIZE = re.compile(r" ?(?:[KMGT]iB|B)\b")   # after a number: a size in bytes
 
 
 @dataclass
@@ -74,8 +76,10 @@ PYTHON_BLOCKS = [b for path in DOCUMENTS for b in code_blocks(path) if b.languag
 
 
 def shape(text: str) -> list[str]:
-    """Lines with runs of whitespace collapsed and every number replaced by N."""
-    return [NUMBER.sub("N", " ".join(line.split())) for line in text.strip("\n").splitlines()]
+    """Lines with runs of whitespace collapsed and every number replaced by N but sizes (77.8 MiB,
+    512 B): bytes measured on a CPU and predicted are the same on every run, timings are not."""
+    return [NUMBER.sub(lambda m: m.group() if SIZE.match(m.string, m.end()) else "N", " ".join(line.split()))
+            for line in text.strip("\n").splitlines()]
 
 
 def run_block(block: Block) -> str:
@@ -114,9 +118,10 @@ def test_block_parser_finds_output_nested_fences_and_not_run_markers(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("````markdown\n```python\nraise SystemExit\n```\n````\n\n"
                    "<!-- not-run: needs a CUDA device -->\n```python\nimport cuda_only\n```\n\n"
-                   "```python\nprint('peak', 12.5, 'MiB')\n```\n\n```text\npeak 3.0 MiB\n```\n")
+                   "```python\nprint('peak', 3.0, 'MiB')\n```\n\n```text\npeak 3.0 MiB\n```\n")
     blocks = [b for b in code_blocks(doc) if b.language == "python"]
     assert [(b.line, b.not_run, b.output) for b in blocks] == [
         (8, "needs a CUDA device", None), (12, None, "peak 3.0 MiB\n")]
     assert shape(run_block(blocks[1])) == shape(blocks[1].output)
     assert shape("peak 3.0 GiB") != shape("peak 3.0 MiB") and shape("a  1\n") != shape("a 1\nb 2")
+    assert shape("peak 3.0 MiB in 12 ms") == shape("peak 3.0 MiB in 15 ms") != shape("peak 3.1 MiB in 12 ms")

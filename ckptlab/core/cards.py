@@ -143,14 +143,18 @@ def card_budgets(names=DEFAULT_CARDS) -> dict[str, int]:
 
 def parse_capacity(value, name: str = "capacity", usable_bytes=None, context_bytes=None,
                    required_margin_bytes=None) -> Card:
-    """A card name, a `Card`, or a size (24GiB, 512MiB, bytes) -> a Card; the keyword arguments
-    replace the card's usable bytes, context and margin (sizes, or 0 for context and margin).
-    ValueError naming `name`, the value and what is allowed."""
+    """A card name, a `Card`, or a size (24GiB, 512MiB, a number of bytes; as text, with its unit:
+    "24" could mean GB or GiB) -> a Card; the keyword arguments replace the card's usable bytes,
+    context and margin (sizes, or 0 for context and margin). ValueError naming `name`, the value
+    and what is allowed."""
     if isinstance(value, Card):
         capacity = value
     elif isinstance(value, str) and value.strip().lower() in _BY_NAME:
         capacity = _BY_NAME[value.strip().lower()]
     else:
+        if isinstance(value, str) and _positive_number(value):   # "24": GB or GiB? a typed size says its unit
+            raise ValueError(f"{name}={value!r} is invalid: a size needs its unit; allowed is a card "
+                             f"({', '.join(_BY_NAME)}) or a size such as {value.strip()}GiB or {value.strip()}GB")
         try:
             n_bytes = size_bytes(name, value)
         except ValueError:
@@ -161,6 +165,13 @@ def parse_capacity(value, name: str = "capacity", usable_bytes=None, context_byt
                "required_margin_bytes": required_margin_bytes}
     changes = {k: _bytes(k, v, minimum=1 if k == "usable_bytes" else 0) for k, v in changes.items() if v is not None}
     return replace(capacity, **changes) if changes else capacity
+
+
+def _positive_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def _bytes(name: str, value, minimum: int) -> int:

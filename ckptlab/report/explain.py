@@ -104,6 +104,7 @@ class Explanation:
     steps: list = field(default_factory=list)       # Lever: the waterfall, today's peak first
     capacity_bytes: Optional[int] = None  # what the levers' sizes may reach: a size, or a card's usable bytes less its margin
     capacity_card: str = ""               # the card every size is predicted for, in words ("": none)
+    capacity_is_card: bool = False        # the capacity is that card's usable bytes less its margin (not a size)
     device: str = "cpu"
     card: Optional[str] = None            # its name
     device_bytes: Optional[int] = None    # on a card: reserved + context, what the levers' sizes are
@@ -151,7 +152,7 @@ class Explanation:
         lines.append(f"  cause: {self.cause}")
         lines.append(f"  checkpoint floor: {format_bytes(self.checkpoint_floor_bytes)} ({self.checkpoint_floor_policy})")
         cap = f", capacity {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
-        if self.capacity_card:
+        if self.capacity_is_card:
             cap += f": {self.capacity_card} less its margin"
         lines.append(f"  levers (one change each{cap}):")
         for lever in self.levers:
@@ -194,11 +195,16 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     t0 = time.perf_counter()
     limit = parse_capacity(capacity) if capacity is not None else None
     on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
+    if limit is not None and limit.arch and on_card is not None and limit.name != on_card.name:
+        raise ValueError(f"capacity={capacity!r} is invalid with card={card!r}: a capacity that names a card is "
+                         f"predicted for that card; allowed is capacity={on_card.name!r} or a size such as 24GiB, "
+                         "or no card")
     device = "cuda" if on_card is not None else device
     workload, parsed, loop = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, loop, device,
                                               on_card, attention, torch_version=torch_version, alloc_conf=alloc_conf)
     if limit is None or limit.arch:   # on a card: what its device bytes may reach
         limit = on_card
+    capacity_is_card = limit is not None and limit.arch is not None
     capacity_bytes = limit.usable_bytes - limit.required_margin_bytes if limit is not None else None
     on = {"device": device, "card": on_card, "attention": attention, "torch_version": torch_version,
           "alloc_conf": alloc_conf}
@@ -252,7 +258,8 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
             peak_block=base.peak_block, breakdown=breakdown, checkpoint_floor_bytes=floor,
             checkpoint_floor_policy=floor_policy, cause=cause, cause_kind=kind, levers=levers,
             capacity_bytes=capacity_bytes, ranks=ranks, recompute_count=base.recompute_count, device=device,
-            card=base.card, capacity_card=on_card.describe() if on_card else "", device_bytes=base.device_bytes,
+            card=base.card, capacity_card=on_card.describe() if on_card else "", capacity_is_card=capacity_is_card,
+            device_bytes=base.device_bytes,
             margin_bytes=base.margin_bytes, fit=base.fit, fit_reason=base.fit_reason,
         )
         explanation.steps = waterfall(workload, base, applied, levers, capacity_bytes, ranks, on, memo)
