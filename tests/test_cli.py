@@ -168,6 +168,8 @@ def test_usage_errors_exit_2(argv, capsys):
                                         "--card? (ckptlab predict --help lists them)"),
     (["explain", "--polcy=full"], "error: ckptlab explain: --polcy is not an option here: did you mean --policy? "
                                   "(ckptlab explain --help lists them)"),
+    (["fits", "--capacity", "24GiB"], "error: ckptlab fits: --capacity is not an option here: did you mean "
+                                      "--cards? (ckptlab fits --help lists them)"),
     (["predict", "--gpu", "h100-80"], "error: ckptlab predict: unrecognized arguments: --gpu h100-80 "
                                       "(ckptlab predict --help lists what it takes)"),
 ])

@@ -117,7 +117,8 @@ def test_cpu_prediction_has_no_cuda_numbers(tiny):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(device="tpu"), "device='tpu' is invalid: allowed are cpu, cuda"),
     (dict(device="cuda", card="rtx5090"), "card='rtx5090' is invalid: allowed are rtx3090"),
-    (dict(card="rtx4090"), "card='rtx4090' is invalid with device='cpu'"),
+    (dict(device="cpu", card="rtx4090"), "card='rtx4090' is invalid with device='cpu'"),
+    (dict(card="rtx4080"), "card='rtx4080' is invalid: allowed are rtx3090"),   # a card alone means CUDA
     (dict(device="cuda", attention="fast"), "attention='fast' is invalid: allowed are flash, efficient, math, cudnn"),
     (dict(loop="adamw-turbo"), "optimizer='adamw-turbo' is invalid: allowed are adamw, adamw-foreach"),
     (dict(device="cuda", torch_version="2.3"), r"torch_version='2.3' is invalid: allowed are 2.4, 2.5, .*2.13"),
@@ -128,6 +129,13 @@ def test_bad_device_card_attention_or_optimizer_is_one_line_before_work(tiny, kw
     with pytest.raises(ValueError, match=message) as info:
         ckptlab.predict(tiny, 1, 8, "none", **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_a_card_without_a_device_is_predicted_for_cuda(tiny):
+    alone = ckptlab.predict(tiny, 1, 8, "full", card="rtx4090")
+    said = ckptlab.predict(tiny, 1, 8, "full", device="cuda", card="rtx4090")
+    assert dataclasses.replace(alone, predict_s=0) == dataclasses.replace(said, predict_s=0) and alone.device == "cuda"
+    assert ckptlab.predict(tiny, 1, 8, "full").device == "cpu"
 
 
 def test_cli_predict_for_a_card_prints_allocated_reserved_device_backend_and_margin(capsys):

@@ -37,7 +37,7 @@ from ..estimate.closed_form import closed_form
 from ..estimate.compose import fallback_reason
 from ..estimate.cuda_device import ALLOC_CONFS
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
-from ..estimate.predict import TRACES, check_device, predict_fits
+from ..estimate.predict import TRACES, check_device, implied_device, predict_fits
 from ..estimate.torch_versions import TORCH_VERSIONS, default_torch_version
 from ..plan.budget import plan_budget, predict
 from ..probe.measure import check_policy_applies
@@ -468,7 +468,7 @@ def device_options(args: argparse.Namespace) -> dict:
     --capacity naming one, means CUDA). Checked as `predict` checks them, before any work."""
     capacity = getattr(args, "capacity", None)
     on_card = args.card or (capacity is not None and parse_capacity(capacity).arch)
-    device = args.device if args.device is not None else "cuda" if on_card else "cpu"
+    device = implied_device(args.device, on_card or None)
     options = {"device": device, "card": args.card, "attention": args.attention, "torch_version": args.torch_version,
                "alloc_conf": args.alloc_conf}
     check_device(**options)
@@ -848,6 +848,10 @@ def _typed(flag: str, shown: str) -> str:
     return f"{flag} {shlex.quote(text) if any(c.isalnum() for c in text) else repr(text)}"
 
 
+# Where commands name the cards they answer for: predict --card, fits --cards, explain --capacity.
+CARD_FLAGS = ("--card", "--cards", "--capacity")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's own refusals (an unknown choice, a missing value) in one line and exit 2, as
     ckptlab's checks give theirs; the usage stays one `--help` away. Subcommands inherit it."""
@@ -869,6 +873,8 @@ class OneLineParser(argparse.ArgumentParser):
             options = getattr(parsed, "command_options", [])
             flag = next((u.split("=")[0] for u in unknown if u.startswith("--")), None)
             nearest = difflib.get_close_matches(flag, options, n=1, cutoff=0.8) if flag else []
+            if not nearest and flag in CARD_FLAGS:   # the cards a command answers for, under its own name
+                nearest = [f for f in CARD_FLAGS if f in options][:1]
             if nearest:
                 self.exit(2, f"error: {command}: {flag} is not an option here: did you mean {nearest[0]}? "
                              f"({command} --help lists them)\n")

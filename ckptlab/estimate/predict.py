@@ -153,6 +153,13 @@ def check_prediction(workload: Workload | str, batch_size: int, seq_len: int, po
     return workload, policy, loop
 
 
+def implied_device(device: Optional[str], card: Optional[str | Card] = None) -> str:
+    """The device a prediction is for: as given, else "cuda" on a card, else "cpu"."""
+    if device is not None:
+        return device
+    return "cuda" if card is not None else "cpu"
+
+
 def check_device(device: str, card: Optional[str | Card] = None, attention: Optional[str] = None, *,
                  torch_version: Optional[str] = None, alloc_conf: Optional[str] = None) -> None:
     """Check what a prediction is for (ValueError naming the first bad one): a device of DEVICES,
@@ -431,4 +438,5 @@ def prediction_error(predicted: int, measured: int) -> float:
     return predicted / measured - 1 if measured else math.nan
 
 
-__all__ = ["TRACES", "check_device", "check_prediction", "llama7b_shape", "predict_fits", "predict_policy", "prediction_error"]
+__all__ = ["TRACES", "check_device", "check_prediction", "implied_device", "llama7b_shape", "predict_fits", "predict_policy",
+           "prediction_error"]

@@ -20,7 +20,7 @@ from ..core.units import format_bytes
 from ..core.validate import choice
 from ..estimate.compose import fast_memory
 from ..estimate.fake_step import FakeMemory, Prediction, as_card
-from ..estimate.predict import TRACES, check_prediction, predict_policy
+from ..estimate.predict import TRACES, check_prediction, implied_device, predict_policy
 from ..probe.measure import measure_policy, measurement_record
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
@@ -86,7 +86,7 @@ def resolve_budget(budget, none_peak: int) -> int:
 
 
 def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
-                loop: Loop | str | None = None, cost: str = "auto", max_iterations: int = 4, device: str = "cpu",
+                loop: Loop | str | None = None, cost: str = "auto", max_iterations: int = 4, device: str | None = None,
                 card=None, attention: str | None = None, *, torch_version: str | None = None,
                 alloc_conf: str | None = None) -> Plan:
     """Minimum-recompute plan of {keep, selective, full} per block whose predicted peak fits
@@ -95,7 +95,9 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
     `torch_version`'s rules, with the allocator's `alloc_conf`, as `predict`) the plan is made and
     verified on the CUDA prediction's allocated peak, and on a card `fit` says whether it fits
     there; for the training `loop` (`core.loop`, `predict`'s): profiled as
-    `plan.profile.profiled_loop`, verified in the loop itself."""
+    `plan.profile.profiled_loop`, verified in the loop itself. Without `device`, a `card` means
+    "cuda", else "cpu"."""
+    device = implied_device(device, card)
     workload, loop = as_workload(workload), as_loop(loop)
     workload.check_shape(batch_size, seq_len)
     budget_value(budget)   # refused before any work
@@ -207,15 +209,16 @@ def measure(workload: Workload | str, batch_size: int, seq_len: int, policy: str
 
 
 def predict(workload: Workload | str, batch_size: int, seq_len: int, policy: str | Policy = "none",
-            dtype: str = "fp32", loop: Loop | str | None = None, device: str = "cpu", card=None,
+            dtype: str = "fp32", loop: Loop | str | None = None, device: str | None = None, card=None,
             attention: str | None = None, *, torch_version: str | None = None,
             alloc_conf: str | None = None, trace: str = "fast") -> Prediction:
     """`ckptlab.estimate.predict.predict_policy` for any policy: a `budget=` is first resolved to
     the plan `plan_budget` chooses (on the same device, for the same loop, under the same torch
     version's rules, with the same allocator); the prediction names the budget as its policy and
     the plan in `plan`. `trace` as predict_policy's: "fast" (the step composed from a few blocks'
-    traces where it can be) or "full"."""
+    traces where it can be) or "full". Without `device`, a `card` means "cuda", else "cpu"."""
     choice("trace", trace, TRACES)
+    device = implied_device(device, card)
     predicted_for = {"device": device, "card": card, "attention": attention, "torch_version": torch_version}
     workload, policy, loop = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, loop,
                                               **predicted_for, alloc_conf=alloc_conf)
