@@ -181,6 +181,8 @@ def test_cli_prints_the_report_and_json(capsys, tmp_path):
     assert data["margin_bytes"] == rtx.usable_bytes - rtx.required_margin_bytes - data["device_bytes"] and data["steps"][0]["predicted_peak_bytes"] == data["device_bytes"]
     assert data["fit"] == "yes" and data["fit_reason"].startswith("fits: reserved")   # margin_bytes >= 0
     assert data["capacity_is_card"]
+    # the cause compares the floor in the device bytes it is in, not with the allocated peak
+    assert f"{format_bytes(data['checkpoint_floor_bytes'])} of device bytes" in data["cause"]
     # a size on a card: the levers against that size, not the card's; a capacity naming another card: refused
     assert cli_main(args + ["--card", "rtx4090", "--capacity", "20GiB"]) == 0
     assert "levers (one change each, capacity 20.0 GiB):" in capsys.readouterr().out

@@ -327,12 +327,14 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
             f"The policy {policy} did not apply: 0 of {pred.n_blocks} blocks were recomputed ({why}), so the step "
             f"keeps every activation as without checkpointing.")
     static = sum(breakdown[k] for k in ("parameters", "frozen_parameters", "buffers", "gradients", "optimizer_state"))
+    # on a card the floor is device bytes (reserved + context), the peak allocated bytes: said so
+    lowest = f(floor) + (" of device bytes" if pred.device_bytes is not None else "")
     if pred.peak_phase == "optimizer":
         return "optimizer", (
             f"The peak is in the optimizer step, where the weights ({f(breakdown['parameters'] + breakdown['frozen_parameters'])}), "
             f"their gradients ({f(breakdown['gradients'])}) and the optimizer state ({f(breakdown['optimizer_state'])}) "
             f"are held together. Activations are freed by then, so no checkpoint policy can lower it "
-            f"(the lowest any reaches is {f(floor)}).")
+            f"(the lowest any reaches is {lowest}).")
     temporaries = breakdown["temporaries"]
     temporaries_in_blocks = pred.peak_in_blocks_by_category.get("temporaries", 0)
     if pred.peak_block is not None:   # a block's backward: its recompute and gradient buffers
@@ -343,10 +345,10 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
     if outside >= max(blocks, static):
         return "logits", (
             f"The logits, the loss and their gradients hold the peak: {f(outside)} of activations and temporaries "
-            f"outside the blocks against {f(blocks)} in them. The peak comes {where}. Checkpointing the blocks lowers it only to {f(floor)} ({floor_policy}); "
+            f"outside the blocks against {f(blocks)} in them. The peak comes {where}. Checkpointing the blocks lowers it only to {lowest} ({floor_policy}); "
             f"a chunked loss{' or a smaller micro-batch' if pred.batch_size > 1 else ''} shrinks the logits.")
     if blocks >= static:
-        reach = (f"{floor_policy} brings the peak to {f(floor)}" if floor < pred.held_bytes else
+        reach = (f"{floor_policy} brings the peak to {lowest}" if floor < pred.held_bytes else
                  f"{policy} already reaches the lowest peak checkpointing gets to, so only other levers can go below it")
         return "blocks", (
             f"Block activations hold the peak: {f(blocks)} of {f(pred.peak_bytes)}. The peak comes {where}. "
@@ -358,7 +360,7 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
     return "weights", (
         f"Weights, gradients and optimizer state hold the peak: {f(static)} of {f(pred.peak_bytes)}. The peak "
         f"comes {where}. "
-        f"Checkpointing lowers only activations (to {f(floor)} at best); {_either(others)} "
+        f"Checkpointing lowers only activations (to {lowest} at best); {_either(others)} "
         f"{'lowers' if len(others) == 1 else 'lower'} the rest.")
 
 
