@@ -700,13 +700,15 @@ def add_workload_arguments(p: argparse.ArgumentParser, batch: str, seq: str, pol
                         "package.module:factory (default: gpt-tiny)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="model override (a config field, or a keyword of your factory), e.g. --set n_layer=8")
-    p.add_argument("--batch", default=batch, type=str if lists else int, help=f"batch size{'s' if lists else ''}{many}")
-    p.add_argument("--seq", default=seq, type=str if lists else int, help=f"sequence length{'s' if lists else ''}{many}")
+    p.add_argument("--batch", default=batch, type=str if lists else int,
+                   help=f"batch size{'s' if lists else ''}{many} (default: {batch})")
+    p.add_argument("--seq", default=seq, type=str if lists else int,
+                   help=f"sequence length{'s' if lists else ''}{many} (default: {seq})")
     if policy:
         p.add_argument("--policy", default=policy,
                        help=("policies, comma-separated, e.g. none,density=0.5,full" if "," in policy else
-                             "a policy, e.g. full or density=0.5") + " (the vocabulary: ckptlab --help)")
-    p.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
+                             "a policy, e.g. full or density=0.5") + f" (the vocabulary: ckptlab --help; default: {policy})")
+    p.add_argument("--dtype", default="fp32", help=DTYPE_HELP + " (default: fp32)")
 
 
 # The loop's flags (`core.loop.Loop`'s fields): flag -> (field, what it reads: "int", "flag" or "text").
