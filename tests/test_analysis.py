@@ -167,6 +167,9 @@ def test_summary_cards_agree_with_fits_from_run_far_beyond_the_run_limit():
     on_card = fits[(fits.kind == "extrapolated") & (fits.limit == "rtx4090")].set_index("policy")["max_batch_size"]
     assert s.loc["rtx4090", "batch_size"] == on_card.max() == (card("rtx4090").budget_bytes - 8 * 2**20) // (2 * 2**20)
     assert s.loc["rtx4090", "policy"] == "full"
+    # that line is carried thousands of times past batch 4: the row says how far
+    batch = int(s.loc["rtx4090", "batch_size"])
+    assert s.loc["rtx4090", "basis"] == f"extrapolated (fit of 3 points, residual <0.1%; {batch / 4:,.0f}x the largest batch measured, 4)"
 
 
 def test_summary_says_plainly_when_it_cannot_answer_for_a_card():

@@ -316,6 +316,9 @@ SUMMARY_COLUMNS = ("policy", "batch_size", "seq_len", "dtype", "accum_steps", "p
                    "step_ms_high", "tokens_per_s")
 
 
+FAR = 10   # an extrapolated batch more than this many times the largest measured says so
+
+
 def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
     """The best configuration per memory limit, one row each, with `basis` saying how it was found.
 
@@ -361,7 +364,13 @@ def _best_on_card(card: str, lines: pd.DataFrame, rows: pd.DataFrame) -> dict:
                         lines[["model", "policy", "seq_len", "dtype", "accum_steps"]].itertuples(index=False)])
     best = ranked.sort_values(["effective_batch", "measured_speed"], ascending=False).iloc[0]
     batch = int(best["max_batch_size"])
-    return {"limit": card, "basis": f"extrapolated ({best['fit_note']})", "policy": best["policy"],
+    group = rows[(rows[["model", "policy", "seq_len", "dtype", "accum_steps"]] ==
+                  best[["model", "policy", "seq_len", "dtype", "accum_steps"]].to_numpy()).all(axis=1)]
+    measured = int(group["batch_size"].max())
+    # a line carried far past what was measured says how far: kernels, limits and the allocator
+    # are those of the batches measured, not of one a thousand times larger
+    reach = f"; {batch / measured:,.0f}x the largest batch measured, {measured}" if batch > FAR * measured else ""
+    return {"limit": card, "basis": f"extrapolated ({best['fit_note']}{reach})", "policy": best["policy"],
             "batch_size": batch, "seq_len": best["seq_len"], "dtype": best["dtype"], "accum_steps": best["accum_steps"],
             "peak_bytes": round(best["fit_intercept_bytes"] + best["fit_slope_bytes"] * batch),
             "step_ms": None, "tokens_per_s": None}
