@@ -357,19 +357,18 @@ def _best_on_card(card: str, lines: pd.DataFrame, rows: pd.DataFrame) -> dict:
     lines = lines[lines["max_batch_size"].notna()]
     if not len(lines):
         return {"limit": card, "basis": "extrapolated: not even batch 1 fits", "policy": None}
-    speed = rows.groupby(["model", "policy", "seq_len", "dtype", "accum_steps"])["tokens_per_s"].max()
+    line = ["model", "policy", "seq_len", "dtype", "accum_steps"]
+    measured = rows.groupby(line)
+    speed, largest = measured["tokens_per_s"].max(), measured["batch_size"].max()
     ranked = lines.assign(
         effective_batch=lines["max_batch_size"] * lines["accum_steps"],
-        measured_speed=[speed.get(tuple(r), np.nan) for r in
-                        lines[["model", "policy", "seq_len", "dtype", "accum_steps"]].itertuples(index=False)])
+        measured_speed=[speed.get(tuple(r), np.nan) for r in lines[line].itertuples(index=False)])
     best = ranked.sort_values(["effective_batch", "measured_speed"], ascending=False).iloc[0]
     batch = int(best["max_batch_size"])
-    group = rows[(rows[["model", "policy", "seq_len", "dtype", "accum_steps"]] ==
-                  best[["model", "policy", "seq_len", "dtype", "accum_steps"]].to_numpy()).all(axis=1)]
-    measured = int(group["batch_size"].max())
     # a line carried far past what was measured says how far: kernels, limits and the allocator
     # are those of the batches measured, not of one a thousand times larger
-    reach = f"; {batch / measured:,.0f}x the largest batch measured, {measured}" if batch > FAR * measured else ""
+    most = largest.get(tuple(best[line]))
+    reach = f"; {batch / most:,.0f}x the largest batch measured, {most}" if most and batch > FAR * most else ""
     return {"limit": card, "basis": f"extrapolated ({best['fit_note']}{reach})", "policy": best["policy"],
             "batch_size": batch, "seq_len": best["seq_len"], "dtype": best["dtype"], "accum_steps": best["accum_steps"],
             "peak_bytes": round(best["fit_intercept_bytes"] + best["fit_slope_bytes"] * batch),
