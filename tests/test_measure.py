@@ -107,6 +107,9 @@ def test_a_measurement_collects_the_cycles_it_made_and_leaves_the_collector_as_f
         (dict(memory_limit="lots"), "memory_limit='lots' is invalid"),
         (dict(loop="lion"), "optimizer='lion' is invalid: allowed are adamw, adamw-foreach, adamw-fused, adamw-forloop, sgd, none"),
         (dict(workload="gpt-huge"), "model='gpt-huge' is invalid: allowed presets are gpt-tiny"),
+        (dict(workload="gpt2-smal"), "model='gpt2-smal' is invalid (did you mean gpt2-small?): allowed presets"),
+        (dict(workload="my_model.py"), "model='my_model.py' is invalid (a model file is named with its factory: "
+                                       "my_model.py:factory): allowed presets"),
     ],
 )
 def test_bad_input_is_a_clear_error_before_any_work(kwargs, fragment):

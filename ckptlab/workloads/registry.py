@@ -3,6 +3,8 @@ becomes a workload (the design's "workload spec")."""
 
 from __future__ import annotations
 
+import difflib
+
 from .base import Workload
 from .lora import LORA_OVERRIDES, is_lora_spec, lora_workload, split_lora_spec
 from .models import PRESETS, build_preset
@@ -39,9 +41,17 @@ def get_workload(name: str, seed: int = 0, **overrides) -> Workload:
     if ":" in name:
         return load_code_workload(name, seed=seed, **overrides)
     if name not in PRESETS:
-        raise ValueError(f"model={name!r} is invalid: allowed presets are {', '.join(PRESETS)} and the hf-* "
-                         f"presets; or a spec: {', '.join(SPEC_FORMS)}")
+        raise ValueError(f"model={name!r} is invalid{_nearest(name)}: allowed presets are {', '.join(PRESETS)} and "
+                         f"the hf-* presets; or a spec: {', '.join(SPEC_FORMS)}")
     return build_preset(name, seed, **overrides)
+
+
+def _nearest(name: str) -> str:
+    """What a name that is no preset most likely meant, in words ("" when nothing is close)."""
+    if name.endswith(".py"):
+        return f" (a model file is named with its factory: {name}:factory)"
+    close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.8)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def as_workload(workload: Workload | str) -> Workload:
