@@ -126,6 +126,17 @@ def test_policy_levers_equal_predict_and_a_plan_at_capacity_fits_it():
     assert path == "  together: " + " -> ".join(f"{s.name} ({format_bytes(s.predicted_peak_bytes)})" for s in e.steps)
 
 
+def test_on_a_card_a_step_whose_peak_cublas_workspaces_outweigh_names_the_allocator():
+    e = explain(get_workload("gpt-tiny"), 8, 128, "full", capacity="rtx4090", progress=False)
+    b = e.breakdown
+    weights = sum(b[k] for k in ("parameters", "frozen_parameters", "buffers", "gradients", "optimizer_state"))
+    activations = b["activations_in_blocks"] + b["activations_outside_blocks"] + b["temporaries"]
+    assert e.peak_phase == "backward" and b["workspaces"] + b["rounding"] > max(weights, activations)
+    assert e.cause_kind == "allocator" and e.cause.startswith(
+        f"The allocator's own bytes hold the peak: cuBLAS workspaces {format_bytes(b['workspaces'])}")
+    assert sum(v for k, v in b.items() if k != "fragmentation") == e.peak_bytes   # all of it inside the peak
+
+
 def test_a_peak_in_the_heads_backward_says_the_blocks_still_hold_their_activations():
     workload = get_workload("gpt-tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=64)
     e = explain(workload, 2, 64)
@@ -183,6 +194,7 @@ def test_cli_prints_the_report_and_json(capsys, tmp_path):
     assert data["capacity_is_card"]
     # the cause compares the floor in the device bytes it is in, not with the allocated peak
     assert f"{format_bytes(data['checkpoint_floor_bytes'])} of device bytes" in data["cause"]
+
     # a size on a card: the levers against that size, not the card's; a capacity naming another card: refused
     assert cli_main(args + ["--card", "rtx4090", "--capacity", "20GiB"]) == 0
     assert "levers (one change each, capacity 20.0 GiB):" in capsys.readouterr().out

@@ -47,7 +47,7 @@ from ..workloads.models import GPTConfig, with_chunked_loss
 
 BREAKDOWN = ("parameters", "frozen_parameters", "buffers", "gradients", "optimizer_state", "activations_in_blocks",
              "activations_outside_blocks", "temporaries")
-CAUSES = ("optimizer", "logits", "blocks", "weights", "not_applied", "double")
+CAUSES = ("optimizer", "logits", "blocks", "weights", "allocator", "not_applied", "double")
 
 # The checkpoint policies tried as levers, and what each costs in words.
 POLICY_LEVERS = {
@@ -342,6 +342,15 @@ def diagnose(pred: Prediction, breakdown: dict, floor: int, floor_policy: str, p
     blocks = breakdown["activations_in_blocks"] + temporaries_in_blocks
     outside = breakdown["activations_outside_blocks"] + temporaries - temporaries_in_blocks
     where = _where(pred.peak_phase, pred.peak_block, breakdown["activations_in_blocks"] > 0)
+    # on a card, the allocator's own bytes inside the allocated peak: cuBLAS workspaces and rounding
+    allocator = breakdown.get("workspaces", 0) + breakdown.get("rounding", 0)
+    if allocator and allocator >= max(outside, blocks, static):
+        return "allocator", (
+            f"The allocator's own bytes hold the peak: cuBLAS workspaces {f(breakdown['workspaces'])} and rounding "
+            f"{f(breakdown['rounding'])}, {f(allocator)} of {f(pred.peak_bytes)}, more than any kind of tensor "
+            f"(weights, gradients and optimizer state {f(static)}, activations and temporaries {f(blocks + outside)}). "
+            f"The peak comes {where}. A step this small pays them on any card; checkpointing lowers only "
+            f"activations (to {lowest} at best).")
     if outside >= max(blocks, static):
         return "logits", (
             f"The logits, the loss and their gradients hold the peak: {f(outside)} of activations and temporaries "
