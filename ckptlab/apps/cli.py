@@ -10,7 +10,6 @@ import ast
 import contextlib
 import csv
 import dataclasses
-import difflib
 import json
 import math
 import re
@@ -31,7 +30,7 @@ from ..core.optimizers import OPTIMIZER_HELP
 from ..core.parsing import attribute_docs, split_list, yaml_mapping
 from ..core.policy import COMPOSITIONS, KINDS, Policy, parse_policies, policy_label
 from ..core.units import format_bytes, format_count, parse_bytes
-from ..core.validate import choice, integer, integer_list, number, output_folder, run_name
+from ..core.validate import choice, integer, integer_list, nearest, number, output_folder, run_name
 from ..estimate import answers
 from ..estimate.closed_form import closed_form
 from ..estimate.compose import fallback_reason
@@ -874,11 +873,11 @@ class OneLineParser(argparse.ArgumentParser):
             command = getattr(parsed, "command_prog", self.prog)
             options = getattr(parsed, "command_options", [])
             flag = next((u.split("=")[0] for u in unknown if u.startswith("--")), None)
-            nearest = difflib.get_close_matches(flag, options, n=1, cutoff=0.8) if flag else []
-            if not nearest and flag in CARD_FLAGS:   # the cards a command answers for, under its own name
-                nearest = [f for f in CARD_FLAGS if f in options][:1]
-            if nearest:
-                self.exit(2, f"error: {command}: {flag} is not an option here: did you mean {nearest[0]}? "
+            close = nearest(flag, options) if flag else None
+            if close is None and flag in CARD_FLAGS:   # the cards a command answers for, under its own name
+                close = next((f for f in CARD_FLAGS if f in options), None)
+            if close:
+                self.exit(2, f"error: {command}: {flag} is not an option here: did you mean {close}? "
                              f"({command} --help lists them)\n")
             self.exit(2, f"error: {command}: unrecognized arguments: {' '.join(unknown)} ({command} --help lists "
                          "what it takes)\n")

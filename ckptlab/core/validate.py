@@ -8,6 +8,7 @@ rest of ckptlab, so anything may call it before doing any work.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -57,6 +58,12 @@ def choice(name: str, value, allowed: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{name}={value!r} is invalid: allowed are {', '.join(allowed)}")
     return value
+
+
+def nearest(value: str, allowed: Sequence[str]) -> str | None:
+    """The one of `allowed` that `value` most likely misspells (a letter or two off), or None."""
+    close = difflib.get_close_matches(value, list(allowed), n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 def non_empty(name: str, values) -> list:
@@ -163,5 +170,5 @@ def _fmt(x: float) -> str:
     return ("-inf" if x < 0 else "inf") if math.isinf(x) else f"{x:g}"
 
 
-__all__ = ["boolean", "choice", "integer", "integer_list", "no_credential", "non_empty", "number", "output_folder",
-           "run_name"]
+__all__ = ["boolean", "choice", "integer", "integer_list", "nearest", "no_credential", "non_empty", "number",
+           "output_folder", "run_name"]

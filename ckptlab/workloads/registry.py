@@ -3,8 +3,7 @@ becomes a workload (the design's "workload spec")."""
 
 from __future__ import annotations
 
-import difflib
-
+from ..core.validate import nearest
 from .base import Workload
 from .lora import LORA_OVERRIDES, is_lora_spec, lora_workload, split_lora_spec
 from .models import PRESETS, build_preset
@@ -50,8 +49,8 @@ def _nearest(name: str) -> str:
     """What a name that is no preset most likely meant, in words ("" when nothing is close)."""
     if name.endswith(".py"):
         return f" (a model file is named with its factory: {name}:factory)"
-    close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.8)
-    return f" (did you mean {close[0]}?)" if close else ""
+    close = nearest(name, PRESETS)
+    return f" (did you mean {close}?)" if close else ""
 
 
 def as_workload(workload: Workload | str) -> Workload:
