@@ -78,8 +78,12 @@ def test_parameters_are_checked_before_running(tmp_path):
         check_parameters(path, {"batch_size": "2"})
     with pytest.raises(ValueError, match="densities=\\['a'\\] is invalid .* List\\[float\\]"):
         check_parameters(find_notebook("02"), {"densities": ["a"]})
-    with pytest.raises(ValueError, match="notebook='99' is invalid: allowed are 01_quickstart"):
+    with pytest.raises(ValueError, match=r"notebook='99' is invalid: allowed are a number 1-11, a name \(01_quickstart"):
         find_notebook("99")
+    # A notebook by its number with or without its zero, or by its name without the number.
+    assert find_notebook("7") == find_notebook("07") == find_notebook("predict_and_plan") == find_notebook("07_predict_and_plan")
+    with pytest.raises(ValueError, match=r"notebook='lorra' is invalid \(did you mean lora\?\)"):
+        find_notebook("lorra")
     # Unknown names are refused before any notebook runs: nothing is written.
     with pytest.raises(ValueError, match="parameter 'nope' is invalid"):
         run_notebooks(["01"], overrides={"nope": 1}, out=tmp_path)

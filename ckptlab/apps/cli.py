@@ -1010,7 +1010,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_executor_arguments(q)
     q.command(cmd_notebooks_run)
     q = nb.add_parser("params", help="list a notebook's parameters: types, defaults, help")
-    q.add_argument("name", help="notebook by number or name, e.g. 02 or 02_density_sweep")
+    q.add_argument("name", help="notebook by number or name, e.g. 2, 02, density_sweep or 02_density_sweep")
     q.command(cmd_notebooks_params)
     return parser
 

@@ -74,14 +74,23 @@ def list_notebooks() -> list[Path]:
 
 
 def find_notebook(name: str) -> Path:
-    """'02', '02_density_sweep', '02_density_sweep.ipynb' or a path to any notebook -> its path."""
+    """A notebook by its number ('7', '07'), its name with or without the number ('lora',
+    '10_lora', '10_lora.ipynb') or a path to any notebook -> its path."""
     if Path(name).suffix == ".ipynb" and Path(name).is_file():
         return Path(name)
-    stem = Path(name).stem
-    matches = [p for p in list_notebooks() if p.stem == stem or p.stem.split("_")[0] == stem]
+    stem, notebooks = Path(name).stem, list_notebooks()
+    matches = [p for p in notebooks if stem == p.stem or stem == p.stem.partition("_")[2] or _same_number(stem, p)]
     if len(matches) != 1:
-        raise ValueError(f"notebook={name!r} is invalid: allowed are {', '.join(p.stem for p in list_notebooks())}")
+        guess = validate.nearest(stem, [p.stem for p in notebooks] + [p.stem.partition("_")[2] for p in notebooks])
+        hint = f" (did you mean {guess}?)" if guess else ""
+        raise ValueError(f"notebook={name!r} is invalid{hint}: allowed are a number 1-{len(notebooks)}, a name "
+                         f"({', '.join(p.stem for p in notebooks)}) or a path to a .ipynb file")
     return matches[0]
+
+
+def _same_number(stem: str, notebook: Path) -> bool:
+    number = notebook.stem.partition("_")[0]
+    return stem.isdigit() and number.isdigit() and int(stem) == int(number)
 
 
 @dataclass
