@@ -1,0 +1,118 @@
+"""The statistics normalization kernels keep, where torch's fake kernels give another dtype.
+
+A layer, group or batch norm whose input is bf16 or fp16 while its weight and bias are fp32 (a
+LayerNorm fed by a Linear under CPU autocast, a bf16 CNN whose norms keep fp32 affine parameters)
+runs a "mixed type" kernel: its mean and rstd (saved for backward) are fp32, and group norm's
+backward gives the input's gradient in the input's dtype. torch's fake kernels (its
+decompositions at v2.13.0) give the statistics in the input's dtype and group norm's input
+gradient in fp32 (which autograd then casts, one more copy): a fake step of such a model holds
+other bytes than the real one. On CUDA, layer norm keeps its statistics in the accumulate type of
+its input, fp32 for bf16 and fp16, mixed or not: a bf16 model's LayerNorms (`bf16-weights`) keep
+twice the bytes the CPU's do.
+
+`NormStats` sits just above the fake mode and gives these ops' outputs the real kernels' dtypes
+(a new fake tensor of the same shape and strides), so the tracker above it sees what the real
+step allocates:
+
+- native_layer_norm: CPU: fp32 statistics where mixed, else the input's dtype (layer_norm.cpp
+  layer_norm_cpu: `param_scalar_type(input, mixed_type)`); CUDA: `toAccumulateType(input, true)`
+  (cuda/layer_norm_kernel.cu layer_norm_cuda).
+- native_group_norm: fp32 statistics where mixed, on both (group_norm.cpp native_group_norm, one
+  kernel entry for every device); native_group_norm_backward: the input's gradient in the input's
+  dtype (`empty_like(X)`).
+- native_batch_norm, _native_batch_norm_legit (with and without running stats): CPU: fp32 saved
+  statistics where mixed (Normalization.cpp batch_norm_cpu). On CUDA left as torch's fake kernels
+  give them: CUDA runs cuDNN's batch norm where it can, whose reserve buffer only cuDNN sizes.
+
+"Mixed" is `is_mixed_type` (native/cpu/mixed_data_type.h): the defined parameters' dtype differs
+from the input's. The CPU rules are checked against the installed torch's CPU kernels
+(tests/test_norm_stats.py); the CUDA rule cites the newest stored source (no tag source).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..probe.memory import fake_device
+
+aten = torch.ops.aten
+
+
+def _mixed(x: torch.Tensor, *params: Optional[torch.Tensor]) -> bool:
+    """`is_mixed_type`: the defined parameters' dtype is not the input's."""
+    defined = [p for p in params if isinstance(p, torch.Tensor)]
+    return bool(defined) and defined[0].dtype != x.dtype
+
+
+def _accumulate(dtype: torch.dtype) -> torch.dtype:
+    """`toAccumulateType(dtype, is_cuda=true)` for the floating types."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _retyped(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.dtype == dtype:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+
+
+def _stats(out: tuple, dtype: torch.dtype) -> tuple:
+    """(output, statistic, statistic) with the statistics in `dtype`."""
+    return (out[0], _retyped(out[1], dtype), _retyped(out[2], dtype))
+
+
+def _layer_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
+    x, weight, bias = args[0], args[2] if len(args) > 2 else None, args[3] if len(args) > 3 else None
+    if cuda:
+        return _stats(out, _accumulate(x.dtype))
+    return _stats(out, torch.float32 if _mixed(x, weight, bias) else x.dtype)
+
+
+def _group_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
+    x, weight, bias = args[0], args[1], args[2]
+    return _stats(out, torch.float32 if _mixed(x, weight, bias) else x.dtype)
+
+
+def _group_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
+    x = args[1]
+    grad_input = out[0] if out[0] is None else _retyped(out[0], x.dtype)
+    return (grad_input, out[1], out[2])
+
+
+def _batch_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
+    if cuda:
+        return out
+    x, params = args[0], [a for a in args[1:5] if a is None or isinstance(a, torch.Tensor)]
+    return _stats(out, torch.float32 if _mixed(x, *params) else x.dtype)
+
+
+RULES: dict[object, Callable[[bool, tuple, tuple], tuple]] = {
+    aten.native_layer_norm.default: _layer_norm,
+    aten.native_group_norm.default: _group_norm,
+    aten.native_group_norm_backward.default: _group_norm_backward,
+    aten.native_batch_norm.default: _batch_norm,
+    aten._native_batch_norm_legit.default: _batch_norm,
+    aten._native_batch_norm_legit.no_stats: _batch_norm,
+}
+
+
+class NormStats(TorchDispatchMode):
+    """Above a fake mode: normalization ops' outputs in the dtypes the real kernels give, on the
+    CPU or (`cuda`) as CUDA's (module docstring)."""
+
+    def __init__(self, cuda: bool = False):
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        device = fake_device(func, args)
+        if device is not None:
+            return device
+        out = func(*args, **(kwargs or {}))
+        rule = RULES.get(func)
+        return out if rule is None else rule(self.cuda, args, out)
+
+
+__all__ = ["NormStats", "RULES"]

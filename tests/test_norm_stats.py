@@ -1,0 +1,145 @@
+"""Normalization kernels' statistics on fake tensors: the dtypes the real kernels give
+(`estimate.norm_stats`), so that a prediction holds what the real step holds."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ckptlab
+from ckptlab.core.policy import as_policy
+from ckptlab.estimate import norm_stats
+from ckptlab.estimate.fake_step import clear_prepared
+from ckptlab.estimate.norm_stats import NormStats
+from ckptlab.estimate.predict import predict_policy
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+NORMS = {   # a module and the shape of its input
+    "layer": (lambda: nn.LayerNorm(32), (4, 8, 32)),
+    "layer, no affine": (lambda: nn.LayerNorm(32, elementwise_affine=False), (4, 8, 32)),
+    "batch": (lambda: nn.BatchNorm1d(32), (4, 32, 8)),
+    "batch, no running stats": (lambda: nn.BatchNorm1d(32, track_running_stats=False), (4, 32, 8)),
+    "group": (lambda: nn.GroupNorm(4, 32), (4, 32, 8)),
+    "rms": (lambda: nn.RMSNorm(32), (4, 8, 32)),
+}
+
+
+class _Ops(TorchDispatchMode):
+    """Each op's name and its outputs' dtypes and shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.ops.prim.device.default:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.ops.append((str(func), [(o.dtype, tuple(o.shape)) if isinstance(o, torch.Tensor) else None
+                                         for o in outs]))
+        return out
+
+
+def _forward_backward(norm, shape, x_dtype, param_dtype, make) -> list:
+    module = norm()
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(param_dtype)
+    x = make(shape, x_dtype).requires_grad_()
+    ops = _Ops()
+    with ops:
+        module(x).float().sum().backward()
+    return ops.ops
+
+
+def _fake_ops(norm, shape, x_dtype, param_dtype, corrected: bool) -> list:
+    with FakeTensorMode(allow_non_fake_inputs=True), (NormStats() if corrected else _Ops()):
+        return _forward_backward(norm, shape, x_dtype, param_dtype, lambda s, d: torch.empty(*s, dtype=d))
+
+
+@pytest.mark.parametrize("name", list(NORMS))
+@pytest.mark.parametrize("x_dtype,param_dtype", [(BF16, FP32), (FP16, FP32), (BF16, BF16), (FP32, FP32)])
+def test_fake_norms_give_the_dtypes_of_the_cpu_kernels(name, x_dtype, param_dtype):
+    norm, shape = NORMS[name]
+    real = _forward_backward(norm, shape, x_dtype, param_dtype, lambda s, d: torch.randn(*s, dtype=d))
+    assert _fake_ops(norm, shape, x_dtype, param_dtype, corrected=True) == real
+    mixed = x_dtype != param_dtype and name not in ("layer, no affine", "rms")
+    # torch's own fake kernels differ exactly where the kernel runs mixed types
+    assert (_fake_ops(norm, shape, x_dtype, param_dtype, corrected=False) != real) == mixed
+
+
+def test_on_cuda_a_layer_norm_keeps_its_statistics_in_fp32_for_16_bit_inputs():
+    with FakeTensorMode():
+        x, w = torch.empty(4, 8, 32, dtype=BF16), torch.empty(32, dtype=BF16)
+        with NormStats(cuda=True):
+            cuda = torch.ops.aten.native_layer_norm(x, [32], w, w, 1e-5)
+            fp32 = torch.ops.aten.native_layer_norm(x.float(), [32], w.float(), w.float(), 1e-5)
+        with NormStats(cuda=False):
+            cpu = torch.ops.aten.native_layer_norm(x, [32], w, w, 1e-5)
+    assert [t.dtype for t in cuda] == [BF16, FP32, FP32] and [t.dtype for t in fp32] == [FP32] * 3
+    assert [t.dtype for t in cpu] == [BF16, BF16, BF16]
+    assert cuda[1].shape == (4, 8, 1) and cuda[1].stride() == cpu[1].stride()
+
+
+def test_a_bf16_gpt_on_cuda_saves_fp32_layer_norm_statistics(monkeypatch):
+    # gpt-tiny with 2 blocks has 5 LayerNorms (two per block, one at the end), each saving a
+    # mean and an rstd of one value per token for backward: fp32 on CUDA, bf16 on the CPU.
+    workload = ckptlab.get_workload("gpt-tiny", n_layer=2)
+    batch, seq = 2, 16
+
+    def saved(rules) -> int:
+        monkeypatch.setattr(norm_stats, "RULES", rules)
+        clear_prepared()   # the step traced with the other rules is not taken again
+        return predict_policy(workload, batch, seq, as_policy("none"), dtype="bf16-weights", device="cuda",
+                              card="rtx4090", trace="full").saved_activation_bytes
+
+    with_rule = saved(dict(norm_stats.RULES))
+    without = saved({k: v for k, v in norm_stats.RULES.items() if k is not torch.ops.aten.native_layer_norm.default})
+    assert with_rule - without == 5 * 2 * batch * seq * (4 - 2)
+
+
+class _MixedNorms(nn.Module):
+    """Blocks whose norms take a Linear's output: bf16 under CPU autocast, their weights fp32."""
+
+    def __init__(self, depth: int = 6):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(_MixedBlock() for _ in range(depth))
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.float().mean(1))
+
+
+class _MixedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.layer, self.group, self.batch = nn.LayerNorm(32), nn.GroupNorm(4, 32), nn.BatchNorm1d(32)
+
+    def forward(self, h):
+        u = self.lin(h)
+        u = self.layer(u) + self.group(u.transpose(1, 2)).transpose(1, 2) + self.batch(u.transpose(1, 2)).transpose(1, 2)
+        return h + u
+
+
+def _mixed_workload():
+    return ckptlab.Workload.custom(
+        "mixed-norms", build_model=_MixedNorms, loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        make_batch=lambda b, s, g: (torch.randn(b, s, 8, generator=g), torch.randint(0, 3, (b,), generator=g)))
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_a_bf16_model_of_mixed_type_norms_is_predicted_on_the_cpu_as_measured(policy):
+    workload = _mixed_workload()
+    measured = ckptlab.measure(workload, 2, 16, policy, dtype="bf16", steps=1, warmup=0, max_seconds=0.1)
+    for trace in ("fast", "full"):
+        predicted = predict_policy(workload, 2, 16, as_policy(policy), dtype="bf16", trace=trace)
+        assert (predicted.peak_bytes, predicted.saved_activation_bytes) == (
+            measured["peak_bytes"], measured["saved_activation_bytes"]), trace
+    assert predicted.trace == "full" and predict_policy(workload, 2, 16, as_policy(policy), dtype="bf16").trace == "composed"
