@@ -155,7 +155,14 @@ class Net(nn.Module):
         outs = []
         if self.kind == "counts":   # a buffer with a row per block
             rows = h.new_zeros(len(self.blocks), *h.shape)
-        for j, block in enumerate(self.blocks):
+        if self.kind == "slices":   # a skip around the blocks after the fifth (a U-Net's)
+            for block in self.blocks[:5]:
+                h = block(h)
+            skip = h * 2   # held outside the blocks until the end
+            for block in self.blocks[5:]:
+                h = block(h)
+            return self.head((h + skip).mean(dim=1))
+        for j, block in enumerate(self.blocks[:] if self.kind == "sliced-whole" else self.blocks):
             if self.kind == "reads-first":
                 out = block(h, first=first)
                 first = out if first is None else first
@@ -189,7 +196,7 @@ def workload(kind: str, depth: int = 7):
         loss=loss)
 
 
-@pytest.mark.parametrize("kind", ["alternating", "shared", "reads-first", "reads-before"])
+@pytest.mark.parametrize("kind", ["alternating", "shared", "reads-first", "reads-before", "sliced-whole"])
 @pytest.mark.parametrize("policy, options", [("none", {}), ("full", CUDA)])
 def test_blocks_that_differ_compose_or_fall_back_exactly(kind, policy, options):
     fast, full = both_ways(workload(kind, depth=11 if kind == "alternating" else 7), policy, **options)
@@ -221,6 +228,7 @@ def test_a_step_that_a_head_of_two_periods_does_not_compose_is_composed_with_thr
     ("one-hooked", "no stack has repeated middle blocks to compose"),     # alike but for a hook
     ("stacks-outputs", "an op outside the blocks reads the tensors of blocks 1, 2, 3, 9"),
     ("counts", "the model counts its blocks (len of its ModuleList), so they cannot be cut"),
+    ("slices", "the model takes a part of its blocks (ModuleList[:5]), so they cannot be cut"),
 ])
 @pytest.mark.parametrize("policy, options", [("none", {}), ("full", CUDA)])
 def test_blocks_alike_but_for_a_setting_or_seen_together_outside_are_traced_in_full(kind, why, policy, options):

@@ -55,7 +55,7 @@ asked for on another card that answers the trace's questions about the card alik
 What a composed trace cannot know is refused
 before it answers (`NotComposable`), and the prediction then runs the full trace and says why:
 policies whose checkpoint regions span several blocks, transformers' own checkpointing, a step
-that is not forward and backward passes then an optimizer step, a model that indexes or counts its blocks,
+that is not forward and backward passes then an optimizer step, a model that indexes its blocks, takes a part of them or counts them,
 a model whose forward leaves tensors on its modules (a cache made on its first call, which the cut
 blocks never make), an op outside the blocks that reads several middle blocks' tensors (`MemoryTracker.mark_reads`), blocks
 whose order, units or gradients the trace cannot place. Not seen: model code that treats a block by
@@ -574,13 +574,18 @@ def _next_number(events: list[tuple]) -> int:
 
 def _skipping_class(cls: type, kept: list) -> type:
     """`cls` whose instances iterate over `kept` only: the model's loop runs the kept blocks,
-    while its parameters (`_modules`) stay whole. A model that indexes its blocks or asks how
-    many there are (to size a buffer, or to tell the last one) would see the cut: NotComposable."""
+    while its parameters (`_modules`) stay whole. A model that indexes its blocks, takes a part of
+    them (`blocks[:6]`, a skip around the rest) or asks how many there are (to size a buffer, or
+    to tell the last one) would see the cut: NotComposable. A slice of them all (`blocks[:]`) is
+    the kept blocks."""
 
     def refuse(self, index):
-        if isinstance(index, slice):
-            return kept[index]
-        raise NotComposable(f"the model indexes its blocks ({type(self).__name__}[{index}]), so they cannot be cut")
+        if isinstance(index, slice) and index.indices(cls.__len__(self)) == (0, cls.__len__(self), 1):
+            return list(kept)
+        shown = f"{index.start or ''}:{index.stop or ''}" + (f":{index.step}" if index.step else "") if isinstance(
+            index, slice) else index
+        what = "takes a part of" if isinstance(index, slice) else "indexes"
+        raise NotComposable(f"the model {what} its blocks ({type(self).__name__}[{shown}]), so they cannot be cut")
 
     def uncounted(self):
         raise NotComposable(f"the model counts its blocks (len of its {type(self).__name__}), so they cannot be cut")
