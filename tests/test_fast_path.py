@@ -3,6 +3,7 @@ prediction to the byte: presets, LoRA, bf16 weights, offload, selective, plans, 
 models whose blocks differ."""
 
 import dataclasses
+import enum
 
 import pytest
 import torch
@@ -235,6 +236,67 @@ def test_blocks_alike_but_for_a_setting_or_seen_together_outside_are_traced_in_f
     fast, full = both_ways(workload(kind, depth=11), policy, **options)
     assert_same(fast, full)
     assert fast.trace == f"full ({why})"
+
+
+class Width(enum.Enum):
+    NARROW = "narrow"
+    WIDE = "wide"
+
+
+def _swish(x):
+    return x * torch.sigmoid(x)
+
+
+class SetBlock(nn.Module):
+    """A block whose work follows its settings: `heads` (scores of heads x s x s), `act` (a
+    function kept as an attribute) and `width` (an enum: WIDE doubles its input first). Every
+    block has the same parameters; `layer_idx` numbers it, as transformers' blocks are numbered."""
+
+    def __init__(self, layer_idx: int, heads: int = 1, act=F.gelu, width: Width = Width.NARROW):
+        super().__init__()
+        self.layer_idx, self.heads, self.act, self.width = layer_idx, heads, act, width
+        self.name = f"blocks.{layer_idx}"
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, h):
+        b, s, _ = h.shape
+        x = torch.cat([h, h], dim=-1)[..., :16] if self.width is Width.WIDE else h
+        q = x.view(b, s, self.heads, -1).transpose(1, 2)
+        mixed = (q @ q.transpose(-1, -2)).softmax(-1) @ q
+        return h + self.lin(self.act(mixed.transpose(1, 2).reshape(b, s, 16)))
+
+
+def settings_workload(differ: str, blocks=range(4, 8), depth: int = 12):
+    """`depth` SetBlocks, those of `blocks` with another `differ` setting."""
+    other = {"heads": dict(heads=4), "act": dict(act=_swish), "width": dict(width=Width.WIDE), "none": {}}[differ]
+
+    def build():
+        net = Net("plain", depth=1)
+        net.blocks = nn.ModuleList(SetBlock(j, **(other if j in blocks else {})) for j in range(depth))
+        return net
+
+    return ckptlab.Workload.custom(
+        f"settings-{differ}", build_model=build, loss=loss,
+        make_batch=lambda b, s, gen: (torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)))
+
+
+@pytest.mark.parametrize("differ", ["heads", "act", "width"])
+@pytest.mark.parametrize("policy, options", [("none", {}), ("full", CUDA)])
+def test_blocks_that_differ_in_a_number_a_function_or_an_enum_are_not_taken_for_each_other(differ, policy, options):
+    """Blocks 4-7 of 12 differ from the others only in a setting: they are cut blocks, whose
+    units a template of another setting would stand for unseen by the tail's check."""
+    fast, full = both_ways(settings_workload(differ), policy, **options)
+    assert_same(fast, full)
+    assert fast.trace == "full (no stack has repeated middle blocks to compose)"
+    fast, full = both_ways(settings_workload(differ, blocks=range(1, 12, 2)), policy, **options)   # every other one
+    assert_same(fast, full)
+    assert fast.trace == "composed"
+
+
+def test_the_numbers_and_names_of_blocks_do_not_make_them_differ():
+    fast, full = both_ways(settings_workload("none"), "none")
+    assert_same(fast, full)
+    assert fast.trace == "composed"
 
 
 def test_a_plan_whose_kinds_change_composes_blocks_that_read_an_earlier_blocks_tensor():
@@ -766,3 +828,58 @@ def test_a_plan_of_one_option_steps_as_that_options_policy(spec, overrides, lett
     assert_same_fields(dataclasses.replace(shared[1], policy=shared[0].policy), shared[0])
     with pytest.raises(ValueError, match="plan=kk is invalid for a model with"):
         predict_policy(workload, 2, 16, as_policy(f"plan=kk{offload}"), **options)
+
+
+class StatsNet(Net):
+    """Each block's output statistic kept on the model, a new list each forward, by hooks that
+    refer to the model itself (a lambda over `self`: a copy of the model keeps the lambda, whose
+    `self` is the original)."""
+
+    def __init__(self):
+        super().__init__("plain", depth=9)
+        self.stats = []
+        for block in self.blocks:
+            block.register_forward_hook(lambda module, args, out: self.stats.append(out.detach().pow(2).mean()))
+
+    def forward(self, x):
+        self.stats = []
+        return super().forward(x)
+
+
+class LastBlock(Block):
+    """A block that keeps its last output's row sums, replaced at each call."""
+
+    def __init__(self):
+        super().__init__(16, 64)
+        self.last = None
+
+    def forward(self, h):
+        out = super().forward(h)
+        self.last = out.detach().sum(-1)
+        return out
+
+
+def _last_net():
+    net = Net("plain", depth=9)
+    net.blocks = nn.ModuleList(LastBlock() for _ in range(9))
+    return net
+
+
+@pytest.mark.parametrize("build", [StatsNet, _last_net])
+@pytest.mark.parametrize("loop", ["adamw", "adamw,accum=2", "adamw,accum=3"])
+def test_a_model_that_keeps_what_its_forward_made_is_predicted_as_measured(loop, build):
+    """Predictions step a copy of the model built once, where they can: StatsNet's copies would
+    append to the build's list, which no forward resets (32 B a pass here, and more each
+    prediction), so it is built anew for each. What the warm-up's forward left on the model is
+    freed where the step's forward replaces it, as in a real step."""
+    stats = ckptlab.Workload.custom("net-stats", build_model=build, loss=loss, make_batch=lambda b, s, gen: (
+        torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)))
+    measured = ckptlab.measure(stats, 2, 16, "none", loop=loop, steps=1, warmup=1, max_seconds=0.1)
+    for policy in ("none", "full"):   # two policies: two steps of the model in this process
+        for trace in ("fast", "full"):
+            predicted = predict_policy(stats, 2, 16, as_policy("none"), loop=loop, trace=trace)
+            assert (predicted.peak_bytes, predicted.saved_activation_bytes) == (
+                measured["peak_bytes"], measured["saved_activation_bytes"])
+    assert fake_step.refers_to_itself(fake_step.model_as_built(stats)) == (build is StatsNet)
+    assert not fake_step.refers_to_itself(fake_step.model_as_built(workload("plain")))
+

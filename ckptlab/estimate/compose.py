@@ -69,6 +69,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import functools
+import types
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -597,7 +600,9 @@ def _skipping_class(cls: type, kept: list) -> type:
 def _plan_stack(blocks: list, modes: list[str], first: int, head_periods: int) -> _Stack:
     """Which of a stack's blocks are cut (module docstring), `head_periods` of its run kept before the cut."""
     stack = _Stack(first, len(blocks), head_periods=head_periods)
-    kinds = [_kind(b, m) for b, m in zip(blocks, modes)]
+    settings = [_settings(b) for b in blocks]
+    indices = _index_settings(settings)
+    kinds = [_kind(b, m, {k: v for k, v in s.items() if k not in indices}) for b, m, s in zip(blocks, modes, settings)]
     middle = kinds[1:-1]
     period = next((p for p in range(1, LONGEST_PERIOD + 1)
                    if all(middle[i] == middle[i + p] for i in range(len(middle) - p))), None)
@@ -623,19 +628,76 @@ def _plan_stack(blocks: list, modes: list[str], first: int, head_periods: int) -
     return stack
 
 
-def _kind(block: nn.Module, mode: str) -> tuple:
+def _kind(block: nn.Module, mode: str, settings: dict) -> tuple:
     """What makes two blocks trace alike: type, parameters and buffers (shapes, dtypes,
     trainable), checkpoint mode, and of the block and each module in it, its hooks (a forward
-    hook on one block only) and its settings that are not whole numbers (a dropout's rate, an
-    attention type). Whole numbers are left out: a block's own index (transformers' `layer_idx`)
-    differs in every block, and what a block's index changes is not seen here (module docstring)."""
+    hook on one block only) and its `settings` (`_settings`, less those that only number the
+    blocks: `_index_settings`). What a block's position changes other than through them is not
+    seen here (module docstring)."""
     tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in block.named_parameters())
     tensors += tuple((name, tuple(t.shape), t.dtype) for name, t in block.named_buffers())
-    modules = tuple((name, type(m), tuple(len(hooks) for hooks in _hooks(m)),
-                     tuple((key, value) for key, value in sorted(vars(m).items())
-                           if not key.startswith("_") and type(value) in (float, bool, str, type(None))))
-                    for name, m in block.named_modules())
-    return type(block), mode, tensors, modules
+    modules = tuple((name, type(m), tuple(len(hooks) for hooks in _hooks(m))) for name, m in block.named_modules())
+    return type(block), mode, tensors, modules, tuple(sorted(settings.items(), key=repr))
+
+
+def _settings(block: nn.Module) -> dict:
+    """(module name, attribute, ...) -> the value of each setting of the block and each module in
+    it: its public attributes that are numbers, strings, None, enums, dtypes, devices, functions
+    (by their code) or classes (an activation), and those inside its tuples, lists and dicts (keyed
+    by place or key).
+    Other objects (a config every block shares, a tensor) are left out."""
+    found: dict = {}
+    for name, module in block.named_modules():
+        for key, value in vars(module).items():
+            if not key.startswith("_"):
+                _add_setting(found, (name, key), value)
+    return found
+
+
+def _add_setting(found: dict, where: tuple, value) -> None:
+    if value is None or isinstance(value, (bool, int, float, complex, str, enum.Enum, torch.dtype, torch.device)):
+        found[where] = (type(value), value)   # the type too: 1, 1.0 and True compare equal
+    elif isinstance(value, types.FunctionType):   # by its code: a wrapper made per block is one function
+        found[where] = (types.FunctionType, value.__code__)
+    elif isinstance(value, (types.BuiltinFunctionType, type)):
+        found[where] = (type(value), value)
+    elif isinstance(value, types.MethodType):
+        _add_setting(found, where, value.__func__)
+    elif isinstance(value, functools.partial):
+        _add_setting(found, (*where, "func"), value.func)
+        _add_setting(found, (*where, "args"), value.args)
+        _add_setting(found, (*where, "keywords"), value.keywords)
+    elif isinstance(value, (tuple, list)):
+        found[where] = (type(value), len(value))
+        for i, item in enumerate(value):
+            _add_setting(found, (*where, i), item)
+    elif isinstance(value, dict):
+        found[where] = (dict, len(value))
+        for key, item in value.items():
+            if isinstance(key, (str, int, enum.Enum)):
+                _add_setting(found, (*where, key), item)
+
+
+def _index_settings(settings: list[dict]) -> set:
+    """The settings that name or number a stack's blocks, left out of their kinds: a whole number
+    that every block has and that is the block's position plus the same number in each
+    (transformers' `layer_idx`), and a string that every block has and no two blocks share (peft's
+    `target_name`, "model.layers.3.self_attn.q_proj")."""
+    def value(found: dict, key, kind: type):
+        entry = found.get(key)
+        return entry[1] if isinstance(entry, tuple) and entry[0] is kind else None
+
+    if len(settings) < 3:
+        return set()
+    indices = set()
+    for key in settings[0]:
+        numbers = [value(s, key, int) for s in settings]
+        names = [value(s, key, str) for s in settings]
+        if None not in numbers and len({n - j for j, n in enumerate(numbers)}) == 1:
+            indices.add(key)
+        elif None not in names and len(set(names)) == len(names):
+            indices.add(key)
+    return indices
 
 
 def _hooks(module: nn.Module) -> tuple:

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import gc
 import sys
+import types
 import warnings
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -207,10 +208,44 @@ def built_model(workload: Workload) -> tuple[FakeTensorMode, nn.Module]:
     """A fake mode and the workload's model in it (`fake_model`), built once and copied for each
     later call (the last BUILT_KEPT workloads): the policies and loops of one model each step
     their own copy, and a copy costs a fraction of a build (a 7B LoRA model: 0.1 s, not 0.5 s).
-    The copies share the build's fake mode, as tensors of different fake modes cannot meet."""
+    The copies share the build's fake mode, as tensors of different fake modes cannot meet. A
+    model whose functions refer to itself (`refers_to_itself`) is built anew for each call: a
+    copy's hooks would act on the build."""
     mode, model = _build(workload)
+    if _BUILT[workload_key(workload)][3]:
+        return mode, fake_model(workload, mode)
     with FakeCopyMode(mode), castable(mode):
         return mode, copy.deepcopy(model)
+
+
+def refers_to_itself(model: nn.Module) -> bool:
+    """Whether a function the model keeps (a hook of a module or tensor, a function attribute)
+    refers to one of the model's modules, tensors or the lists, dicts and sets they hold, through
+    its closure or defaults: `copy.deepcopy` keeps a function as it is, so a copy's hook (a lambda
+    that appends a statistic to `self.stats`, say) would act on the original. Bound methods and
+    `functools.partial` are copied with their objects."""
+    own = set()
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        own.add(id(module))
+        own.update(id(v) for v in vars(module).values() if isinstance(v, (list, dict, set, torch.Tensor)))
+    own.update(id(t) for t in tensors)
+    functions = [v for module in model.modules() for v in vars(module).values() if isinstance(v, types.FunctionType)]
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                      module._backward_hooks):
+            functions += hooks.values()
+    for t in tensors:
+        for hooks in (getattr(t, "_backward_hooks", None), getattr(t, "_post_accumulate_grad_hooks", None)):
+            functions += (hooks or {}).values()
+    for fn in functions:
+        if not isinstance(fn, types.FunctionType):
+            continue
+        held = [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not None]
+        held += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+        if any(id(v) in own for v in held):
+            return True
+    return False
 
 
 def model_as_built(workload: Workload) -> nn.Module:
@@ -222,11 +257,12 @@ def _build(workload: Workload) -> tuple[FakeTensorMode, nn.Module]:
     key = workload_key(workload)
     if key not in _BUILT:
         mode = new_fake_mode()
-        _BUILT[key] = (workload, mode, fake_model(workload, mode))   # the workload kept alive: an object's key is its id
+        model = fake_model(workload, mode)
+        _BUILT[key] = (workload, mode, model, refers_to_itself(model))   # the workload kept alive: an object's key is its id
         while len(_BUILT) > BUILT_KEPT:
             _BUILT.popitem(last=False)
     _BUILT.move_to_end(key)
-    return _BUILT[key][1:]
+    return _BUILT[key][1:3]
 
 
 # Models built under fake tensors, by workload, the most recently used last (`built_model`).
@@ -355,8 +391,8 @@ class PreparedStep:
                 taken = warm_up(self.step, self.model, self.opt, self.trained,
                                 functools.partial(self.warm.give, self.built_params, self.opt)
                                 if self.warm is not None and self.step.scaler is None else None)
-                after = module_tensors(self.model)
-                self.state_made = after.keys() != before.keys() or any(after[k] is not t for k, t in before.items())
+                self.state_made = _changed(before, module_tensors(self.model))
+                before = None   # this frame lives while the step runs: it must not hold the model's tensors
                 if self.step.scaler is None:
                     self.warm_state = self.warm if taken else WarmState.of(self.built_params, self.opt)
                 self.warm = None
@@ -371,6 +407,11 @@ class PreparedStep:
                     self.step.forward_loss()   # its output is held, the last one released
             self.handle.reset_counts()
             yield self.model, self.handle, batch, self.opt, self.step, kernels
+
+
+def _changed(before: dict, after: dict) -> bool:
+    """Whether the tensors a model holds (`module_tensors`) changed from `before` to `after`."""
+    return after.keys() != before.keys() or any(after[k] is not t for k, t in before.items())
 
 
 @dataclass
