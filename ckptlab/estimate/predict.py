@@ -38,6 +38,9 @@ from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused
 from .torch_versions import check_torch_version, torch_rules
 
 TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it can be, or every block
+# torch.utils.checkpoint's refusal of a recompute that runs an op its forward did not (its
+# _CachedTorchDispatchMode at v2.13.0)
+SAC_RECOMPUTE_MISMATCH = "encountered during backward but not found in storage"
 
 
 @gc_paused()
@@ -104,8 +107,18 @@ def predict_policy(
         return dataclasses.replace(kept, predict_s=time.perf_counter() - t0, answered_from_cache=True)
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
     trace_step = fast_memory if trace == "fast" else fake_memory
-    fake = trace_step(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention,
-                      torch_version=torch_version, alloc_conf=alloc_conf)
+    try:
+        fake = trace_step(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention,
+                          torch_version=torch_version, alloc_conf=alloc_conf)
+    except RuntimeError as exc:
+        if SAC_RECOMPUTE_MISMATCH not in str(exc):
+            raise
+        raise ValueError(
+            f"policy={policy} with dtype={dtype!r} cannot be predicted for model={workload.label!r} on {device}: its "
+            f"step fails in torch's selective checkpointing ({str(exc).split(' This can happen')[0]}): an op the forward did not "
+            "run (a weight's cast that autocast's cache served) runs in the recompute, as in pytorch/pytorch#193338 "
+            "(a weight used twice under autocast); another policy, or dtype='bf16-weights' (no autocast), "
+            "steps") from None
     report, handle = fake.report, fake.handle
     peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
     if fake.device is not None:
