@@ -883,3 +883,29 @@ def test_a_model_that_keeps_what_its_forward_made_is_predicted_as_measured(loop,
     assert fake_step.refers_to_itself(fake_step.model_as_built(stats)) == (build is StatsNet)
     assert not fake_step.refers_to_itself(fake_step.model_as_built(workload("plain")))
 
+
+
+class ConcatNet(Net):
+    """A head over every block's output side by side: sized by the number of blocks."""
+
+    def __init__(self):
+        super().__init__("plain", depth=9)
+        self.head = nn.Linear(16 * 9, 3)
+
+    def forward(self, x):
+        h, outs = self.embed(x), []
+        for block in self.blocks:
+            h = block(h)
+            outs.append(h)
+        return self.head(torch.cat(outs, dim=-1).mean(dim=1))
+
+
+def test_a_model_sized_by_its_blocks_is_traced_in_full_and_its_failing_shortened_step_logs_nothing(caplog):
+    concat = ckptlab.Workload.custom("net-concat", build_model=ConcatNet, loss=loss, make_batch=lambda b, s, gen: (
+        torch.randn(b, s, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)))
+    fast, full = both_ways(concat, "none")
+    assert_same(fast, full)
+    assert fast.trace.startswith("full (the shortened step failed with RuntimeError: ")
+    assert fast.trace.endswith("(the model cannot run with blocks cut: its other layers may be sized by the number of "
+                               "blocks))")
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]

@@ -71,6 +71,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import logging
 import types
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -145,17 +146,33 @@ def fast_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     args = (workload, batch_size, seq_len, policy, dtype, loop, device, card, attention)
     options = dict(torch_version=torch_version, alloc_conf=alloc_conf)
     try:
-        return composed_memory(*args, **options)
+        with _fake_kernel_failures_unlogged():
+            return composed_memory(*args, **options)
     except NotComposable as why:
         reason = str(why)
     except Exception as exc:   # the model cannot run with its stacks cut: the full trace can say why
-        reason = f"the shortened step failed with {type(exc).__name__}: {one_line(exc)}"
+        reason = (f"the shortened step failed with {type(exc).__name__}: {one_line(exc)} (the model cannot run with "
+                  "blocks cut: its other layers may be sized by the number of blocks)")
     full = fake_memory(*args, **options, extend_passes=True)
     if full.passes_traced is not None:
         reason += (f"; {full.passes_traced} of its {as_loop(loop).accum_steps} passes traced, the rest copies of the "
                    "last (`micro_steps`)")
     full.trace = f"full ({reason})"
     return full
+
+
+@contextlib.contextmanager
+def _fake_kernel_failures_unlogged():
+    """While inside, torch's fake mode does not log the kernels that fail (as a shortened step of a
+    model sized by its blocks makes them fail): the failure is an exception, answered by the full
+    trace."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def fallback_reason(trace: str) -> Optional[str]:
