@@ -163,7 +163,8 @@ class Net(nn.Module):
             for block in self.blocks[5:]:
                 h = block(h)
             return self.head((h + skip).mean(dim=1))
-        for j, block in enumerate(self.blocks[:] if self.kind == "sliced-whole" else self.blocks):
+        blocks = {"sliced-whole": lambda: self.blocks[:], "children": self.blocks.children}.get(self.kind, lambda: self.blocks)
+        for j, block in enumerate(blocks()):
             if self.kind == "reads-first":
                 out = block(h, first=first)
                 first = out if first is None else first
@@ -230,6 +231,8 @@ def test_a_step_that_a_head_of_two_periods_does_not_compose_is_composed_with_thr
     ("stacks-outputs", "an op outside the blocks reads the tensors of blocks 1, 2, 3, 9"),
     ("counts", "the model counts its blocks (len of its ModuleList), so they cannot be cut"),
     ("slices", "the model takes a part of its blocks (ModuleList[:5]), so they cannot be cut"),
+    ("children", "block 4 ran out of its stack's order (the model runs its blocks otherwise than in order through "
+                 "their container: its children(), a list of its own)"),
 ])
 @pytest.mark.parametrize("policy, options", [("none", {}), ("full", CUDA)])
 def test_blocks_alike_but_for_a_setting_or_seen_together_outside_are_traced_in_full(kind, why, policy, options):

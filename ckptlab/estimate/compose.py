@@ -797,7 +797,9 @@ class _Units:
                 if depth == 0 and unit is None and self._is_first(event[1]):
                     unit = (fwd, event[1])
                 if depth == 0 and unit != (fwd, event[1]):
-                    raise NotComposable(f"block {event[1]} ran out of its stack's order")
+                    raise NotComposable(f"block {event[1]} ran out of its stack's order (the model runs its blocks "
+                                        "otherwise than in order through their container: its children(), a "
+                                        "list of its own)")
                 depth += 1
                 entered[event[1]] += 1
             elif phase == "backward" and kind == "backward_block":
