@@ -177,6 +177,10 @@ def test_find_blocks_error_and_explicit_blocks():
     model = _HFDecoder()
     handle = apply_checkpointing(model, "full", blocks=list(model.model.norms))
     assert handle.n_blocks == 2
+    shared = nn.Sequential(nn.Linear(2, 4), nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU())] * 3))
+    with pytest.raises(ValueError, match=r"it holds 0 \(Linear\), 1 \(ModuleList of one Sequential, 3 times: a shared "
+                                         r"block, not blocks of their own\)\. Name them with blocks="):
+        find_blocks(shared)
 
 
 @pytest.mark.parametrize("policy", ["full", "segments=2", "layers=1,2"])

@@ -117,6 +117,9 @@ def _outline(model: nn.Module) -> str:
     for name, child in model.named_children():
         kinds = sorted({type(c).__name__ for c in child.children()})
         inside = f" of {', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}" if kinds else ""
+        entries = [m for m in child._modules.values() if m is not None]
+        if len({id(m) for m in entries}) == 1 and len(entries) > 1:   # children() yields a module once
+            inside = f" of one {type(entries[0]).__name__}, {len(entries)} times: a shared block, not blocks of their own"
         parts.append(f"{name} ({type(child).__name__}{inside})")
     return ", ".join(parts) or "no submodules"
 
