@@ -320,7 +320,14 @@ def test_a_block_after_a_cut_run_that_reads_a_block_before_the_cut_is_traced_in_
 def test_a_short_stack_is_traced_in_full_and_says_why():
     fast, full = both_ways(workload("plain", depth=4), "none")
     assert_same(fast, full)
-    assert fast.trace == "full (no stack has repeated middle blocks to compose)"
+    assert fast.trace == "full (no stack is long enough to compose: one of 4 blocks whose middle repeats every block " \
+                         "needs 6 or more)"
+    fast, full = both_ways(workload("alternating", depth=8), "none")
+    assert_same(fast, full)
+    assert fast.trace == "full (no stack is long enough to compose: one of 8 blocks whose middle repeats every 2 " \
+                         "blocks needs 9 or more)"
+    assert both_ways(workload("alternating", depth=9), "none")[0].trace == "composed"
+    assert both_ways(workload("plain", depth=6), "none")[0].trace == "composed"
 
 
 def test_a_model_whose_blocks_cannot_be_cut_is_built_once(monkeypatch):

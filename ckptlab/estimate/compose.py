@@ -364,6 +364,8 @@ class _Stack:
     run: range = range(0)      # the middle blocks whose kinds repeat with the period, the cut among them
     alike: range = range(0)    # the kept blocks of the run after the cut that must trace as their templates
     head_periods: int = HEAD_PERIODS   # of the run kept before the cut
+    blocks_needed: int = 0     # where its middle repeats (every `repeats` blocks) in too few blocks to cut:
+    repeats: int = 0           # how many a cut needs
 
     def template(self, block: int) -> int:
         """The head block whose units a cut block's are: one of the head's last period."""
@@ -410,6 +412,11 @@ class _Cut:
                 self.stack_of[j] = self.stacks[-1]
             start += len(stack.blocks)
         if not any(s.cut for s in self.stacks):
+            short = next((s for s in self.stacks if s.blocks_needed), None)
+            if short is not None:
+                every = "every block" if short.repeats == 1 else f"every {short.repeats} blocks"
+                raise NotComposable(f"no stack is long enough to compose: one of {short.length} blocks whose middle "
+                                    f"repeats {every} needs {short.blocks_needed} or more")
             raise NotComposable("no stack has repeated middle blocks to compose")
         self.params = list(model.parameters())
         self._match_parameters(handle)
@@ -637,6 +644,8 @@ def _plan_stack(blocks: list, modes: list[str], first: int, head_periods: int) -
     # another kind); and every block outside the run.
     cut = (len(run) - 1 - unchecked - head_periods * period) // period * period
     if cut <= 0:
+        if not unchecked:   # kinds that repeat with a period, in too few blocks
+            stack.repeats, stack.blocks_needed = period, (head_periods + 1) * period + 3
         return stack
     stack.period, stack.run = period, run
     head = run.start + head_periods * period
