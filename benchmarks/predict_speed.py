@@ -22,7 +22,7 @@ in one run, with the two predictions checked identical.
      step traced for another card of the same kernels (`compose.from_alike_card`);
   3. `explain` of the 7B LoRA at s2048 on an RTX 4090 (every lever predicted, its plans made), from
      no prepared model, `--repeats` times;
-  4. the 7B LoRA at s8192 on the fast path, in torch's FakeTensorMode and in ckptlab's
+  4. the 7B LoRA at s8192 on the fast path, under torch's FakeTensorMode cache keys and ckptlab's
      (`estimate.fake_mode`: the same dispatch cache, cheaper keys), first and prepared as in 1
      (an even number of rounds), each round from an empty dispatch cache, and whether every
      record is the other mode's;
@@ -165,7 +165,8 @@ def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: st
 
 
 def fake_modes(model: str, overrides: dict, seq: int, dtype: str, policy: str, loop: str, repeats: int) -> dict:
-    """The fast path in torch's FakeTensorMode and in ckptlab's `FakeMode`, in turns as
+    """The fast path under torch's FakeTensorMode cache keys (`fake_mode.RetypingFakeMode`) and
+    ckptlab's (`FakeMode`), in turns as
     `one_prediction`'s (an even number of rounds, at least `repeats`, so that each mode goes first
     as often), each from no prepared model and an empty dispatch cache (which the two modes share,
     under keys of their own): the medians of their seconds, the median of the rounds' ratios, and
@@ -179,7 +180,7 @@ def fake_modes(model: str, overrides: dict, seq: int, dtype: str, policy: str, l
             clear_prepared()
             FakeTensorMode.cache.clear()
             with mock.patch.object(fake_mode, "_keys_as_expected", lambda: mode == "ckptlab"):
-                if type(fake_mode.new_fake_mode()) is not (fake_mode.FakeMode if mode == "ckptlab" else FakeTensorMode):
+                if type(fake_mode.new_fake_mode()) is not (fake_mode.FakeMode if mode == "ckptlab" else fake_mode.RetypingFakeMode):
                     raise SystemExit(f"the predictions of {mode}'s rounds would not run in {mode}'s fake mode")
                 for when, at in (("first", seq), ("prepared", seq - 8 * (r + 1))):
                     predictions[(mode, r, when)], s = timed(lambda: predict(workload, 1, at, policy, **options))

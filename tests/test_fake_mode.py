@@ -97,7 +97,7 @@ def test_a_prediction_is_torchs_modes_and_every_cached_output_is_what_dispatch_m
     assert FakeTensorMode.cache_hits > hits + 100
     clear_prepared()
     monkeypatch.setattr(fake_mode, "_keys_as_expected", lambda: False)
-    assert type(new_fake_mode()) is FakeTensorMode
+    assert type(new_fake_mode()) is fake_mode.RetypingFakeMode
     torchs = predict_policy(workload, 2, 16, as_policy(policy), **options)
     theirs = dataclasses.asdict(torchs)
     differ = {k: v for k, v in dataclasses.asdict(ours).items() if k != "predict_s" and v != theirs[k]}
@@ -108,8 +108,8 @@ def test_a_torch_that_keys_its_cache_otherwise_gets_its_own_mode(monkeypatch):
     assert type(new_fake_mode()) is FakeMode
     with monkeypatch.context() as patched:   # another method makes the key
         patched.setattr(FakeTensorMode, "_prep_args_for_hash", lambda self, result, args, state: None)
-        assert type(new_fake_mode()) is FakeTensorMode
+        assert type(new_fake_mode()) is fake_mode.RetypingFakeMode
     with monkeypatch.context() as patched:   # the metadata holds a fact the key would leave out
         patched.setattr(fake_tensor, "TensorMetadata", dataclasses.make_dataclass(
             "TensorMetadata", [*fake_mode.METADATA_FIELDS, "is_nested"]))
-        assert type(new_fake_mode()) is FakeTensorMode
+        assert type(new_fake_mode()) is fake_mode.RetypingFakeMode

@@ -1,6 +1,8 @@
 """Normalization kernels' statistics on fake tensors: the dtypes the real kernels give
 (`estimate.norm_stats`), so that a prediction holds what the real step holds."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -10,9 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptlab
 from ckptlab.core.policy import as_policy
-from ckptlab.estimate import norm_stats
+from ckptlab.estimate import norm_stats as norm_stats_module
+from ckptlab.estimate.fake_mode import new_fake_mode
 from ckptlab.estimate.fake_step import clear_prepared
-from ckptlab.estimate.norm_stats import NormStats
+from ckptlab.estimate.norm_stats import norm_stats
 from ckptlab.estimate.predict import predict_policy
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -54,8 +57,13 @@ def _forward_backward(norm, shape, x_dtype, param_dtype, make) -> list:
     return ops.ops
 
 
-def _fake_ops(norm, shape, x_dtype, param_dtype, corrected: bool) -> list:
-    with FakeTensorMode(allow_non_fake_inputs=True), (NormStats() if corrected else _Ops()):
+def _fake_ops(norm, shape, x_dtype, param_dtype, mode: str) -> list:
+    """The ops of a fake forward and backward: in ckptlab's fake mode with the CPU's rules, in
+    torch's with the rules as a mode above it, or in torch's alone."""
+    fake = new_fake_mode() if mode == "ckptlab" else FakeTensorMode()
+    fake.allow_non_fake_inputs = True
+    rules = norm_stats(fake) if mode != "uncorrected" else contextlib.nullcontext()
+    with fake, rules:
         return _forward_backward(norm, shape, x_dtype, param_dtype, lambda s, d: torch.empty(*s, dtype=d))
 
 
@@ -64,20 +72,24 @@ def _fake_ops(norm, shape, x_dtype, param_dtype, corrected: bool) -> list:
 def test_fake_norms_give_the_dtypes_of_the_cpu_kernels(name, x_dtype, param_dtype):
     norm, shape = NORMS[name]
     real = _forward_backward(norm, shape, x_dtype, param_dtype, lambda s, d: torch.randn(*s, dtype=d))
-    assert _fake_ops(norm, shape, x_dtype, param_dtype, corrected=True) == real
+    assert _fake_ops(norm, shape, x_dtype, param_dtype, "ckptlab") == real
+    assert _fake_ops(norm, shape, x_dtype, param_dtype, "torch") == real
     mixed = x_dtype != param_dtype and name not in ("layer, no affine", "rms")
     # torch's own fake kernels differ exactly where the kernel runs mixed types
-    assert (_fake_ops(norm, shape, x_dtype, param_dtype, corrected=False) != real) == mixed
+    assert (_fake_ops(norm, shape, x_dtype, param_dtype, "uncorrected") != real) == mixed
 
 
 def test_on_cuda_a_layer_norm_keeps_its_statistics_in_fp32_for_16_bit_inputs():
-    with FakeTensorMode():
+    fake = new_fake_mode()
+    with fake:
         x, w = torch.empty(4, 8, 32, dtype=BF16), torch.empty(32, dtype=BF16)
-        with NormStats(cuda=True):
+        with norm_stats(fake, cuda=True):
             cuda = torch.ops.aten.native_layer_norm(x, [32], w, w, 1e-5)
             fp32 = torch.ops.aten.native_layer_norm(x.float(), [32], w.float(), w.float(), 1e-5)
-        with NormStats(cuda=False):
+        with norm_stats(fake, cuda=False):
             cpu = torch.ops.aten.native_layer_norm(x, [32], w, w, 1e-5)
+        plain = torch.ops.aten.native_layer_norm(x, [32], w, w, 1e-5)
+    assert [t.dtype for t in plain] == [BF16, BF16, BF16]   # the rules hold only inside
     assert [t.dtype for t in cuda] == [BF16, FP32, FP32] and [t.dtype for t in fp32] == [FP32] * 3
     assert [t.dtype for t in cpu] == [BF16, BF16, BF16]
     assert cuda[1].shape == (4, 8, 1) and cuda[1].stride() == cpu[1].stride()
@@ -90,13 +102,14 @@ def test_a_bf16_gpt_on_cuda_saves_fp32_layer_norm_statistics(monkeypatch):
     batch, seq = 2, 16
 
     def saved(rules) -> int:
-        monkeypatch.setattr(norm_stats, "RULES", rules)
+        monkeypatch.setattr(norm_stats_module, "RULES", {False: {}, True: rules})
         clear_prepared()   # the step traced with the other rules is not taken again
         return predict_policy(workload, batch, seq, as_policy("none"), dtype="bf16-weights", device="cuda",
                               card="rtx4090", trace="full").saved_activation_bytes
 
-    with_rule = saved(dict(norm_stats.RULES))
-    without = saved({k: v for k, v in norm_stats.RULES.items() if k is not torch.ops.aten.native_layer_norm.default})
+    cuda_rules = norm_stats_module.rules(cuda=True)
+    with_rule = saved(cuda_rules)
+    without = saved({k: v for k, v in cuda_rules.items() if k is not torch.ops.aten.native_layer_norm.default})
     assert with_rule - without == 5 * 2 * batch * seq * (4 - 2)
 
 

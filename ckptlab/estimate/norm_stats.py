@@ -10,9 +10,10 @@ other bytes than the real one. On CUDA, layer norm keeps its statistics in the a
 its input, fp32 for bf16 and fp16, mixed or not: a bf16 model's LayerNorms (`bf16-weights`) keep
 twice the bytes the CPU's do.
 
-`NormStats` sits just above the fake mode and gives these ops' outputs the real kernels' dtypes
-(a new fake tensor of the same shape and strides), so the tracker above it sees what the real
-step allocates:
+`norm_stats(fake_mode, cuda)` gives these ops' outputs the real kernels' dtypes (a new fake
+tensor of the same shape and strides) inside ckptlab's fake mode (`fake_mode.RetypingFakeMode`:
+a lookup per op), or in a dispatch mode just above another fake mode (`NormStats`), so the tracker
+above sees what the real step allocates:
 
 - native_layer_norm: CPU: fp32 statistics where mixed, else the input's dtype (layer_norm.cpp
   layer_norm_cpu: `param_scalar_type(input, mixed_type)`); CUDA: `toAccumulateType(input, true)`
@@ -31,12 +32,17 @@ from the input's. The CPU rules are checked against the installed torch's CPU ke
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..probe.memory import fake_device
+from .fake_mode import RetypingFakeMode
 
 aten = torch.ops.aten
 
@@ -53,9 +59,12 @@ def _accumulate(dtype: torch.dtype) -> torch.dtype:
 
 
 def _retyped(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fake tensor like `t` in `dtype`, made without a dispatch (inside the fake mode's own)."""
     if t.dtype == dtype:
         return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+    with no_dispatch():
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+    return FakeTensor(t.fake_mode, meta, t.fake_device)
 
 
 def _stats(out: tuple, dtype: torch.dtype) -> tuple:
@@ -88,7 +97,7 @@ def _batch_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
     return _stats(out, torch.float32 if _mixed(x, *params) else x.dtype)
 
 
-RULES: dict[object, Callable[[bool, tuple, tuple], tuple]] = {
+_RULES: dict[object, Callable[[bool, tuple, tuple], tuple]] = {
     aten.native_layer_norm.default: _layer_norm,
     aten.native_group_norm.default: _group_norm,
     aten.native_group_norm_backward.default: _group_norm_backward,
@@ -98,21 +107,45 @@ RULES: dict[object, Callable[[bool, tuple, tuple], tuple]] = {
 }
 
 
+def rules(cuda: bool) -> dict:
+    """{op: rule(args, outputs) -> outputs} for the CPU's kernels or (`cuda`) CUDA's."""
+    return {op: functools.partial(rule, cuda) for op, rule in _RULES.items()}
+
+
+RULES = {False: rules(False), True: rules(True)}
+
+
+@contextlib.contextmanager
+def norm_stats(fake_mode: FakeTensorMode, cuda: bool = False):
+    """While inside, `fake_mode`'s normalization ops give the real kernels' dtypes (module
+    docstring): through its rules where it is ckptlab's, else a `NormStats` mode above it (the
+    caller is inside `fake_mode`)."""
+    if not isinstance(fake_mode, RetypingFakeMode):
+        with NormStats(cuda):
+            yield
+        return
+    before, fake_mode.output_rules = fake_mode.output_rules, RULES[cuda]
+    try:
+        yield
+    finally:
+        fake_mode.output_rules = before
+
+
 class NormStats(TorchDispatchMode):
-    """Above a fake mode: normalization ops' outputs in the dtypes the real kernels give, on the
-    CPU or (`cuda`) as CUDA's (module docstring)."""
+    """Above a fake mode that applies no rules: normalization ops' outputs in the dtypes the real
+    kernels give, on the CPU or (`cuda`) as CUDA's (module docstring)."""
 
     def __init__(self, cuda: bool = False):
         super().__init__()
-        self.cuda = cuda
+        self.rules = RULES[cuda]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         device = fake_device(func, args)
         if device is not None:
             return device
         out = func(*args, **(kwargs or {}))
-        rule = RULES.get(func)
-        return out if rule is None else rule(self.cuda, args, out)
+        rule = self.rules.get(func)
+        return out if rule is None else rule(args, out)
 
 
-__all__ = ["NormStats", "RULES"]
+__all__ = ["NormStats", "RULES", "norm_stats", "rules"]
