@@ -489,3 +489,16 @@ def test_a_step_that_selective_checkpointing_refuses_under_autocast_is_a_clear_e
         ckptlab.predict(twice, 2, 16, "selective", dtype="bf16", device="cuda", card="rtx4090")
     for policy, dtype in (("full", "bf16"), ("selective", "bf16-weights")):   # the ways around it step
         assert ckptlab.predict(twice, 2, 16, policy, dtype=dtype, device="cuda", card="rtx4090").peak_bytes > 0
+
+
+def test_a_mask_of_ones_a_model_makes_itself_is_skipped_as_in_a_real_step():
+    """BART's decoder makes a padding mask of ones where it is given none; transformers then lets
+    SDPA apply causality (flash on a GPU) where it can read the mask. A fake step cannot read it,
+    and built a (batch, 1, seq, seq) mask the real step never builds: 512 B saved more than the
+    CPU measurement, and on CUDA the decoder's attention on math instead of flash."""
+    bart = ckptlab.get_workload("hf:bart", encoder_layers=2, decoder_layers=2)
+    measured = ckptlab.measure(bart, 2, 16, "full", steps=1, warmup=1, max_seconds=0.1)
+    predicted = ckptlab.predict(bart, 2, 16, "full")
+    assert (predicted.peak_bytes, predicted.saved_activation_bytes) == (measured["peak_bytes"],
+                                                                         measured["saved_activation_bytes"])
+    assert ckptlab.predict(bart, 2, 16, "none", dtype="bf16", device="cuda", card="rtx4090").attention_backend == "flash"

@@ -5,10 +5,12 @@ Where a library decides from tensor data what to allocate, a fake step cannot re
 the library takes its cautious branch, which the real step does not. Two such decisions are
 known here. A grad scaler reads whether the gradients hold an inf before it steps the optimizer:
 a prediction is of a healthy step, which steps (`assume_finite_gradients`). And transformers
-reads `position_ids` to detect several sequences packed into one row; unable to read fake ones
-it assumes packing and builds a (batch, 1, seq, seq) attention mask that the real step never
-builds (it lets SDPA apply causality). A prediction therefore takes the answer the real check
-gives for ckptlab's batches: one sequence per row (`sequences_unpacked`).
+reads `position_ids` to detect several sequences packed into one row, and a padding mask (one a
+model makes of ones where it is given none, as BART's decoder does) to decide whether SDPA may
+apply causality itself; unable to read fake ones it assumes packing or padding and builds a
+(batch, 1, seq, seq) attention mask that the real step never builds (and on CUDA, with a mask,
+another attention kernel than flash). A prediction therefore takes the answers the real checks
+give for ckptlab's batches: one sequence per row, no padding (`sequences_unpacked`).
 
 For `device="cuda"` the step runs under CUDA's semantics (`cuda_semantics`: the kernels CUDA
 would pick and what they save and allocate; `cuda_autocast`: CUDA autocast's op lists; the
@@ -37,6 +39,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeCopyMode,
     FakeTensorMode,
+    is_fake,
     unset_fake_temporarily,
 )
 from torch.utils._pytree import tree_flatten
@@ -289,19 +292,35 @@ def castable(fake_mode: FakeTensorMode):
 
 @contextlib.contextmanager
 def sequences_unpacked():
-    """While inside, transformers' packed-sequence detection answers "one sequence per row"
-    without reading `position_ids` (see the module docstring). Nothing is imported: without
-    transformers loaded there is nothing to answer for."""
+    """While inside, transformers' checks that read a batch's masks answer as they do for ckptlab's
+    batches: one sequence per row, no padding (see the module docstring). Its packed-sequence
+    detection answers None without reading `position_ids`; its checks whether SDPA may skip a
+    causal or bidirectional mask, or a recurrent layer its mask, take a fake padding mask (one a
+    model makes of ones where it is given none: BART's decoder) as no padding, which a real one
+    of ones is, instead of building the mask the real step never builds. Nothing is imported:
+    without transformers loaded there is nothing to answer for."""
     masking = sys.modules.get("transformers.masking_utils")
     if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
         yield
         return
-    detect = masking.find_packed_sequence_indices
-    masking.find_packed_sequence_indices = lambda position_ids: None
+
+    def unpadded(check: Callable) -> Callable:
+        def answer(mask, *args, **kwargs):
+            return check(None if is_fake(mask) else mask, *args, **kwargs)
+        return answer
+
+    patched = {"find_packed_sequence_indices": lambda position_ids: None}
+    for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa", "create_recurrent_attention_mask"):
+        if hasattr(masking, name):
+            patched[name] = unpadded(getattr(masking, name))
+    originals = {name: getattr(masking, name) for name in patched}
+    for name, value in patched.items():
+        setattr(masking, name, value)
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = detect
+        for name, value in originals.items():
+            setattr(masking, name, value)
 
 
 @contextlib.contextmanager
