@@ -583,8 +583,9 @@ def test_predict_on_the_command_line_says_why_a_row_was_traced_in_full(capsys):
     assert lines[-1] == "traced in full, not composed (segments=2 b=2 s=16): checkpoint regions span several blocks"
     assert lines[-2].split()[0] == "segments=2"   # the table's last row, then the one note
     assert main([*small, "--set", "n_layer=4", "--policy", "none,full"]) == 0   # every row: no rows named
-    assert capsys.readouterr().out.splitlines()[-1] == ("traced in full, not composed: no stack has repeated "
-                                                        "middle blocks to compose")
+    assert capsys.readouterr().out.splitlines()[-1] == ("traced in full, not composed: no stack is long enough to "
+                                                        "compose: one of 4 blocks whose middle repeats every block "
+                                                        "needs 6 or more")
     assert main([*small, "--set", "n_layer=4", "--policy", "none", "--trace", "full"]) == 0   # asked for: no note
     assert capsys.readouterr().out.splitlines()[-1].split()[0] == "none"
 
