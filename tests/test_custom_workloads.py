@@ -264,3 +264,14 @@ def test_a_workload_without_a_spec_cannot_go_to_rank_processes():
     in_process = Workload.custom("net", lambda: Net(8, 2), _batch, classification_loss)
     with pytest.raises(ValueError, match="re-creates the workload from its spec; define it in a file"):
         measure_sharded(in_process, 2, 8, "full", nproc=2)
+
+
+@pytest.mark.parametrize("spec, seq_len", [
+    ("hf:deit", 32),   # its image-classification mapping names two classes: the plain one is built
+    ("hf:gptj", 16),   # tiny heads (8 wide) rotate 4 dimensions, not the full-size default 64
+])
+def test_architectures_whose_defaults_needed_tiny_care_are_predicted_as_measured(spec, seq_len):
+    workload = get_workload(spec, num_hidden_layers=3)
+    measured = measure(workload, 2, seq_len, "full", steps=1, warmup=1, max_seconds=0.1)
+    assert measured["status"] == "ok", measured["message"]
+    assert ckptlab.predict(workload, 2, seq_len, "full").peak_bytes == measured["peak_bytes"]

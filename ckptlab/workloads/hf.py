@@ -43,6 +43,7 @@ TINY_DROPOUT = dict(attention_dropout=0.1, hidden_dropout_prob=0.1, attention_pr
 # multi-stage vision models take only these (their num_hidden_layers means stages).
 TINY_BY_TYPE = {
     "t5": dict(d_ff=64, d_kv=8),   # the decoder gets num_layers blocks too
+    "gptj": dict(rotary_dim=4),    # rotates part of each 8-wide head (its default, 64, is a full-size head's)
     "vit": dict(image_size=32, patch_size=8, num_labels=10),
     "swin": dict(image_size=32, patch_size=2, embed_dim=8, depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2],
                  window_size=2, num_labels=10),
@@ -206,6 +207,8 @@ def _config(spec: str, model_type: str, fields: dict, overrides: dict):
 def _task(spec: str, model_type: str) -> tuple[str, type]:
     for task, mapping in TASKS.items():
         name = getattr(modeling_auto, mapping).get(model_type)
+        if isinstance(name, tuple):   # several classes for the task (DeiT's with a teacher): the plain one first
+            name = name[0]
         if name:
             return task, getattr(transformers, name)
     raise ValueError(f"model={spec!r} is invalid: model type {model_type!r} has no causal-LM, masked-LM, "
