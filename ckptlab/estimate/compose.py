@@ -412,8 +412,8 @@ class _Cut:
                 self.stack_of[j] = self.stacks[-1]
             start += len(stack.blocks)
         if not any(s.cut for s in self.stacks):
-            short = next((s for s in self.stacks if s.blocks_needed), None)
-            if short is not None:
+            short = max(self.stacks, key=lambda s: s.length)   # the longest stack says why
+            if short.blocks_needed:
                 every = "every block" if short.repeats == 1 else f"every {short.repeats} blocks"
                 raise NotComposable(f"no stack is long enough to compose: one of {short.length} blocks whose middle "
                                     f"repeats {every} needs {short.blocks_needed} or more")

@@ -482,6 +482,8 @@ def track_memory(
     tracker.emit(("start",))
 
     def gradient_ready(index: int, p: torch.Tensor) -> None:
+        if p.grad is None:   # autograd gave this parameter an undefined gradient: nothing accumulated
+            return
         tracker.track(p.grad, "gradients")
         tracker.emit(("grad", tracker.number(p.grad), index))   # a mark: whose gradient it is
 
