@@ -275,3 +275,15 @@ def test_architectures_whose_defaults_needed_tiny_care_are_predicted_as_measured
     measured = measure(workload, 2, seq_len, "full", steps=1, warmup=1, max_seconds=0.1)
     assert measured["status"] == "ok", measured["message"]
     assert ckptlab.predict(workload, 2, seq_len, "full").peak_bytes == measured["peak_bytes"]
+
+
+def test_a_mixture_of_experts_in_fp32_is_refused_clearly_and_predicted_in_bf16_weights(caplog):
+    """transformers runs MoE experts through torch's grouped_mm, whose fake kernel takes bf16
+    only (the CPU kernel takes fp32 too): an fp32 prediction names the dtype that steps, and
+    torch's fake-kernel traceback is not logged."""
+    moe = get_workload("hf:mixtral", num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"dtype='fp32' cannot be predicted for model='hf:mixtral': its experts run "
+                                         r"torch's grouped_mm.*predict it with dtype='bf16-weights'"):
+        ckptlab.predict(moe, 2, 16, "none")
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+    assert ckptlab.predict(moe, 2, 16, "none", dtype="bf16-weights").peak_bytes > 0

@@ -71,7 +71,6 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import logging
 import types
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -97,6 +96,7 @@ from .cuda_device import (
     parse_alloc_conf,
 )
 from .cuda_semantics import CudaSemantics, same_answers
+from .fake_mode import kernel_failures_unlogged
 from .fake_step import (
     FakeMemory,
     as_card,
@@ -146,7 +146,7 @@ def fast_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
     args = (workload, batch_size, seq_len, policy, dtype, loop, device, card, attention)
     options = dict(torch_version=torch_version, alloc_conf=alloc_conf)
     try:
-        with _fake_kernel_failures_unlogged():
+        with kernel_failures_unlogged():
             return composed_memory(*args, **options)
     except NotComposable as why:
         reason = str(why)
@@ -159,20 +159,6 @@ def fast_memory(workload: Workload, batch_size: int, seq_len: int, policy: Polic
                    "last (`micro_steps`)")
     full.trace = f"full ({reason})"
     return full
-
-
-@contextlib.contextmanager
-def _fake_kernel_failures_unlogged():
-    """While inside, torch's fake mode does not log the kernels that fail (as a shortened step of a
-    model sized by its blocks makes them fail): the failure is an exception, answered by the full
-    trace."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def fallback_reason(trace: str) -> Optional[str]:

@@ -23,8 +23,10 @@ prediction takes about a sixth less time (1.2x faster, benchmarks/predict_speed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import logging
 from typing import Optional
 
 import torch
@@ -108,3 +110,18 @@ def new_fake_mode() -> FakeTensorMode:
     silently allocated."""
     mode = FakeMode if _keys_as_expected() else RetypingFakeMode
     return mode(allow_non_fake_inputs=False)
+
+
+@contextlib.contextmanager
+def kernel_failures_unlogged():
+    """While inside, torch's fake mode does not log the fake kernels that fail (a shortened step
+    of a model sized by its blocks, a kernel that refuses a dtype): each failure is an exception
+    the prediction answers or names, and the log would repeat its traceback on stderr."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+

@@ -34,6 +34,7 @@ from .batch_line import batch_lines, lines_enabled, on_line
 from .compose import fast_memory
 from .cuda_device import parse_alloc_conf
 from .cuda_semantics import ATTENTION_BACKENDS, check_backend_available, priority
+from .fake_mode import kernel_failures_unlogged
 from .fake_step import DEVICES, Prediction, as_card, fake_memory, gc_paused
 from .torch_versions import check_torch_version, torch_rules
 
@@ -41,6 +42,7 @@ TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it 
 # torch.utils.checkpoint's refusal of a recompute that runs an op its forward did not (its
 # _CachedTorchDispatchMode at v2.13.0)
 SAC_RECOMPUTE_MISMATCH = "encountered during backward but not found in storage"
+GROUPED_MM_BF16_ONLY = "Expected inputs of BF16 type"   # torch's fake kernel of _grouped_mm (MoE experts)
 
 
 @gc_paused()
@@ -108,9 +110,16 @@ def predict_policy(
     note = "offload predicted as its base policy (no-op on CPU)" if policy.offload and device == "cpu" else ""
     trace_step = fast_memory if trace == "fast" else fake_memory
     try:
-        fake = trace_step(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention,
-                          torch_version=torch_version, alloc_conf=alloc_conf)
+        with kernel_failures_unlogged():
+            fake = trace_step(workload, batch_size, seq_len, policy, dtype, loop, device, on_card, attention,
+                              torch_version=torch_version, alloc_conf=alloc_conf)
     except RuntimeError as exc:
+        if GROUPED_MM_BF16_ONLY in str(exc):
+            raise ValueError(
+                f"dtype={dtype!r} cannot be predicted for model={workload.label!r}: its experts run torch's grouped_mm, "
+                "whose fake kernel takes bf16 inputs only (torch/_meta_registrations.py _meta_grouped_mm_common at "
+                "v2.13.0), where the CPU's takes fp32 too; predict it with dtype='bf16-weights', or measure "
+                "it") from None
         if SAC_RECOMPUTE_MISMATCH not in str(exc):
             raise
         raise ValueError(
