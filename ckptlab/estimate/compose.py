@@ -1123,13 +1123,15 @@ def _numbered(events: list[tuple], units: _Units) -> list[tuple]:
     for e in events:
         if e[0] == "alloc":
             if e[1] in live:
-                raise NotComposable("a composed unit allocates a storage twice")
+                raise NotComposable("the cut blocks' copies of their template's units allocate a storage twice: the "
+                                    "template does not stand for them")
             number[e[1]] = len(number) + 1
             live.add(e[1])
             out.append(("alloc", number[e[1]], *e[2:]))
         elif e[0] in ("free", "relabel", "grad"):
             if e[1] not in live:
-                raise NotComposable("a composed unit refers to a storage that is not alive")
+                raise NotComposable("the cut blocks' copies of their template's units refer to a storage that is not "
+                                    "alive then: the template does not stand for them")
             if e[0] == "free":
                 live.remove(e[1])
             out.append((e[0], number[e[1]], *e[2:]))
