@@ -214,8 +214,8 @@ def built_model(workload: Workload) -> tuple[FakeTensorMode, nn.Module]:
     The copies share the build's fake mode, as tensors of different fake modes cannot meet. A
     model whose functions refer to itself (`refers_to_itself`) is built anew for each call: a
     copy's hooks would act on the build."""
-    mode, model = _build(workload)
-    if _BUILT[workload_key(workload)][3]:
+    mode, model, copies_refer_to_it = _build(workload)
+    if copies_refer_to_it:
         return mode, fake_model(workload, mode)
     with FakeCopyMode(mode), castable(mode):
         return mode, copy.deepcopy(model)
@@ -256,7 +256,8 @@ def model_as_built(workload: Workload) -> nn.Module:
     return _build(workload)[1]
 
 
-def _build(workload: Workload) -> tuple[FakeTensorMode, nn.Module]:
+def _build(workload: Workload) -> tuple[FakeTensorMode, nn.Module, bool]:
+    """The workload's fake mode, its model as built, and whether that model refers to itself."""
     key = workload_key(workload)
     if key not in _BUILT:
         mode = new_fake_mode()
@@ -265,7 +266,7 @@ def _build(workload: Workload) -> tuple[FakeTensorMode, nn.Module]:
         while len(_BUILT) > BUILT_KEPT:
             _BUILT.popitem(last=False)
     _BUILT.move_to_end(key)
-    return _BUILT[key][1:3]
+    return _BUILT[key][1:]
 
 
 # Models built under fake tensors, by workload, the most recently used last (`built_model`).
