@@ -350,8 +350,8 @@ class _Stack:
     run: range = range(0)      # the middle blocks whose kinds repeat with the period, the cut among them
     alike: range = range(0)    # the kept blocks of the run after the cut that must trace as their templates
     head_periods: int = HEAD_PERIODS   # of the run kept before the cut
-    blocks_needed: int = 0     # where its middle repeats (every `repeats` blocks) in too few blocks to cut:
-    repeats: int = 0           # how many a cut needs
+    repeats: int = 0           # where its middle's kinds repeat in too few blocks to cut: their period,
+    blocks_needed: int = 0     # and how many blocks a cut would need
 
     def template(self, block: int) -> int:
         """The head block whose units a cut block's are: one of the head's last period."""
