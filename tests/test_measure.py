@@ -35,6 +35,33 @@ def test_bf16_autocast_runs_and_is_recorded():
     assert record["status"] == "ok" and record["dtype"] == "bf16"
 
 
+class _Overflowing(torch.nn.Module):
+    """Its fp16 activations overflow: every gradient is inf or NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) * 1e4
+        return x.float().mean()
+
+
+def test_a_step_whose_grad_scaler_skips_the_optimizer_says_so():
+    import ckptlab
+
+    overflowing = ckptlab.Workload.custom("overflowing", build_model=_Overflowing, loss=lambda m, b: m(b[0]),
+                                          make_batch=lambda b, s, g: (torch.randn(b, s, 8, generator=g),))
+    scaled = measure(overflowing, 2, 4, "none", dtype="fp16", loop="adamw,scaler", steps=1, warmup=0, max_seconds=0.1)
+    assert scaled["status"] == "ok" and scaled["note"] == (
+        "the grad scaler skipped the optimizer step of the warm-up and of the step measured (inf or NaN gradients): "
+        "not the healthy step a prediction is of, the step measured starts without optimizer state")
+    healthy = measure(get_workload("gpt-tiny", n_layer=2), 2, 16, "none", dtype="fp16", loop="adamw,scaler", steps=1,
+                      warmup=0, max_seconds=0.1)
+    assert healthy["status"] == "ok" and "scaler" not in healthy["note"]
+
+
 def test_emulated_memory_limit():
     fits = measure("gpt-tiny", 2, 32, "none", steps=1, warmup=0, max_seconds=0.1, memory_limit="1GiB")
     assert fits["fits"] is True and fits["status"] == "ok" and fits["memory_limit_bytes"] == 2**30

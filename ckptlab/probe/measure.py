@@ -193,7 +193,9 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
     step = training_step(runner, workload, batch, optimizer, dtype, loop)
 
     torch.manual_seed(workload.seed)
+    scales = [_scale_of(step.scaler)]   # a grad scaler lowers its scale where it skips a step
     step()
+    scales.append(_scale_of(step.scaler))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -210,6 +212,14 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
             loss = step(tracker)
         report = tracker.report()
         record["peak_activations_in_blocks_bytes"] = report.peak_in_blocks_by_category.get("activations")
+    scales.append(_scale_of(step.scaler))
+    skipped = [name for name, before, after in zip(("the warm-up", "the step measured"), scales, scales[1:])
+               if before is not None and after < before]
+    if skipped:
+        note = (f"the grad scaler skipped the optimizer step of {' and of '.join(skipped)} (inf or NaN gradients): "
+                "not the healthy step a prediction is of" + (", the step measured starts without optimizer state"
+                                                              if skipped[0] == "the warm-up" else ""))
+        record["note"] = "; ".join(n for n in (record.get("note"), note) if n)
     record.update(
         **parameter_bytes(model),
         peak_bytes=report.peak_bytes,
@@ -232,6 +242,10 @@ def prepare_step(record: dict, workload: Workload, apply, dev: torch.device, dty
         record.update(status="oom", message=f"peak {peak} B exceeds the emulated memory limit {limit} B")
         return None, report
     return step, report
+
+
+def _scale_of(scaler) -> Optional[float]:
+    return None if scaler is None else scaler.get_scale()
 
 
 def policy_notes(record, policy, dev):
