@@ -667,12 +667,11 @@ def _settings(block: nn.Module) -> dict:
 
 
 def _add_setting(found: dict, where: tuple, value) -> None:
-    if value is None or isinstance(value, (bool, int, float, complex, str, enum.Enum, torch.dtype, torch.device)):
+    if value is None or isinstance(value, (bool, int, float, complex, str, enum.Enum, torch.dtype, torch.device,
+                                           types.BuiltinFunctionType, type)):
         found[where] = (type(value), value)   # the type too: 1, 1.0 and True compare equal
     elif isinstance(value, types.FunctionType):   # by its code: a wrapper made per block is one function
         found[where] = (types.FunctionType, value.__code__)
-    elif isinstance(value, (types.BuiltinFunctionType, type)):
-        found[where] = (type(value), value)
     elif isinstance(value, types.MethodType):
         _add_setting(found, where, value.__func__)
     elif isinstance(value, functools.partial):

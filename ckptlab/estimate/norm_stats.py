@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -47,8 +47,8 @@ from .fake_mode import RetypingFakeMode
 aten = torch.ops.aten
 
 
-def _mixed(x: torch.Tensor, *params: Optional[torch.Tensor]) -> bool:
-    """`is_mixed_type`: the defined parameters' dtype is not the input's."""
+def _mixed(x: torch.Tensor, *params) -> bool:
+    """`is_mixed_type`: the defined parameters' dtype is not the input's (other arguments skipped)."""
     defined = [p for p in params if isinstance(p, torch.Tensor)]
     return bool(defined) and defined[0].dtype != x.dtype
 
@@ -93,8 +93,8 @@ def _group_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
 def _batch_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
     if cuda:
         return out
-    x, params = args[0], [a for a in args[1:5] if a is None or isinstance(a, torch.Tensor)]
-    return _stats(out, torch.float32 if _mixed(x, *params) else x.dtype)
+    x = args[0]   # then weight, bias, and (not in the no_stats overload) the running statistics
+    return _stats(out, torch.float32 if _mixed(x, *args[1:5]) else x.dtype)
 
 
 _RULES: dict[object, Callable[[bool, tuple, tuple], tuple]] = {
