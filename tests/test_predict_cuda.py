@@ -1,8 +1,11 @@
 """Predictions for a CUDA card from this CPU-only machine: the optimizer's implementation, the
 allocator's numbers, the card's device bytes and margin, and the command line that prints them."""
 
+import concurrent.futures
 import dataclasses
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ import ckptlab
 from ckptlab.apps.cli import main as cli_main
 from ckptlab.core.cards import CUBLAS_WORKSPACE_BYTES, card, parse_capacity
 from ckptlab.core.policy import parse_policy
+from ckptlab.core import workers as workers_module
 from ckptlab.core.units import format_bytes
 from ckptlab.estimate import predict as predict_module
 from ckptlab.estimate.cuda_device import CUBLASLT_WORKSPACE_BYTES, BlasUse
@@ -212,12 +216,13 @@ def test_predict_fits_in_worker_processes_answers_the_same_rows(tiny):
         ckptlab.predict_fits(tiny, ["full"], **options, workers=0)
 
 
-def test_worker_processes_take_the_longest_tasks_first(tiny, monkeypatch):
+def test_worker_processes_take_the_longest_tasks_first_and_this_process_the_shortest(tiny, monkeypatch):
     """The policies that recompute more blocks first (their batch searches step further), then
-    the cards of more memory; the rows in the order asked."""
-    handed = []
+    the cards of more memory, to the spawned worker; this process takes them from the other end;
+    the rows in the order asked."""
+    spawned, here, fit_rows, one_at_a_time = [], [], predict_module._fit_rows, threading.Lock()
 
-    class InProcess:   # a pool that records the order of its tasks and runs them here
+    class InThreads:   # a pool that runs its tasks in the caller's thread, recording them
         def __init__(self, *args, **kwargs):
             pass
 
@@ -227,16 +232,26 @@ def test_worker_processes_take_the_longest_tasks_first(tiny, monkeypatch):
         def __exit__(self, *exc):
             return False
 
-        def map(self, fn, tasks):
-            tasks = list(tasks)
-            handed.extend((str(policy), [c.name for c in caps]) for _, policy, caps, _ in tasks)
-            return map(fn, tasks)
+        def submit(self, fn, task):
+            spawned.append((str(task[1]), [c.name for c in task[2]]))
+            time.sleep(0.05)   # a spawned worker's slower start: this process takes a task meanwhile
+            future = concurrent.futures.Future()
+            future.set_result(fn(task))
+            return future
 
-    monkeypatch.setattr(predict_module, "ProcessPoolExecutor", InProcess)
+    def recorded(workload, policy, caps, **options):
+        if threading.current_thread() is threading.main_thread():
+            here.append((str(policy), [c.name for c in caps]))
+        with one_at_a_time:   # ckptlab's prepared steps are one process's, used by one thread at a time
+            return fit_rows(workload, policy, caps, **options)
+
+    monkeypatch.setattr(workers_module, "ProcessPoolExecutor", InThreads)
+    monkeypatch.setattr(predict_module, "_fit_rows", recorded)
     options = dict(capacities=["rtx4090", "h200"], seq_len=16, batch_size=1, dtype="fp32", max_batch=2, seq_lens=[16])
     policies = ["none", "density=0.5", "full"]
     rows = ckptlab.predict_fits(tiny, policies, **options, workers=2)
-    assert handed == [(p, [c]) for p in ("full", "density=0.5", "none") for c in ("h200", "rtx4090")]
+    longest_first = [(p, [c]) for p in ("full", "density=0.5", "none") for c in ("h200", "rtx4090")]
+    assert spawned and here and spawned + here[::-1] == longest_first
     assert rows == ckptlab.predict_fits(tiny, policies, **options)
 
 

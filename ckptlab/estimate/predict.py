@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Iterable, Optional, Sequence
-
-import torch
 
 from ..core.cards import DEFAULT_CARDS, Card, fits, margin_left, parse_capacity
 from ..core.cards import card as find_card
@@ -27,6 +23,7 @@ from ..core.dtypes import DTYPES
 from ..core.loop import Loop, as_loop
 from ..core.policy import Policy, parse_policies
 from ..core.validate import choice, integer
+from ..core.workers import shared
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload, get_workload
 from . import answers
@@ -251,10 +248,11 @@ def predict_fits(
     step on the composed step's batch line once three batch sizes are traced, and trace their
     answers' bounds (`estimate.batch_line`); a step traced for one card is taken for the others
     that make the same kernel choices (`compose.composed_step`). `workers` > 1 predicts in that
-    many processes, each a policy's rows on the cards that rank the attention backends alike (for
-    a workload made from a spec; one made in Python is predicted here), handed out longest first
-    (the policies that recompute more blocks, then the larger cards): on 2 cores, a 7B table in
-    20 s instead of 25 s (benchmarks/predict_speed.py).
+    many processes, this one and `workers` - 1 spawned, each task a policy's rows on the cards
+    that rank the attention backends alike (for a workload made from a spec; one made in Python
+    is predicted here), the spawned taking the longest first (the policies that recompute more
+    blocks, then the larger cards) and this process the shortest (benchmarks/predict_speed.py
+    times a 7B table both ways).
     """
     workload = as_workload(workload)
     choice("trace", trace, TRACES)
@@ -281,16 +279,13 @@ def predict_fits(
     for cap in caps:
         groups.setdefault(priority(torch_rules(torch_version), cap.arch) if cap.arch else None, []).append(cap)
     tasks = [(pol, group) for pol in parse_policies(policies) for group in groups.values()]
-    if workers == 1 or len(tasks) == 1 or workload.spec is None or workload.weights_dtype is not None:
-        done = [_fit_rows(workload, pol, group, **options) for pol, group in tasks]
-    else:
-        # Longest first, so that no worker is left with a long task at the end: a policy that
-        # recomputes more blocks fits larger batches, whose searches step further, as do larger cards.
-        tasks.sort(key=lambda task: (-_recomputed_share(task[0]), -max(c.usable_bytes for c in task[1])))
-        made = (workload.spec, workload.seed, workload.overrides, workload.identity)
-        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            done = list(pool.map(_fit_rows_of_spec, [(made, pol, group, options) for pol, group in tasks]))
+    # Longest first, so that no worker is left with a long task at the end: a policy that
+    # recomputes more blocks fits larger batches, whose searches step further, as do larger cards.
+    tasks.sort(key=lambda task: (-_recomputed_share(task[0]), -max(c.usable_bytes for c in task[1])))
+    made = (workload.spec, workload.seed, workload.overrides, workload.identity)
+    in_workers = workload.spec is not None and workload.weights_dtype is None
+    done = shared([(made, pol, group, options) for pol, group in tasks], workers if in_workers else 1,
+                  lambda task: _fit_rows(workload, *task[1:3], **options), _fit_rows_of_spec)
     by_cap = {(str(pol), cap.name): row for (pol, _), rows in zip(tasks, done) for cap, row in rows}
     return [by_cap[(str(pol), cap.name)] for pol in parse_policies(policies) for cap in caps]
 

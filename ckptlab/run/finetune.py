@@ -9,16 +9,14 @@ fit each capacity (a card such as rtx4090, or a size).
 
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from typing import Sequence
 
 import pandas as pd
-import torch
 
 from ..core.cards import fits, margin_left, parse_capacity
 from ..core.records import CATEGORIES
 from ..core.validate import integer
+from ..core.workers import shared
 from ..plan.budget import measure, predict
 from ..probe.measure import older_objects_frozen
 from ..probe.step import resolve_device
@@ -53,26 +51,23 @@ def lora_fits(model: str, rank: int, seq_lens: Sequence[int], capacities: Sequen
     the step predicted for that card (`predict(device="cuda", card=...)`: its device bytes, also
     in `device_<card>_bytes`) against its usable bytes less its margin (`core.cards.fits`), and
     `fit_<card>` its answer ("yes", "with cache flushes", "no": `predict`'s `fit`); on a size, of
-    the CPU peak. `workers` > 1 predicts in that many processes, one policy's rows each (the same
-    rows: each prediction is the same whichever process makes it); on 2 idle cores, two policies
-    in about half the time."""
+    the CPU peak. `workers` > 1 predicts in that many processes, this one and `workers` - 1
+    spawned (`core.workers.shared`; the same rows: each prediction is the same whichever process
+    makes it)."""
     integer("rank", rank, 1)
     integer("workers", workers, 1)
     spec = f"{model}+lora={rank}"
     get_workload(spec)   # a bad model or rank is reported here, not from a worker process
     caps = [parse_capacity(c, "capacities") for c in capacities]
-    tasks = [(spec, policy, list(seq_lens), caps, batch_size, dtype) for policy in policies]
-    if workers == 1 or len(tasks) <= 1:
-        done = [_policy_rows(task) for task in tasks]
-    else:
-        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            done = list(pool.map(_policy_rows, tasks))
+    # a task per policy and sequence: this process takes them from the last, a spawned worker from
+    # the first, each preparing mostly one policy's step
+    tasks = [(spec, policy, [seq_len], caps, batch_size, dtype) for policy in policies for seq_len in seq_lens]
+    done = shared(tasks, workers, _policy_rows, _policy_rows)
     return pd.DataFrame([row for rows in done for row in rows])
 
 
 def _policy_rows(task: tuple) -> list[dict]:
-    """lora_fits' rows of one policy, one per sequence length (in a worker process or here)."""
+    """lora_fits' rows of one policy, one per sequence length of the task (in a worker process or here)."""
     spec, policy, seq_lens, caps, batch_size, dtype = task
     rows = []
     for seq_len in seq_lens:
