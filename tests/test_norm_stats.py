@@ -2,12 +2,13 @@
 (`estimate.norm_stats`), so that a prediction holds what the real step holds."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptlab
@@ -17,6 +18,7 @@ from ckptlab.estimate.fake_mode import new_fake_mode
 from ckptlab.estimate.fake_step import clear_prepared
 from ckptlab.estimate.norm_stats import norm_stats
 from ckptlab.estimate.predict import predict_policy
+from ckptlab.probe.memory import track_memory
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 NORMS = {   # a module and the shape of its input
@@ -156,3 +158,89 @@ def test_a_bf16_model_of_mixed_type_norms_is_predicted_on_the_cpu_as_measured(po
         assert (predicted.peak_bytes, predicted.saved_activation_bytes) == (
             measured["peak_bytes"], measured["saved_activation_bytes"]), trace
     assert predicted.trace == "full" and predict_policy(workload, 2, 16, as_policy(policy), dtype="bf16").trace == "composed"
+
+
+def _layer_norm_backward(make, x, grad_out):
+    n, c = x.shape[0], x.shape[-1]
+    return torch.ops.aten.native_layer_norm_backward(grad_out, x, [c], make(*x.shape[:-1], 1), make(*x.shape[:-1], 1),
+                                                     make(c), make(c), [True, True, True])
+
+
+def _group_norm_backward(make, x, grad_out):
+    n, c = x.shape[:2]
+    return torch.ops.aten.native_group_norm_backward(grad_out, x, make(n, 4), make(n, 4), make(c), n, c,
+                                                     x[0, 0].numel(), 4, [True, True, True])
+
+
+def _batch_norm_backward(make, x, grad_out):
+    c = x.shape[1]
+    return torch.ops.aten.native_batch_norm_backward(grad_out, x, make(c), make(c), make(c).abs(), make(c), make(c),
+                                                     True, 1e-5, [True, True, True])
+
+
+def _transposed(make, *shape):
+    return make(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+
+
+def _channels_last(make, *shape):
+    return make(*shape).contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("op", [_layer_norm_backward, _group_norm_backward, _batch_norm_backward])
+@pytest.mark.parametrize("x_layout,grad_layout,shape", [
+    (None, _transposed, (4, 16, 8)),          # a norm followed by a transpose: the gradient comes transposed
+    (_transposed, None, (4, 16, 8)),
+    (None, _channels_last, (2, 8, 4, 4)),
+    (_channels_last, None, (2, 8, 4, 4)),
+])
+def test_a_norms_input_gradient_is_laid_out_as_the_cpu_kernels_lay_it_out(op, x_layout, grad_layout, shape):
+    # torch's fake kernels lay a backward's input gradient out as the incoming gradient; the
+    # kernels allocate it from the input (module docstring)
+    def backward(make):
+        x = x_layout(make, *shape) if x_layout else make(*shape)
+        grad_out = grad_layout(make, *shape) if grad_layout else make(*shape)
+        return [t.stride() for t in op(make, x, grad_out)]
+
+    real = backward(torch.randn)
+    for mode in ("ckptlab", "torch"):
+        fake = new_fake_mode() if mode == "ckptlab" else FakeTensorMode()
+        with fake, norm_stats(fake):
+            assert backward(torch.empty) == real, mode
+
+
+class _MixesPositions(nn.Module):
+    """Blocks that normalize each position, then mix the positions (a Linear over the sequence,
+    as an MLP-Mixer does, without its residual): each norm's incoming gradient is a transposed
+    one, and its input's gradient goes on to a Linear, whose backward views it as a matrix."""
+
+    def __init__(self, seq: int = 16, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.norms = nn.ModuleList(nn.LayerNorm(32) for _ in range(depth))
+        self.mixes = nn.ModuleList(nn.Linear(seq, seq) for _ in range(depth))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for norm, mix in zip(self.norms, self.mixes):
+            h = mix(norm(h).transpose(1, 2)).transpose(1, 2)
+        return h.mean()
+
+
+def test_a_step_whose_norms_get_transposed_gradients_holds_on_fake_tensors_what_it_holds_for_real():
+    def timeline(model, x) -> list:
+        with track_memory(model, inputs=[x]) as tracker:
+            loss = model(x)
+            tracker.phase("backward")
+            loss.backward()
+        return tracker.report().timeline
+
+    torch.manual_seed(0)
+    model, x = _MixesPositions(), torch.randn(2, 16, 8)
+    real = timeline(model, x)
+    for p in model.parameters():
+        p.grad = None
+    fake = new_fake_mode()
+    with FakeCopyMode(fake):
+        fake_model = copy.deepcopy(model)
+    with fake, norm_stats(fake):
+        assert timeline(fake_model, fake.from_tensor(x)) == real

@@ -1,4 +1,5 @@
-"""The statistics normalization kernels keep, where torch's fake kernels give another dtype.
+"""The statistics normalization kernels keep, and the gradients they give, where torch's fake
+kernels give another dtype or layout.
 
 A layer, group or batch norm whose input is bf16 or fp16 while its weight and bias are fp32 (a
 LayerNorm fed by a Linear under CPU autocast, a bf16 CNN whose norms keep fp32 affine parameters)
@@ -10,8 +11,8 @@ other bytes than the real one. On CUDA, layer norm keeps its statistics in the a
 its input, fp32 for bf16 and fp16, mixed or not: a bf16 model's LayerNorms (`bf16-weights`) keep
 twice the bytes the CPU's do.
 
-`norm_stats(fake_mode, cuda)` gives these ops' outputs the real kernels' dtypes (a new fake
-tensor of the same shape and strides) inside ckptlab's fake mode (`fake_mode.RetypingFakeMode`:
+`norm_stats(fake_mode, cuda)` gives these ops' outputs the real kernels' dtypes and layouts (a
+new fake tensor of the same shape) inside ckptlab's fake mode (`fake_mode.RetypingFakeMode`:
 a lookup per op), or in a dispatch mode just above another fake mode (`NormStats`), so the tracker
 above sees what the real step allocates:
 
@@ -20,10 +21,18 @@ above sees what the real step allocates:
   (cuda/layer_norm_kernel.cu layer_norm_cuda).
 - native_group_norm: fp32 statistics where mixed, on both (group_norm.cpp native_group_norm, one
   kernel entry for every device); native_group_norm_backward: the input's gradient in the input's
-  dtype (`empty_like(X)`).
+  dtype and its suggested memory format (`empty_like(X, ..., X.suggest_memory_format())`).
+- native_layer_norm_backward: the input's gradient contiguous, on both (`empty_like` of the
+  contiguous input, layer_norm_backward_cpu and _cuda).
 - native_batch_norm, _native_batch_norm_legit (with and without running stats): CPU: fp32 saved
-  statistics where mixed (Normalization.cpp batch_norm_cpu). On CUDA left as torch's fake kernels
+  statistics where mixed (Normalization.cpp batch_norm_cpu); native_batch_norm_backward: CPU: the
+  input's gradient in the input's suggested memory format. On CUDA left as torch's fake kernels
   give them: CUDA runs cuDNN's batch norm where it can, whose reserve buffer only cuDNN sizes.
+
+torch's fake kernels give a backward's input gradient the strides of the incoming gradient: where
+that is a transposed or permuted one (a norm followed by a transpose, Swin's window partition), a
+later `view` of it becomes a copy on fake tensors that the real step does not make (and the other
+way round).
 
 "Mixed" is `is_mixed_type` (native/cpu/mixed_data_type.h): the defined parameters' dtype differs
 from the input's. The CPU rules are checked against the installed torch's CPU kernels
@@ -37,6 +46,7 @@ import functools
 from typing import Callable
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,6 +77,17 @@ def _retyped(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return FakeTensor(t.fake_mode, meta, t.fake_device)
 
 
+def _like_input(t: torch.Tensor, x: torch.Tensor, dtype: torch.dtype,
+                memory_format: torch.memory_format) -> torch.Tensor:
+    """A fake tensor of `t`'s shape in `dtype` and `memory_format`, made without a dispatch: the
+    gradient a kernel allocates for its input `x`."""
+    with no_dispatch():
+        meta = torch.empty(t.shape, dtype=dtype, device="meta", memory_format=memory_format)
+    if meta.dtype == t.dtype and meta.stride() == t.stride():
+        return t
+    return FakeTensor(t.fake_mode, meta, t.fake_device)
+
+
 def _stats(out: tuple, dtype: torch.dtype) -> tuple:
     """(output, statistic, statistic) with the statistics in `dtype`."""
     return (out[0], _retyped(out[1], dtype), _retyped(out[2], dtype))
@@ -86,7 +107,21 @@ def _group_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
 
 def _group_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
     x = args[1]
-    grad_input = out[0] if out[0] is None else _retyped(out[0], x.dtype)
+    grad_input = out[0] if out[0] is None else _like_input(out[0], x, x.dtype, suggest_memory_format(x))
+    return (grad_input, out[1], out[2])
+
+
+def _layer_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
+    x = args[1]
+    grad_input = out[0] if out[0] is None else _like_input(out[0], x, out[0].dtype, torch.contiguous_format)
+    return (grad_input, out[1], out[2])
+
+
+def _batch_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
+    if cuda:
+        return out
+    x = args[1]
+    grad_input = out[0] if out[0] is None else _like_input(out[0], x, out[0].dtype, suggest_memory_format(x))
     return (grad_input, out[1], out[2])
 
 
@@ -99,9 +134,11 @@ def _batch_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
 
 _RULES: dict[object, Callable[[bool, tuple, tuple], tuple]] = {
     aten.native_layer_norm.default: _layer_norm,
+    aten.native_layer_norm_backward.default: _layer_norm_backward,
     aten.native_group_norm.default: _group_norm,
     aten.native_group_norm_backward.default: _group_norm_backward,
     aten.native_batch_norm.default: _batch_norm,
+    aten.native_batch_norm_backward.default: _batch_norm_backward,
     aten._native_batch_norm_legit.default: _batch_norm,
     aten._native_batch_norm_legit.no_stats: _batch_norm,
 }
