@@ -161,7 +161,7 @@ def test_a_bf16_model_of_mixed_type_norms_is_predicted_on_the_cpu_as_measured(po
 
 
 def _layer_norm_backward(make, x, grad_out):
-    n, c = x.shape[0], x.shape[-1]
+    c = x.shape[-1]
     return torch.ops.aten.native_layer_norm_backward(grad_out, x, [c], make(*x.shape[:-1], 1), make(*x.shape[:-1], 1),
                                                      make(c), make(c), [True, True, True])
 

@@ -77,10 +77,9 @@ def _retyped(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return FakeTensor(t.fake_mode, meta, t.fake_device)
 
 
-def _like_input(t: torch.Tensor, x: torch.Tensor, dtype: torch.dtype,
-                memory_format: torch.memory_format) -> torch.Tensor:
-    """A fake tensor of `t`'s shape in `dtype` and `memory_format`, made without a dispatch: the
-    gradient a kernel allocates for its input `x`."""
+def _laid_out(t: torch.Tensor, dtype: torch.dtype, memory_format: torch.memory_format) -> torch.Tensor:
+    """A fake tensor of `t`'s shape in `dtype` and `memory_format` (`t` itself where it is so),
+    made without a dispatch: an input's gradient as a kernel allocates it."""
     with no_dispatch():
         meta = torch.empty(t.shape, dtype=dtype, device="meta", memory_format=memory_format)
     if meta.dtype == t.dtype and meta.stride() == t.stride():
@@ -107,13 +106,12 @@ def _group_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
 
 def _group_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
     x = args[1]
-    grad_input = out[0] if out[0] is None else _like_input(out[0], x, x.dtype, suggest_memory_format(x))
+    grad_input = out[0] if out[0] is None else _laid_out(out[0], x.dtype, suggest_memory_format(x))
     return (grad_input, out[1], out[2])
 
 
 def _layer_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
-    x = args[1]
-    grad_input = out[0] if out[0] is None else _like_input(out[0], x, out[0].dtype, torch.contiguous_format)
+    grad_input = out[0] if out[0] is None else _laid_out(out[0], out[0].dtype, torch.contiguous_format)
     return (grad_input, out[1], out[2])
 
 
@@ -121,7 +119,7 @@ def _batch_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
     if cuda:
         return out
     x = args[1]
-    grad_input = out[0] if out[0] is None else _like_input(out[0], x, out[0].dtype, suggest_memory_format(x))
+    grad_input = out[0] if out[0] is None else _laid_out(out[0], out[0].dtype, suggest_memory_format(x))
     return (grad_input, out[1], out[2])
 
 
