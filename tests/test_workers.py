@@ -1,5 +1,6 @@
-"""core.workers.shared: tasks split between this process (from the back) and spawned workers
-(from the front), results in order, the first error raised with no task started after it."""
+"""core.workers.shared: tasks split between this process (from the back, at once) and spawned
+workers (from the front, once started), results in order, the first error raised with no task
+handed out after it; a worker that cannot start leaves its tasks to this process."""
 
 import concurrent.futures
 import threading
@@ -10,48 +11,72 @@ import pytest
 from ckptlab.core import workers
 
 
-class Pool:
-    """A process pool that runs each task in the feeding thread, one at a time with this
-    process's (a lock), after a spawned worker's slower start; records what it ran."""
+def pool_of(start_s: float, ran: list, fails_to_start: bool = False):
+    """A process pool whose worker starts in `start_s` (its `_ready` task) and runs each task in
+    the feeding thread, one at a time with this process's (a lock); `ran` records its tasks."""
 
-    ran: list = []
-    lock = threading.Lock()
+    class Pool:
+        def __init__(self, *args, **kwargs):
+            pass
 
-    def __init__(self, *args, **kwargs):
-        pass
+        def submit(self, fn, task):
+            future = concurrent.futures.Future()
+            if fn is workers._ready:
+                time.sleep(start_s)
+                if fails_to_start:
+                    future.set_exception(concurrent.futures.process.BrokenProcessPool("the worker died"))
+                else:
+                    future.set_result(None)
+                return future
+            with LOCK:
+                ran.append(task)
+                try:
+                    future.set_result(fn(task))
+                except Exception as exc:
+                    future.set_exception(exc)
+            return future
 
-    def __enter__(self):
-        return self
+        def shutdown(self, **kwargs):
+            pass
 
-    def __exit__(self, *exc):
-        return False
+    return Pool
 
-    def submit(self, fn, task):
-        time.sleep(0.02)
-        future = concurrent.futures.Future()
-        with self.lock:
-            self.ran.append(task)
-            try:
-                future.set_result(fn(task))
-            except Exception as exc:
-                future.set_exception(exc)
-        return future
+
+LOCK = threading.Lock()
+
+
+def here_fn(here: list, seconds: float = 0.01, fail: bool = False):
+    def run(task):
+        with LOCK:
+            here.append(task)
+            time.sleep(seconds)
+            if fail:
+                raise RuntimeError(f"task {task} failed here")
+            return -task
+    return run
 
 
 def test_spawned_take_tasks_from_the_front_this_process_from_the_back(monkeypatch):
-    monkeypatch.setattr(workers, "ProcessPoolExecutor", Pool)
-    monkeypatch.setattr(Pool, "ran", [])
-    here = []
+    ran, here = [], []
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", pool_of(0.02, ran))
+    assert workers.shared(list(range(8)), 2, here_fn(here), lambda task: -task) == [-t for t in range(8)]
+    assert ran and here and ran + here[::-1] == list(range(8))
+    assert here[0] == 7   # this process starts at once, with the last task
 
-    def here_fn(task):
-        with Pool.lock:
-            here.append(task)
-            time.sleep(0.01)
-            return -task
 
-    results = workers.shared(list(range(8)), 2, here_fn, lambda task: -task)
-    assert results == [-t for t in range(8)]
-    assert Pool.ran and here and Pool.ran + here[::-1] == list(range(8))
+def test_a_table_done_before_the_worker_starts_does_not_wait_for_it(monkeypatch):
+    ran, here = [], []
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", pool_of(2.0, ran))
+    start = time.perf_counter()
+    assert workers.shared([1, 2, 3], 2, here_fn(here), lambda task: -task) == [-1, -2, -3]
+    assert time.perf_counter() - start < 1.0 and not ran and here == [3, 2, 1]
+
+
+def test_a_worker_that_cannot_start_leaves_its_tasks_here(monkeypatch):
+    ran, here = [], []
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", pool_of(0.0, ran, fails_to_start=True))
+    assert workers.shared(list(range(5)), 2, here_fn(here, 0.02), lambda task: -task) == [-t for t in range(5)]
+    assert not ran and sorted(here) == list(range(5))
 
 
 def test_one_worker_or_one_task_runs_here(monkeypatch):
@@ -62,18 +87,13 @@ def test_one_worker_or_one_task_runs_here(monkeypatch):
 
 @pytest.mark.parametrize("failing_side", ["here", "there"])
 def test_the_first_error_is_raised_and_stops_the_handing_out(monkeypatch, failing_side):
-    monkeypatch.setattr(workers, "ProcessPoolExecutor", Pool)
-    monkeypatch.setattr(Pool, "ran", [])
-    here = []
+    ran, here = [], []
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", pool_of(0.0, ran))
 
     def fail(task):
-        raise RuntimeError(f"task {task} failed")
-
-    def here_fn(task):
-        here.append(task)
-        time.sleep(0.05)
-        return fail(task) if failing_side == "here" else task
+        raise RuntimeError(f"task {task} failed there")
 
     with pytest.raises(RuntimeError, match="failed"):
-        workers.shared(list(range(20)), 2, here_fn, fail if failing_side == "there" else (lambda t: t))
-    assert len(Pool.ran) + len(here) < 20   # handing out stopped: not every task started
+        workers.shared(list(range(20)), 2, here_fn(here, 0.05, fail=failing_side == "here"),
+                       fail if failing_side == "there" else (lambda t: -t))
+    assert len(ran) + len(here) < 20   # handing out stopped: not every task started

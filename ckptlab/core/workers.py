@@ -4,55 +4,79 @@ predictions on two cores in the time of about half its tasks."""
 from __future__ import annotations
 
 import collections
+import importlib
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Callable
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from typing import Callable, Optional
 
 import torch
 
 
 def shared(tasks: list, workers: int, here: Callable, there: Callable) -> list:
     """Each task's result, in order, from `workers` processes: this one (`here(task)`) and
-    `workers` - 1 spawned (`there(task)`: a module-level function, the task picklable). The
-    spawned take the tasks from the front, one at a time each, and this process from the back,
-    until none is left: order them longest first. This process works too, with its imports paid
-    and what it prepared kept; a spawned one pays seconds to import torch before its first task.
-    The first error stops the handing out (the tasks under way finish) and is raised."""
+    `workers` - 1 spawned (`there(task)`: a module-level function, the task picklable). This
+    process takes the tasks from the back at once; a spawned one, once it has started and
+    imported `there`'s module (seconds: torch and the model's libraries), takes them from the
+    front, one at a time: order them longest first. A table that this process finishes before a
+    spawned one has started does not wait for it. The first error stops the handing out (the
+    tasks under way finish) and is raised."""
     if workers <= 1 or len(tasks) <= 1:
         return [here(task) for task in tasks]
-    spawned = min(workers, len(tasks)) - 1
-    left = collections.deque(range(len(tasks)))   # popped at both ends by several threads: deque's pops are atomic
-    done = {}
+    left = collections.deque(range(len(tasks)))
+    done, errors = {}, []
+    state = threading.Condition()
+    handed = [0]   # tasks a worker holds
 
-    def feed(pool: ProcessPoolExecutor) -> None:
-        while left:
-            try:
-                i = left.popleft()
-            except IndexError:
-                return
+    def take(front: bool) -> Optional[int]:
+        with state:
+            if not left:
+                return None
+            handed[0] += front
+            return left.popleft() if front else left.pop()
+
+    def feed() -> None:
+        try:
+            pool.submit(_ready, there.__module__).result()
+        except BaseException as exc:   # the worker could not start: this process does the rest
+            errors.append(exc)
+            return
+        while (i := take(front=True)) is not None:
             try:
                 done[i] = pool.submit(there, tasks[i]).result()
-            except BaseException:
-                left.clear()
-                raise
+            except BaseException as exc:
+                errors.append(exc)
+                with state:
+                    left.clear()
+            finally:
+                with state:
+                    handed[0] -= 1
+                    state.notify_all()
 
-    with ProcessPoolExecutor(spawned, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=torch.set_num_threads, initargs=(1,)) as pool, \
-            ThreadPoolExecutor(spawned) as feeders:
-        fed = [feeders.submit(feed, pool) for _ in range(spawned)]
-        try:
-            while left:
-                try:
-                    i = left.pop()
-                except IndexError:
-                    break
-                done[i] = here(tasks[i])
-        except BaseException:
+    spawned = min(workers, len(tasks)) - 1
+    pool = ProcessPoolExecutor(spawned, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=torch.set_num_threads, initargs=(1,))
+    try:
+        for _ in range(spawned):
+            threading.Thread(target=feed, daemon=True).start()
+        while (i := take(front=False)) is not None:
+            done[i] = here(tasks[i])
+        with state:
+            state.wait_for(lambda: handed[0] == 0)
+    except BaseException:
+        with state:
             left.clear()
-            raise
-        for f in fed:
-            f.result()
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)   # a worker still starting is not waited for
+    if len(done) < len(tasks):   # a worker's task failed (a worker that could not start left its tasks here)
+        raise errors[0]
     return [done[i] for i in range(len(tasks))]
+
+
+def _ready(module: str) -> None:
+    """Run in a spawned worker before its first task: its imports paid."""
+    importlib.import_module(module)
 
 
 __all__ = ["shared"]
