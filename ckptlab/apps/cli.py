@@ -12,7 +12,6 @@ import csv
 import dataclasses
 import json
 import math
-import os
 import re
 import shlex
 import sys
@@ -953,9 +952,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_loop_arguments(p)
     add_cuda_rule_arguments(p)
     add_trace_argument(p)
-    p.add_argument("--workers", default=min(2, os.cpu_count() or 1), type=int,
-                   help="processes predicting in parallel: this one and the rest spawned, each spawned taking "
-                        "tasks once started (default 2, 1 on a machine of one CPU)")
+    p.add_argument("--workers", default=1, type=int, help="processes predicting in parallel (default 1)")
     add_format_argument(p)
     p.command(cmd_fits)
 
