@@ -18,8 +18,9 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable) -> list:
     `workers` - 1 spawned (`there(task)`: a module-level function, the task picklable). This
     process takes the tasks from the back at once; a spawned one, once it has started and
     imported `there`'s module (seconds: torch and the model's libraries), takes them from the
-    front, one at a time: order them longest first. A table that this process finishes before a
-    spawned one has started does not wait for it. The first error stops the handing out (the
+    front, one at a time: order them longest first. A call that this process finishes before a
+    spawned one has started returns without waiting for it (the process, at its exit, waits for
+    that start: seconds). The first error stops the handing out (the
     tasks under way finish) and is raised."""
     if workers <= 1 or len(tasks) <= 1:
         return [here(task) for task in tasks]
