@@ -20,23 +20,25 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable) -> list:
     imported `there`'s module (seconds: torch and the model's libraries), takes them from the
     front, one at a time: order them longest first. A call that this process finishes before a
     spawned one has started returns without waiting for it (the process, at its exit, waits for
-    that start: seconds). The first error stops the handing out (the
-    tasks under way finish) and is raised."""
+    that start: seconds). The first error stops the handing out (the tasks under way finish)
+    and is raised."""
     if workers <= 1 or len(tasks) <= 1:
         return [here(task) for task in tasks]
     left = collections.deque(range(len(tasks)))
     done, errors = {}, []
     state = threading.Condition()
-    handed = [0]   # tasks a worker holds
+    handed = 0   # tasks a worker holds
 
     def take(front: bool) -> Optional[int]:
+        nonlocal handed
         with state:
             if not left:
                 return None
-            handed[0] += front
+            handed += front
             return left.popleft() if front else left.pop()
 
     def feed() -> None:
+        nonlocal handed
         try:
             pool.submit(_ready, there.__module__).result()
         except BaseException as exc:   # the worker could not start: this process does the rest
@@ -51,7 +53,7 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable) -> list:
                     left.clear()
             finally:
                 with state:
-                    handed[0] -= 1
+                    handed -= 1
                     state.notify_all()
 
     spawned = min(workers, len(tasks)) - 1
@@ -63,7 +65,7 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable) -> list:
         while (i := take(front=False)) is not None:
             done[i] = here(tasks[i])
         with state:
-            state.wait_for(lambda: handed[0] == 0)
+            state.wait_for(lambda: handed == 0)
     except BaseException:
         with state:
             left.clear()

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch._prims_common import suggest_memory_format
@@ -77,14 +77,18 @@ def _retyped(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return FakeTensor(t.fake_mode, meta, t.fake_device)
 
 
-def _laid_out(t: torch.Tensor, dtype: torch.dtype, memory_format: torch.memory_format) -> torch.Tensor:
-    """A fake tensor of `t`'s shape in `dtype` and `memory_format` (`t` itself where it is so),
-    made without a dispatch: an input's gradient as a kernel allocates it."""
+def _grad_input(out: tuple, memory_format: torch.memory_format, dtype: Optional[torch.dtype] = None) -> tuple:
+    """(input's gradient, weight's, bias's) with the input's gradient, where asked for, in
+    `memory_format` and `dtype` (default its own), made without a dispatch: as the kernel
+    allocates it."""
+    t = out[0]
+    if t is None:
+        return out
     with no_dispatch():
-        meta = torch.empty(t.shape, dtype=dtype, device="meta", memory_format=memory_format)
-    if meta.dtype == t.dtype and meta.stride() == t.stride():
-        return t
-    return FakeTensor(t.fake_mode, meta, t.fake_device)
+        meta = torch.empty(t.shape, dtype=dtype or t.dtype, device="meta", memory_format=memory_format)
+    if meta.dtype != t.dtype or meta.stride() != t.stride():
+        t = FakeTensor(t.fake_mode, meta, t.fake_device)
+    return (t, out[1], out[2])
 
 
 def _stats(out: tuple, dtype: torch.dtype) -> tuple:
@@ -106,21 +110,17 @@ def _group_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
 
 def _group_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
     x = args[1]
-    grad_input = out[0] if out[0] is None else _laid_out(out[0], x.dtype, suggest_memory_format(x))
-    return (grad_input, out[1], out[2])
+    return _grad_input(out, suggest_memory_format(x), x.dtype)
 
 
 def _layer_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
-    grad_input = out[0] if out[0] is None else _laid_out(out[0], out[0].dtype, torch.contiguous_format)
-    return (grad_input, out[1], out[2])
+    return _grad_input(out, torch.contiguous_format)
 
 
 def _batch_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
     if cuda:
         return out
-    x = args[1]
-    grad_input = out[0] if out[0] is None else _laid_out(out[0], out[0].dtype, suggest_memory_format(x))
-    return (grad_input, out[1], out[2])
+    return _grad_input(out, suggest_memory_format(args[1]))
 
 
 def _batch_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
