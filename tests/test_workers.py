@@ -88,7 +88,7 @@ def test_one_worker_or_one_task_runs_here(monkeypatch):
 @pytest.mark.parametrize("failing_side", ["here", "there"])
 def test_the_first_error_is_raised_and_stops_the_handing_out(monkeypatch, failing_side):
     ran, here = [], []
-    monkeypatch.setattr(workers, "ProcessPoolExecutor", pool_of(0.0, ran))
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", pool_of(0.02, ran))   # this process has a task first
 
     def fail(task):
         raise RuntimeError(f"task {task} failed there")
