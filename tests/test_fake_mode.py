@@ -1,6 +1,7 @@
 """A prediction's fake mode keys torch's dispatch cache by what torch's own keys tell apart, and
 predicts what torch's own mode predicts."""
 
+import contextlib
 import dataclasses
 import itertools
 from unittest import mock
@@ -113,3 +114,39 @@ def test_a_torch_that_keys_its_cache_otherwise_gets_its_own_mode(monkeypatch):
         patched.setattr(fake_tensor, "TensorMetadata", dataclasses.make_dataclass(
             "TensorMetadata", [*fake_mode.METADATA_FIELDS, "is_nested"]))
         assert type(new_fake_mode()) is fake_mode.RetypingFakeMode
+
+
+def _view_cases():
+    """(name, a tensor maker(empty), the size asked): layouts whose views' strides differ."""
+    return [
+        ("contiguous", lambda e: e(4, 6), [24]),
+        ("inferred", lambda e: e(4, 6), [2, -1]),
+        ("offset", lambda e: e(8, 6)[4:], [2, 12]),
+        ("ones kept", lambda e: e(4, 1, 6), [1, 4, 6, 1]),
+        ("strided ones", lambda e: e(4, 6).unsqueeze(1).transpose(0, 2), [6, 4]),
+        ("transposed, splits", lambda e: e(6, 4).t(), [2, 2, 6]),
+        ("transposed, merges (refused)", lambda e: e(6, 4).t(), [24]),
+        ("expanded", lambda e: e(1, 6).expand(4, 6), [2, 2, 6]),
+        ("channels last", lambda e: e(2, 3, 4, 4).to(memory_format=torch.channels_last), [2, 3, 16]),
+        ("empty", lambda e: e(0, 6), [3, 0, 2]),
+    ]
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default])
+@pytest.mark.parametrize("name, make, size", _view_cases())
+def test_a_view_is_the_kernels_and_shares_its_base(name, make, size, op):
+    """ckptlab's mode makes view and _unsafe_view from the C++ kernel's strides: the same shape,
+    strides and offset as the real CPU kernel and torch's fake mode (its Python reference), on the
+    base's storage; a view the kernel refuses, torch's mode refuses."""
+    def made(mode):
+        with mode or contextlib.nullcontext():
+            base = make(torch.empty)
+            try:
+                out = op(base, size)
+            except (RuntimeError, ValueError):   # torch's fake mode raises ValueError where the kernel raises
+                return "refused"
+            assert out.untyped_storage()._cdata == base.untyped_storage()._cdata
+            return out.shape, out.stride(), out.storage_offset(), out.dtype
+    ours, torchs, real = made(new_fake_mode()), made(FakeTensorMode()), made(None)
+    assert ours == real == torchs
+    assert (ours == "refused") == ("refused" in name)
