@@ -22,8 +22,9 @@ in one run, with the two predictions checked identical.
      step traced for another card of the same kernels (`compose.from_alike_card`);
   3. `explain` of the 7B LoRA at s2048 on an RTX 4090 (every lever predicted, its plans made), from
      no prepared model, `--repeats` times;
-  4. the 7B LoRA at s8192 on the fast path, under torch's FakeTensorMode cache keys and ckptlab's
-     (`estimate.fake_mode`: the same dispatch cache, cheaper keys), first and prepared as in 1
+  4. the 7B LoRA at s8192 on the fast path, under torch's FakeTensorMode and ckptlab's
+     (`estimate.fake_mode`: the same dispatch cache, cheaper keys, views made from the C++
+     kernel's strides), first and prepared as in 1
      (an even number of rounds), each round from an empty dispatch cache, and whether every
      record is the other mode's;
   5. a `ckptlab predict` command (the 7B LoRA's four rows: s2048 and s8192, none and full, on an
@@ -56,8 +57,6 @@ import time
 from pathlib import Path
 from statistics import median
 from unittest import mock
-
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ckptlab import explain, get_workload, predict, predict_fits
 from ckptlab.core.cards import DEFAULT_CARDS, parse_capacity
@@ -165,8 +164,8 @@ def one_prediction(model: str, overrides: dict, seq: int, dtype: str, policy: st
 
 
 def fake_modes(model: str, overrides: dict, seq: int, dtype: str, policy: str, loop: str, repeats: int) -> dict:
-    """The fast path under torch's FakeTensorMode cache keys (`fake_mode.RetypingFakeMode`) and
-    ckptlab's (`FakeMode`), in turns as
+    """The fast path under torch's FakeTensorMode (`fake_mode.RetypingFakeMode`) and ckptlab's
+    (`FakeMode`: cheaper keys, its own views), in turns as
     `one_prediction`'s (an even number of rounds, at least `repeats`, so that each mode goes first
     as often), each from no prepared model and an empty dispatch cache (which the two modes share,
     under keys of their own): the medians of their seconds, the median of the rounds' ratios, and
@@ -178,7 +177,7 @@ def fake_modes(model: str, overrides: dict, seq: int, dtype: str, policy: str, l
     for r in range(repeats + repeats % 2):
         for mode in ("torch", "ckptlab") if r % 2 == 0 else ("ckptlab", "torch"):
             clear_prepared()
-            FakeTensorMode.cache.clear()
+            fake_mode.clear_dispatch_caches()
             with mock.patch.object(fake_mode, "_keys_as_expected", lambda: mode == "ckptlab"):
                 if type(fake_mode.new_fake_mode()) is not (fake_mode.FakeMode if mode == "ckptlab" else fake_mode.RetypingFakeMode):
                     raise SystemExit(f"the predictions of {mode}'s rounds would not run in {mode}'s fake mode")

@@ -91,7 +91,7 @@ def test_a_prediction_is_torchs_modes_and_every_cached_output_is_what_dispatch_m
                                                                                      options, monkeypatch):
     """torch's cross-check runs every dispatch that a cache entry answers, and compares."""
     workload = get_workload(spec, **overrides)
-    FakeTensorMode.cache.clear()
+    fake_mode.clear_dispatch_caches()
     hits = FakeTensorMode.cache_hits
     with torch._dynamo.config.patch(fake_tensor_cache_crosscheck_enabled=True):
         ours = predict_policy(workload, 2, 16, as_policy(policy), **options)

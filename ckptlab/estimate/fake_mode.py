@@ -1,4 +1,5 @@
-"""The fake-tensor mode a prediction runs in: torch's `FakeTensorMode`, with cheaper cache keys.
+"""The fake-tensor mode a prediction runs in: torch's `FakeTensorMode`, with cheaper cache keys and
+views.
 
 A traced step is bound by FakeTensorMode's dispatch, and most of each dispatch is its cache key:
 every tensor argument becomes a `TensorMetadata` dataclass, flattened field by field through a
@@ -147,6 +148,12 @@ def _keys_as_expected() -> bool:
     return (method is not None and dataclasses.is_dataclass(metadata)
             and list(inspect.signature(method).parameters) == ["self", "result", "args", "state", "id_hashed_objects"]
             and tuple(f.name for f in dataclasses.fields(metadata)) == METADATA_FIELDS)
+
+
+def clear_dispatch_caches() -> None:
+    """Forget every dispatch output kept: torch's cache (both modes' keys) and the views' layouts."""
+    FakeTensorMode.cache.clear()
+    _VIEW_LAYOUTS.clear()
 
 
 def new_fake_mode() -> FakeTensorMode:
