@@ -129,6 +129,8 @@ def _view_cases():
         ("expanded", lambda e: e(1, 6).expand(4, 6), [2, 2, 6]),
         ("channels last", lambda e: e(2, 3, 4, 4).to(memory_format=torch.channels_last), [2, 3, 16]),
         ("empty", lambda e: e(0, 6), [3, 0, 2]),
+        ("size-1 stride (torch's differs)", lambda e: e(72).as_strided([1, 3], [0, 24]), [1, 3]),
+        ("empty stride (torch's differs)", lambda e: e(72).as_strided([0], [24], 3), [0]),
     ]
 
 
@@ -136,8 +138,9 @@ def _view_cases():
 @pytest.mark.parametrize("name, make, size", _view_cases())
 def test_a_view_is_the_kernels_and_shares_its_base(name, make, size, op):
     """ckptlab's mode makes view and _unsafe_view from the C++ kernel's strides: the same shape,
-    strides and offset as the real CPU kernel and torch's fake mode (its Python reference), on the
-    base's storage; a view the kernel refuses, torch's mode refuses."""
+    strides and offset as the real CPU kernel, on the base's storage; torch's fake mode (its
+    Python reference) differs only in the strides of size-1 and empty dimensions. A view the
+    kernel refuses, torch's mode refuses."""
     def made(mode):
         with mode or contextlib.nullcontext():
             base = make(torch.empty)
@@ -148,5 +151,18 @@ def test_a_view_is_the_kernels_and_shares_its_base(name, make, size, op):
             assert out.untyped_storage()._cdata == base.untyped_storage()._cdata
             return out.shape, out.stride(), out.storage_offset(), out.dtype
     ours, torchs, real = made(new_fake_mode()), made(FakeTensorMode()), made(None)
-    assert ours == real == torchs
+    assert ours == real
+    assert (ours == torchs) == ("torch's differs" not in name)
     assert (ours == "refused") == ("refused" in name)
+
+
+def test_a_view_in_inference_mode_is_torchs():
+    """In inference mode a view's output takes its input's dispatch keys (torch's cache refuses
+    the case): ckptlab's mode leaves it to torch's path, and a normal tensor's view stays normal."""
+    with new_fake_mode():
+        base = torch.empty(4, 6)
+        with torch.inference_mode():
+            viewed = base.view(24)
+            unsafe = torch.ops.aten._unsafe_view(base, [24])
+        assert not viewed.is_inference() and not unsafe.is_inference()
+        unsafe.add_(1)

@@ -18,8 +18,8 @@ of keys in the shared cache never meet. The facts read are those of torch's `Ten
 torch whose metadata has other fields, or whose key is made through another method, keeps
 torch's own keys (`RetypingFakeMode`, `new_fake_mode`). Both apply the output rules a prediction
 sets (`estimate.norm_stats`).
-Predictions made in either mode are identical (tests/test_fake_mode.py); in this one, a 7B LoRA
-prediction takes about a sixth less time (1.2x faster, benchmarks/predict_speed.py).
+Predictions made in either mode are identical (tests/test_fake_mode.py); in this one (its keys,
+and its views below), a 7B LoRA prediction is 1.2-1.3x faster (benchmarks/predict_speed.py).
 
 `FakeMode` also makes `view` and `_unsafe_view` itself. torch's fake kernel for both is its
 Python reference (`torch._refs._reshape_view_helper`: a dozen nested dispatches, half a
@@ -27,9 +27,11 @@ millisecond), and torch never caches `_unsafe_view` (its output shares the input
 its schema does not say); a 7B LoRA step calls it 13 times per block (the linear layers' folds).
 Here the view's strides are the C++ kernel's, computed once per (shape, strides, size asked) on a
 meta tensor, and the output is set on the input's storage, as torch's cache makes a view's
-output. A view the kernel refuses goes to torch's path, which raises its own error. On 2 cores a
-prepared 7B LoRA prediction at s8192 took 0.35 s instead of 0.44 s (the full trace 1.14 s instead
-of 1.35 s), every record the same.
+output. The strides are the real kernel's: torch's reference differs from it only in the strides
+of size-1 and empty dimensions. A view the kernel refuses, inference mode (where the output takes
+the input's dispatch keys) and a mode that propagates real tensors go to torch's path. On 2 cores
+a prepared 7B LoRA prediction at s8192 took 0.35 s instead of 0.44 s (the full trace 1.14 s
+instead of 1.35 s), every record the same.
 """
 
 from __future__ import annotations
@@ -90,28 +92,33 @@ class RetypingFakeMode(FakeTensorMode):
     output_rules: Optional[dict] = None
 
     def dispatch(self, func, types, args=(), kwargs=None):
-        out = super().dispatch(func, types, args, kwargs)
+        out = self._output(func, types, args, kwargs)
         rules = self.output_rules
         rule = rules.get(func) if rules is not None else None
         return out if rule is None else rule(args, out)
+
+    def _output(self, func, types, args, kwargs):
+        """The op's output before the rules."""
+        return super().dispatch(func, types, args, kwargs)
 
 
 class FakeMode(RetypingFakeMode):
     """FakeTensorMode with cheaper cache keys for plain strided fake tensors, and views made as
     the C++ kernels make them (module docstring)."""
 
-    def dispatch(self, func, types, args=(), kwargs=None):
-        if func in _VIEWS and not kwargs and self.shape_env is None:
+    def _output(self, func, types, args, kwargs):
+        if (func in _VIEWS and not kwargs and self.shape_env is None and not self.propagate_real_tensors
+                and not torch.is_inference_mode_enabled()):   # there the output's dispatch keys are the input's
             out = self._view(*args)
             if out is not None:
                 return out
-        return super().dispatch(func, types, args, kwargs)
+        return super()._output(func, types, args, kwargs)
 
     def _view(self, a, size, *rest) -> Optional[FakeTensor]:
         """`a.view(size)` sharing a's storage, its strides those of the C++ kernel (kept by a's
         shape and strides and `size`); None for anything but a plain strided fake tensor of this
-        mode and a list of ints, or a view the kernel refuses (torch's own path then answers or
-        raises)."""
+        mode and a sequence of ints, or a view the kernel refuses (torch's own path then answers
+        as it does)."""
         if (rest or type(a) is not FakeTensor or a.fake_mode is not self or a.constant is not None
                 or a.layout is not torch.strided or a._has_symbolic_sizes_strides or a.is_conj() or a.is_neg()
                 or type(size) not in (list, tuple, torch.Size) or any(type(n) is not int for n in size)):
