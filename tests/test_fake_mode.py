@@ -139,8 +139,8 @@ def _view_cases():
 def test_a_view_is_the_kernels_and_shares_its_base(name, make, size, op):
     """ckptlab's mode makes view and _unsafe_view from the C++ kernel's strides: the same shape,
     strides and offset as the real CPU kernel, on the base's storage; torch's fake mode (its
-    Python reference) differs only in the strides of size-1 and empty dimensions. A view the
-    kernel refuses, torch's mode refuses."""
+    Python reference) differs only in the strides of size-1 and empty dimensions. The view the
+    kernel refuses here, torch's mode refuses too."""
     def made(mode):
         with mode or contextlib.nullcontext():
             base = make(torch.empty)

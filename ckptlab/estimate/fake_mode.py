@@ -52,11 +52,10 @@ _MARK = "ckptlab.fake_mode"   # first item of every key made here
 METADATA_FIELDS = ("dtype", "shape", "stride", "device", "layout", "memory_format", "storage_offset", "storage_bytes",
                    "requires_grad", "is_quantized", "is_conj", "is_neg", "is_inference", "is_sparse", "is_coalesced",
                    "dense_dim", "sparse_dim")
-# Arguments keyed by their value (and type); any other object is left to torch's key.
-# Views whose fake kernels are torch's Python reference (`torch._refs._reshape_view_helper`, a
-# dozen nested dispatches; `_unsafe_view` never cached), made here from the C++ kernel's strides.
+# The views `FakeMode` makes itself (module docstring), and their layouts made so far.
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 _VIEW_LAYOUTS: dict = {}   # (shape, strides, size asked) -> (shape, strides) of the view
+# Arguments keyed by their value (and type); any other object is left to torch's key.
 _PLAIN = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
                     torch.memory_format})
 
