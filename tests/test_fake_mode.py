@@ -166,3 +166,36 @@ def test_a_view_in_inference_mode_is_torchs():
             unsafe = torch.ops.aten._unsafe_view(base, [24])
         assert not viewed.is_inference() and not unsafe.is_inference()
         unsafe.add_(1)
+
+
+_DECOMPOSED_BY_TORCH = {   # ops torch's fake mode runs as Python decompositions though a C++ meta kernel exists:
+    # name: (op, its arguments made from t(*shape))
+    "silu_backward, transposed": (torch.ops.aten.silu_backward, lambda t: (t(13, 7).t(), t(7, 13))),
+    "gelu_backward, channels last": (torch.ops.aten.gelu_backward, lambda t: (
+        t(2, 3, 5, 7).to(memory_format=torch.channels_last), t(2, 3, 5, 7))),
+    "_log_softmax, transposed": (torch.ops.aten._log_softmax, lambda t: (t(13, 7).t(), 1, False)),
+    "nll_loss_forward": (torch.ops.aten.nll_loss_forward, lambda t: (
+        t(7, 5), torch.zeros(7, dtype=torch.long), None, 1, -100)),
+    "native_dropout, transposed": (torch.ops.aten.native_dropout, lambda t: (t(13, 7).t(), 0.1, True)),
+    "addmm, a bias row": (torch.ops.aten.addmm, lambda t: (t(7), t(5, 3), t(3, 7))),
+}
+
+
+@pytest.mark.parametrize("name", list(_DECOMPOSED_BY_TORCH))
+def test_an_op_with_a_cpp_meta_kernel_runs_it(name):
+    """Where no shape is symbolic, ckptlab's mode runs an op's C++ meta kernel (one dispatch),
+    not torch's Python decomposition (an op per step of it): the same outputs' layouts as torch's
+    mode and the real CPU kernel."""
+    op, arguments = _DECOMPOSED_BY_TORCH[name]
+
+    def made(mode):
+        fake_mode.clear_dispatch_caches()
+        with mode or contextlib.nullcontext():
+            args = arguments(lambda *shape: torch.ones(shape))
+            computed = FakeTensorMode.cache_misses + sum(FakeTensorMode.cache_bypasses.values())
+            out = op(*args)
+            computed = FakeTensorMode.cache_misses + sum(FakeTensorMode.cache_bypasses.values()) - computed
+        return [(t.shape, t.stride(), t.dtype) for t in (out if isinstance(out, tuple) else (out,))], computed
+    (ours, our_ops), (torchs, torch_ops), (real, _) = made(new_fake_mode()), made(FakeTensorMode()), made(None)
+    assert ours == torchs == real
+    assert our_ops == 1 < torch_ops
