@@ -17,7 +17,7 @@ holds a tuple where torch's flattened keys never do (they flatten every tuple), 
 of keys in the shared cache never meet. The facts read are those of torch's `TensorMetadata`: a
 torch whose metadata has other fields, or whose key is made through another method, keeps
 torch's own keys (`RetypingFakeMode`, `new_fake_mode`). Both apply the output rules a prediction
-sets (`estimate.norm_stats`).
+sets (`estimate.kernel_outputs`).
 Predictions made in either mode are identical (tests/test_fake_mode.py); in this one (its keys,
 and its views below), a 7B LoRA prediction is 1.2-1.3x faster (benchmarks/predict_speed.py).
 
@@ -96,7 +96,7 @@ def _facts(arg, mode: FakeTensorMode):
 class RetypingFakeMode(FakeTensorMode):
     """FakeTensorMode whose ops' outputs, while `output_rules` is set ({op: rule(args, outputs)}),
     are what the rules make of them: the dtypes the real kernels give where torch's fake kernels
-    differ (`estimate.norm_stats`), at the cost of a lookup per op rather than another mode."""
+    differ (`estimate.kernel_outputs`), at the cost of a lookup per op rather than another mode."""
 
     output_rules: Optional[dict] = None
 

@@ -61,7 +61,7 @@ from .cuda_autocast import cuda_autocast
 from .cuda_device import DEFAULT_ARCH, BlasUse, DeviceMemory, HostOffload, LoopOrder, device_memory, parse_alloc_conf
 from .cuda_semantics import KERNEL_FUNCTIONS, SM_COUNTS, cuda_semantics
 from .fake_mode import new_fake_mode
-from .norm_stats import norm_stats
+from .kernel_outputs import kernel_outputs
 from .torch_versions import torch_rules
 
 
@@ -397,7 +397,7 @@ class PreparedStep:
         if self.device == "cuda":
             arch, sm_count = kernels_of(as_card(card))
             semantics = cuda_semantics(arch, attention, sm_count, torch_version=torch_version)
-        with self.fake_mode, norm_stats(self.fake_mode, cuda=self.device == "cuda"), sequences_unpacked(), \
+        with self.fake_mode, kernel_outputs(self.fake_mode, cuda=self.device == "cuda"), sequences_unpacked(), \
                 semantics or contextlib.nullcontext() as kernels:
             gen = torch.Generator().manual_seed(self.workload.seed + 1)
             batch = self.workload.new_batch(batch_size, seq_len, gen)

@@ -23,7 +23,7 @@ from ..workloads.registry import get_workload
 from ..workloads.stacks import find_blocks
 from .fake_mode import new_fake_mode
 from .fake_step import fake_model, sequences_unpacked
-from .norm_stats import norm_stats
+from .kernel_outputs import kernel_outputs
 
 
 class _Allocations(TorchDispatchMode):
@@ -57,7 +57,7 @@ def held_by_block(workload: Workload | str, batch_size: int, seq_len: int, polic
     mode = new_fake_mode()
     model = fake_model(workload, mode)
     recorder = _Allocations()
-    with mode, norm_stats(mode), sequences_unpacked():
+    with mode, kernel_outputs(mode), sequences_unpacked():
         model.train()
         apply_checkpointing(model, policy)
         target = find_blocks(model)[block]

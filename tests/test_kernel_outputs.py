@@ -1,5 +1,5 @@
 """Normalization kernels' statistics on fake tensors: the dtypes the real kernels give
-(`estimate.norm_stats`), so that a prediction holds what the real step holds."""
+(`estimate.kernel_outputs`), so that a prediction holds what the real step holds."""
 
 import contextlib
 import copy
@@ -13,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptlab
 from ckptlab.core.policy import as_policy
-from ckptlab.estimate import norm_stats as norm_stats_module
+from ckptlab.estimate import kernel_outputs as kernel_outputs_module
 from ckptlab.estimate.fake_mode import new_fake_mode
 from ckptlab.estimate.fake_step import clear_prepared
-from ckptlab.estimate.norm_stats import norm_stats
+from ckptlab.estimate.kernel_outputs import kernel_outputs
 from ckptlab.estimate.predict import predict_policy
 from ckptlab.probe.memory import track_memory
 
@@ -64,7 +64,7 @@ def _fake_ops(norm, shape, x_dtype, param_dtype, mode: str) -> list:
     torch's with the rules as a mode above it, or in torch's alone."""
     fake = new_fake_mode() if mode == "ckptlab" else FakeTensorMode()
     fake.allow_non_fake_inputs = True
-    rules = norm_stats(fake) if mode != "uncorrected" else contextlib.nullcontext()
+    rules = kernel_outputs(fake) if mode != "uncorrected" else contextlib.nullcontext()
     with fake, rules:
         return _forward_backward(norm, shape, x_dtype, param_dtype, lambda s, d: torch.empty(*s, dtype=d))
 
@@ -85,10 +85,10 @@ def test_on_cuda_a_layer_norm_keeps_its_statistics_in_fp32_for_16_bit_inputs():
     fake = new_fake_mode()
     with fake:
         x, w = torch.empty(4, 8, 32, dtype=BF16), torch.empty(32, dtype=BF16)
-        with norm_stats(fake, cuda=True):
+        with kernel_outputs(fake, cuda=True):
             cuda = torch.ops.aten.native_layer_norm(x, [32], w, w, 1e-5)
             fp32 = torch.ops.aten.native_layer_norm(x.float(), [32], w.float(), w.float(), 1e-5)
-        with norm_stats(fake, cuda=False):
+        with kernel_outputs(fake, cuda=False):
             cpu = torch.ops.aten.native_layer_norm(x, [32], w, w, 1e-5)
         plain = torch.ops.aten.native_layer_norm(x, [32], w, w, 1e-5)
     assert [t.dtype for t in plain] == [BF16, BF16, BF16]   # the rules hold only inside
@@ -104,12 +104,12 @@ def test_a_bf16_gpt_on_cuda_saves_fp32_layer_norm_statistics(monkeypatch):
     batch, seq = 2, 16
 
     def saved(rules) -> int:
-        monkeypatch.setattr(norm_stats_module, "RULES", {False: {}, True: rules})
+        monkeypatch.setattr(kernel_outputs_module, "RULES", {False: {}, True: rules})
         clear_prepared()   # the step traced with the other rules is not taken again
         return predict_policy(workload, batch, seq, as_policy("none"), dtype="bf16-weights", device="cuda",
                               card="rtx4090", trace="full").saved_activation_bytes
 
-    cuda_rules = norm_stats_module.rules(cuda=True)
+    cuda_rules = kernel_outputs_module.rules(cuda=True)
     with_rule = saved(cuda_rules)
     without = saved({k: v for k, v in cuda_rules.items() if k is not torch.ops.aten.native_layer_norm.default})
     assert with_rule - without == 5 * 2 * batch * seq * (4 - 2)
@@ -204,7 +204,7 @@ def test_a_norms_input_gradient_is_laid_out_as_the_cpu_kernels_lay_it_out(op, x_
     real = backward(torch.randn)
     for mode in ("ckptlab", "torch"):
         fake = new_fake_mode() if mode == "ckptlab" else FakeTensorMode()
-        with fake, norm_stats(fake):
+        with fake, kernel_outputs(fake):
             assert backward(torch.empty) == real, mode
 
 
@@ -242,5 +242,106 @@ def test_a_step_whose_norms_get_transposed_gradients_holds_on_fake_tensors_what_
     fake = new_fake_mode()
     with FakeCopyMode(fake):
         fake_model = copy.deepcopy(model)
-    with fake, norm_stats(fake):
+    with fake, kernel_outputs(fake):
         assert timeline(fake_model, fake.from_tensor(x)) == real
+
+
+
+def _log_softmax_backward(grad_out, output, input_dtype=None):
+    return torch.ops.aten._log_softmax_backward_data(grad_out, output, -1, input_dtype or grad_out.dtype)
+
+
+def _permuted(make, *shape):
+    return make(*shape[1:], shape[0]).movedim(-1, 0)
+
+
+@pytest.mark.parametrize("grad_layout", [None, _transposed, _permuted, _channels_last])
+@pytest.mark.parametrize("output_layout", [None, _transposed, _channels_last])
+def test_a_log_softmax_input_gradient_is_laid_out_as_the_cpu_kernel_lays_it_out(grad_layout, output_layout):
+    # torch's fake kernel lays it out as the incoming gradient; the kernel contiguous (module docstring)
+    shape = (2, 8, 4, 4)
+
+    def backward(make):
+        grad_out = grad_layout(make, *shape) if grad_layout else make(*shape)
+        output = output_layout(make, *shape) if output_layout else make(*shape)
+        return _log_softmax_backward(grad_out, output).stride()
+
+    real = backward(torch.randn)
+    for mode in ("ckptlab", "torch"):
+        fake = new_fake_mode() if mode == "ckptlab" else FakeTensorMode()
+        with fake, kernel_outputs(fake):
+            assert backward(torch.empty) == real, mode
+
+
+def test_on_cuda_log_softmax_and_dropout_input_gradients_are_laid_out_as_the_cuda_kernels_lay_them_out():
+    # log-softmax's structured meta function: contiguous, fp16 for CUDA's half-to-float
+    # log-softmax; dropout_backward_cuda: empty_like(grad, grad.suggest_memory_format()), which
+    # torch's fake kernel already gives (no rule)
+    fake = new_fake_mode()
+    with fake, kernel_outputs(fake, cuda=True):
+        grad = torch.empty(16, 8).t()
+        half = _log_softmax_backward(grad, torch.empty(8, 16), FP16)
+        assert (half.stride(), half.dtype) == ((16, 1), FP16)
+        for mask in (torch.empty(8, 16) > 0, torch.empty(16, 8).t() > 0):
+            assert torch.ops.aten.native_dropout_backward(grad, mask, 2.0).stride() == (16, 1)
+        channels_last = _channels_last(torch.empty, 2, 8, 4, 4)
+        assert torch.ops.aten.native_dropout_backward(channels_last, channels_last > 0, 2.0).stride() == \
+            channels_last.stride()
+
+
+class _TransposedLogSoftmax(nn.Module):
+    """A log-softmax over the classes whose output is transposed into the loss (`nll_loss` takes
+    the classes in dim 1, as a sequence model's loss over positions does): its incoming gradient
+    comes transposed, and its input gradient goes on to the head, a Linear whose backward views it
+    as a matrix."""
+
+    def __init__(self, depth: int = 6):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(depth))
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.nll_loss(F.log_softmax(self.head(h), -1).transpose(1, 2), y)
+
+
+@pytest.mark.parametrize("rule", [True, False])
+def test_a_step_whose_log_softmax_gets_a_transposed_gradient_holds_on_fake_tensors_what_it_holds_for_real(
+        rule, monkeypatch):
+    def timeline(model, x, y) -> list:
+        with track_memory(model, inputs=[x, y]) as tracker:
+            loss = model(x, y)
+            tracker.phase("backward")
+            loss.backward()
+        return tracker.report().timeline
+
+    torch.manual_seed(0)
+    model, x, y = _TransposedLogSoftmax(), torch.randn(2, 16, 8), torch.randint(0, 256, (2, 16))
+    real = timeline(model, x, y)
+    for p in model.parameters():
+        p.grad = None
+    if not rule:   # without it the fake step holds a copy the real one does not make: the test sees it
+        cpu = {op: r for op, r in kernel_outputs_module.RULES[False].items()
+               if op is not torch.ops.aten._log_softmax_backward_data.default}
+        monkeypatch.setattr(kernel_outputs_module, "RULES", {False: cpu, True: kernel_outputs_module.RULES[True]})
+    fake = new_fake_mode()
+    with FakeCopyMode(fake):
+        fake_model = copy.deepcopy(model)
+    with fake, kernel_outputs(fake):
+        predicted = timeline(fake_model, fake.from_tensor(x), fake.from_tensor(y))
+    assert (predicted == real) is rule
+
+
+def test_a_model_whose_log_softmax_gets_a_transposed_gradient_is_predicted_on_the_cpu_as_measured():
+    workload = ckptlab.Workload.custom(
+        "transposed-log-softmax", build_model=_TransposedLogSoftmax, loss=lambda m, b: m(*b),
+        make_batch=lambda b, s, g: (torch.randn(b, s, 8, generator=g), torch.randint(0, 256, (b, s), generator=g)))
+    measured = ckptlab.measure(workload, 2, 16, "none", steps=1, warmup=0, max_seconds=0.1)
+    for trace in ("fast", "full"):
+        predicted = predict_policy(workload, 2, 16, as_policy("none"), trace=trace)
+        assert (predicted.peak_bytes, predicted.saved_activation_bytes) == (
+            measured["peak_bytes"], measured["saved_activation_bytes"]), trace
+    assert predicted.trace == "full" and predict_policy(workload, 2, 16, as_policy("none")).trace == "composed"

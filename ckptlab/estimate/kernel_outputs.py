@@ -1,5 +1,5 @@
-"""The statistics normalization kernels keep, and the gradients they give, where torch's fake
-kernels give another dtype or layout.
+"""The outputs of the kernels whose dtype or layout torch's fake kernels get wrong: the statistics
+normalization kernels keep, and the input gradients of norms and log-softmax.
 
 A layer, group or batch norm whose input is bf16 or fp16 while its weight and bias are fp32 (a
 LayerNorm fed by a Linear under CPU autocast, a bf16 CNN whose norms keep fp32 affine parameters)
@@ -11,9 +11,9 @@ other bytes than the real one. On CUDA, layer norm keeps its statistics in the a
 its input, fp32 for bf16 and fp16, mixed or not: a bf16 model's LayerNorms (`bf16-weights`) keep
 twice the bytes the CPU's do.
 
-`norm_stats(fake_mode, cuda)` gives these ops' outputs the real kernels' dtypes and layouts (a
+`kernel_outputs(fake_mode, cuda)` gives these ops' outputs the real kernels' dtypes and layouts (a
 new fake tensor of the same shape) inside ckptlab's fake mode (`fake_mode.RetypingFakeMode`:
-a lookup per op), or in a dispatch mode just above another fake mode (`NormStats`), so the tracker
+a lookup per op), or in a dispatch mode just above another fake mode (`KernelOutputs`), so the tracker
 above sees what the real step allocates:
 
 - native_layer_norm: CPU: fp32 statistics where mixed, else the input's dtype (layer_norm.cpp
@@ -28,15 +28,22 @@ above sees what the real step allocates:
   statistics where mixed (Normalization.cpp batch_norm_cpu); native_batch_norm_backward: CPU: the
   input's gradient in the input's suggested memory format. On CUDA left as torch's fake kernels
   give them: CUDA runs cuDNN's batch norm where it can, whose reserve buffer only cuDNN sizes.
+- _log_softmax_backward_data: the input's gradient contiguous, on both (SoftMax.cpp, its structured
+  meta function: `LEGACY_CONTIGUOUS_MEMORY_FORMAT`; fp16 where the gradient is fp32 and the input
+  was fp16, CUDA's half-to-float log-softmax); torch's fake kernel lays it out as the gradient.
 
-torch's fake kernels give a backward's input gradient the strides of the incoming gradient: where
-that is a transposed or permuted one (a norm followed by a transpose, Swin's window partition), a
-later `view` of it becomes a copy on fake tensors that the real step does not make (and the other
-way round).
+torch's fake kernels give these backwards' input gradients the strides of the incoming gradient:
+where that is a transposed or permuted one (a norm followed by a transpose, Swin's window
+partition, a log-softmax transposed into `nll_loss`), a later `view` of it becomes a copy on fake
+tensors that the real step does not make (and the other way round). Dropout's backward needs no
+rule: torch's fake kernel makes its input gradient in the gradient's suggested memory format, as
+CUDA's fused dropout does (cuda/Dropout.cu dropout_backward_cuda: `empty_like(grad,
+grad.suggest_memory_format())`), and on the CPU `nn.Dropout` runs unfused (elementwise ops, no
+`native_dropout`: Dropout.cpp `is_fused_kernel_acceptable` takes CUDA, XPU and other devices only).
 
 "Mixed" is `is_mixed_type` (native/cpu/mixed_data_type.h): the defined parameters' dtype differs
 from the input's. The CPU rules are checked against the installed torch's CPU kernels
-(tests/test_norm_stats.py); the CUDA rule cites the newest stored source (no tag source).
+(tests/test_kernel_outputs.py); the CUDA rules cite the newest stored source (no tag source).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import functools
 from typing import Callable, Optional
 
 import torch
-from torch._prims_common import suggest_memory_format
+from torch._prims_common import make_contiguous_strides_for, suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,6 +130,22 @@ def _batch_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
     return _grad_input(out, suggest_memory_format(args[1]))
 
 
+def _log_softmax_backward(cuda: bool, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    grad, input_dtype = args[0], args[3]
+    dtype = torch.float16 if grad.dtype == torch.float32 and input_dtype == torch.float16 else grad.dtype
+    return _laid_out(out, make_contiguous_strides_for(grad.shape), dtype)
+
+
+def _laid_out(t: torch.Tensor, strides, dtype: torch.dtype) -> torch.Tensor:
+    """`t`, or where its strides or dtype are not these, a fake tensor of its shape with them,
+    made without a dispatch."""
+    if tuple(strides) == t.stride() and dtype == t.dtype:
+        return t
+    with no_dispatch():
+        meta = torch.empty_strided(t.shape, strides, dtype=dtype, device="meta")
+    return FakeTensor(t.fake_mode, meta, t.fake_device)
+
+
 def _batch_norm(cuda: bool, args: tuple, out: tuple) -> tuple:
     if cuda:
         return out
@@ -139,6 +162,7 @@ _RULES: dict[object, Callable[[bool, tuple, tuple], tuple]] = {
     aten.native_batch_norm_backward.default: _batch_norm_backward,
     aten._native_batch_norm_legit.default: _batch_norm,
     aten._native_batch_norm_legit.no_stats: _batch_norm,
+    aten._log_softmax_backward_data.default: _log_softmax_backward,
 }
 
 
@@ -151,12 +175,12 @@ RULES = {False: rules(False), True: rules(True)}
 
 
 @contextlib.contextmanager
-def norm_stats(fake_mode: FakeTensorMode, cuda: bool = False):
-    """While inside, `fake_mode`'s normalization ops give the real kernels' dtypes (module
-    docstring): through its rules where it is ckptlab's, else a `NormStats` mode above it (the
+def kernel_outputs(fake_mode: FakeTensorMode, cuda: bool = False):
+    """While inside, `fake_mode`'s ops give the real kernels' dtypes and layouts (module
+    docstring): through its rules where it is ckptlab's, else a `KernelOutputs` mode above it (the
     caller is inside `fake_mode`)."""
     if not isinstance(fake_mode, RetypingFakeMode):
-        with NormStats(cuda):
+        with KernelOutputs(cuda):
             yield
         return
     before, fake_mode.output_rules = fake_mode.output_rules, RULES[cuda]
@@ -166,8 +190,8 @@ def norm_stats(fake_mode: FakeTensorMode, cuda: bool = False):
         fake_mode.output_rules = before
 
 
-class NormStats(TorchDispatchMode):
-    """Above a fake mode that applies no rules: normalization ops' outputs in the dtypes the real
+class KernelOutputs(TorchDispatchMode):
+    """Above a fake mode that applies no rules: the ops' outputs in the dtypes and layouts the real
     kernels give, on the CPU or (`cuda`) as CUDA's (module docstring)."""
 
     def __init__(self, cuda: bool = False):
@@ -183,4 +207,4 @@ class NormStats(TorchDispatchMode):
         return out if rule is None else rule(args, out)
 
 
-__all__ = ["NormStats", "RULES", "norm_stats", "rules"]
+__all__ = ["KernelOutputs", "RULES", "kernel_outputs", "rules"]
