@@ -19,6 +19,7 @@ from ckptlab.estimate import answers
 from ckptlab.estimate.batch_line import on_line
 from ckptlab.estimate.fake_step import clear_prepared
 from ckptlab.workloads.base import Workload
+from ckptlab.workloads.models import with_chunked_loss
 
 TINY = dict(n_layer=2)
 
@@ -61,6 +62,24 @@ def test_any_change_in_what_a_prediction_depends_on_asks_again(kept_in, change):
     ckptlab.predict(ckptlab.get_workload("gpt-tiny", **TINY), **question)
     other = ckptlab.predict(ckptlab.get_workload("gpt-tiny", seed=seed, **model), **changed)
     assert not other.answered_from_cache and len(kept_files(kept_in)) == 2
+
+
+@pytest.mark.parametrize("cache", ["on disk", "off"])
+def test_a_workload_given_another_loss_is_predicted_for_its_own_loss(cache, kept_in, monkeypatch):
+    # the same spec trained on a chunked loss holds other bytes: neither the steps kept in this
+    # process nor the answers kept on disk are taken for the other loss, in either order
+    if cache == "off":
+        monkeypatch.setenv("CKPTLAB_CACHE", "off")
+    plain = ckptlab.get_workload("gpt-tiny", **TINY, vocab_size=4096)
+    chunked = with_chunked_loss(plain, 8)
+    first = [ckptlab.predict(w, 8, 128, "none") for w in (chunked, plain)]
+    assert first[0].peak_bytes < first[1].peak_bytes and not any(p.answered_from_cache for p in first)
+    assert chunked.loss_name == "ckptlab.workloads.models.chunked_gpt_loss(chunks=8)"
+    clear_prepared()
+    again = [ckptlab.predict(w, 8, 128, "none") for w in (plain, with_chunked_loss(plain, 8))]
+    assert [p.peak_bytes for p in again] == [first[1].peak_bytes, first[0].peak_bytes]
+    assert all(p.answered_from_cache for p in again) is (cache == "on disk")
+    assert ckptlab.predict(with_chunked_loss(plain, 4), 8, 128, "none").peak_bytes != first[0].peak_bytes
 
 
 def test_other_code_asks_again(kept_in, monkeypatch):

@@ -545,9 +545,9 @@ PREPARED_KEPT = 8
 def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, device: str, shape: tuple[int, int], *,
                   host_type: Optional[type] = None, cut_type: Optional[type] = None) -> PreparedStep:
     """The `PreparedStep` for these options, reused from an earlier prediction where one was made
-    (the last PREPARED_KEPT are kept). A model is the same when its workload object is, or for a
-    workload made from a spec, when its spec, its file's hash, overrides, seed and weights' dtype
-    are. `host_type` (a `HostOffload`) is made for offload on "cuda", `cut_type()`'s `shorten`
+    (the last PREPARED_KEPT are kept). A step is the same when its workload object is, or for a
+    workload made from a spec, when its spec, its file's hash, overrides, seed, weights' dtype and
+    loss (`Workload.loss_identity`) are. `host_type` (a `HostOffload`) is made for offload on "cuda", `cut_type()`'s `shorten`
     shortens the model (`compose`). An exception while preparing is raised again for the same
     options without preparing again. A step whose cut refused the model is the whole one, also
     kept for these options without a cut (the full trace's), so that its model is built once. A
@@ -557,7 +557,7 @@ def prepared_step(workload: Workload, policy: Policy, dtype: str, loop: Loop, de
     of the same model, dtype, loop, device and path was warmed up to (`WarmState`), not stepping
     the optimizer in its warm-up."""
     runs_as = step_policy(policy)
-    key = (workload_key(workload), runs_as, dtype, loop, device, host_type, cut_type)
+    key = ((workload_key(workload), workload.loss_identity), runs_as, dtype, loop, device, host_type, cut_type)
     found = _PREPARED[key][1] if key in _PREPARED else None
     if isinstance(found, PreparedStep) and found.state_made and found.warmed_at != shape and found.refusal is None:
         found = None   # a cut step refused for the state its model made refuses at any shape, at once

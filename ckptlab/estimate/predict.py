@@ -249,8 +249,8 @@ def predict_fits(
     answers' bounds (`estimate.batch_line`); a step traced for one card is taken for the others
     that make the same kernel choices (`compose.composed_step`). `workers` > 1 predicts in that
     many processes, this one and `workers` - 1 spawned, each task a policy's rows on the cards
-    that rank the attention backends alike (for a workload made from a spec; one made in Python
-    is predicted here), the spawned taking the longest first (the policies that recompute more
+    that rank the attention backends alike (for a workload made from a spec, as its spec makes
+    it; one made in Python, cast or given another loss since is predicted here), the spawned taking the longest first (the policies that recompute more
     blocks, then the larger cards) and this process the shortest (benchmarks/predict_speed.py
     times a 7B table both ways).
     """
@@ -283,7 +283,9 @@ def predict_fits(
     # recomputes more blocks fits larger batches, whose searches step further, as do larger cards.
     tasks.sort(key=lambda task: (-_recomputed_share(task[0]), -max(c.usable_bytes for c in task[1])))
     made = (workload.spec, workload.seed, workload.overrides, workload.identity)
-    in_workers = workload.spec is not None and workload.weights_dtype is None
+    # A worker makes the workload again from its spec: not one cast or given another loss since.
+    in_workers = workers > 1 and workload.spec is not None and workload.weights_dtype is None and \
+        get_workload(workload.spec, seed=workload.seed, **workload.overrides).identity == workload.identity
     done = shared([(made, pol, group, options) for pol, group in tasks], workers if in_workers else 1,
                   lambda task: _fit_rows(workload, *task[1:3], **options), _fit_rows_of_spec)
     by_cap = {(str(pol), cap.name): row for (pol, _), rows in zip(tasks, done) for cap, row in rows}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import types
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -124,13 +126,28 @@ class Workload:
 
     @property
     def loss_name(self) -> str:
-        """Which loss a training step computes (plans and records say what they were made for)."""
-        fn = self.loss_fn
+        """Which loss a training step computes (plans and records say what they were made for): a
+        function by its module and name, a `functools.partial` as its function with the arguments
+        it fixes (`ckptlab.workloads.models.chunked_gpt_loss(chunks=8)`)."""
+        fn, fixed = self.loss_fn, ""
+        if isinstance(fn, functools.partial):
+            fixed = "(" + ", ".join([*map(repr, fn.args), *(f"{k}={v!r}" for k, v in fn.keywords.items())]) + ")"
+            fn = fn.func
         module = getattr(fn, "__module__", None) or "?"
         name = getattr(fn, "__qualname__", type(fn).__name__)
         if module.startswith(SPEC_MODULE_PREFIX) and self.spec:   # defined in a spec's file
-            return f"{self.spec.rpartition(':')[0]}:{name}"
-        return f"{module}.{name}"
+            return f"{self.spec.rpartition(':')[0]}:{name}{fixed}"
+        return f"{module}.{name}{fixed}"
+
+    @property
+    def loss_identity(self) -> tuple:
+        """What tells this workload's loss from another's in cache keys: its name (`loss_name`),
+        and the function itself where the name does not single it out (a lambda, a function
+        defined inside another, a callable object)."""
+        fn = self.loss_fn.func if isinstance(self.loss_fn, functools.partial) else self.loss_fn
+        qualname = getattr(fn, "__qualname__", None)
+        named = isinstance(fn, types.FunctionType) and "<" not in qualname
+        return (self.loss_name, None if named else id(self.loss_fn))
 
     @property
     def label(self) -> str:
@@ -139,10 +156,11 @@ class Workload:
 
     @property
     def identity(self) -> tuple:
-        """Equal for two workloads that build the same model on the same batches (cache keys)."""
+        """Equal for two workloads that build the same model and train it on the same batches and
+        loss (cache keys)."""
         custom = id(self.make_model) if self.spec is None and self.config is None else None
         return (self.label, self.spec_hash, repr(self.config), repr(sorted(self.overrides.items())),
-                self.seed, self.block_paths, custom, self.weights_dtype)
+                self.seed, self.block_paths, custom, self.weights_dtype, self.loss_identity)
 
     @property
     def max_seq_len(self) -> int | None:
