@@ -124,6 +124,9 @@ def on_frontier(memory, time_low, time_high) -> list[bool]:
     return out
 
 
+FLAT = 0.01   # a line that grows by less than this share of its largest peak over the values measured is none
+
+
 def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batch_size") -> pd.DataFrame:
     """Largest `axis` value ("batch_size" or "seq_len") that fits, per policy and the other axes.
 
@@ -136,8 +139,10 @@ def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "
     `fit_max_rel_residual` say how straight it was, and are measured only from 3 points on (a
     line through 2 points has no residual): with 2 they are NaN. It assumes the rest of the
     card behaves like the device measured (same dtype, same kernels).
-    kind="no fit": one row per group with fewer than 2 ok values, so that a policy missing from
-    the card sizes is explained, not silently dropped.
+    kind="no fit": one row per group with fewer than 2 ok values, or whose line grows by less than
+    FLAT of its largest peak over the values measured (the peaks are set by what the axis does not
+    scale, parameters and optimizer state, and a line through them would carry noise to a card),
+    so that a policy missing from the card sizes is explained, not silently dropped.
     Every extrapolated and no-fit row has `fit_note`, the words a figure or table shows for it.
     """
     if axis not in ("batch_size", "seq_len"):
@@ -163,6 +168,11 @@ def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "
                         "fit_points": len(xs), "fit_note": _no_fit_note(n_values, int((g["status"] == "oom").sum()), axis)})
             continue
         slope, intercept = line_fit(xs, ys)
+        growth = float(slope) * (xs.max() - xs.min())
+        if growth < FLAT * ys.max():   # the peaks are set by what the axis does not scale: no line to carry
+            out.append({**base, "limit": None, "limit_bytes": None, "kind": "no fit", f"max_{axis}": None,
+                        "fit_points": len(xs), "fit_note": _flat_note(growth, ys.max(), xs, axis)})
+            continue
         resid = ys - (float(intercept) + float(slope) * xs)
         residual_measured = len(xs) > 2
         fit = dict(fit_intercept_bytes=float(intercept), fit_slope_bytes=float(slope),
@@ -195,6 +205,13 @@ def fit_note(fit: dict) -> str:
         return f"line through {n} points"
     percent = 100 * fit["fit_max_rel_residual"]
     return f"fit of {n} points, residual " + (f"≤{percent:.1f}%" if percent >= 0.1 else "<0.1%")
+
+
+def _flat_note(growth: float, peak: float, xs, axis: str) -> str:
+    name = "batch size" if axis == "batch_size" else "sequence length"
+    return (f"no fit: the peak grows by {format_bytes(max(growth, 0))} from {name} {int(xs.min())} to "
+            f"{int(xs.max())}, under {FLAT:.0%} of its {format_bytes(peak)}: it is set by what the {name} does not "
+            f"scale (parameters, optimizer state); measure larger ones")
 
 
 def _no_fit_note(n_ok_values: int, n_oom: int, axis: str) -> str:
@@ -344,15 +361,17 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
     cards = card_budgets() if limits is None else limits
     fits = fits_from_run(df, cards) if len(rows) else pd.DataFrame()
     lines = fits[fits["kind"] == "extrapolated"] if len(fits) else fits
+    flat = fits["fit_note"].str.contains("the peak grows by", na=False).any() if len(fits) else False
     for card in cards:
-        out.append(_best_on_card(card, lines[lines["limit"] == card] if len(lines) else lines, rows))
+        out.append(_best_on_card(card, lines[lines["limit"] == card] if len(lines) else lines, rows, flat))
     return pd.DataFrame(out)
 
 
-def _best_on_card(card: str, lines: pd.DataFrame, rows: pd.DataFrame) -> dict:
+def _best_on_card(card: str, lines: pd.DataFrame, rows: pd.DataFrame, flat: bool = False) -> dict:
     if not len(lines):
-        return {"limit": card, "basis": "cannot answer: no policy has 2+ ok batch sizes to extrapolate from",
-                "policy": None}
+        why = ("the measured peaks barely grow with the batch size (set by parameters and optimizer state): "
+               "measure larger batches" if flat else "no policy has 2+ ok batch sizes to extrapolate from")
+        return {"limit": card, "basis": f"cannot answer: {why}", "policy": None}
     lines = lines[lines["seq_len"] == lines["seq_len"].max()]
     lines = lines[lines["max_batch_size"].notna()]
     if not len(lines):
