@@ -259,7 +259,7 @@ def _argument_value(kind: str, flag: str, raw):
     if kind == "ints":
         return int_list(flag, raw)
     if kind == "strs":
-        items = split_list(raw)
+        items = split_list(raw, flag)
         if not items:
             raise ValueError(f"{flag}={raw!r} is invalid: allowed is a comma-separated list, e.g. a,b")
         return items

@@ -9,15 +9,21 @@ import textwrap
 from pathlib import Path
 
 
-def split_list(text: str) -> list[str]:
+def split_list(text: str, name: str = "list") -> list[str]:
     """'none,density=0.5,layers=0,2' -> ['none', 'density=0.5', 'layers=0,2']: a comma starts a
-    new item only when what follows it starts a new policy or value (not a bare layer index)."""
+    new item only when what follows it starts a new policy or value (not a bare layer index).
+    Text of no items (blank, or commas alone) is none; an empty item among others ('1,,2', '1,2,')
+    a ValueError naming `name`."""
+    if not text.replace(",", "").strip():
+        return []
     items: list[str] = []
     for part in text.split(","):
         part = part.strip()
+        if not part:
+            raise ValueError(f"{name}={text!r} is invalid: allowed is a comma-separated list, none empty")
         if items and part.isdigit() and items[-1].startswith("layers="):
             items[-1] += "," + part
-        elif part:
+        else:
             items.append(part)
     return items
 

@@ -247,7 +247,7 @@ def parse_policies(value, name: str = "policies") -> list[Policy]:
     """A list of policies, each parsed once and kept once, in order: a list of strings or
     Policies, or one comma-separated string ("none,layers=0,2,full" is none, layers=0,2 and full:
     a comma followed by a bare index continues a layers= list). Empty is refused."""
-    items = split_list(value) if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    items = split_list(value, name) if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
     if not items:
         raise ValueError(f"{name}={value!r} is invalid: allowed is a comma-separated list of policies, "
                          "e.g. none,density=0.5,full")

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
 
-    policies = split_list(args.policy)
+    policies = split_list(args.policy, "--policy")
     if "RANK" not in os.environ:
         records = measure_sharded_many(args.model, args.batch, args.seq, policies, nproc=args.nproc,
                                        device=args.device, dtype=args.dtype, steps=args.steps, warmup=args.warmup)

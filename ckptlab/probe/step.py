@@ -167,7 +167,8 @@ def resolve_device(device: str) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda, cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index is not None):
+        # cpu:N names no memory of its own: torch makes CPU tensors on "cpu", which is not "cpu:N"
         raise ValueError(f"device={device!r} is invalid: allowed are cpu, cuda, cuda:N")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
