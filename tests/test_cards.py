@@ -10,6 +10,7 @@ import pytest
 import ckptlab
 from ckptlab import predict, predict_fits
 from ckptlab.apps.cli import main as cli_main
+from ckptlab.apps.cli import or_more
 from ckptlab.apps.notebooks import _value_checks
 from ckptlab.core.cards import (
     CONTEXT_BYTES_PER_SM,
@@ -133,6 +134,19 @@ def test_fits_on_the_command_line_prints_predict_fits_rows(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --cards 'rtx4090,,h200' is invalid: allowed is a comma-separated list of cards or sizes, "
                    "none empty"]
+
+
+def test_fits_by_default_searches_at_the_models_longest_sequence_and_says_where_its_search_stops(capsys):
+    # gpt-tiny takes 256 positions, fewer than fits' 2048: the batch search runs at 256; on 1 GiB
+    # a 2-layer gpt-tiny at seq 16 fits more than the 4 batches searched, so the table says "4 or more"
+    assert cli_main(["fits", "--set", "n_layer=2", "--policy", "full", "--cards", "1GiB"]) == 0
+    table = capsys.readouterr().out
+    assert "the largest batch at seq 256 (the model's longest)" in table
+    rows = predict_fits(ckptlab.get_workload("gpt-tiny", n_layer=2), ["full"], ["1GiB"], seq_len=16, dtype="fp32",
+                        max_batch=4)
+    assert rows[0]["max_batch_size"] == rows[0]["max_batch_searched"] == 4
+    assert or_more(rows[0], "max_batch_size") == "4 or more" and or_more(dict(rows[0], max_batch_size=3),
+                                                                          "max_batch_size") == 3
 
 
 def test_notebook_parameters_and_the_command_line_take_card_names(capsys):

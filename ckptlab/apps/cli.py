@@ -588,19 +588,32 @@ FITS_COLUMNS = [
 ]
 
 
+FITS_SEQ = 2048   # `fits`' sequence length for its batch search, where the model takes one so long
+
+
+def or_more(row: dict, field: str):
+    """A batch the search stopped at (`predict_fits`' `max_batch_searched`): that or more."""
+    value = row[field]
+    return f"{value} or more" if value is not None and value == row["max_batch_searched"] else value
+
+
 def cmd_fits(args: argparse.Namespace) -> int:
     """The largest batch and the longest sequence per policy and card, by prediction."""
     loop = loop_from_arguments(args, dtype=args.dtype)
     workload = get_workload(args.model, **_model_overrides(args.set))
+    seq = args.seq if args.seq is not None else min(FITS_SEQ, workload.max_seq_len or FITS_SEQ)
     capacities = [parse_capacity(c, "--cards")
                   for c in _listed("--cards", args.cards, "a comma-separated list of cards or sizes")]
-    rows = predict_fits(workload, policy_list(args.policy), capacities, seq_len=args.seq, batch_size=args.batch,
+    rows = predict_fits(workload, policy_list(args.policy), capacities, seq_len=seq, batch_size=args.batch,
                         dtype=args.dtype, loop=loop, attention=args.attention, torch_version=args.torch_version,
                         alloc_conf=args.alloc_conf, trace=args.trace, workers=args.workers)
+    if args.format == "table":
+        rows = [dict(r, **{f: or_more(r, f) for f in ("max_batch_size", "max_batch_size_with_flushes")}) for r in rows]
     up_to = f" up to the model's {workload.max_seq_len} positions" if workload.max_seq_len else ""
+    longest = " (the model's longest)" if args.seq is None and seq < FITS_SEQ else ""
     print_rows(rows, FITS_COLUMNS, args.format,
                f"{args.model} ({format_count(workload.n_params)} parameters), {args.dtype}, loop {loop}: the largest "
-               f"batch at seq {args.seq} and the longest sequence (of the powers of two{up_to}) at batch {args.batch} that "
+               f"batch at seq {seq}{longest} and the longest sequence (of the powers of two{up_to}) at batch {args.batch} that "
                "fit, predicted per card with the margin left (nothing allocated; 0: not even the smallest fits; "
                "with flushes: what runs with the allocator flushing its cache, on a card)")
     return 0
@@ -945,7 +958,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fits", help="the largest batch and the longest sequence that fit, per policy and card "
                                     "(predicted, nothing allocated)")
-    add_workload_arguments(p, batch="1", seq="2048", policy="none,selective,full", lists=False)
+    add_workload_arguments(p, batch="1", seq=f"{FITS_SEQ}, or the model's longest where shorter",
+                           policy="none,selective,full", lists=False)
+    p.set_defaults(seq=None)   # the default's value is known once the model is (cmd_fits)
     p.add_argument("--cards", default=",".join(DEFAULT_CARDS),
                    help="cards (ckptlab cards) or sizes such as 24GiB, comma-separated (default: "
                         f"{','.join(DEFAULT_CARDS)})")

@@ -230,7 +230,9 @@ def predict_fits(
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
     `batch_size`. The peak grows monotonically with batch and sequence, so each is found by
-    steps away from a first guess then bisection (`_largest`); each step is one `predict`. 0 means not even the smallest fits.
+    steps away from a first guess then bisection (`_largest`); each step is one `predict`. 0 means not even the smallest fits;
+    `max_batch` is the largest batch tried (`max_batch_searched` in each row), so an answer of that
+    size means that or more.
     (`analysis.fits_from_run` answers the same question from a sweep's measured records.)
 
     A capacity is a card (`rtx4090`, see `ckptlab.cards()`; `core.cards.parse_capacity` changes
@@ -385,7 +387,8 @@ def _fit_rows(workload: Workload, pol: Policy, caps: list[Card], *, seq_len: int
                                                                seq_lens, best_seq)}
         rows.append((cap, {
             "model": workload.label, "policy": str(pol), "capacity": cap.name, "capacity_bytes": cap.usable_bytes,
-            "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "batch_size": batch_size,
+            "dtype": dtype, "seq_len": seq_len, "max_batch_size": best_batch, "max_batch_searched": max_batch,
+            "batch_size": batch_size,
             "max_seq_len": best_seq,
             "batch_margin_bytes": margin_left(cap, held(best_batch, seq_len, cap)) if best_batch else None,
             "seq_margin_bytes": margin_left(cap, held(batch_size, best_seq, cap)) if best_seq else None,
