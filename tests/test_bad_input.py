@@ -63,6 +63,8 @@ CLI_CASES = [
     (["measure", "--policy", "none,,full"], "--policy none,,full is invalid: allowed is a comma-separated list, none empty"),
     (SWEEP + ["--device", "cpu:1"], "--device cpu:1 is invalid: allowed are cpu, cuda, cuda:N"),
     (["measure", "--device", "cpu:0"], "--device cpu:0 is invalid: allowed are cpu, cuda, cuda:N"),
+    (["explain", "--card", "rtx4090", "--capacity", "100GiB"], "--capacity 100GiB is invalid with --card rtx4090: it "
+     "is more than the 23.4 GiB the card's device bytes may reach"),
     (["measure", "--policy", ""], "--policy '' is invalid: allowed is a comma-separated list of policies"),
     (["measure", "--policy", "plan=kk"], "plan=kk is invalid for a model with 4 blocks"),
     (["measure", "--batch", ""], "--batch '' is invalid: allowed is a comma-separated list of integers >= 1"),

@@ -190,8 +190,8 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
     margin. `loop` is the training loop (`core.loop`, `predict`'s): every prediction is for that
     loop, and levers change its fields (another optimizer, accumulation, releasing a held output);
     `torch_version` and the allocator's `alloc_conf` are `predict`'s too. Bad input raises
-    ValueError before any work. On a terminal a bar counts its stages (`progress=False`: none): a
-    7B LoRA's explanation takes 13-27 s on 2 cores (benchmarks/predict_speed.py)."""
+    ValueError before any work. On a terminal a bar counts its stages (`progress=False`: none)
+    (benchmarks/predict_speed.py times a 7B LoRA's explanation)."""
     t0 = time.perf_counter()
     limit = parse_capacity(capacity) if capacity is not None else None
     on_card = as_card(card) if card is not None else limit if limit is not None and limit.arch else None
@@ -199,6 +199,12 @@ def explain(workload: Workload | str, batch_size: int, seq_len: int, policy: str
         raise ValueError(f"capacity={capacity!r} is invalid with card={card!r}: a capacity that names a card is "
                          f"predicted for that card; allowed is capacity={on_card.name!r} or a size such as 24GiB, "
                          "or no card")
+    if limit is not None and not limit.arch and on_card is not None:
+        room = on_card.usable_bytes - on_card.required_margin_bytes
+        if limit.usable_bytes - limit.required_margin_bytes > room:
+            raise ValueError(f"capacity={capacity!r} is invalid with card={on_card.name!r}: it is more than the "
+                             f"{format_bytes(room)} the card's device bytes may reach (its usable bytes less its "
+                             f"margin); allowed is a size up to that, or no capacity")
     device = "cuda" if on_card is not None else device
     workload, parsed, loop = check_prediction(workload, batch_size, seq_len, as_policy(policy), dtype, loop, device,
                                               on_card, attention, torch_version=torch_version, alloc_conf=alloc_conf)
