@@ -118,7 +118,9 @@ def selective_policy_fn(variant: str = "mm") -> Callable:
           (pointwise ops, norms, dropout: cheap to recompute, as large as the matmul outputs);
     alt:  keep attention and every other matmul (the 2nd, 4th, ... of the block), as torchtitan's
           op-level selective AC does, trading recompute of half the matmuls for memory;
-    attn: keep only attention outputs.
+    attn: keep only attention outputs: those of sdpa's fused kernels. Attention that runs as
+          plain matmuls and a softmax (sdpa's math path, which a CPU takes with dropout; a model's
+          own attention) keeps nothing: then it recomputes what `full` does.
     Random ops (dropout) are recomputed under checkpoint's preserved RNG state, so masks match.
     """
     if variant not in ("mm", "alt", "attn"):
