@@ -3,6 +3,7 @@ parameter, the value and what is allowed (CLI: `error: ...`, exit 2), before any
 traceback, no model built on a real device, nothing written."""
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -54,6 +55,8 @@ CLI_CASES = [
     (["sweep", "--out", "afile"], "--out afile is invalid: it is an existing file"),
     (["sweep", "--out", "afile/run"], "--out afile/run is invalid: 'afile' is a file"),
     (["sweep", "--out", ""], "--out '' is invalid: allowed is a folder path"),
+    (["compare", "--out", "afile"], "--out afile is invalid: it is an existing file"),
+    (["compare", "--out", "afile/run"], "--out afile/run is invalid: 'afile' is a file"),
     (["sweep", "--out", "x" * 300], "is invalid: the name 'xxxx"),
     (SWEEP + ["--policy", "hf"], "--policy hf is invalid for --model mlp-chain: the hf policies apply"),
     (SWEEP + ["--policy", "layers=99"], "layers=99 is invalid for a model with 8 blocks"),
@@ -340,3 +343,15 @@ def test_a_bad_budget_is_refused_before_the_model_is_profiled(monkeypatch, budge
     monkeypatch.setattr("ckptlab.plan.budget.profile_blocks", lambda *a, **k: pytest.fail("profiled"))
     with pytest.raises(ValueError, match=f"budget={budget} is invalid"):
         ckptlab.plan_budget("gpt-tiny", 2, 16, budget)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, a file system no folder can be made in")
+@pytest.mark.parametrize("command", [["sweep", "--model", "mlp-chain"], ["compare", "--model", "mlp-chain"]])
+def test_an_out_folder_the_system_refuses_is_refused_before_any_work(command, capsys, monkeypatch):
+    # as root, permissions let everything through: the folder is made before any work, and its refusal named
+    built = never_built_on_a_device(monkeypatch)
+    assert main(command + ["--out", "/proc/ckptlab-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --out /proc/ckptlab-run is invalid: it cannot be made (No such file or directory); allowed "
+                   "is a folder you can write to"]
+    assert set(built) <= {"meta"}

@@ -101,6 +101,19 @@ def output_folder(name: str, path) -> Path:
     return folder
 
 
+def made_folder(name: str, path) -> Path:
+    """`output_folder`, made (with its parents): where the system refuses it anyway (a read-only
+    or virtual file system, which a check of permissions cannot see, as root), ValueError naming
+    `name`, before anything is written into it."""
+    folder = output_folder(name, path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{name}={str(path)!r} is invalid: it cannot be made ({exc.strerror}); allowed is a folder "
+                         "you can write to") from None
+    return folder
+
+
 def run_name(name: str, value) -> str:
     """One path component: a folder name, never a path ('a/b', '..', '.', '/abs', '')."""
     bad = (not isinstance(value, str) or value.strip() in ("", ".", "..") or "/" in value
@@ -170,5 +183,5 @@ def _fmt(x: float) -> str:
     return ("-inf" if x < 0 else "inf") if math.isinf(x) else f"{x:g}"
 
 
-__all__ = ["boolean", "choice", "integer", "integer_list", "nearest", "no_credential", "non_empty", "number",
+__all__ = ["boolean", "choice", "integer", "integer_list", "made_folder", "nearest", "no_credential", "non_empty", "number",
            "output_folder", "run_name"]

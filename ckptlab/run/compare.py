@@ -28,7 +28,7 @@ from ..core.dtypes import DTYPES
 from ..core.loop import Loop, as_loop
 from ..core.policy import Policy, parse_policies
 from ..core.records import new_record, tokens_per_second
-from ..core.validate import choice
+from ..core.validate import choice, made_folder
 from ..plan.budget import Resolved, resolve
 from ..plan.compiled import KEEP, UniformCost, check_options, choose_compiled, uniform_policy
 from ..probe.measure import (
@@ -104,7 +104,8 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
     `compiled_options` are the plan letters and compile-budget digits a compiled plan chooses
     among (`ckptlab.plan.compiled`); "" leaves the compiled plans at the anchors' peaks out.
     `progress` shows the phases on a terminal (`ckptlab.run.progress`).
-    `out=DIR` writes compare.csv and compare.json there (`ckptlab.report.plots.compare_plot` draws them)."""
+    `out=DIR` writes compare.csv and compare.json there, over those of an earlier comparison
+    (`ckptlab.report.plots.compare_plot` draws them); a folder that cannot be made is refused first."""
     workload = as_workload(workload)
     policies = parse_policies(policies)
     loop = _check(workload, batch_size, seq_len, policies, dtype, loop, target_ci, max_seconds)
@@ -112,6 +113,8 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
         check_options(compiled_options)
     chosen = chosen_anchors(workload, anchors)
     dev = resolve_device(device)
+    if out is not None:   # made before any timing: a folder that cannot be made is refused at once
+        made_folder("out", out)
     contenders = [_ckptlab_contender(p) for p in policies] + chosen
     setup = Setup(workload, batch_size, seq_len, dtype, dev, loop)
     bar = Progress(f"compare {workload.label}", progress)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..core.records import FIELDS
-from ..core.validate import output_folder
+from ..core.validate import made_folder, output_folder
 
 RECORDS = "records.jsonl"
 META = "run.json"
@@ -138,7 +138,7 @@ class RunWriter:
         self._records = None
 
     def __enter__(self) -> "RunWriter":
-        self.dir.mkdir(parents=True, exist_ok=True)
+        made_folder("out", self.dir)
         self._lock_file = open(self.dir / LOCK, "a+")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
