@@ -249,9 +249,11 @@ def test_worker_processes_take_the_longest_tasks_first_and_this_process_the_shor
     monkeypatch.setattr(predict_module, "_fit_rows", recorded)
     options = dict(capacities=["rtx4090", "h200"], seq_len=16, batch_size=1, dtype="fp32", max_batch=2, seq_lens=[16])
     policies = ["none", "density=0.5", "full"]
-    rows = ckptlab.predict_fits(tiny, policies, **options, workers=2)
+    done = []   # a progress bar's updates: the rows of each task as it finishes, in either process
+    rows = ckptlab.predict_fits(tiny, policies, **options, workers=2, progress=done.append)
     longest_first = [(p, [c]) for p in ("full", "density=0.5", "none") for c in ("h200", "rtx4090")]
     assert spawned and here and spawned + here[::-1] == longest_first
+    assert done == [1] * 6
     assert rows == ckptlab.predict_fits(tiny, policies, **options)
 
 

@@ -57,11 +57,13 @@ def here_fn(here: list, seconds: float = 0.01, fail: bool = False):
 
 
 def test_spawned_take_tasks_from_the_front_this_process_from_the_back(monkeypatch):
-    ran, here = [], []
+    ran, here, finished = [], [], []
     monkeypatch.setattr(workers, "ProcessPoolExecutor", pool_of(0.02, ran))
-    assert workers.shared(list(range(8)), 2, here_fn(here), lambda task: -task) == [-t for t in range(8)]
+    assert workers.shared(list(range(8)), 2, here_fn(here), lambda task: -task, finished.append) == [
+        -t for t in range(8)]
     assert ran and here and ran + here[::-1] == list(range(8))
     assert here[0] == 7   # this process starts at once, with the last task
+    assert sorted(finished) == [-t for t in reversed(range(8))]   # each task said done once, wherever it ran
 
 
 def test_a_table_done_before_the_worker_starts_does_not_wait_for_it(monkeypatch):
@@ -81,7 +83,8 @@ def test_a_worker_that_cannot_start_leaves_its_tasks_here(monkeypatch):
 
 def test_one_worker_or_one_task_runs_here(monkeypatch):
     monkeypatch.setattr(workers, "ProcessPoolExecutor", None)   # no pool is made
-    assert workers.shared([1, 2, 3], 1, lambda t: t * 2, None) == [2, 4, 6]
+    finished = []
+    assert workers.shared([1, 2, 3], 1, lambda t: t * 2, None, finished.append) == [2, 4, 6] == finished
     assert workers.shared([5], 4, lambda t: t * 2, None) == [10]
 
 

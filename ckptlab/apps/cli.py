@@ -166,7 +166,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
         for seq in seqs:
             rows += measure_together(workload, batch, seq, policies, device=args.device, dtype=args.dtype,
                                      loop=loop, memory_limit_bytes=limit, steps=args.steps, warmup=args.warmup,
-                                     max_seconds=args.max_seconds)
+                                     max_seconds=args.max_seconds, progress=True)
     for r in rows:
         r["step_text"] = "-" if r["step_ms"] is None else f"{r['step_ms']:.1f} [{r['step_ms_low']:.1f}, {r['step_ms_high']:.1f}]"
         r["overhead_text"] = "-" if r["time_ratio"] is None else (
@@ -604,9 +604,11 @@ def cmd_fits(args: argparse.Namespace) -> int:
     seq = args.seq if args.seq is not None else min(FITS_SEQ, workload.max_seq_len or FITS_SEQ)
     capacities = [parse_capacity(c, "--cards")
                   for c in _listed("--cards", args.cards, "a comma-separated list of cards or sizes")]
-    rows = predict_fits(workload, policy_list(args.policy), capacities, seq_len=seq, batch_size=args.batch,
-                        dtype=args.dtype, loop=loop, attention=args.attention, torch_version=args.torch_version,
-                        alloc_conf=args.alloc_conf, trace=args.trace, workers=args.workers)
+    policies = policy_list(args.policy)
+    with contextlib.closing(progress_bar(len(policies) * len(capacities), "fits", "row")) as bar:
+        rows = predict_fits(workload, policies, capacities, seq_len=seq, batch_size=args.batch, dtype=args.dtype,
+                            loop=loop, attention=args.attention, torch_version=args.torch_version,
+                            alloc_conf=args.alloc_conf, trace=args.trace, workers=args.workers, progress=bar.update)
     if args.format == "table":
         rows = [dict(r, **{f: or_more(r, f) for f in ("max_batch_size", "max_batch_size_with_flushes")}) for r in rows]
     up_to = f" up to the model's {workload.max_seq_len} positions" if workload.max_seq_len else ""

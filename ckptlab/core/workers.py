@@ -13,7 +13,8 @@ from typing import Callable, Optional
 import torch
 
 
-def shared(tasks: list, workers: int, here: Callable, there: Callable) -> list:
+def shared(tasks: list, workers: int, here: Callable, there: Callable,
+           done_one: Optional[Callable[[object], None]] = None) -> list:
     """Each task's result, in order, from `workers` processes: this one (`here(task)`) and
     `workers` - 1 spawned (`there(task)`: a module-level function, the task picklable). This
     process takes the tasks from the back at once; a spawned one, once it has started and
@@ -21,9 +22,17 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable) -> list:
     front, one at a time: order them longest first. A call that this process finishes before a
     spawned one has started returns without waiting for it (the process, at its exit, waits for
     that start: seconds). The first error stops the handing out (the tasks under way finish)
-    and is raised."""
+    and is raised. `done_one(result)`, if given, is called for each task as it finishes (a
+    progress bar's step; from a thread of this process where a spawned one did the task)."""
+    finished = done_one or (lambda result: None)
+
+    def here_and_said(task):
+        result = here(task)
+        finished(result)
+        return result
+
     if workers <= 1 or len(tasks) <= 1:
-        return [here(task) for task in tasks]
+        return [here_and_said(task) for task in tasks]
     left = collections.deque(range(len(tasks)))
     done, errors = {}, []
     state = threading.Condition()
@@ -47,6 +56,7 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable) -> list:
         while (i := take(front=True)) is not None:
             try:
                 done[i] = pool.submit(there, tasks[i]).result()
+                finished(done[i])
             except BaseException as exc:
                 errors.append(exc)
                 with state:
@@ -63,7 +73,7 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable) -> list:
         for _ in range(spawned):
             threading.Thread(target=feed, daemon=True).start()
         while (i := take(front=False)) is not None:
-            done[i] = here(tasks[i])
+            done[i] = here_and_said(tasks[i])
         with state:
             state.wait_for(lambda: handed == 0)
     except BaseException:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from ..core.cards import DEFAULT_CARDS, Card, fits, margin_left, parse_capacity
 from ..core.cards import card as find_card
@@ -226,6 +226,7 @@ def predict_fits(
     alloc_conf: Optional[str] = None,
     trace: str = "fast",
     workers: int = 1,
+    progress: Optional[Callable[[int], None]] = None,
 ) -> list[dict]:
     """For each policy and capacity, by prediction: the largest batch size at `seq_len`, and the
     largest sequence length (of `seq_lens`, default powers of two up to the model's limit) at
@@ -254,7 +255,8 @@ def predict_fits(
     that rank the attention backends alike (for a workload made from a spec, as its spec makes
     it; one made in Python, cast or given another loss since is predicted here), the spawned taking the longest first (the policies that recompute more
     blocks, then the larger cards) and this process the shortest (benchmarks/predict_speed.py
-    times a 7B table both ways).
+    times a 7B table both ways). `progress(n)`, if given, is called as rows are done, n at a time
+    (a bar's update: the table has a row per policy and capacity).
     """
     workload = as_workload(workload)
     choice("trace", trace, TRACES)
@@ -289,7 +291,8 @@ def predict_fits(
     in_workers = workers > 1 and workload.spec is not None and workload.weights_dtype is None and \
         get_workload(workload.spec, seed=workload.seed, **workload.overrides).identity == workload.identity
     done = shared([(made, pol, group, options) for pol, group in tasks], workers if in_workers else 1,
-                  lambda task: _fit_rows(workload, *task[1:3], **options), _fit_rows_of_spec)
+                  lambda task: _fit_rows(workload, *task[1:3], **options), _fit_rows_of_spec,
+                  (lambda rows: progress(len(rows))) if progress is not None else None)
     by_cap = {(str(pol), cap.name): row for (pol, _), rows in zip(tasks, done) for cap, row in rows}
     return [by_cap[(str(pol), cap.name)] for pol in parse_policies(policies) for cap in caps]
 

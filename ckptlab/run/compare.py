@@ -145,13 +145,14 @@ def compare(workload: Workload | str, batch_size: int, seq_len: int, policies: S
 def measure_together(workload: Workload, batch_size: int, seq_len: int, policies: Sequence[str | Policy], *,
                      device: str = "cpu", dtype: str = "fp32", loop: Loop | str | None = None,
                      memory_limit_bytes: Optional[int] = None, steps: int = 5, warmup: int = 1,
-                     target_ci: float = 0.02, max_seconds: float = 30) -> list[dict]:
+                     target_ci: float = 0.02, max_seconds: float = 30, progress: bool = False) -> list[dict]:
     """ckptlab policies at one (batch, seq, dtype, loop), each measured like `measure` (same
     record), then timed together: the records carry paired time ratios to the first policy that
     ran. `steps` is the minimum number of rounds. Inputs are assumed validated (`SweepConfig`).
     A `budget=B+compile` becomes the compiled plan chosen from measured costs; the uniform
     compiled plans measured to cost it are timed too but not returned: one record per policy.
-    `loop` as `measure`'s."""
+    `loop` as `measure`'s. `progress` shows the phases on a terminal (off by default: a sweep
+    calls this per cell under its own bar)."""
     setup = Setup(workload, batch_size, seq_len, dtype, resolve_device(device), as_loop(loop), memory_limit_bytes,
                   steps, warmup)
     contenders = [_ckptlab_contender(p) for p in parse_policies(policies)]
@@ -162,7 +163,8 @@ def measure_together(workload: Workload, batch_size: int, seq_len: int, policies
             _add_compiled_plans(requests, COMPILED_PLAN_OPTIONS, setup, rows, steps, contenders, target_ci, max_seconds,
                                 Progress("measure", False))
     wanted = {c.policy for c in contenders}  # a compiled budget's costing rows are not cells of their own
-    return [r for r in _measure(contenders, setup, target_ci, max_seconds, add_plans) if r["policy"] in wanted]
+    bar = Progress(f"measure b={batch_size} s={seq_len}", progress)
+    return [r for r in _measure(contenders, setup, target_ci, max_seconds, add_plans, bar=bar) if r["policy"] in wanted]
 
 
 def _measure(contenders, setup: Setup, target_ci, max_seconds, after_prepare=None, after_timing=None,
