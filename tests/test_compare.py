@@ -14,7 +14,9 @@ import torch
 
 from ckptlab import compare, get_workload
 from ckptlab.apps.cli import main
+from ckptlab.report import plots
 from ckptlab.report.plots import compare_plot, policy_style
+from ckptlab.run.compare import write
 
 # A shape where recomputation is clearly measurable (full adds ~60% to a step of a few dozen ms),
 # so that an interval of a few rounds is narrow enough to tell `full` from `none`.
@@ -202,6 +204,23 @@ def test_compare_plot_draws_error_bars():
     wrong = compare_plot(df.assign(gradients=["exact", "wrong"])).axes[0]
     assert any(line.get_marker() == "x" and tuple(line.get_xdata()) == (1.3,) for line in wrong.lines)
     assert any("hf (WRONG gradients)" in t.get_text() for t in wrong.texts)
+
+
+def test_a_comparisons_figure_is_redrawn_from_its_folder(tmp_path, monkeypatch):
+    df = pd.DataFrame([
+        dict(policy="none", source="ckptlab", status="ok", time_ratio=1.0, time_ratio_low=1.0, time_ratio_high=1.0,
+             peak_bytes=4e6, timing_baseline="none", model="m", batch_size=1, seq_len=8, dtype="fp32", rounds=9,
+             busy=False, gradients=None),
+        dict(policy="full", source="ckptlab", status="ok", time_ratio=1.3, time_ratio_low=1.2,
+             time_ratio_high=1.4, peak_bytes=2e6, timing_baseline="none", model="m", batch_size=1, seq_len=8,
+             dtype="fp32", rounds=9, busy=False, gradients="exact"),
+    ])
+    write(df, tmp_path)
+    drawn = []
+    monkeypatch.setattr(plots, "compare_plot", lambda table, path: drawn.append(table) or compare_plot(table, path))
+    assert plots.redraw_all(tmp_path) == [tmp_path / "figures" / "compare.png", tmp_path / "figures" / "compare.svg"]
+    assert (tmp_path / "figures" / "compare.png").stat().st_size > 0
+    pd.testing.assert_frame_equal(drawn[0], df, check_dtype=False)   # the table it was drawn from, read back
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -332,8 +332,13 @@ FIGURES = {
 
 def redraw_all(run_dir: str | Path) -> list[Path]:
     """Redraw every figure of a run from its folder alone into run_dir/figures/ (PNG + SVG);
-    return the paths written."""
+    return the paths written. A comparison's folder (`compare(out=...)`: compare.json, no
+    records) gets its one figure again."""
     run_dir = Path(run_dir)
+    if (run_dir / "compare.json").is_file() and not (run_dir / "records.jsonl").is_file():
+        fig = compare_plot(pd.read_json(run_dir / "compare.json", orient="records"), run_dir / "figures" / "compare")
+        plt.close(fig)
+        return [run_dir / "figures" / "compare.png", run_dir / "figures" / "compare.svg"]
     df = load_run(run_dir)
     if not len(df):
         raise ValueError(f"run_dir={str(run_dir)!r} is invalid: it holds no records ({run_dir.name}/records.jsonl "
