@@ -64,6 +64,8 @@ CLI_CASES = [
     (SWEEP + ["--seq", "16,,32"], "--seq 16,,32 is invalid: allowed is a comma-separated list of integers >= 1"),
     (["predict", "--batch", "1,2,"], "--batch 1,2, is invalid: allowed is a comma-separated list of integers >= 1"),
     (["measure", "--policy", "none,,full"], "--policy none,,full is invalid: allowed is a comma-separated list, none empty"),
+    (["measure", "--policy", "none,density=1.5"], "density=1.5 is invalid: allowed is a number in [0, 1] (in --policy "
+     "none,density=1.5)"),
     (SWEEP + ["--device", "cpu:1"], "--device cpu:1 is invalid: allowed are cpu, cuda, cuda:N"),
     (["measure", "--device", "cpu:0"], "--device cpu:0 is invalid: allowed are cpu, cuda, cuda:N"),
     (["explain", "--card", "rtx4090", "--capacity", "100GiB"], "--capacity 100GiB is invalid with --card rtx4090: it "

@@ -27,7 +27,7 @@ def test_measure_prints_a_table_with_overhead(capsys):
 
 def test_bad_input_exits_2_with_one_clear_line(capsys):
     assert main(["measure", "--policy", "density=2"]) == 2
-    assert capsys.readouterr().err.strip() == "error: density=2 is invalid: allowed is a number in [0, 1]"
+    assert capsys.readouterr().err.strip() == "error: --policy density=2 is invalid: allowed is a number in [0, 1]"
     assert main(["measure", "--set", "n_layers=2"]) == 2
     assert "override n_layers=2 is invalid for --model gpt-tiny" in capsys.readouterr().err
     assert main(["plan", "--compile", "--budget", "0.5", "--options", "fx"]) == 2

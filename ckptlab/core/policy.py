@@ -246,12 +246,18 @@ def as_policy(value: str | Policy) -> Policy:
 def parse_policies(value, name: str = "policies") -> list[Policy]:
     """A list of policies, each parsed once and kept once, in order: a list of strings or
     Policies, or one comma-separated string ("none,layers=0,2,full" is none, layers=0,2 and full:
-    a comma followed by a bare index continues a layers= list). Empty is refused."""
+    a comma followed by a bare index continues a layers= list). Empty is refused; a bad item's
+    error says which list it is in."""
     items = split_list(value, name) if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
     if not items:
         raise ValueError(f"{name}={value!r} is invalid: allowed is a comma-separated list of policies, "
                          "e.g. none,density=0.5,full")
-    return list(dict.fromkeys(as_policy(item) for item in items))
+    try:
+        return list(dict.fromkeys(as_policy(item) for item in items))
+    except ValueError as exc:
+        if len(items) == 1 and isinstance(value, str):
+            raise ValueError(f"{name} {exc}" if name.startswith("--") else str(exc)) from None
+        raise ValueError(f"{exc} (in {name}={value!r})") from None
 
 
 def _parse_budget(text: str, name: str, arg: str) -> int | float:
