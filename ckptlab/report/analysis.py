@@ -124,7 +124,7 @@ def on_frontier(memory, time_low, time_high) -> list[bool]:
     return out
 
 
-FLAT = 0.01   # a line that grows by less than this share of its largest peak over the values measured is none
+OFF_PASS_PHASES = ("setup", "optimizer")   # a peak there is not the activations': no point of a line
 
 
 def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "batch_size") -> pd.DataFrame:
@@ -134,15 +134,17 @@ def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "
     memory limit (one row per group; only if the run had a limit).
     kind="extrapolated": for each of `limits` ({label: bytes}; default `card_budgets()`: per card of
     `DEFAULT_CARDS`, its usable bytes less context and margin), from a least-squares
-    line peak_bytes = intercept + slope * axis through the ok cells (needs 2+ distinct values).
+    line peak_bytes = intercept + slope * axis through the ok cells whose peak came in the forward
+    or backward pass (`peak_phase`; records without one count too), where activations set it
+    (needs 2+ distinct values): a peak in the optimizer step is parameters, gradients and optimizer
+    state, which the axis does not scale, and at larger values the peak moves to the passes.
     `fit_points` says how many cells the line went through; `fit_rms_residual_bytes` and
     `fit_max_rel_residual` say how straight it was, and are measured only from 3 points on (a
     line through 2 points has no residual): with 2 they are NaN. It assumes the rest of the
     card behaves like the device measured (same dtype, same kernels).
-    kind="no fit": one row per group with fewer than 2 ok values, or whose line grows by less than
-    FLAT of its largest peak over the values measured (the peaks are set by what the axis does not
-    scale, parameters and optimizer state, and a line through them would carry noise to a card),
-    so that a policy missing from the card sizes is explained, not silently dropped.
+    kind="no fit": one row per group with fewer than 2 such values, so that a policy missing from
+    the card sizes is explained, not silently dropped; `fit_reason` says why ("too few ok" or
+    "optimizer peak": the ok values peaked in the optimizer step, all or all but one).
     Every extrapolated and no-fit row has `fit_note`, the words a figure or table shows for it.
     """
     if axis not in ("batch_size", "seq_len"):
@@ -161,18 +163,18 @@ def fits_from_run(df: pd.DataFrame, limits: Optional[dict] = None, axis: str = "
             out.append({**base, "limit": format_bytes(run_limit.iloc[0]), "limit_bytes": int(run_limit.iloc[0]),
                         "kind": "measured", f"max_{axis}": best})
         good = g[g["status"] == "ok"]
-        xs, ys = good[axis].to_numpy(float), good["peak_bytes"].to_numpy(float)
+        in_passes = good[~good["peak_phase"].isin(OFF_PASS_PHASES)] if "peak_phase" in good else good
+        xs, ys = in_passes[axis].to_numpy(float), in_passes["peak_bytes"].to_numpy(float)
         n_values = len(np.unique(xs))
         if n_values < 2:
+            off_pass = sorted(set(good[axis]) - set(in_passes[axis]))
+            note = (_optimizer_peak_note(off_pass, axis) if off_pass else
+                    _no_fit_note(n_values, int((g["status"] == "oom").sum()), axis))
             out.append({**base, "limit": None, "limit_bytes": None, "kind": "no fit", f"max_{axis}": None,
-                        "fit_points": len(xs), "fit_note": _no_fit_note(n_values, int((g["status"] == "oom").sum()), axis)})
+                        "fit_points": len(xs), "fit_note": note,
+                        "fit_reason": "optimizer peak" if off_pass else "too few ok"})
             continue
         slope, intercept = line_fit(xs, ys)
-        growth = float(slope) * (xs.max() - xs.min())
-        if growth < FLAT * ys.max():   # the peaks are set by what the axis does not scale: no line to carry
-            out.append({**base, "limit": None, "limit_bytes": None, "kind": "no fit", f"max_{axis}": None,
-                        "fit_points": len(xs), "fit_note": _flat_note(growth, ys.max(), xs, axis)})
-            continue
         resid = ys - (float(intercept) + float(slope) * xs)
         residual_measured = len(xs) > 2
         fit = dict(fit_intercept_bytes=float(intercept), fit_slope_bytes=float(slope),
@@ -207,11 +209,10 @@ def fit_note(fit: dict) -> str:
     return f"fit of {n} points, residual " + (f"≤{percent:.1f}%" if percent >= 0.1 else "<0.1%")
 
 
-def _flat_note(growth: float, peak: float, xs, axis: str) -> str:
+def _optimizer_peak_note(values: list, axis: str) -> str:
     name = "batch size" if axis == "batch_size" else "sequence length"
-    return (f"no fit: the peak grows by {format_bytes(max(growth, 0))} from {name} {int(xs.min())} to "
-            f"{int(xs.max())}, under {FLAT:.0%} of its {format_bytes(peak)}: it is set by what the {name} does not "
-            f"scale (parameters, optimizer state); measure larger ones")
+    return (f"no fit: the peak came in the optimizer step at {name} {', '.join(str(int(v)) for v in values)} "
+            f"(parameters, gradients and optimizer state, which the {name} does not scale); measure larger ones")
 
 
 def _no_fit_note(n_ok_values: int, n_oom: int, axis: str) -> str:
@@ -361,16 +362,17 @@ def summary(df: pd.DataFrame, limits: Optional[dict] = None) -> pd.DataFrame:
     cards = card_budgets() if limits is None else limits
     fits = fits_from_run(df, cards) if len(rows) else pd.DataFrame()
     lines = fits[fits["kind"] == "extrapolated"] if len(fits) else fits
-    flat = fits["fit_note"].str.contains("the peak grows by", na=False).any() if len(fits) else False
+    off_pass = len(fits) and "fit_reason" in fits and (fits["fit_reason"] == "optimizer peak").any()
     for card in cards:
-        out.append(_best_on_card(card, lines[lines["limit"] == card] if len(lines) else lines, rows, flat))
+        out.append(_best_on_card(card, lines[lines["limit"] == card] if len(lines) else lines, rows, bool(off_pass)))
     return pd.DataFrame(out)
 
 
-def _best_on_card(card: str, lines: pd.DataFrame, rows: pd.DataFrame, flat: bool = False) -> dict:
+def _best_on_card(card: str, lines: pd.DataFrame, rows: pd.DataFrame, optimizer_peaks: bool = False) -> dict:
     if not len(lines):
-        why = ("the measured peaks barely grow with the batch size (set by parameters and optimizer state): "
-               "measure larger batches" if flat else "no policy has 2+ ok batch sizes to extrapolate from")
+        why = ("the peaks measured came in the optimizer step (parameters, gradients and optimizer state, which "
+               "the batch does not scale): measure larger batches" if optimizer_peaks else
+               "no policy has 2+ ok batch sizes to extrapolate from")
         return {"limit": card, "basis": f"cannot answer: {why}", "policy": None}
     lines = lines[lines["seq_len"] == lines["seq_len"].max()]
     lines = lines[lines["max_batch_size"].notna()]
