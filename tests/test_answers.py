@@ -19,7 +19,7 @@ from ckptlab.estimate import answers
 from ckptlab.estimate.batch_line import on_line
 from ckptlab.estimate.fake_step import clear_prepared
 from ckptlab.workloads.base import Workload
-from ckptlab.workloads.models import with_chunked_loss
+from ckptlab.workloads.models import chunked_gpt_loss, with_chunked_loss
 
 TINY = dict(n_layer=2)
 
@@ -80,6 +80,44 @@ def test_a_workload_given_another_loss_is_predicted_for_its_own_loss(cache, kept
     assert [p.peak_bytes for p in again] == [first[1].peak_bytes, first[0].peak_bytes]
     assert all(p.answered_from_cache for p in again) is (cache == "on disk")
     assert ckptlab.predict(with_chunked_loss(plain, 4), 8, 128, "none").peak_bytes != first[0].peak_bytes
+
+
+def _three_chunk_loss(model, batch):   # a loss of this module, not ckptlab's: its code can change under its name
+    return chunked_gpt_loss(model, batch, chunks=3)
+
+
+SPEC_WITH_A_LAMBDA_LOSS = """
+import ckptlab
+from ckptlab.workloads.models import chunked_gpt_loss
+
+def make():
+    base = ckptlab.get_workload("gpt-tiny", n_layer=2)
+    return ckptlab.Workload.custom("lambda-loss", build_model=base.new_model,
+                                   make_batch=lambda b, s, g: base.make_batch(base.config, b, s, g),
+                                   loss=lambda model, batch: chunked_gpt_loss(model, batch, chunks=2))
+"""
+
+
+def test_a_loss_its_name_does_not_pin_is_kept_in_this_process_only(kept_in, tmp_path):
+    # a loss of the spec's file, a lambda too, is pinned by the file's hash: kept on disk, and the
+    # workload made again (a worker process's) has the same identity
+    spec = tmp_path / "lambda_loss.py"
+    spec.write_text(SPEC_WITH_A_LAMBDA_LOSS)
+    made = ckptlab.get_workload(f"{spec}:make")
+    assert made.loss_pinned and made.identity == ckptlab.get_workload(f"{spec}:make").identity
+    first = ckptlab.predict(made, 2, 16, "none")
+    clear_prepared()
+    assert ckptlab.predict(ckptlab.get_workload(f"{spec}:make"), 2, 16, "none").peak_bytes == first.peak_bytes
+    assert ckptlab.predict(ckptlab.get_workload(f"{spec}:make"), 2, 16, "none").answered_from_cache
+    # a loss of another module (a notebook's, __main__'s) may change under its name: never kept on disk
+    kept = kept_files(kept_in)
+    other = dataclasses.replace(ckptlab.get_workload("gpt-tiny", **TINY), loss_fn=_three_chunk_loss)
+    assert not other.loss_pinned and other.identity != ckptlab.get_workload("gpt-tiny", **TINY).identity
+    assert not ckptlab.predict(other, 2, 16, "none").answered_from_cache
+    clear_prepared()
+    assert not ckptlab.predict(other, 2, 16, "none").answered_from_cache and kept_files(kept_in) == kept
+    # ckptlab's own losses, a partial of one with literal arguments too, are pinned
+    assert with_chunked_loss(ckptlab.get_workload("gpt-tiny"), 4).loss_pinned
 
 
 def test_other_code_asks_again(kept_in, monkeypatch):

@@ -88,6 +88,28 @@ def test_one_worker_or_one_task_runs_here(monkeypatch):
     assert workers.shared([5], 4, lambda t: t * 2, None) == [10]
 
 
+def test_done_one_is_called_one_at_a_time_and_its_error_is_raised(monkeypatch):
+    ran, here, inside, most = [], [], [0], [0]
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", pool_of(0.0, ran))
+
+    def slow_listener(result):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.02)
+        inside[0] -= 1
+
+    assert workers.shared(list(range(8)), 2, here_fn(here, 0.0), lambda task: -task, slow_listener) == [
+        -t for t in range(8)]
+    assert ran and most[0] == 1
+
+    def failing_listener(result):
+        if result == 0:   # the first task: a spawned one's
+            raise RuntimeError("the bar broke")
+
+    with pytest.raises(RuntimeError, match="the bar broke"):
+        workers.shared([0, 1], 2, here_fn([], 0.2), lambda task: -task, failing_listener)
+
+
 @pytest.mark.parametrize("failing_side", ["here", "there"])
 def test_the_first_error_is_raised_and_stops_the_handing_out(monkeypatch, failing_side):
     ran, here = [], []

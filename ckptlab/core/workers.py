@@ -23,8 +23,15 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable,
     spawned one has started returns without waiting for it (the process, at its exit, waits for
     that start: seconds). The first error stops the handing out (the tasks under way finish)
     and is raised. `done_one(result)`, if given, is called for each task as it finishes (a
-    progress bar's step; from a thread of this process where a spawned one did the task)."""
-    finished = done_one or (lambda result: None)
+    progress bar's step), one call at a time and none once `shared` has returned, from a thread
+    of this process where a spawned one did the task; its error is raised as a task's."""
+    said = threading.Lock()
+    listening = [done_one is not None]
+
+    def finished(result) -> None:
+        with said:
+            if listening[0]:
+                done_one(result)
 
     def here_and_said(task):
         result = here(task)
@@ -55,8 +62,9 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable,
             return
         while (i := take(front=True)) is not None:
             try:
-                done[i] = pool.submit(there, tasks[i]).result()
-                finished(done[i])
+                result = pool.submit(there, tasks[i]).result()
+                finished(result)
+                done[i] = result   # a task whose result or whose done_one failed is not done
             except BaseException as exc:
                 errors.append(exc)
                 with state:
@@ -82,6 +90,8 @@ def shared(tasks: list, workers: int, here: Callable, there: Callable,
         raise
     finally:
         pool.shutdown(wait=False, cancel_futures=True)   # a worker still starting is not waited for
+        with said:
+            listening[0] = False   # a task still under way when an error ends the call says nothing more
     if len(done) < len(tasks):   # a worker's task failed (a worker that could not start left its tasks here)
         raise errors[0]
     return [done[i] for i in range(len(tasks))]

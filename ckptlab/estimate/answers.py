@@ -99,8 +99,9 @@ def key(workload: Workload, batch_size: int, seq_len: int, policy, dtype: str, l
         trace: str, asked: tuple = ("predict",)) -> Optional[str]:
     """The file name of a question's answer: a hash of everything the prediction depends on, and
     `asked`, what is asked of it beyond (`explain`'s capacity and ranks); None where nothing is
-    kept (the cache off, or a workload made in Python)."""
-    if workload.spec is None or folder() is None:
+    kept (the cache off, a workload made in Python, or one whose loss its name does not pin:
+    `Workload.loss_pinned`)."""
+    if workload.spec is None or folder() is None or not workload.loss_pinned:
         return None
     question = (code_version(), workload_key(workload), workload.identity, batch_size, seq_len, str(policy), dtype,
                 repr(loop), device, repr(dataclasses.astuple(card)) if card is not None else None, attention,

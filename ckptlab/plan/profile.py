@@ -84,7 +84,7 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
     key = (workload.identity, batch_size, seq_len, dtype, loop, cost, device, getattr(card, "name", card), attention,
            torch_version)
     if key in _PROFILE_CACHE:
-        return _PROFILE_CACHE[key]
+        return _PROFILE_CACHE[key][1]
     t0 = time.perf_counter()
     runs = {o: block_memory(workload, batch_size, seq_len, o, dtype, loop, **on_device) for o in OPTIONS}
     if cost == "auto":
@@ -106,7 +106,7 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
         meta={"model": workload.label, "loss_fn": workload.loss_name, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
               "loop": str(loop), "profile_s": time.perf_counter() - t0},
     )
-    _PROFILE_CACHE[key] = profile
+    _PROFILE_CACHE[key] = (workload, profile)   # the workload kept alive: its identity may hold ids
     return profile
 
 

@@ -141,13 +141,33 @@ class Workload:
 
     @property
     def loss_identity(self) -> tuple:
-        """What tells this workload's loss from another's in cache keys: its name (`loss_name`),
-        and the function itself where the name does not single it out (a lambda, a function
-        defined inside another, a callable object)."""
-        fn = self.loss_fn.func if isinstance(self.loss_fn, functools.partial) else self.loss_fn
-        qualname = getattr(fn, "__qualname__", None)
-        named = isinstance(fn, types.FunctionType) and "<" not in qualname
-        return (self.loss_name, None if named else id(self.loss_fn))
+        """What tells this workload's loss from another's in cache keys: its name (`loss_name`) and
+        module, where those and what the keys hold beside pin its code (`loss_pinned`), else also
+        the function object itself (its `id`: only caches that keep the workload alive may use it)."""
+        return (self.loss_name, getattr(self._loss_function()[0], "__module__", None),
+                None if self.loss_pinned else id(self.loss_fn))
+
+    @property
+    def loss_pinned(self) -> bool:
+        """Whether the loss's name pins its code: a function of ckptlab's own modules, named at
+        their top level (their code is in `answers.code_version`), or any function of the spec's
+        file (its hash is `spec_hash`), a `functools.partial` of one only with numbers, strings,
+        booleans and None. Not a function of a notebook, `__main__` or another module, which can
+        change under the same name: such a loss's predictions are kept in this process only."""
+        fn, fixed = self._loss_function()
+        module = getattr(fn, "__module__", None) or ""
+        spec_module = self.spec.rpartition(":")[0] if self.spec and ":" in self.spec else None
+        in_spec_file = module.startswith(SPEC_MODULE_PREFIX) or (self.spec_hash is not None and module == spec_module)
+        ckptlabs = (module.startswith("ckptlab.") and isinstance(fn, types.FunctionType)
+                    and "<" not in fn.__qualname__)
+        return (in_spec_file or ckptlabs) and all(isinstance(v, (bool, int, float, str, type(None))) for v in fixed)
+
+    def _loss_function(self) -> tuple:
+        """(the loss's function, the arguments a partial fixes)."""
+        fn = self.loss_fn
+        if isinstance(fn, functools.partial):
+            return fn.func, (*fn.args, *fn.keywords.values())
+        return fn, ()
 
     @property
     def label(self) -> str:
