@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -204,3 +206,62 @@ def test_segments_refuse_out_of_order_calls():
     apply_checkpointing(model, "segments=2")
     with pytest.raises(RuntimeError, match="segments policy: blocks were not called in order"):
         model[1](torch.randn(2, 4))
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self, width: int, momentum):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width, momentum=momentum), nn.ReLU(),
+                                  nn.Dropout(0.1))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class _NormedBlocks(nn.Module):
+    """Blocks with batch norms (one of them a cumulative average, momentum None) and dropout."""
+
+    def __init__(self, depth: int = 4, width: int = 16):
+        super().__init__()
+        self.stem = nn.Linear(width, width)   # the blocks' inputs require grad (reentrant checkpoint needs it)
+        self.blocks = nn.ModuleList(_NormedBlock(width, None if i == 1 else 0.1) for i in range(depth))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _trained_state(policy: str, held: bool = True, **options) -> dict:
+    torch.manual_seed(0)
+    model = _NormedBlocks()
+    if policy != "none":
+        apply_checkpointing(model, policy, **options)
+    torch.manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(8, 16)).backward()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return state | {f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", ["full", "density=0.5", "every=2", "layers=1,2", "segments=2", "selective",
+                                    "selective=alt", "plan=sfks", "full+offload"])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_recompute_leaves_batch_norm_running_statistics_as_the_forward_left_them(policy, use_reentrant):
+    # the recompute runs each batch norm again: without care it counts the batch twice in the
+    # running mean, variance and num_batches_tracked, which eval mode then uses
+    if use_reentrant and policy.startswith(("selective", "plan")):
+        pytest.skip("selective checkpointing is non-reentrant only")
+    expected, got = _trained_state("none"), _trained_state(policy, use_reentrant=use_reentrant)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_without_holding_the_statistics_a_recompute_counts_the_batch_twice(monkeypatch):
+    from ckptlab.checkpoint import wrap  # noqa: PLC0415 - the module whose helper this test turns off
+    monkeypatch.setattr(wrap, "_running_statistics_held", lambda region: contextlib.nullcontext())
+    got, expected = _trained_state("full"), _trained_state("none")
+    assert got["blocks.0.body.1.num_batches_tracked"] == 2 * expected["blocks.0.body.1.num_batches_tracked"] == 4
+    assert not torch.equal(got["blocks.0.body.1.running_mean"], expected["blocks.0.body.1.running_mean"])

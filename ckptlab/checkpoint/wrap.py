@@ -180,6 +180,43 @@ class _SegmentRun:
     blocks_done: int = 1
 
 
+def _recomputing_without_statistics(region: list[nn.Module], run: Callable) -> Callable:
+    """`run` for one checkpoint call: its first call the forward, every later one a recompute, in
+    which the region's batch norms (training, tracking running statistics) leave those statistics
+    as the forward left them: a recompute runs the forward again, and would count the batch twice
+    in the running mean and variance and in `num_batches_tracked`."""
+    calls = 0
+
+    def forward_or_recompute(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return run(*args, **kwargs)
+        with _running_statistics_held(region):
+            return run(*args, **kwargs)
+
+    return forward_or_recompute
+
+
+@contextlib.contextmanager
+def _running_statistics_held(region: list[nn.Module]):
+    """While inside, the region's batch norms compute as in the forward (batch statistics) but
+    leave their running statistics as the forward left them: momentum 0 keeps the running mean
+    and variance bit for bit, and without its `num_batches_tracked` (None while inside) a norm
+    counts no batch. No op runs and nothing is allocated, so the recompute is the forward's
+    (selective checkpointing replays its ops by position) and the step's memory the same."""
+    norms = [m for block in region for m in block.modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+    kept = [(m.momentum, m.num_batches_tracked) for m in norms]
+    for m in norms:
+        m.momentum, m.num_batches_tracked = 0.0, None
+    try:
+        yield
+    finally:
+        for m, (momentum, counted) in zip(norms, kept):
+            m.momentum, m.num_batches_tracked = momentum, counted
+
+
 def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: dict, early_stop: bool) -> None:
     """One checkpoint region. A single block recomputes itself. A segment (several consecutive
     blocks) is one region: its first block runs the whole segment under one checkpoint and returns
@@ -207,14 +244,15 @@ def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: di
             compiling = torch.compiler.is_compiling()
             if not compiling:
                 handle.count_forward(len(region))
+            run = run_region if compiling else _recomputing_without_statistics(region, run_region)
             with contextlib.nullcontext() if compiling else set_checkpoint_early_stop(early_stop):
                 if kwargs and options["use_reentrant"]:
                     # Reentrant checkpoint takes no keyword arguments (Hugging Face layers get
                     # masks and RoPE tables so): bind them, as transformers does. No gradient
                     # flows back through a keyword-argument tensor then.
-                    out = checkpoint(functools.partial(run_region, **kwargs), *args, **options)
+                    out = checkpoint(functools.partial(run, **kwargs), *args, **options)
                 else:
-                    out = checkpoint(run_region, *args, **options, **kwargs)
+                    out = checkpoint(run, *args, **options, **kwargs)
         else:  # inference: nothing is saved, so there is nothing to recompute
             with handle.counting_paused():
                 out = run_region(*args, **kwargs)
