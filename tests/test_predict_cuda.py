@@ -502,8 +502,11 @@ def test_a_step_that_selective_checkpointing_refuses_under_autocast_is_a_clear_e
         "twice", build_model=_TwiceNet, loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
         make_batch=lambda b, s, g: (torch.randn(b, s, 8, generator=g), torch.randint(0, 3, (b,), generator=g)))
     with pytest.raises(ValueError, match=r"policy=selective with dtype='bf16' cannot be predicted for model='twice' on "
-                                         r"cuda: its step fails in torch's selective checkpointing \(aten._to_copy"):
+                                         r"cuda: its step fails in torch's selective checkpointing: aten._to_copy"):
         ckptlab.predict(twice, 2, 16, "selective", dtype="bf16", device="cuda", card="rtx4090")
+    with pytest.raises(ValueError, match=r"model='twice' with dtype='bf16' cannot be planned: a plan may make a block "
+                                         r"selective, and its step fails in torch's selective checkpointing"):
+        ckptlab.plan_budget(twice, 2, 16, 0.7, dtype="bf16", card="rtx4090")
     for policy, dtype in (("full", "bf16"), ("selective", "bf16-weights")):   # the ways around it step
         assert ckptlab.predict(twice, 2, 16, policy, dtype=dtype, device="cuda", card="rtx4090").peak_bytes > 0
 
@@ -528,3 +531,29 @@ def test_a_parameter_that_autograd_gives_no_gradient_is_predicted_without_one():
     fast, full = (ckptlab.predict(swin, 2, 32, "selective", dtype="bf16-weights", device="cuda", card="h100-80",
                                   trace=trace) for trace in ("fast", "full"))
     assert fast.peak_bytes == full.peak_bytes > 0 and fast.peak_by_category == full.peak_by_category
+
+
+class _InPlaceActivations(nn.Module):
+    """Blocks whose ReLU works in place on a Linear's output, which selective checkpointing keeps."""
+
+    def __init__(self, depth: int = 4, width: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.ReLU(inplace=True),
+                                                  nn.Linear(2 * width, width)) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_step_whose_in_place_activation_selective_checkpointing_refuses_is_a_clear_error():
+    in_place = ckptlab.Workload.custom(
+        "in-place", build_model=_InPlaceActivations, loss=lambda m, b: m(b[0]).square().mean(),
+        make_batch=lambda b, s, g: (torch.randn(b, s, 16, generator=g),))
+    for call in (lambda: ckptlab.predict(in_place, 2, 8, "selective"), lambda: ckptlab.plan_budget(in_place, 2, 8, 0.8)):
+        with pytest.raises(ValueError, match=r"is changed in place later in the block \(an in-place activation"):
+            call()
+    record = ckptlab.measure(in_place, 2, 8, "budget=0.8", steps=1, warmup=0)   # a budget's refusal is its record's
+    assert record["status"] == "error" and "cannot be planned" in record["message"]
+    assert ckptlab.predict(in_place, 2, 8, "full").peak_bytes > 0

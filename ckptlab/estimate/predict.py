@@ -39,6 +39,20 @@ TRACES = ("fast", "full")   # predict's ways to trace a step: composed where it 
 # torch.utils.checkpoint's refusal of a recompute that runs an op its forward did not (its
 # _CachedTorchDispatchMode at v2.13.0)
 SAC_RECOMPUTE_MISMATCH = "encountered during backward but not found in storage"
+SAC_MUTATED = "cached during selective activation checkpoint has been mutated"
+
+
+def selective_failure(exc: BaseException) -> Optional[str]:
+    """Why torch's selective checkpointing refused a step, in words, or None for another error."""
+    text = str(exc)
+    if SAC_RECOMPUTE_MISMATCH in text:
+        return (f"{text.split(' This can happen')[0]}: an op the forward did not run (a weight's cast that "
+                "autocast's cache served) runs in the recompute, as in pytorch/pytorch#193338 (a weight used twice "
+                "under autocast; dtype='bf16-weights', without autocast, steps)")
+    if SAC_MUTATED in text:
+        return ("a tensor it keeps (a matmul's output) is changed in place later in the block (an in-place "
+                "activation such as nn.ReLU(inplace=True)), which torch refuses")
+    return None
 GROUPED_MM_BF16_ONLY = "Expected inputs of BF16 type"   # torch's fake kernel of _grouped_mm (MoE experts)
 
 
@@ -117,14 +131,12 @@ def predict_policy(
                 "whose fake kernel takes bf16 inputs only (torch/_meta_registrations.py _meta_grouped_mm_common at "
                 "v2.13.0), where the CPU's takes fp32 too; predict it with dtype='bf16-weights', or measure "
                 "it") from None
-        if SAC_RECOMPUTE_MISMATCH not in str(exc):
+        why = selective_failure(exc)
+        if why is None:
             raise
-        raise ValueError(
-            f"policy={policy} with dtype={dtype!r} cannot be predicted for model={workload.label!r} on {device}: its "
-            f"step fails in torch's selective checkpointing ({str(exc).split(' This can happen')[0]}): an op the forward did not "
-            "run (a weight's cast that autocast's cache served) runs in the recompute, as in pytorch/pytorch#193338 "
-            "(a weight used twice under autocast); another policy, or dtype='bf16-weights' (no autocast), "
-            "steps") from None
+        raise ValueError(f"policy={policy} with dtype={dtype!r} cannot be predicted for model={workload.label!r} on "
+                         f"{device}: its step fails in torch's selective checkpointing: {why}; allowed is another "
+                         "policy") from None
     report, handle = fake.report, fake.handle
     peak, by_category, cuda = report.peak_bytes, dict(report.peak_by_category), {}
     if fake.device is not None:

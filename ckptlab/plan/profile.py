@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from ..core.loop import Loop, as_loop
 from ..core.policy import PLAN_OPTIONS as OPTIONS
 from ..estimate.block_profile import block_memory, roofline_block_costs
+from ..estimate.predict import selective_failure
 from ..probe.block_timing import measured_block_costs
 from ..workloads.base import Workload
 from ..workloads.registry import as_workload
@@ -86,7 +87,15 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
     if key in _PROFILE_CACHE:
         return _PROFILE_CACHE[key][1]
     t0 = time.perf_counter()
-    runs = {o: block_memory(workload, batch_size, seq_len, o, dtype, loop, **on_device) for o in OPTIONS}
+    try:
+        runs = {o: block_memory(workload, batch_size, seq_len, o, dtype, loop, **on_device) for o in OPTIONS}
+    except RuntimeError as exc:
+        why = selective_failure(exc)
+        if why is None:
+            raise
+        raise ValueError(f"model={workload.label!r} with dtype={dtype!r} cannot be planned: a plan may make a block "
+                         f"selective, and its step fails in torch's selective checkpointing: {why}; allowed are "
+                         "the policies without selective blocks (none, full, density=..., every=..., layers=...)") from None
     if cost == "auto":
         cost = "measured" if device == "cpu" and runs["keep"].peak < MEASURED_BELOW_BYTES else "roofline"
     if cost == "measured":
