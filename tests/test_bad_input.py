@@ -60,6 +60,7 @@ CLI_CASES = [
     (["sweep", "--out", "x" * 300], "is invalid: the name 'xxxx"),
     (SWEEP + ["--policy", "hf"], "--policy hf is invalid for --model mlp-chain: the hf policies apply"),
     (SWEEP + ["--policy", "layers=99"], "layers=99 is invalid for a model with 8 blocks"),
+    (SWEEP + ["--policy", "every=9"], "every=9 is invalid for a model with 8 blocks: allowed is every=1..8"),
     (SWEEP + ["--batch", "0"], "--batch 0 is invalid: allowed is a comma-separated list of integers >= 1"),
     (SWEEP + ["--seq", "16,,32"], "--seq 16,,32 is invalid: allowed is a comma-separated list of integers >= 1"),
     (["predict", "--batch", "1,2,"], "--batch 1,2, is invalid: allowed is a comma-separated list of integers >= 1"),

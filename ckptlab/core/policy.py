@@ -378,6 +378,9 @@ def _density_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
 
 
 def _every_regions(policy: Policy, n_blocks: int) -> list[tuple[int, int]]:
+    if policy.value > n_blocks:   # no block is the K-th: the policy would checkpoint nothing
+        raise ValueError(f"every={policy.value} is invalid for a model with {n_blocks} blocks: allowed is "
+                         f"every=1..{n_blocks}")
     return [(i, i + 1) for i in range(policy.value - 1, n_blocks, policy.value)]
 
 
