@@ -874,7 +874,10 @@ class _Units:
                 for role in self.roles:
                     ours, theirs = self._signature((role, block)), self._signature((role, template))
                     if len(ours) != len(theirs) or not all(map(_alike_runs, _runs(ours), _runs(theirs))):
-                        raise NotComposable(f"block {block}'s {role} unit differs from block {template}'s")
+                        raise NotComposable(f"block {block}'s {_role_words(role)} allocates and frees otherwise than block "
+                                            f"{template}'s, whose copies would stand for the blocks cut between them "
+                                            "(blocks that differ by their position, not by their modules: a "
+                                            "per-block setting the model reads from a list of its own)")
 
     def _signature(self, unit: tuple) -> list:
         """A unit's events, with the storages they refer to named by owner, relative to the block."""
@@ -949,7 +952,8 @@ class _Units:
         if unit[1] in self.order:   # a kept block: its own storage
             allocs = self.allocs.get(unit, [])
             if place >= len(allocs):
-                raise NotComposable(f"block {unit[1]}'s {unit[0]} unit differs from its template's")
+                raise NotComposable(f"block {unit[1]}'s {_role_words(unit[0])} allocates otherwise than the block "
+                                    "its copies stand for")
             return allocs[place]
         return ("copy", unit, place)
 
@@ -1069,6 +1073,12 @@ def _role(unit: str, number: int) -> str:
     """The role of a block's forward ("fwd") or backward ("bwd") unit in accumulation pass
     `number` (1, 2, ...): "fwd", "bwd" in the first, "fwd2", "bwd2" in the second."""
     return unit if number == 1 else f"{unit}{number}"
+
+
+def _role_words(role: str) -> str:
+    """A unit's `_role` in words: "forward", "backward of pass 2"."""
+    words = "forward" if role.startswith("fwd") else "backward"
+    return words if _pass_of(role) == 1 else f"{words} of pass {_pass_of(role)}"
 
 
 def _pass_of(role: str) -> int:
