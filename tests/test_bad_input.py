@@ -4,10 +4,12 @@ traceback, no model built on a real device, nothing written."""
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 import ckptlab
 from ckptlab import analysis, plots
@@ -358,3 +360,25 @@ def test_an_out_folder_the_system_refuses_is_refused_before_any_work(command, ca
     assert err == ["error: --out /proc/ckptlab-run is invalid: it cannot be made (No such file or directory); allowed "
                    "is a folder you can write to"]
     assert set(built) <= {"meta"}
+
+
+class _Vectors(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_loss_of_more_than_one_value_is_one_line_from_predict_and_measure():
+    per_token = ckptlab.Workload.custom("per-token", build_model=_Vectors, loss=lambda m, b: m(b[0]).square().mean(-1),
+                                        make_batch=lambda b, s, g: (torch.randn(b, s, 16, generator=g),))
+    message = ("the loss of model='per-token' is invalid: it returned a tensor of shape (2, 8); allowed is a tensor of "
+               "one value")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ckptlab.predict(per_token, 2, 8, "full")
+    record = ckptlab.measure(per_token, 2, 8, "full", steps=1, warmup=0)
+    assert record["status"] == "error" and message in record["message"]

@@ -64,7 +64,12 @@ def training_step(model, workload: Workload, batch: tuple, optimizer, dtype: str
 
     def forward_loss():
         with autocast(dtype=in_dtype) if in_dtype else contextlib.nullcontext():
-            return workload.loss(model, step.batch)
+            loss = workload.loss(model, step.batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shown = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"the loss of model={workload.label!r} is invalid: it returned {shown}; allowed is a "
+                             "tensor of one value (reduce it, e.g. .mean(), in the loss function)")
+        return loss
 
     def step(tracker=None):
         for micro in range(accum_steps):
