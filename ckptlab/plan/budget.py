@@ -85,6 +85,12 @@ def resolve_budget(budget, none_peak: int) -> int:
     return int(value * none_peak) if isinstance(value, float) else int(value)
 
 
+def _exact_bytes(n: int) -> str:
+    """'6.0 GiB (6442450944 B)': a size and its bytes, once where they read the same ('512 B')."""
+    shown = format_bytes(n)
+    return shown if shown == f"{n} B" else f"{shown} ({n} B)"
+
+
 def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget, dtype: str = "fp32",
                 loop: Loop | str | None = None, cost: str = "auto", max_iterations: int = 4, device: str | None = None,
                 card=None, attention: str | None = None, *, torch_version: str | None = None,
@@ -120,7 +126,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
             verified = _peak(fast_memory(workload, batch_size, seq_len, plan_policy(lowest_plan), dtype,
                                          loop, **predicted_for, alloc_conf=alloc_conf))
             raise ValueError(
-                f"budget={format_bytes(budget_bytes)} ({budget_bytes} B) is infeasible for "
+                f"budget={_exact_bytes(budget_bytes)} is infeasible for "
                 f"{workload.label} at batch_size={batch_size}, seq_len={seq_len}, {dtype}: the minimum "
                 f"achievable peak is {format_bytes(verified)} ({verified} B, plan "
                 f"{plan_policy(lowest_plan).value}); allowed is a budget >= that"
