@@ -245,14 +245,15 @@ def _trained_state(policy: str, held: bool = True, **options) -> dict:
     return state | {f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("policy", ["full", "density=0.5", "every=2", "layers=1,2", "segments=2", "selective",
-                                    "selective=alt", "plan=sfks", "full+offload"])
-@pytest.mark.parametrize("use_reentrant", [False, True])
+BLOCK_POLICIES = ["full", "density=0.5", "every=2", "layers=1,2", "segments=2", "full+offload"]
+SELECTIVE_POLICIES = ["selective", "selective=alt", "plan=sfks"]   # non-reentrant only
+
+
+@pytest.mark.parametrize("policy, use_reentrant", [(p, False) for p in BLOCK_POLICIES + SELECTIVE_POLICIES]
+                         + [(p, True) for p in BLOCK_POLICIES])
 def test_a_recompute_leaves_batch_norm_running_statistics_as_the_forward_left_them(policy, use_reentrant):
     # the recompute runs each batch norm again: without care it counts the batch twice in the
     # running mean, variance and num_batches_tracked, which eval mode then uses
-    if use_reentrant and policy.startswith(("selective", "plan")):
-        pytest.skip("selective checkpointing is non-reentrant only")
     expected, got = _trained_state("none"), _trained_state(policy, use_reentrant=use_reentrant)
     assert got.keys() == expected.keys()
     for name, value in expected.items():
