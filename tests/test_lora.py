@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ckptlab import apply_checkpointing, compare_gradients, get_workload, measure, plan_budget, predict
+from ckptlab.estimate.fake_step import clear_prepared, parameter_count
 from ckptlab.probe.step import with_dtype
 
 LORA = "tests/lora_models.py:lora_llama"
@@ -209,3 +210,12 @@ def test_a_model_that_cannot_be_built_on_fake_tensors_is_one_line():
     assert measure(workload, 2, 8, "full", steps=1, warmup=0, max_seconds=0.1)["status"] == "ok"
     with pytest.raises(ValueError, match=r"cannot be predicted: building it on fake tensors failed .*measure it instead"):
         predict(workload, 2, 8, "full")
+
+
+@pytest.mark.parametrize("spec", ["gpt-tiny", "hf-llama-tiny+lora=4"])
+def test_the_parameter_count_is_the_same_from_a_predictions_build_as_from_a_meta_build(spec):
+    clear_prepared()
+    workload = get_workload(spec)
+    on_meta = parameter_count(workload)   # nothing built yet: the meta build's count
+    predict(workload, 2, 16, "none")
+    assert parameter_count(workload) == on_meta == workload.n_params > 0

@@ -36,6 +36,7 @@ from ..estimate.closed_form import closed_form
 from ..estimate.compose import fallback_reason
 from ..estimate.cuda_device import ALLOC_CONFS
 from ..estimate.cuda_semantics import ATTENTION_BACKENDS
+from ..estimate.fake_step import parameter_count
 from ..estimate.predict import TRACES, check_device, implied_device, predict_fits
 from ..estimate.torch_versions import TORCH_VERSIONS, default_torch_version
 from ..plan.budget import plan_budget, predict
@@ -527,10 +528,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
             else:
                 if workload is None:
                     workload = get_workload(args.model, **overrides)
-                n_params, rows = workload.n_params, []
+                rows = []
                 for batch, seq, policy in settings:
                     rows.append(_predicted_row(workload, batch, seq, policy, args, loop, on))
                     bar.update(1)
+                n_params = parameter_count(workload)   # on the model the predictions built
                 if page:
                     answers.keep(page, (n_params, rows))
             tables.append((on, rows))
@@ -614,7 +616,7 @@ def cmd_fits(args: argparse.Namespace) -> int:
     up_to = f" up to the model's {workload.max_seq_len} positions" if workload.max_seq_len else ""
     longest = " (the model's longest)" if args.seq is None and seq < FITS_SEQ else ""
     print_rows(rows, FITS_COLUMNS, args.format,
-               f"{args.model} ({format_count(workload.n_params)} parameters), {args.dtype}, loop {loop}: the largest "
+               f"{args.model} ({format_count(parameter_count(workload))} parameters), {args.dtype}, loop {loop}: the largest "
                f"batch at seq {seq}{longest} and the longest sequence (of the powers of two{up_to}) at batch {args.batch} that "
                "fit, predicted per card with the margin left (nothing allocated; 0: not even the smallest fits; "
                "with flushes: what runs with the allocator flushing its cache, on a card)")
