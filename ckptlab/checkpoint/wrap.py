@@ -184,7 +184,16 @@ def _recomputing_without_statistics(region: list[nn.Module], run: Callable) -> C
     """`run` for one checkpoint call: its first call the forward, every later one a recompute, in
     which the region's batch norms (training, tracking running statistics) leave those statistics
     as the forward left them: a recompute runs the forward again, and would count the batch twice
-    in the running mean and variance and in `num_batches_tracked`."""
+    in the running mean and variance and in `num_batches_tracked`. In a recompute each such norm
+    updates stand-ins instead, copies of its statistics made here, in the forward (made in the
+    recompute they would be ops that selective checkpointing, which replays a recompute's ops by
+    position, does not find); its output, from the batch's own statistics, is the forward's."""
+    norms = [m for block in region for m in block.modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+    if not norms:
+        return run
+    with torch.no_grad():
+        stand_ins = [[None if t is None else t.clone() for t in _statistics(m)] for m in norms]
     calls = 0
 
     def forward_or_recompute(*args, **kwargs):
@@ -192,29 +201,20 @@ def _recomputing_without_statistics(region: list[nn.Module], run: Callable) -> C
         calls += 1
         if calls == 1:
             return run(*args, **kwargs)
-        with _running_statistics_held(region):
+        kept = [_statistics(m) for m in norms]
+        for m, tensors in zip(norms, stand_ins):
+            m.running_mean, m.running_var, m.num_batches_tracked = tensors
+        try:
             return run(*args, **kwargs)
+        finally:
+            for m, tensors in zip(norms, kept):
+                m.running_mean, m.running_var, m.num_batches_tracked = tensors
 
     return forward_or_recompute
 
 
-@contextlib.contextmanager
-def _running_statistics_held(region: list[nn.Module]):
-    """While inside, the region's batch norms compute as in the forward (batch statistics) but
-    leave their running statistics as the forward left them: momentum 0 keeps the running mean
-    and variance bit for bit, and without its `num_batches_tracked` (None while inside) a norm
-    counts no batch. No op runs and nothing is allocated, so the recompute is the forward's
-    (selective checkpointing replays its ops by position) and the step's memory the same."""
-    norms = [m for block in region for m in block.modules()
-             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
-    kept = [(m.momentum, m.num_batches_tracked) for m in norms]
-    for m in norms:
-        m.momentum, m.num_batches_tracked = 0.0, None
-    try:
-        yield
-    finally:
-        for m, (momentum, counted) in zip(norms, kept):
-            m.momentum, m.num_batches_tracked = momentum, counted
+def _statistics(norm: nn.Module) -> tuple:
+    return norm.running_mean, norm.running_var, norm.num_batches_tracked
 
 
 def _patch_region(handle: CheckpointHandle, region: list[nn.Module], options: dict, early_stop: bool) -> None:

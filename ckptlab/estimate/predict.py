@@ -46,7 +46,7 @@ def selective_failure(exc: BaseException) -> Optional[str]:
     """Why torch's selective checkpointing refused a step, in words, or None for another error."""
     text = str(exc)
     if SAC_RECOMPUTE_MISMATCH in text:
-        return (f"{text.split(' This can happen')[0]}: an op the forward did not run (a weight's cast that "
+        return (f"{text.split(' This can happen')[0].rstrip('.')}: an op the forward did not run (a weight's cast that "
                 "autocast's cache served) runs in the recompute, as in pytorch/pytorch#193338 (a weight used twice "
                 "under autocast; dtype='bf16-weights', without autocast, steps)")
     if SAC_MUTATED in text:
@@ -299,8 +299,10 @@ def predict_fits(
     # recomputes more blocks fits larger batches, whose searches step further, as do larger cards.
     tasks.sort(key=lambda task: (-_recomputed_share(task[0]), -max(c.usable_bytes for c in task[1])))
     made = (workload.spec, workload.seed, workload.overrides, workload.identity)
-    # A worker makes the workload again from its spec: not one cast or given another loss since.
+    # A worker makes the workload again from its spec: not one cast or given another loss since,
+    # nor one whose loss only its object names (another process's object is another).
     in_workers = workers > 1 and workload.spec is not None and workload.weights_dtype is None and \
+        workload.loss_pinned and \
         get_workload(workload.spec, seed=workload.seed, **workload.overrides).identity == workload.identity
     done = shared([(made, pol, group, options) for pol, group in tasks], workers if in_workers else 1,
                   lambda task: _fit_rows(workload, *task[1:3], **options), _fit_rows_of_spec,

@@ -95,7 +95,8 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
             raise
         raise ValueError(f"model={workload.label!r} with dtype={dtype!r} cannot be planned: a plan may make a block "
                          f"selective, and its step fails in torch's selective checkpointing: {why}; allowed are "
-                         "the policies without selective blocks (none, full, density=..., every=..., layers=...)") from None
+                         "the policies without selective blocks (none, full, density=..., every=..., layers=..., "
+                         "segments=...)") from None
     if cost == "auto":
         cost = "measured" if device == "cpu" and runs["keep"].peak < MEASURED_BELOW_BYTES else "roofline"
     if cost == "measured":

@@ -151,8 +151,9 @@ class Workload:
     def loss_pinned(self) -> bool:
         """Whether the loss's name pins its code: a function of ckptlab's own modules, named at
         their top level (their code is in `answers.code_version`), or any function of the spec's
-        file (its hash is `spec_hash`), a `functools.partial` of one only with numbers, strings,
-        booleans and None. Not a function of a notebook, `__main__` or another module, which can
+        file (its hash is `spec_hash`; what it calls in other modules of yours is not hashed, as
+        for the model's code), a `functools.partial` of one only with numbers, strings, booleans
+        and None. Not a function of a notebook, `__main__` or another module, which can
         change under the same name: such a loss's predictions are kept in this process only."""
         fn, fixed = self._loss_function()
         module = getattr(fn, "__module__", None) or ""
