@@ -45,6 +45,7 @@ class Plan:
     loss_fn: str = ""                  # the training step's loss the plan was made for (its memory counts)
     loop: Loop = Loop()                # the training loop it was made and verified for
     fit: Optional[str] = None          # on a card: does the plan fit it ("yes", "with cache flushes", "no")
+    refused: dict = dataclasses.field(default_factory=dict)   # option -> why no block may take it
 
     @property
     def policy(self) -> Policy:
@@ -59,7 +60,7 @@ class Plan:
                 "plan_predicted_peak_bytes": self.predicted_peak_bytes,
                 "plan_model_peak_bytes": self.model_peak_bytes, "plan_recompute_ms": self.recompute_ms,
                 "plan_cost_basis": self.cost_basis, "plan_loss_fn": self.loss_fn, "plan_loop": str(self.loop),
-                "plan_fit": self.fit}
+                "plan_fit": self.fit, "plan_refused": dict(self.refused)}
 
     def __str__(self) -> str:
         counts = {o: self.options.count(o) for o in OPTIONS}
@@ -75,6 +76,8 @@ class Plan:
         ]
         if self.fit is not None:
             lines.append(f"  on the card: fits {self.fit} (predict --card says why)")
+        for option, why in self.refused.items():
+            lines.append(f"  no block {option}: the step fails in torch's {option} checkpointing: {why}")
         return "\n".join(lines)
 
 
@@ -147,7 +150,7 @@ def plan_budget(workload: Workload | str, batch_size: int, seq_len: int, budget,
         full_recompute_ms=plan_cost(profile, ["full"] * n), none_peak_bytes=none_peak,
         full_peak_bytes=full_peak, cost_basis=profile.cost_basis, iterations=iteration,
         loss_fn=workload.loss_name, loop=loop,
-        fit=chosen.device.fit if chosen.device is not None else None,
+        fit=chosen.device.fit if chosen.device is not None else None, refused=dict(profile.refused),
     )
 
 

@@ -45,6 +45,9 @@ class Profile:
         cost_ms (list[dict[str, float]]): [block][option] milliseconds the option adds to one
             step by recomputing (0 for keep).
         peak (dict[str, int]): [option] peak live bytes of the uniform run.
+        options (tuple[str, ...]): the options a block may take: keep, selective, full, or keep and
+            full where torch's selective checkpointing refuses the step.
+        refused (dict[str, str]): [option] why an option a block may not take was refused.
         cost_basis (str): how cost_ms was had: measured, roofline or given.
         meta (dict): what it was profiled for (model, loss_fn, batch_size, seq_len, dtype, the
             profiled loop) and profile_s, the seconds profiling took.
@@ -57,6 +60,8 @@ class Profile:
     tail: dict[str, int]
     cost_ms: list[dict[str, float]]
     peak: dict[str, int]
+    options: tuple = OPTIONS
+    refused: dict = field(default_factory=dict)
     cost_basis: str = "measured"
     meta: dict = field(default_factory=dict)
 
@@ -87,31 +92,32 @@ def profile_blocks(workload: Workload | str, batch_size: int, seq_len: int, dtyp
     if key in _PROFILE_CACHE:
         return _PROFILE_CACHE[key][1]
     t0 = time.perf_counter()
-    try:
-        runs = {o: block_memory(workload, batch_size, seq_len, o, dtype, loop, **on_device) for o in OPTIONS}
-    except RuntimeError as exc:
-        why = selective_failure(exc)
-        if why is None:
-            raise
-        raise ValueError(f"model={workload.label!r} with dtype={dtype!r} cannot be planned: a plan may make a block "
-                         f"selective, and its step fails in torch's selective checkpointing: {why}; allowed are "
-                         "the policies without selective blocks (none, full, density=..., every=..., layers=..., "
-                         "segments=...)") from None
+    runs, refused = {}, None
+    for o in OPTIONS:
+        try:
+            runs[o] = block_memory(workload, batch_size, seq_len, o, dtype, loop, **on_device)
+        except RuntimeError as exc:
+            refused = selective_failure(exc) if o == "selective" else None
+            if refused is None:
+                raise
+    options = tuple(runs)   # keep and full, and selective unless torch's selective checkpointing refuses the step
     if cost == "auto":
         cost = "measured" if device == "cpu" and runs["keep"].peak < MEASURED_BELOW_BYTES else "roofline"
     if cost == "measured":
-        costs = measured_block_costs(workload, batch_size, seq_len, dtype)
+        costs = measured_block_costs(workload, batch_size, seq_len, dtype, options=options)
     else:
-        costs = roofline_block_costs(workload, batch_size, seq_len, dtype)
+        costs = [{o: c[o] for o in options} for c in roofline_block_costs(workload, batch_size, seq_len, dtype)]
     n = len(costs)
     profile = Profile(
         n_blocks=n,
-        kept=[{o: runs[o].kept[j] for o in OPTIONS} for j in range(n)],
-        bwd_peak=[{o: runs[o].bwd_peak[j] for o in OPTIONS} for j in range(n)],
-        head={o: runs[o].head for o in OPTIONS},
-        tail={o: runs[o].tail for o in OPTIONS},
+        kept=[{o: runs[o].kept[j] for o in options} for j in range(n)],
+        bwd_peak=[{o: runs[o].bwd_peak[j] for o in options} for j in range(n)],
+        head={o: runs[o].head for o in options},
+        tail={o: runs[o].tail for o in options},
         cost_ms=costs,
-        peak={o: runs[o].peak for o in OPTIONS},
+        peak={o: runs[o].peak for o in options},
+        options=options,
+        refused={"selective": refused} if refused else {},
         cost_basis=cost,
         meta={"model": workload.label, "loss_fn": workload.loss_name, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
               "loop": str(loop), "profile_s": time.perf_counter() - t0},

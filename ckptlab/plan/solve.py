@@ -18,16 +18,15 @@ import itertools
 import math
 from typing import Optional, Sequence
 
-from ..core.policy import PLAN_OPTIONS as OPTIONS
 from .profile import Profile
 
 
 def _consts(profile: Profile):
     n = profile.n_blocks
-    head = max(profile.head[o] - sum(profile.delta(i, o) for i in range(n)) for o in OPTIONS)
+    head = max(profile.head[o] - sum(profile.delta(i, o) for i in range(n)) for o in profile.options)
     tail = max(profile.tail.values())
     # block j's backward peak with the blocks before it at option o removed: m[j][o]
-    m = [{o: profile.bwd_peak[j][o] - sum(profile.delta(i, o) for i in range(j)) for o in OPTIONS}
+    m = [{o: profile.bwd_peak[j][o] - sum(profile.delta(i, o) for i in range(j)) for o in profile.options}
          for j in range(n)]
     return head, tail, m
 
@@ -57,7 +56,7 @@ def solve(profile: Profile, budget_bytes: int) -> Optional[list[str]]:
     for j in range(profile.n_blocks):
         nxt = []
         for d, cost, choice in front:
-            for o in OPTIONS:
+            for o in profile.options:
                 if m[j][o] + d <= budget_bytes:
                     nxt.append((d + profile.delta(j, o), cost + profile.cost_ms[j][o], choice + (o,)))
         front = _pareto(nxt)
@@ -90,7 +89,7 @@ def min_peak(profile: Profile) -> tuple[int, list[str]]:
     front = [(0, tail, ())]
     for j in range(profile.n_blocks):
         front = _pareto([(d + profile.delta(j, o), max(run, m[j][o] + d), choice + (o,))
-                         for d, run, choice in front for o in OPTIONS])
+                         for d, run, choice in front for o in profile.options])
     peak, choice = min(((max(run, head + d), choice) for d, run, choice in front), key=lambda x: x[0])
     return peak, list(choice)
 
@@ -100,7 +99,7 @@ def brute_force(profile: Profile, budget_bytes: int) -> Optional[list[str]]:
     if profile.n_blocks > 10:
         raise ValueError(f"n_blocks={profile.n_blocks} is invalid for brute_force: allowed is <= 10")
     best = None
-    for options in itertools.product(OPTIONS, repeat=profile.n_blocks):
+    for options in itertools.product(profile.options, repeat=profile.n_blocks):
         peak = model_peak(profile, options)
         if peak <= budget_bytes:
             key = (round(plan_cost(profile, options), 9), peak, options)

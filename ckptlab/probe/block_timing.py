@@ -64,15 +64,17 @@ def average_alike(blocks: list[nn.Module], costs: list[dict[str, float]]) -> lis
         groups.setdefault(sig, []).append(j)
     costs = list(costs)
     for members in groups.values():
-        mean = {o: sum(costs[j][o] for j in members) / len(members) for o in OPTIONS}
+        mean = {o: sum(costs[j][o] for j in members) / len(members) for o in costs[members[0]]}
         for j in members:
             costs[j] = dict(mean)
     return costs
 
 
-def block_option_ms(block: nn.Module, args: tuple, kwargs: dict, amp: Callable, reps: int = REPS) -> dict[str, float]:
-    """Per option, milliseconds the fastest forward + backward of `block` takes beyond keep's
-    (>= 0; keep 0), in `reps` rounds interleaved over the options (module docstring)."""
+def block_option_ms(block: nn.Module, args: tuple, kwargs: dict, amp: Callable, reps: int = REPS,
+                    options: tuple = OPTIONS) -> dict[str, float]:
+    """Per option (of `options`, keep among them), milliseconds the fastest forward + backward of
+    `block` takes beyond keep's (>= 0; keep 0), in `reps` rounds interleaved over the options
+    (module docstring)."""
 
     def run(option):
         with amp():
@@ -89,18 +91,18 @@ def block_option_ms(block: nn.Module, args: tuple, kwargs: dict, amp: Callable, 
     from torch.utils import benchmark  # noqa: PLC0415 - a heavy import, for this function only
 
     timers = {o: benchmark.Timer(stmt="run(option)", globals={"run": run, "option": o},
-                                 num_threads=torch.get_num_threads()) for o in OPTIONS}
-    best = {o: math.inf for o in OPTIONS}
+                                 num_threads=torch.get_num_threads()) for o in options}
+    best = {o: math.inf for o in options}
     for _ in range(reps):
-        for option in OPTIONS:
+        for option in options:
             best[option] = min(best[option], timers[option].blocked_autorange(min_run_time=BLOCK_MIN_RUN_S).median * 1e3)
-    return {o: max(0.0, best[o] - best["keep"]) for o in OPTIONS}
+    return {o: max(0.0, best[o] - best["keep"]) for o in options}
 
 
 def measured_block_costs(workload: Workload, batch_size: int, seq_len: int, dtype: str = "fp32",
-                         reps: int = REPS) -> list[dict[str, float]]:
-    """Per block and option, the milliseconds recomputing adds to one step (keep 0), timed on the
-    CPU on the workload's real model at this shape and dtype, alike blocks averaged."""
+                         reps: int = REPS, options: tuple = OPTIONS) -> list[dict[str, float]]:
+    """Per block and option (of `options`), the milliseconds recomputing adds to one step (keep 0),
+    timed on the CPU on the workload's real model at this shape and dtype, alike blocks averaged."""
     workload = with_dtype(workload, dtype)
     torch.manual_seed(workload.seed)
     model = workload.new_model()
@@ -108,7 +110,7 @@ def measured_block_costs(workload: Workload, batch_size: int, seq_len: int, dtyp
     batch = workload.new_batch(batch_size, seq_len, torch.Generator().manual_seed(workload.seed + 1))
     amp = cpu_autocast(dtype)
     blocks = find_blocks(model)
-    costs = [block_option_ms(block, args, kwargs, amp, reps)
+    costs = [block_option_ms(block, args, kwargs, amp, reps, options)
              for block, (args, kwargs) in zip(blocks, block_inputs(workload, model, batch, amp))]
     return average_alike(blocks, costs)
 
