@@ -53,7 +53,7 @@ import functools
 from typing import Callable, Optional
 
 import torch
-from torch._prims_common import make_contiguous_strides_for, suggest_memory_format
+from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -85,17 +85,19 @@ def _retyped(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _grad_input(out: tuple, memory_format: torch.memory_format, dtype: Optional[torch.dtype] = None) -> tuple:
-    """(input's gradient, weight's, bias's) with the input's gradient, where asked for, in
-    `memory_format` and `dtype` (default its own), made without a dispatch: as the kernel
-    allocates it."""
-    t = out[0]
-    if t is None:
-        return out
+    """(input's gradient, weight's, bias's) with the input's gradient, where asked for, as the
+    kernel allocates it (`_allocated`)."""
+    return out if out[0] is None else (_allocated(out[0], memory_format, dtype), out[1], out[2])
+
+
+def _allocated(t: torch.Tensor, memory_format: torch.memory_format, dtype: Optional[torch.dtype] = None):
+    """`t` in `memory_format` and `dtype` (default its own), made without a dispatch where it is
+    not already so: as the kernel allocates it."""
     with no_dispatch():
         meta = torch.empty(t.shape, dtype=dtype or t.dtype, device="meta", memory_format=memory_format)
-    if meta.dtype != t.dtype or meta.stride() != t.stride():
-        t = FakeTensor(t.fake_mode, meta, t.fake_device)
-    return (t, out[1], out[2])
+    if meta.dtype == t.dtype and meta.stride() == t.stride():
+        return t
+    return FakeTensor(t.fake_mode, meta, t.fake_device)
 
 
 def _stats(out: tuple, dtype: torch.dtype) -> tuple:
@@ -133,17 +135,7 @@ def _batch_norm_backward(cuda: bool, args: tuple, out: tuple) -> tuple:
 def _log_softmax_backward(cuda: bool, args: tuple, out: torch.Tensor) -> torch.Tensor:
     grad, input_dtype = args[0], args[3]
     dtype = torch.float16 if grad.dtype == torch.float32 and input_dtype == torch.float16 else grad.dtype
-    return _laid_out(out, make_contiguous_strides_for(grad.shape), dtype)
-
-
-def _laid_out(t: torch.Tensor, strides, dtype: torch.dtype) -> torch.Tensor:
-    """`t`, or where its strides or dtype are not these, a fake tensor of its shape with them,
-    made without a dispatch."""
-    if tuple(strides) == t.stride() and dtype == t.dtype:
-        return t
-    with no_dispatch():
-        meta = torch.empty_strided(t.shape, strides, dtype=dtype, device="meta")
-    return FakeTensor(t.fake_mode, meta, t.fake_device)
+    return _allocated(out, torch.contiguous_format, dtype)
 
 
 def _batch_norm(cuda: bool, args: tuple, out: tuple) -> tuple:

@@ -129,10 +129,9 @@ class Workload:
         """Which loss a training step computes (plans and records say what they were made for): a
         function by its module and name, a `functools.partial` as its function with the arguments
         it fixes (`ckptlab.workloads.models.chunked_gpt_loss(chunks=8)`)."""
-        fn, fixed = self.loss_fn, ""
-        if isinstance(fn, functools.partial):
-            fixed = "(" + ", ".join([*map(repr, fn.args), *(f"{k}={v!r}" for k, v in fn.keywords.items())]) + ")"
-            fn = fn.func
+        fn, partial = self._loss_function()[0], self.loss_fn
+        fixed = ("(" + ", ".join([*map(repr, partial.args), *(f"{k}={v!r}" for k, v in partial.keywords.items())]) + ")"
+                 if isinstance(partial, functools.partial) else "")
         module = getattr(fn, "__module__", None) or "?"
         name = getattr(fn, "__qualname__", type(fn).__name__)
         if module.startswith(SPEC_MODULE_PREFIX) and self.spec:   # defined in a spec's file
